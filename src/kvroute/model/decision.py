@@ -1,0 +1,39 @@
+"""The outcome of one routing decision."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class DecisionKind(str, Enum):
+    DISPATCH = "dispatch"  # send to ``target`` now
+    HOLD = "hold"  # keep in the load balancer's FIFO queue (selective pushing)
+    NONE = "none"  # no endpoint can serve it (empty pool, all filtered, bad request)
+
+
+@dataclass(slots=True)
+class Decision:
+    kind: DecisionKind
+    target: str | None = None
+    branch: str = ""  # which rule decided, e.g. "prefix-hit", "imbalance-fallback", "ring"
+    reason: str = ""  # human-readable why, for HOLD / NONE
+    matched_blocks: int = 0  # prefix blocks believed cached on the target
+    scores: dict[str, float] = field(default_factory=dict)  # per endpoint, for explanation
+
+    @property
+    def dispatched(self) -> bool:
+        return self.kind is DecisionKind.DISPATCH
+
+    @classmethod
+    def dispatch(cls, target: str, branch: str, matched_blocks: int = 0,
+                 scores: dict[str, float] | None = None) -> "Decision":
+        return cls(DecisionKind.DISPATCH, target, branch, "", matched_blocks, scores or {})
+
+    @classmethod
+    def hold(cls, reason: str) -> "Decision":
+        return cls(DecisionKind.HOLD, None, "hold", reason)
+
+    @classmethod
+    def none(cls, reason: str, branch: str = "no-endpoint") -> "Decision":
+        return cls(DecisionKind.NONE, None, branch, reason)

@@ -1,0 +1,41 @@
+"""A request as the routing layer sees it: identity, where it comes from, and its prompt's shape."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class Request:
+    """One inference request, already keyed and hashed (see :mod:`kvroute.prefix`).
+
+    ``block_hashes`` are chained: block *i*'s hash covers the whole prompt up to the end of
+    block *i*, so equal hashes imply equal prefixes. ``block_tokens`` is how many prompt tokens
+    one hash covers (64 for prompts hashed by kvroute, 512 for Mooncake trace ids).
+    """
+
+    id: str
+    arrival_s: float = 0.0
+    region: str | None = None
+    tenant: str | None = None
+    routing_key: str | None = None  # user / session key for consistent hashing
+    prompt_key: str = ""  # canonical rendering of the prompt (never logged by default)
+    block_hashes: tuple[int, ...] = ()
+    block_tokens: int = 64
+    prompt_tokens: int = 0  # estimated or exact prompt length
+    max_output_tokens: int = 256
+    residency: str | None = None  # data-residency zone the request must stay in
+    from_peer: bool = False  # arrived from another load balancer: never forwarded again
+
+    @property
+    def has_prompt(self) -> bool:
+        return self.prompt_tokens > 0 or bool(self.block_hashes)
+
+    def new_prefill_tokens(self, matched_blocks: int) -> int:
+        """Prompt tokens left to prefill when ``matched_blocks`` leading blocks are cached."""
+        return max(0, self.prompt_tokens - matched_blocks * self.block_tokens)
+
+    def hit_ratio(self, matched_blocks: int) -> float:
+        """Fraction of the prompt's hashed blocks that are cached (0 when nothing is hashed)."""
+        n = len(self.block_hashes)
+        return matched_blocks / n if n else 0.0

@@ -1,0 +1,109 @@
+"""The policy interface and the pipeline every preset runs.
+
+``Policy.decide`` is the whole pipeline: hard filters (health, circuit, residency zone), then
+admission (selective pushing: which endpoints may take a request *now*; none → hold in the LB
+queue), then the preset's own ``choose`` (score, combine, pick). A policy never performs I/O and
+never reads a clock: everything it needs arrives in the :class:`View`.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from kvroute.model import Decision, Endpoint, Request
+from kvroute.policy.admission import Admission, make_admission
+from kvroute.prefix import HashRing, PrefixIndex
+
+
+@dataclass(slots=True)
+class View:
+    """Read-only state a policy decides on; produced by the gateway or the simulator."""
+
+    endpoints: list[Endpoint]
+    prefix: PrefixIndex
+    ring: HashRing
+
+
+class PolicyParams(BaseModel):
+    """Constants every preset accepts; presets extend this with their own."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    admission: Literal["blind", "pending", "outstanding"] = Field(
+        "blind", description="blind: dispatch at once; pending: only to replicas with no "
+        "waiting requests (SkyWalker); outstanding: only below max_outstanding in-flight")
+    max_outstanding: int = Field(16, ge=1, description="limit for admission=outstanding")
+
+
+class Policy:
+    """Base class of every preset. Subclasses set the class attributes and implement ``choose``."""
+
+    name: ClassVar[str] = ""
+    source: ClassVar[str] = ""  # paper or repository the behaviour comes from
+    Params: ClassVar[type[PolicyParams]] = PolicyParams
+    uses_ring: ClassVar[bool] = False
+
+    def __init__(self, params: PolicyParams | None = None, seed: int = 0):
+        self.params = params if params is not None else self.Params()
+        self.rng = random.Random(seed)
+        self.admission: Admission = make_admission(self.params)
+
+    @classmethod
+    def summary(cls) -> str:
+        return (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else ""
+
+    def decide(self, req: Request, view: View) -> Decision:
+        if not view.endpoints:
+            return Decision.none("no endpoints configured")
+        if not req.has_prompt:
+            return Decision.none("request has no prompt or messages", branch="bad-request")
+        zone = req.residency
+        eps = [e for e in view.endpoints if e.healthy and not e.circuit_open
+               and (zone is None or e.zone == zone)]
+        if not eps:
+            why = f"outside residency zone {zone!r}, " if zone else ""
+            return Decision.none(f"every endpoint was filtered out ({why}unhealthy or circuit open)",
+                                 branch="all-filtered")
+        ready = self.admission.ready(eps)
+        if not ready:
+            return Decision.hold(f"no endpoint admits a request now ({self.admission.name})")
+        try:
+            return self.choose(req, ready, view)
+        except Exception as exc:  # a policy bug must not take the router down with it
+            return Decision.none(f"policy {self.name} failed: {exc!r}", branch="policy-error")
+
+    def choose(self, req: Request, eps: list[Endpoint], view: View) -> Decision:
+        raise NotImplementedError  # every preset overrides this
+
+
+# -- pickers ------------------------------------------------------------------------------------
+
+def argmin(eps: list[Endpoint], values: list[float], rng: random.Random) -> Endpoint:
+    """Endpoint with the smallest value; ties broken at random (never "first wins")."""
+    best = min(values)
+    ties = [e for e, v in zip(eps, values) if v == best]
+    return ties[0] if len(ties) == 1 else rng.choice(ties)
+
+
+def argmax(eps: list[Endpoint], values: list[float], rng: random.Random) -> Endpoint:
+    best = max(values)
+    ties = [e for e, v in zip(eps, values) if v == best]
+    return ties[0] if len(ties) == 1 else rng.choice(ties)
+
+
+def softmax_pick(eps: list[Endpoint], logits: list[float], temperature: float,
+                 rng: random.Random) -> Endpoint:
+    """Sample with probability ∝ exp(logit / T) (higher logit = better)."""
+    import math
+
+    top = max(logits)
+    weights = [math.exp((v - top) / temperature) for v in logits]
+    return rng.choices(eps, weights=weights, k=1)[0]
+
+
+def explain(eps: list[Endpoint], values: list[float]) -> dict[str, float]:
+    return {e.id: float(v) for e, v in zip(eps, values)}

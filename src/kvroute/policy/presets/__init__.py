@@ -1,0 +1,1 @@
+"""Named presets: each paper and industry router as a configuration of the pipeline."""

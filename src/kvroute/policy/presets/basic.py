@@ -1,0 +1,71 @@
+"""Load-only baselines: round robin, random, least request, least load, power of two."""
+
+from __future__ import annotations
+
+from kvroute.model import Decision, Endpoint, Request
+from kvroute.policy.base import Policy, View, argmin, explain
+
+
+class RoundRobin(Policy):
+    """Cycle through the admitted endpoints in order."""
+
+    name = "round_robin"
+    source = "SGLang router `round_robin`; vLLM production-stack `roundrobin`"
+
+    def __init__(self, params=None, seed: int = 0):
+        super().__init__(params, seed)
+        self._next = 0
+
+    def choose(self, req: Request, eps: list[Endpoint], view: View) -> Decision:
+        ep = eps[self._next % len(eps)]
+        self._next += 1
+        return Decision.dispatch(ep.id, "rr")
+
+
+class RandomPolicy(Policy):
+    """Uniformly random endpoint, weighted by the endpoint's configured weight."""
+
+    name = "random"
+    source = "SGLang router `random`; AIBrix `random`"
+
+    def choose(self, req: Request, eps: list[Endpoint], view: View) -> Decision:
+        ep = self.rng.choices(eps, weights=[e.weight for e in eps], k=1)[0]
+        return Decision.dispatch(ep.id, "random")
+
+
+class LeastRequest(Policy):
+    """Fewest in-flight requests (router-side count), random tie-break."""
+
+    name = "least_request"
+    source = "SkyWalker baseline LL; GORGO v2 baseline least-request; AIBrix `least-request`"
+
+    def choose(self, req: Request, eps: list[Endpoint], view: View) -> Decision:
+        values = [e.inflight for e in eps]
+        ep = argmin(eps, values, self.rng)
+        return Decision.dispatch(ep.id, "least-request", scores=explain(eps, values))
+
+
+class LeastLoad(Policy):
+    """Fewest outstanding tokens: in-flight prompt tokens plus the engine's batch as tie-break."""
+
+    name = "least_load"
+    source = "GORGO v2 baseline least-load (queued + running + used tokens); SGLang token load"
+
+    def choose(self, req: Request, eps: list[Endpoint], view: View) -> Decision:
+        values = [e.inflight_tokens + e.batch_size * 1e-6 for e in eps]
+        ep = argmin(eps, values, self.rng)
+        return Decision.dispatch(ep.id, "least-load", scores=explain(eps, values))
+
+
+class PowerOfTwo(Policy):
+    """Sample two endpoints at random, send to the one with fewer in-flight requests."""
+
+    name = "power_of_two"
+    source = "Mitzenmacher, power of two choices; SGLang router `power_of_two`; AIBrix `p2c`"
+
+    def choose(self, req: Request, eps: list[Endpoint], view: View) -> Decision:
+        if len(eps) == 1:
+            return Decision.dispatch(eps[0].id, "p2c")
+        a, b = self.rng.sample(eps, 2)
+        ep = a if a.inflight <= b.inflight else b
+        return Decision.dispatch(ep.id, "p2c", scores={a.id: a.inflight, b.id: b.inflight})

@@ -1,0 +1,26 @@
+"""LMetric: new prefill tokens × batch size, no hyper-parameters."""
+
+from __future__ import annotations
+
+from kvroute.model import Decision, Endpoint, Request
+from kvroute.policy.base import Policy, View, argmin, explain
+
+
+class LMetric(Policy):
+    """Minimise (queued prefill + this request's new prefill tokens) × (batch size + 1).
+
+    New prefill tokens are the prompt minus its cached prefix on the endpoint; queued prefill is
+    the router's backlog of dispatched-but-not-prefilled tokens there; batch size is running +
+    waiting (LMetric §4, Figure 17). The +1 keeps idle endpoints comparable by their P-tokens
+    (blitz-router's lmetric.rs does the same).
+    """
+
+    name = "lmetric"
+    source = "LMetric §4 (P-tokens × BS); blitz-serving/blitz-router policies/lmetric.rs"
+
+    def choose(self, req: Request, eps: list[Endpoint], view: View) -> Decision:
+        matches = view.prefix.match(req.block_hashes, [e.id for e in eps])
+        scores = [(e.queued_prefill_tokens + req.new_prefill_tokens(matches.get(e.id, 0)))
+                  * (e.batch_size + 1) for e in eps]
+        ep = argmin(eps, scores, self.rng)
+        return Decision.dispatch(ep.id, "min-score", matches.get(ep.id, 0), explain(eps, scores))

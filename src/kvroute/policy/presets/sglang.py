@@ -1,0 +1,47 @@
+"""SGLang router's cache-aware policy."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from kvroute.model import Decision, Endpoint, Request
+from kvroute.policy.base import Policy, PolicyParams, View, argmin, explain
+
+
+class CacheAwareParams(PolicyParams):
+    cache_threshold: float = Field(0.5, ge=0.0, le=1.0, description="match rate to follow the cache")
+    balance_abs: int = Field(32, ge=0, description="imbalanced if max − min load exceeds this ...")
+    balance_rel: float = Field(1.0001, ge=1.0, description="... and max exceeds rel × min")
+
+
+class SGLangCacheAware(Policy):
+    """Load imbalance → least loaded; else longest prefix match if its rate clears 0.5.
+
+    Imbalance needs *both* max − min > balance_abs and max > balance_rel × min. On a miss
+    SGLang originally took the smallest tree, which overloads a replica in a "death spiral"
+    (SGLang PR #14305); kvroute takes the least-loaded endpoint instead, as later versions do.
+    Load is the router's in-flight count; match rate is in blocks rather than characters.
+    """
+
+    name = "sglang_cache_aware"
+    source = "SGLang router cache_aware (py CLI defaults: threshold 0.5, abs 32, rel 1.0001)"
+    Params = CacheAwareParams
+
+    def choose(self, req: Request, eps: list[Endpoint], view: View) -> Decision:
+        p = self.params
+        loads = [e.inflight for e in eps]
+        hi, lo = max(loads), min(loads)
+        if hi - lo > p.balance_abs and hi > p.balance_rel * lo:
+            ep = argmin(eps, loads, self.rng)
+            return Decision.dispatch(ep.id, "imbalance-fallback", scores=explain(eps, loads))
+        matches = view.prefix.match(req.block_hashes, [e.id for e in eps])
+        if matches:
+            values = [matches.get(e.id, 0) for e in eps]
+            best = max(values)
+            if req.hit_ratio(best) > p.cache_threshold:
+                tied = [e for e, v in zip(eps, values) if v == best]
+                ep = argmin(tied, [e.inflight for e in tied], self.rng)
+                return Decision.dispatch(ep.id, "prefix-hit", best, explain(eps, values))
+        ep = argmin(eps, loads, self.rng)
+        return Decision.dispatch(ep.id, "prefix-miss", matches.get(ep.id, 0),
+                                 explain(eps, loads))

@@ -1,0 +1,85 @@
+"""Weighted scorers and a max-score picker (llm-d's endpoint picker), user-configurable.
+
+Each scorer maps endpoints to [0, 1], higher is better; the combiner is a weighted sum; the
+picker takes the maximum (random tie-break) or samples a softmax. ``llm_d`` is this pipeline with
+llm-d's default profile; ``weighted`` lets a user pick scorers and weights in YAML.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from kvroute.model import Endpoint, Request
+from kvroute.model.decision import Decision
+from kvroute.policy.base import Policy, PolicyParams, View, argmax, explain, softmax_pick
+
+
+def _low_is_good(values: list[float]) -> list[float]:
+    lo, hi = min(values), max(values)
+    if hi == lo:
+        return [1.0] * len(values)
+    return [(hi - v) / (hi - lo) for v in values]
+
+
+ScorerFn = Callable[[Request, list[Endpoint], dict[str, int]], list[float]]
+
+SCORERS: dict[str, ScorerFn] = {
+    "prefix": lambda r, eps, m: [r.hit_ratio(m.get(e.id, 0)) for e in eps],
+    "queue": lambda r, eps, m: _low_is_good([e.waiting for e in eps]),
+    "kv_cache_util": lambda r, eps, m: [1.0 - min(1.0, max(0.0, e.kv_usage)) for e in eps],
+    "inflight": lambda r, eps, m: _low_is_good([e.inflight for e in eps]),
+    "batch_size": lambda r, eps, m: _low_is_good([e.batch_size for e in eps]),
+    "new_prefill": lambda r, eps, m: _low_is_good(
+        [r.new_prefill_tokens(m.get(e.id, 0)) + e.queued_prefill_tokens for e in eps]),
+    "rtt": lambda r, eps, m: _low_is_good([e.rtt_s for e in eps]),
+}
+
+
+class WeightedParams(PolicyParams):
+    scorers: dict[str, float] = Field(
+        default_factory=lambda: {"prefix": 3.0, "queue": 2.0, "kv_cache_util": 2.0},
+        description=f"scorer name → weight; scorers: {', '.join(SCORERS)}")
+    picker: Literal["max", "softmax"] = "max"
+    temperature: float = Field(0.1, gt=0.0, description="softmax temperature (picker=softmax)")
+
+    @field_validator("scorers")
+    @classmethod
+    def _known(cls, v: dict[str, float]) -> dict[str, float]:
+        unknown = sorted(set(v) - set(SCORERS))
+        if unknown:
+            raise ValueError(f"unknown scorer(s) {', '.join(unknown)}; "
+                             f"valid scorers: {', '.join(SCORERS)}")
+        if not v:
+            raise ValueError("at least one scorer is required")
+        return v
+
+
+class Weighted(Policy):
+    """Weighted sum of normalised scorers, then max (or softmax) pick; scorers set in config."""
+
+    name = "weighted"
+    source = "llm-d inference scheduler: filter → weighted scorers → picker"
+    Params = WeightedParams
+
+    def choose(self, req: Request, eps: list[Endpoint], view: View) -> Decision:
+        matches = (view.prefix.match(req.block_hashes, [e.id for e in eps])
+                   if req.block_hashes else {})
+        total = [0.0] * len(eps)
+        for name, weight in self.params.scorers.items():
+            for i, s in enumerate(SCORERS[name](req, eps, matches)):
+                total[i] += weight * s
+        if self.params.picker == "softmax":
+            ep = softmax_pick(eps, total, self.params.temperature, self.rng)
+        else:
+            ep = argmax(eps, total, self.rng)
+        return Decision.dispatch(ep.id, "weighted", matches.get(ep.id, 0), explain(eps, total))
+
+
+class LLMD(Weighted):
+    """llm-d default profile: prefix-cache 3, queue 2, kv-cache-util 2, max-score picker."""
+
+    name = "llm_d"
+    source = "llm-d-inference-scheduler default scheduling profile"

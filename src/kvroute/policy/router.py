@@ -1,0 +1,122 @@
+"""The Router: a policy plus the state it decides on, with explicit accounting hooks.
+
+Both runtimes drive this one class. ``route`` decides *and* commits in one synchronous call, so
+the next decision — even within the same burst — already sees this request's in-flight
+request, tokens and queued prefill. Every exit path calls ``on_finish`` (finish, error, client
+cancel, retry elsewhere); it is idempotent, so counters never drift or go negative.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvroute.model import Decision, Endpoint, Request
+from kvroute.policy.base import Policy, View
+from kvroute.prefix import DEFAULT_BLOCK_TOKENS, HashRing, PrefixIndex
+
+
+@dataclass(slots=True)
+class Ticket:
+    """What a dispatched request added to its endpoint's counters, to undo exactly that."""
+
+    endpoint_id: str
+    tokens: int
+    prefill_tokens: int
+
+
+class Router:
+    def __init__(self, policy: Policy, endpoints: list[Endpoint] = (), *,
+                 index_capacity_blocks: int | None = None,
+                 index_block_tokens: int = DEFAULT_BLOCK_TOKENS,
+                 ring_vnodes: int = 1024):
+        self.policy = policy
+        self.index_capacity_blocks = index_capacity_blocks
+        self.index_block_tokens = index_block_tokens
+        self.prefix = PrefixIndex()
+        self.ring = HashRing(vnodes=ring_vnodes)
+        self.tickets: dict[str, Ticket] = {}
+        self._eps: dict[str, Endpoint] = {}
+        self.view = View([], self.prefix, self.ring)
+        for ep in endpoints:
+            self.add_endpoint(ep, _ring=False)
+        if self.policy.uses_ring:
+            self.ring.add_many(self._eps)
+
+    # -- membership ---------------------------------------------------------------------------
+    def add_endpoint(self, ep: Endpoint, _ring: bool = True) -> None:
+        if ep.id in self._eps:
+            raise ValueError(f"endpoint {ep.id!r} is already registered")
+        self._eps[ep.id] = ep
+        self.prefix.add_endpoint(ep.id, self._index_capacity(ep))
+        if _ring and self.policy.uses_ring:
+            self.ring.add(ep.id)
+        self.view.endpoints = list(self._eps.values())
+
+    def remove_endpoint(self, endpoint_id: str) -> Endpoint | None:
+        ep = self._eps.pop(endpoint_id, None)
+        self.prefix.remove_endpoint(endpoint_id)
+        self.ring.remove(endpoint_id)
+        self.view.endpoints = list(self._eps.values())
+        return ep
+
+    def _index_capacity(self, ep: Endpoint) -> int | None:
+        if self.index_capacity_blocks:
+            return self.index_capacity_blocks
+        if ep.kv_blocks:  # what the engine can hold, in the index's block unit
+            return max(1, ep.kv_blocks * ep.block_size // self.index_block_tokens)
+        return None
+
+    def endpoint(self, endpoint_id: str) -> Endpoint | None:
+        return self._eps.get(endpoint_id)
+
+    @property
+    def endpoints(self) -> list[Endpoint]:
+        return self.view.endpoints
+
+    # -- decisions and accounting -------------------------------------------------------------
+    def decide(self, req: Request) -> Decision:
+        """Decide without committing (for explanation and dry runs)."""
+        return self.policy.decide(req, self.view)
+
+    def route(self, req: Request) -> Decision:
+        decision = self.policy.decide(req, self.view)
+        if decision.dispatched:
+            self.commit(req, decision.target, decision.matched_blocks)
+        return decision
+
+    def commit(self, req: Request, endpoint_id: str, matched_blocks: int | None = None) -> None:
+        if req.id in self.tickets:  # re-dispatch (retry on another endpoint): undo the old one
+            self.on_finish(req.id)
+        ep = self._eps[endpoint_id]
+        if matched_blocks is None:
+            matched_blocks = self.prefix.match_one(endpoint_id, req.block_hashes)
+        prefill = req.new_prefill_tokens(matched_blocks)
+        ep.inflight += 1
+        ep.inflight_tokens += req.prompt_tokens
+        ep.queued_prefill_tokens += prefill
+        ep.dispatched_since_probe += 1
+        self.tickets[req.id] = Ticket(endpoint_id, req.prompt_tokens, prefill)
+        if req.block_hashes:
+            self.prefix.insert(endpoint_id, req.block_hashes)
+
+    def on_first_token(self, req_id: str) -> None:
+        """Prefill is done: the request no longer adds to its endpoint's prefill backlog."""
+        t = self.tickets.get(req_id)
+        if t is None or not t.prefill_tokens:
+            return
+        ep = self._eps.get(t.endpoint_id)
+        if ep is not None:
+            ep.queued_prefill_tokens -= t.prefill_tokens
+        t.prefill_tokens = 0
+
+    def on_finish(self, req_id: str) -> None:
+        """Undo a dispatch: finished, failed, cancelled or re-routed. Safe to call twice."""
+        t = self.tickets.pop(req_id, None)
+        if t is None:
+            return
+        ep = self._eps.get(t.endpoint_id)
+        if ep is None:  # endpoint removed while the request ran
+            return
+        ep.inflight -= 1
+        ep.inflight_tokens -= t.tokens
+        ep.queued_prefill_tokens -= t.prefill_tokens
