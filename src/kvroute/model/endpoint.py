@@ -70,6 +70,6 @@ class Endpoint:
         self.running = running
         self.waiting = waiting
         if kv_usage is not None:
-            self.kv_usage = kv_usage
+            self.kv_usage = min(1.0, max(0.0, kv_usage))
         self.probe_age_s = 0.0
         self.dispatched_since_probe = 0

@@ -1,15 +1,20 @@
 """The prefix index: which endpoint is believed to hold which prompt blocks.
 
 Storage is one dict per endpoint, ``block hash -> tick`` of last use, where the tick is a logical
-counter bumped per insert (no clock: the policy layer stays pure). It is used twice: over
-replicas, and over peer load balancers (SkyWalker's regional snapshot).
+counter bumped per insert (no clock: the policy layer stays pure), plus a FIFO log of inserts
+``(tick, hashes)``. It is used twice: over replicas, and over peer load balancers (SkyWalker's
+regional snapshot).
+
+Eviction pops the oldest log record and deletes those of its blocks whose tick is still the
+record's (blocks touched again since carry a newer tick and stay). That is exact LRU at insert
+granularity, amortised O(1) per inserted block and free of pauses. The log is also trimmed when
+it holds more than twice the capacity in blocks, so refreshing hot blocks cannot grow it.
 
 Two properties make lookups cheap:
 
-* Every insert stamps all blocks of a chain with the same tick, and any insert that touches block
-  i+1 of a chain also touches block i; so along a chain ticks never increase.
-* Eviction removes whole tick classes, oldest first (all entries with tick <= a cutoff), in
-  batches of ``evict_fraction`` of capacity — an LRU at insert granularity, amortised O(1).
+* An insert stamps all blocks of a chain with one tick, and any insert that touches block i+1 of
+  a chain also touches block i; so along a chain ticks never increase.
+* Eviction removes blocks in tick order, whole ticks at a time.
 
 Together they keep each endpoint's blocks *prefix-closed* on every chain: if block i is held,
 blocks 0..i-1 are too. The longest cached prefix on one endpoint is then a binary search, and a
@@ -19,83 +24,108 @@ below it for long prompts.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable, Sequence
 
-import numpy as np
+
+class _Table:
+    __slots__ = ("blocks", "log", "logged", "capacity")
+
+    def __init__(self, capacity: int):
+        self.blocks: dict[int, int] = {}
+        self.log: deque[tuple[int, Sequence[int]]] = deque()
+        self.logged = 0  # blocks referenced by the log
+        self.capacity = capacity
 
 
 class PrefixIndex:
-    def __init__(self, capacity_blocks: int = 1 << 18, evict_fraction: float = 0.1):
+    def __init__(self, capacity_blocks: int = 1 << 18):
         if capacity_blocks <= 0:
             raise ValueError(f"capacity_blocks must be positive, got {capacity_blocks}")
-        if not 0.0 < evict_fraction < 1.0:
-            raise ValueError(f"evict_fraction must be in (0, 1), got {evict_fraction}")
         self.default_capacity = capacity_blocks
-        self.evict_fraction = evict_fraction
-        self._tables: dict[str, dict[int, int]] = {}
-        self._capacity: dict[str, int] = {}
+        self._tables: dict[str, _Table] = {}
+        self._blocks: dict[str, dict[int, int]] = {}  # endpoint -> its table's blocks (hot path)
         self._tick = 0
 
     # -- membership ---------------------------------------------------------------------------
     def add_endpoint(self, endpoint_id: str, capacity_blocks: int | None = None) -> None:
-        self._tables.setdefault(endpoint_id, {})
-        self._capacity[endpoint_id] = capacity_blocks or self.default_capacity
+        cap = capacity_blocks or self.default_capacity
+        table = self._tables.get(endpoint_id)
+        if table is None:
+            table = self._tables[endpoint_id] = _Table(cap)
+            self._blocks[endpoint_id] = table.blocks
+        table.capacity = cap
 
     def remove_endpoint(self, endpoint_id: str) -> None:
         self._tables.pop(endpoint_id, None)
-        self._capacity.pop(endpoint_id, None)
+        self._blocks.pop(endpoint_id, None)
 
     def clear(self, endpoint_id: str) -> None:
         """Forget what an endpoint holds (e.g. it restarted and lost its cache)."""
         if endpoint_id in self._tables:
-            self._tables[endpoint_id] = {}
+            cap = self._tables[endpoint_id].capacity
+            self.remove_endpoint(endpoint_id)
+            self.add_endpoint(endpoint_id, cap)
 
     @property
     def endpoints(self) -> list[str]:
         return list(self._tables)
 
     def blocks(self, endpoint_id: str) -> int:
-        return len(self._tables.get(endpoint_id, ()))
+        return len(self._blocks.get(endpoint_id, ()))
+
+    def capacity(self, endpoint_id: str) -> int:
+        return self._tables[endpoint_id].capacity
 
     def __len__(self) -> int:
-        return sum(len(t) for t in self._tables.values())
+        return sum(len(b) for b in self._blocks.values())
 
     # -- updates ------------------------------------------------------------------------------
     def insert(self, endpoint_id: str, hashes: Sequence[int]) -> None:
         """Record that ``endpoint_id`` now holds the chain ``hashes`` (most recently used)."""
-        if endpoint_id not in self._tables:
+        table = self._tables.get(endpoint_id)
+        if table is None:
             self.add_endpoint(endpoint_id)
+            table = self._tables[endpoint_id]
         if not hashes:
             return
-        cap = self._capacity[endpoint_id]
-        if len(hashes) > cap:
-            hashes = hashes[:cap]  # keep the head: it is what later requests can reuse
+        if len(hashes) > table.capacity:
+            hashes = hashes[: table.capacity]  # keep the head: it is what others reuse
         self._tick += 1
-        table = self._tables[endpoint_id]
-        table.update(dict.fromkeys(hashes, self._tick))
-        if len(table) > cap:
-            self._evict(endpoint_id, table, cap)
-
-    def _evict(self, endpoint_id: str, table: dict[int, int], cap: int) -> None:
-        keep = int(cap * (1.0 - self.evict_fraction))
-        n_remove = len(table) - keep
-        ticks = np.fromiter(table.values(), dtype=np.int64, count=len(table))
-        cutoff = int(np.partition(ticks, n_remove - 1)[n_remove - 1])
-        cutoff = min(cutoff, self._tick - 1)  # never drop the chain just inserted
-        self._tables[endpoint_id] = {h: t for h, t in table.items() if t > cutoff}
+        tick = self._tick
+        blocks = table.blocks
+        blocks.update(dict.fromkeys(hashes, tick))
+        table.log.append((tick, hashes))
+        table.logged += len(hashes)
+        log = table.log
+        while len(blocks) > table.capacity or table.logged > 2 * table.capacity:
+            old_tick, old = log.popleft()
+            table.logged -= len(old)
+            if old_tick == tick:  # only the chain just inserted is left
+                log.appendleft((old_tick, old))
+                table.logged += len(old)
+                break
+            for h in old:
+                if blocks.get(h) == old_tick:
+                    del blocks[h]
 
     # -- queries ------------------------------------------------------------------------------
     def match(self, hashes: Sequence[int], endpoint_ids: Iterable[str] | None = None) -> dict[str, int]:
-        """Longest cached prefix, in blocks, per endpoint; endpoints with none are omitted."""
+        """Longest cached prefix, in blocks, per endpoint; endpoints with none are omitted.
+
+        Without ``endpoint_ids`` every endpoint is matched: callers read only their candidates,
+        and scanning all tables avoids building an id list on the hot path.
+        """
         if not hashes:
             return {}
-        tables = self._tables
-        ids = tables if endpoint_ids is None else endpoint_ids
         first, last, n = hashes[0], hashes[-1], len(hashes)
+        if endpoint_ids is None:
+            tables = self._blocks.items()
+        else:
+            tables = [(eid, self._blocks[eid]) for eid in endpoint_ids if eid in self._blocks]
         out: dict[str, int] = {}
-        for eid in ids:
-            table = tables.get(eid)
-            if table is None or first not in table:
+        for eid, table in tables:
+            if first not in table:
                 continue
             if last in table:
                 out[eid] = n
@@ -115,4 +145,4 @@ class PrefixIndex:
 
     def holders(self, block_hash: int) -> list[str]:
         """Endpoints believed to hold ``block_hash``."""
-        return [eid for eid, t in self._tables.items() if block_hash in t]
+        return [eid for eid, t in self._blocks.items() if block_hash in t]

@@ -32,7 +32,7 @@ class AIBrixPrefixCache(Policy):
         if max(loads) - min(loads) > self.params.imbalance_range:
             ep = argmin(eps, loads, self.rng)
             return Decision.dispatch(ep.id, "imbalance-fallback", scores=explain(eps, loads))
-        matches = view.prefix.match(req.block_hashes, [e.id for e in eps])
+        matches = view.prefix.match(req.block_hashes)
         if matches:
             limit = statistics.fmean(loads) + self.params.std_factor * statistics.pstdev(loads)
             ranked = sorted((e for e in eps if e.id in matches),

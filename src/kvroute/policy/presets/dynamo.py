@@ -29,7 +29,7 @@ class DynamoKV(Policy):
     def choose(self, req: Request, eps: list[Endpoint], view: View) -> Decision:
         bt = req.block_tokens
         w = self.params.overlap_weight
-        matches = view.prefix.match(req.block_hashes, [e.id for e in eps])
+        matches = view.prefix.match(req.block_hashes)
         costs = [w * (req.new_prefill_tokens(matches.get(e.id, 0)) + e.queued_prefill_tokens) / bt
                  + (e.inflight_tokens + req.prompt_tokens) / bt for e in eps]
         t = self.params.temperature

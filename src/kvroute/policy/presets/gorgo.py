@@ -30,7 +30,7 @@ class Gorgo(Policy):
 
     def choose(self, req: Request, eps: list[Endpoint], view: View) -> Decision:
         p = self.params
-        matches = view.prefix.match(req.block_hashes, [e.id for e in eps])
+        matches = view.prefix.match(req.block_hashes)
         costs = [p.w_rtt * e.rtt_s * 1000.0
                  + p.t_p * req.new_prefill_tokens(matches.get(e.id, 0))
                  + p.w_queue * e.inflight_tokens for e in eps]

@@ -19,7 +19,7 @@ class LMetric(Policy):
     source = "LMetric §4 (P-tokens × BS); blitz-serving/blitz-router policies/lmetric.rs"
 
     def choose(self, req: Request, eps: list[Endpoint], view: View) -> Decision:
-        matches = view.prefix.match(req.block_hashes, [e.id for e in eps])
+        matches = view.prefix.match(req.block_hashes)
         scores = [(e.queued_prefill_tokens + req.new_prefill_tokens(matches.get(e.id, 0)))
                   * (e.batch_size + 1) for e in eps]
         ep = argmin(eps, scores, self.rng)

@@ -34,7 +34,7 @@ class SGLangCacheAware(Policy):
         if hi - lo > p.balance_abs and hi > p.balance_rel * lo:
             ep = argmin(eps, loads, self.rng)
             return Decision.dispatch(ep.id, "imbalance-fallback", scores=explain(eps, loads))
-        matches = view.prefix.match(req.block_hashes, [e.id for e in eps])
+        matches = view.prefix.match(req.block_hashes)
         if matches:
             values = [matches.get(e.id, 0) for e in eps]
             best = max(values)

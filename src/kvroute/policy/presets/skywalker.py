@@ -32,8 +32,8 @@ class SkyWalker(Policy):
     Params = SkyWalkerParams
 
     def choose(self, req: Request, eps: list[Endpoint], view: View) -> Decision:
-        matches = view.prefix.match(req.block_hashes, [e.id for e in eps])
-        best = max(matches.values(), default=0)
+        matches = view.prefix.match(req.block_hashes)
+        best = max([matches.get(e.id, 0) for e in eps])
         if best and req.hit_ratio(best) >= self.params.cache_threshold:
             tied = [e for e in eps if matches.get(e.id) == best]
             loads = [e.inflight for e in tied]

@@ -33,7 +33,7 @@ class BailianLinear(Policy):
 
     def choose(self, req: Request, eps: list[Endpoint], view: View) -> Decision:
         lam = self.params.lam
-        matches = view.prefix.match(req.block_hashes, [e.id for e in eps])
+        matches = view.prefix.match(req.block_hashes)
         top = max(1, max(e.batch_size for e in eps))
         values = [lam * req.hit_ratio(matches.get(e.id, 0))
                   + (1 - lam) * (1 - e.batch_size / top) for e in eps]

@@ -26,10 +26,15 @@ def _low_is_good(values: list[float]) -> list[float]:
 
 ScorerFn = Callable[[Request, list[Endpoint], dict[str, int]], list[float]]
 
+def _prefix(r: Request, eps: list[Endpoint], m: dict[str, int]) -> list[float]:
+    n = len(r.block_hashes) or 1
+    return [m.get(e.id, 0) / n for e in eps]
+
+
 SCORERS: dict[str, ScorerFn] = {
-    "prefix": lambda r, eps, m: [r.hit_ratio(m.get(e.id, 0)) for e in eps],
+    "prefix": _prefix,
     "queue": lambda r, eps, m: _low_is_good([e.waiting for e in eps]),
-    "kv_cache_util": lambda r, eps, m: [1.0 - min(1.0, max(0.0, e.kv_usage)) for e in eps],
+    "kv_cache_util": lambda r, eps, m: [1.0 - e.kv_usage for e in eps],  # probes clamp to [0, 1]
     "inflight": lambda r, eps, m: _low_is_good([e.inflight for e in eps]),
     "batch_size": lambda r, eps, m: _low_is_good([e.batch_size for e in eps]),
     "new_prefill": lambda r, eps, m: _low_is_good(
@@ -65,12 +70,10 @@ class Weighted(Policy):
     Params = WeightedParams
 
     def choose(self, req: Request, eps: list[Endpoint], view: View) -> Decision:
-        matches = (view.prefix.match(req.block_hashes, [e.id for e in eps])
-                   if req.block_hashes else {})
+        matches = view.prefix.match(req.block_hashes)
         total = [0.0] * len(eps)
         for name, weight in self.params.scorers.items():
-            for i, s in enumerate(SCORERS[name](req, eps, matches)):
-                total[i] += weight * s
+            total = [t + weight * s for t, s in zip(total, SCORERS[name](req, eps, matches))]
         if self.params.picker == "softmax":
             ep = softmax_pick(eps, total, self.params.temperature, self.rng)
         else:

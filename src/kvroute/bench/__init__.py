@@ -1,0 +1,1 @@
+"""Benchmarks (`kvroute bench ...`): measured, never asserted in tests."""
