@@ -1,0 +1,20 @@
+import pytest
+
+from kvroute.model import Endpoint, Request
+from kvroute.policy import Router, build_policy
+from kvroute.prefix import BlockHasher, chat_key
+
+
+def make_request(rid: str, text: str = "", *, key: str | None = None, tokens: int | None = None,
+                 block_tokens: int = 64, **kw) -> Request:
+    hashes, est = BlockHasher(block_tokens)(chat_key([{"role": "user", "content": text or rid}]))
+    return Request(id=rid, block_hashes=hashes, block_tokens=block_tokens,
+                   prompt_tokens=tokens if tokens is not None else est, routing_key=key, **kw)
+
+
+@pytest.fixture
+def router_for():
+    def build(preset: str, n: int = 4, params: dict | None = None, **ep_kw) -> Router:
+        eps = [Endpoint(f"e{i}", **ep_kw) for i in range(n)]
+        return Router(build_policy(preset, params), eps)
+    return build

@@ -1,0 +1,87 @@
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvroute.prefix import BlockHasher, PromptError, chat_key, completion_key, hash_text, hash_token_ids
+from kvroute.prefix.keys import estimate_tokens
+
+texts = st.text(min_size=0, max_size=400)
+
+
+@given(st.lists(st.tuples(texts, texts), min_size=1, max_size=6), texts)
+def test_next_turn_extends_previous_key(turns, new_question):
+    messages = [{"role": "system", "content": "be brief"}]
+    for question, answer in turns:
+        messages.append({"role": "user", "content": question})
+        before = chat_key(messages)
+        messages.append({"role": "assistant", "content": answer})
+        after = chat_key(messages + [{"role": "user", "content": new_question}])
+        assert after.startswith(before)
+
+
+@settings(max_examples=50)
+@given(st.lists(st.tuples(texts, texts), min_size=1, max_size=5), texts)
+def test_next_turn_extends_previous_block_hashes(turns, question):
+    messages = []
+    for q, a in turns:
+        messages += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+    h1 = hash_text(chat_key(messages), 4)
+    h2 = hash_text(chat_key(messages + [{"role": "user", "content": question}]), 4)
+    assert h2[: len(h1)] == h1
+
+
+def test_content_parts_and_text_are_the_same_prefix_family():
+    a = chat_key([{"role": "user", "content": [{"type": "text", "text": "hello"}]}])
+    b = chat_key([{"role": "user", "content": "hello"}])
+    assert a == b
+
+
+@pytest.mark.parametrize("messages, field", [
+    ([], "messages"), (None, "messages"), ("hi", "messages"),
+    ([{"content": "x"}], "messages[0].role"),
+    ([{"role": "user", "content": 5}], "messages[0].content"),
+    ([{"role": "user", "content": [{"type": "video"}]}], "messages[0].content[0].type"),
+])
+def test_bad_messages_name_the_field(messages, field):
+    with pytest.raises(PromptError, match=field.replace("[", r"\[").replace("]", r"\]")):
+        chat_key(messages)
+
+
+def test_completion_keys():
+    assert completion_key("abc") == "abc"
+    assert completion_key([1, 2, 3]) == [1, 2, 3]
+    assert completion_key(["first", "second"]) == "first"
+    for bad in ("", [], None, 3, [True]):
+        with pytest.raises(PromptError, match="prompt"):
+            completion_key(bad)
+
+
+def test_chained_hashes_cover_the_prefix():
+    base = "x" * 1024
+    a = hash_text(base + "A" * 256, block_tokens=64)  # 256-byte blocks
+    b = hash_text(base + "B" * 256, block_tokens=64)
+    assert len(a) == len(b) == 5
+    assert a[:4] == b[:4] and a[4] != b[4]
+    # a change in block 0 changes every later hash, even where the bytes agree
+    c = hash_text("y" + base[1:] + "A" * 256, block_tokens=64)
+    assert all(x != y for x, y in zip(a, c))
+
+
+def test_only_full_blocks_are_hashed_and_tokens_estimated():
+    assert hash_text("z" * 255, 64) == ()
+    assert len(hash_text("z" * 256, 64)) == 1
+    assert estimate_tokens("abcd") == 1 and estimate_tokens("abcde") == 2
+
+
+def test_token_id_hashing_and_hasher():
+    ids = list(range(200))
+    assert len(hash_token_ids(ids, 64)) == 3
+    hashes, tokens = BlockHasher(64)(ids)
+    assert tokens == 200 and hashes == hash_token_ids(ids, 64)
+    hashes, tokens = BlockHasher(16)("q" * 640)
+    assert tokens == 160 and len(hashes) == 10
+
+
+def test_tokenizer_path_must_be_local_file(tmp_path):
+    with pytest.raises(ValueError, match="no such file"):
+        BlockHasher(tokenizer_path=str(tmp_path / "missing.json"))
