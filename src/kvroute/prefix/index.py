@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable, Sequence
+from itertools import compress
 
 
 class _Table:
@@ -105,9 +106,9 @@ class PrefixIndex:
                 log.appendleft((old_tick, old))
                 table.logged += len(old)
                 break
-            for h in old:
-                if blocks.get(h) == old_tick:
-                    del blocks[h]
+            # C-level: keep the record's blocks whose tick is still its own, then drop them
+            stale = compress(old, map(old_tick.__eq__, map(blocks.get, old)))
+            deque(map(blocks.pop, stale), maxlen=0)
 
     # -- queries ------------------------------------------------------------------------------
     def match(self, hashes: Sequence[int], endpoint_ids: Iterable[str] | None = None) -> dict[str, int]:

@@ -30,8 +30,9 @@ class DynamoKV(Policy):
         bt = req.block_tokens
         w = self.params.overlap_weight
         matches = view.prefix.match(req.block_hashes)
-        costs = [w * (req.new_prefill_tokens(matches.get(e.id, 0)) + e.queued_prefill_tokens) / bt
-                 + (e.inflight_tokens + req.prompt_tokens) / bt for e in eps]
+        p = req.prompt_tokens
+        costs = [(w * (max(0, p - bt * matches.get(e.id, 0)) + e.queued_prefill_tokens)
+                  + e.inflight_tokens + p) / bt for e in eps]
         t = self.params.temperature
         if t > 0:
             scale = max(costs) or 1.0

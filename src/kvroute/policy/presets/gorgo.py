@@ -31,8 +31,9 @@ class Gorgo(Policy):
     def choose(self, req: Request, eps: list[Endpoint], view: View) -> Decision:
         p = self.params
         matches = view.prefix.match(req.block_hashes)
-        costs = [p.w_rtt * e.rtt_s * 1000.0
-                 + p.t_p * req.new_prefill_tokens(matches.get(e.id, 0))
-                 + p.w_queue * e.inflight_tokens for e in eps]
+        tokens, bt = req.prompt_tokens, req.block_tokens
+        w_rtt_ms, t_p, w_queue = p.w_rtt * 1000.0, p.t_p, p.w_queue
+        costs = [w_rtt_ms * e.rtt_s + t_p * max(0, tokens - bt * matches.get(e.id, 0))
+                 + w_queue * e.inflight_tokens for e in eps]
         ep = argmin(eps, costs, self.rng)
         return Decision.dispatch(ep.id, "min-cost", matches.get(ep.id, 0), explain(eps, costs))

@@ -35,7 +35,8 @@ class BailianLinear(Policy):
         lam = self.params.lam
         matches = view.prefix.match(req.block_hashes)
         top = max(1, max(e.batch_size for e in eps))
-        values = [lam * req.hit_ratio(matches.get(e.id, 0))
-                  + (1 - lam) * (1 - e.batch_size / top) for e in eps]
+        per_block = lam / (len(req.block_hashes) or 1)
+        values = [per_block * matches.get(e.id, 0) + (1 - lam) * (1 - e.batch_size / top)
+                  for e in eps]
         ep = argmax(eps, values, self.rng)
         return Decision.dispatch(ep.id, "linear", matches.get(ep.id, 0), explain(eps, values))
