@@ -1,0 +1,1 @@
+"""Discrete-event simulation of multi-region LLM serving, running the policy layer unchanged."""

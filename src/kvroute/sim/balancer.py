@@ -1,0 +1,100 @@
+"""A load balancer inside the simulation: the same Router and admission as the gateway.
+
+It sees replica indicators only through probes every ``probe_interval_s`` (stale in between),
+plus its own in-flight accounting — exactly what the live gateway sees. Requests the policy
+holds wait in a FIFO queue (selective pushing) and are retried on every probe and every
+completion. With ``forward`` on, a request that finds no local replica available may go to a
+peer load balancer chosen by the same policy over the peers (SkyWalker's two-layer routing,
+with the regional snapshot as the peer router's prefix index); a forwarded request is never
+forwarded again.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import TYPE_CHECKING
+
+from kvroute.model import DecisionKind, Endpoint, EndpointKind
+from kvroute.policy import Router, build_policy
+
+if TYPE_CHECKING:
+    from kvroute.sim.simulation import Flight, Simulation
+
+
+class SimBalancer:
+    def __init__(self, sim: "Simulation", lb_id: str, region: str, replica_ids: list[str],
+                 preset: str, params: dict | None, probe_interval_s: float, forward: bool,
+                 index_block_tokens: int):
+        self.sim = sim
+        self.id = lb_id
+        self.region = region
+        self.probe_interval_s = probe_interval_s
+        self.forward = forward
+        seed = sim.seed
+        eps = []
+        for rid in replica_ids:
+            rep = sim.replicas[rid]
+            p = rep.engine.p
+            eps.append(Endpoint(rid, region=rep.region, kv_blocks=p.kv_blocks, block_size=p.block_size,
+                                max_running=p.max_running, rtt_s=sim.network.rtt(region, rep.region)))
+        self.router = Router(build_policy(preset, params, seed=seed), eps,
+                             index_block_tokens=index_block_tokens)
+        self.peers: Router | None = None
+        self.peer_lbs: dict[str, SimBalancer] = {}
+        self._preset, self._params = preset, params
+        self.queue: deque[Flight] = deque()
+        self.max_queue = 0
+
+    def connect_peers(self, peers: list["SimBalancer"]) -> None:
+        if not self.forward or not peers:
+            return
+        eps = [Endpoint(p.id, region=p.region, kind=EndpointKind.PEER,
+                        rtt_s=self.sim.network.rtt(self.region, p.region)) for p in peers]
+        self.peers = Router(build_policy(self._preset, dict(self._params or {}, admission="pending"),
+                                         seed=self.sim.seed + 1), eps)
+        self.peer_lbs = {p.id: p for p in peers}
+
+    # -- requests ------------------------------------------------------------------------------
+    def arrive(self, flight: "Flight") -> None:
+        flight.lb_arrivals.append(self.sim.loop.now)
+        self.queue.append(flight)
+        if len(self.queue) > self.max_queue:
+            self.max_queue = len(self.queue)
+        self.drain()
+
+    def drain(self) -> None:
+        queue, router = self.queue, self.router
+        while queue:
+            flight = queue[0]
+            req = flight.sreq.req
+            d = router.route(req)
+            if d.kind is DecisionKind.DISPATCH:
+                queue.popleft()
+                self.sim.dispatch(flight, self, d.target, d.branch)
+                continue
+            if d.kind is DecisionKind.HOLD and self.peers is not None and not req.from_peer:
+                pd = self.peers.route(req)
+                if pd.dispatched:
+                    queue.popleft()
+                    self.sim.forward(flight, self, self.peer_lbs[pd.target])
+                    continue
+            if d.kind is DecisionKind.NONE:
+                queue.popleft()
+                self.sim.fail(flight, f"{d.branch}: {d.reason}")
+                continue
+            return  # hold: head-of-line waits for capacity
+
+    # -- probes ---------------------------------------------------------------------------------
+    def probe(self) -> None:
+        now = self.sim.loop.now
+        replicas = self.sim.replicas
+        for ep in self.router.endpoints:
+            eng = replicas[ep.id].engine
+            ep.apply_probe(eng.running, len(eng.waiting), eng.kv_usage(now))
+        if self.peers is not None:
+            for ep in self.peers.endpoints:
+                peer = self.peer_lbs[ep.id]
+                ep.peer_queue = len(peer.queue)
+                ep.peer_available = sum(1 for e in peer.router.endpoints if e.waiting == 0)
+        if self.queue:
+            self.drain()

@@ -1,0 +1,349 @@
+"""A simulated engine replica, behaving like vLLM v1 / SGLang.
+
+* Continuous batching with at most ``max_running`` sequences and a per-step token budget
+  (``max_batched_tokens``) shared by decodes (one token each) and chunked prefill (FCFS).
+* A paged KV cache of ``kv_blocks × block_size`` tokens. Prompt blocks become a prefix cache once
+  computed (keyed by the request's chained block hashes); blocks no running sequence references
+  stay cached and are evicted LRU, tail blocks before head blocks.
+* Admission is FCFS from the waiting queue while a slot and memory for the uncached part of the
+  prompt exist; decode growth that finds no memory evicts cache, then preempts the newest
+  sequence (recompute: it re-prefills prompt + generated tokens later).
+* Between batch-composition changes, decoding is advanced analytically: with D decoding
+  sequences the k-th step takes α + β·k (context sums grow by D per step), so K steps take
+  K·α + β·K(K−1)/2 and the engine jumps straight to the next finish or memory limit. A new
+  arrival interrupts a jump at the next step boundary.
+
+Memory is counted in tokens (blocks × block size), not rounded per sequence: a simplification
+worth at most block_size − 1 tokens per running sequence.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from typing import Any
+
+from kvroute.sim.events import EventLoop
+from kvroute.sim.profile import HardwareProfile
+
+WAITING, PREFILL, DECODE, DONE = 0, 1, 2, 3
+
+
+class Seq:
+    """One request inside an engine."""
+
+    __slots__ = ("rid", "payload", "prompt", "output", "hashes", "bt", "state", "cached",
+                 "prefill_left", "private", "refs", "a", "finish_at", "order", "first_token_done",
+                 "generated")
+
+    def __init__(self, rid: str, prompt: int, output: int, hashes: tuple[int, ...], bt: int,
+                 payload: Any = None):
+        self.rid = rid
+        self.payload = payload
+        self.prompt = prompt
+        self.output = max(1, output)
+        self.hashes = hashes
+        self.bt = bt
+        self.state = WAITING
+        self.cached = -1  # prompt tokens served from the prefix cache (first admission)
+        self.prefill_left = 0
+        self.private = 0  # tokens of KV this sequence holds outside shared cache blocks
+        self.refs = 0  # leading blocks of ``hashes`` it references in the cache
+        self.a = 0  # context length = a + engine.steps while decoding
+        self.finish_at = 0
+        self.order = 0
+        self.first_token_done = False
+        self.generated = 0  # tokens generated before a preemption
+
+
+class Engine:
+    def __init__(self, eid: str, profile: HardwareProfile, loop: EventLoop,
+                 on_first_token: Callable[[Seq, float], None],
+                 on_finish: Callable[[Seq, float], None]):
+        self.id = eid
+        self.p = profile
+        self.loop = loop
+        self.on_first_token = on_first_token
+        self.on_finish = on_finish
+        self.capacity = profile.kv_tokens
+        self.waiting: deque[Seq] = deque()
+        self.prefilling: list[Seq] = []
+        self.decoding: dict[int, Seq] = {}  # admission order → seq (newest last)
+        self.finishes: list[tuple[int, int, Seq]] = []
+        self.steps = 0  # decode clock: every decoding sequence gains one token per step
+        self.ctx_a = 0  # Σ a_i over decoding sequences
+        self.ctx_a2 = 0  # Σ a_i²
+        self.used = 0  # KV tokens in use (private + cache blocks)
+        self.refcnt: dict[int, int] = {}
+        self.evictable: OrderedDict[int, None] = OrderedDict()  # refcount-0 cache blocks, LRU first
+        self.cache_bt = 0  # tokens per cache block (the requests' block size)
+        self._order = 0
+        self._busy = False
+        self._preempted = False
+        self._version = 0
+        # the step or jump in progress
+        self._chunks: list[tuple[Seq, int]] = []
+        self._jump = None  # (start, K, alpha, beta, D) while decoding analytically
+        # counters
+        self.prompt_tokens = 0
+        self.hit_tokens = 0
+        self.preemptions = 0
+        self.busy_s = 0.0
+
+    # -- indicators (what a probe reads) -------------------------------------------------------
+    @property
+    def running(self) -> int:
+        return len(self.prefilling) + len(self.decoding)
+
+    @property
+    def n_waiting(self) -> int:
+        return len(self.waiting)
+
+    def kv_usage(self, now: float) -> float:
+        used = self.used
+        if self._jump is not None:
+            used += self._jump[4] * self._steps_done(now - self._jump[0])
+        return min(1.0, used / self.capacity)
+
+    # -- arrivals --------------------------------------------------------------------------------
+    def fits(self, prompt: int, output: int) -> bool:
+        return prompt + output <= self.capacity
+
+    def submit(self, seq: Seq) -> None:
+        self.waiting.append(seq)
+        if not self._busy:
+            self._plan()
+        elif self._jump is not None:
+            self._interrupt()
+
+    # -- the scheduler ---------------------------------------------------------------------------
+    def _admit(self) -> None:
+        cap = self.p.max_running
+        while self.waiting and self.running < cap:
+            seq = self.waiting[0]
+            refcnt = self.refcnt
+            hashes = seq.hashes
+            m = 0
+            for h in hashes:
+                if h not in refcnt:
+                    break
+                m += 1
+            matched = min(m * seq.bt, seq.prompt)
+            need = seq.prompt - matched
+            if not self._make_room(need, protect=hashes[:m]):
+                return  # head-of-line: wait for memory
+            self.waiting.popleft()
+            evictable = self.evictable
+            for h in hashes[:m]:
+                if refcnt[h] == 0:
+                    del evictable[h]
+                refcnt[h] += 1
+            seq.refs = m
+            cached = min(matched, seq.prompt - 1)  # the last prompt token is always computed
+            if seq.cached < 0:
+                seq.cached = cached
+                self.prompt_tokens += seq.prompt
+                self.hit_tokens += cached
+            seq.private = need
+            self.used += need
+            seq.prefill_left = seq.prompt - cached
+            seq.state = PREFILL
+            self._order += 1
+            seq.order = self._order
+            self.prefilling.append(seq)
+
+    def _make_room(self, need: int, protect: tuple[int, ...] = ()) -> bool:
+        free = self.capacity - self.used
+        if need <= free:
+            return True
+        evictable = self.evictable
+        reclaimable = len(evictable) * self.cache_bt
+        guarded = [h for h in protect if h in evictable]
+        if need > free + reclaimable - len(guarded) * self.cache_bt:
+            return False
+        for h in guarded:  # about to be referenced: keep them out of the eviction order
+            del evictable[h]
+        refcnt, bt = self.refcnt, self.cache_bt
+        while need > self.capacity - self.used:
+            h, _ = evictable.popitem(last=False)
+            del refcnt[h]
+            self.used -= bt
+        for h in guarded:
+            evictable[h] = None
+        return True
+
+    def _plan(self) -> None:
+        """At a step boundary: admit, then schedule the next step or decode jump."""
+        # vLLM v1 admits nothing in a step that had to preempt (unless the engine went idle)
+        if not self._preempted or not (self.prefilling or self.decoding):
+            self._admit()
+        n_dec = len(self.decoding)
+        if not self.prefilling and not n_dec:
+            self._busy = False
+            self._jump = None
+            return
+        self._busy = True
+        self._version += 1
+        p = self.p
+        T = self.steps
+        if n_dec:
+            ctx_sum = self.ctx_a + n_dec * T
+            ctx_sq = self.ctx_a2 + 2 * T * self.ctx_a + n_dec * T * T
+            h = p.heterogeneity(n_dec, ctx_sum, ctx_sq)
+        else:
+            ctx_sum, h = 0, 1.0
+        if self.prefilling:
+            budget = p.max_batched_tokens - n_dec
+            chunks, tokens, attn = [], 0, 0.0
+            for seq in self.prefilling:
+                if budget <= 0:
+                    break
+                c = seq.prefill_left if seq.prefill_left < budget else budget
+                before = seq.prompt - seq.prefill_left
+                chunks.append((seq, c))
+                tokens += c
+                attn += c * (before + c / 2)
+                budget -= c
+            self._chunks = chunks
+            self._jump = None
+            if n_dec and not self._decode_room(n_dec):
+                return self._plan()  # a preemption changed the batch
+            dt = p.step_time(tokens, n_dec, ctx_sum, attn, h)
+            self.busy_s += dt
+            self.loop.at(self.loop.now + dt, self._end_step, (self._version, 1))
+            return
+        # decode only: jump to the next finish or memory limit
+        if not self._decode_room(n_dec):
+            return self._plan()
+        k_finish = self.finishes[0][0] - T
+        k_mem = (self.capacity - self.used) // n_dec
+        if k_mem < k_finish:
+            k_mem = max(1, k_mem + len(self.evictable) * self.cache_bt // n_dec)
+        K = max(1, min(k_finish, k_mem))
+        alpha = p.c0_s + p.c_decode_s * n_dec + p.c_attn_s * h * ctx_sum
+        beta = p.c_attn_s * h * n_dec
+        self._chunks = []
+        self._jump = (self.loop.now, K, alpha, beta, n_dec)
+        dt = K * alpha + beta * K * (K - 1) / 2
+        self.busy_s += dt
+        self.loop.at(self.loop.now + dt, self._end_step, (self._version, K))
+
+    def _decode_room(self, n_dec: int) -> bool:
+        """Memory for one more decode step; evict cache, else preempt the newest sequence."""
+        if self._make_room(n_dec):
+            return True
+        newest = self.decoding[next(reversed(self.decoding))]
+        self._preempt(newest)
+        return False
+
+    def _steps_done(self, elapsed: float) -> int:
+        _, K, alpha, beta, _ = self._jump
+        if beta <= 0:
+            k = int(elapsed / alpha) if alpha > 0 else K
+        else:  # largest k with k·α + β·k(k−1)/2 ≤ elapsed
+            b = alpha - beta / 2
+            k = int((-b + math.sqrt(b * b + 2 * beta * elapsed)) / beta)
+        return min(max(k, 0), K)
+
+    def _interrupt(self) -> None:
+        start, K, alpha, beta, n_dec = self._jump
+        k = self._steps_done(self.loop.now - start) + 1
+        if k >= K:
+            return
+        old = K * alpha + beta * K * (K - 1) / 2
+        new = k * alpha + beta * k * (k - 1) / 2
+        self.busy_s -= old - new
+        self._version += 1
+        self._jump = (start, k, alpha, beta, n_dec)
+        self.loop.at(start + new, self._end_step, (self._version, k))
+
+    def _end_step(self, token: tuple[int, int]) -> None:
+        version, k = token
+        if version != self._version:
+            return  # superseded by an interrupt
+        now = self.loop.now
+        n_dec = len(self.decoding)
+        if n_dec:
+            self.steps += k
+            self.used += n_dec * k
+            if self.used > self.capacity:  # the jump grew into evictable cache blocks
+                self._make_room(0)
+        self._jump = None
+        self._preempted = False
+        for seq, c in self._chunks:
+            seq.prefill_left -= c
+            if seq.prefill_left == 0:
+                self._prefill_done(seq, now)
+        self._chunks = []
+        if self.prefilling and self.prefilling[0].state != PREFILL:
+            self.prefilling = [s for s in self.prefilling if s.state == PREFILL]
+        finishes = self.finishes
+        while finishes and finishes[0][0] <= self.steps:
+            at, _, seq = heapq.heappop(finishes)
+            if seq.state == DECODE and seq.finish_at == at:
+                self._finish(seq, now)
+        self._plan()
+
+    def _prefill_done(self, seq: Seq, now: float) -> None:
+        bt = seq.bt
+        self.cache_bt = bt
+        full = min(len(seq.hashes), seq.prompt // bt)
+        refcnt, evictable = self.refcnt, self.evictable
+        for h in seq.hashes[seq.refs:full]:
+            c = refcnt.get(h)
+            if c is None:
+                refcnt[h] = 1
+            else:  # computed meanwhile by another sequence: share it, free our copy
+                if c == 0:
+                    del evictable[h]
+                refcnt[h] = c + 1
+                self.used -= bt
+            seq.private -= bt
+        seq.refs = max(seq.refs, full)
+        seq.state = DECODE
+        ctx = seq.prompt + 1
+        seq.a = ctx - self.steps
+        self.ctx_a += seq.a
+        self.ctx_a2 += seq.a * seq.a
+        self.decoding[seq.order] = seq
+        if not seq.first_token_done:
+            seq.first_token_done = True
+            self.on_first_token(seq, now)
+        remaining = seq.output - seq.generated - 1
+        if remaining <= 0:
+            self._finish(seq, now)
+        else:
+            seq.finish_at = self.steps + remaining
+            heapq.heappush(self.finishes, (seq.finish_at, seq.order, seq))
+
+    def _release(self, seq: Seq) -> None:
+        del self.decoding[seq.order]
+        self.ctx_a -= seq.a
+        self.ctx_a2 -= seq.a * seq.a
+        generated = seq.a + self.steps - seq.prompt  # tokens produced in this admission
+        self.used -= seq.private + generated
+        refcnt, evictable = self.refcnt, self.evictable
+        for h in reversed(seq.hashes[:seq.refs]):  # tail first: the head stays cached longest
+            c = refcnt[h] - 1
+            refcnt[h] = c
+            if c == 0:
+                evictable[h] = None
+        seq.refs = 0
+        seq.private = 0
+
+    def _finish(self, seq: Seq, now: float) -> None:
+        self._release(seq)
+        seq.state = DONE
+        self.on_finish(seq, now)
+
+    def _preempt(self, seq: Seq) -> None:
+        generated = seq.a + self.steps - seq.prompt
+        self._release(seq)
+        self._preempted = True
+        self.preemptions += 1
+        seq.generated += generated
+        seq.prompt += generated  # recompute: prompt and generated tokens prefill again
+        seq.state = WAITING
+        self.waiting.appendleft(seq)

@@ -1,0 +1,38 @@
+"""A minimal discrete-event loop: a heap of (time, sequence, callback, argument)."""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable
+from typing import Any
+
+
+class EventLoop:
+    __slots__ = ("now", "_heap", "_seq", "events")
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self._heap: list[tuple[float, int, Callable[[Any], None], Any]] = []
+        self._seq = 0
+        self.events = 0
+
+    def at(self, t: float, fn: Callable[[Any], None], arg: Any = None) -> None:
+        """Run ``fn(arg)`` at time ``t`` (never before now); ties run in scheduling order."""
+        self._seq += 1
+        heapq.heappush(self._heap, (t if t > self.now else self.now, self._seq, fn, arg))
+
+    def run(self, until: float = float("inf"), stop: Callable[[], bool] | None = None) -> None:
+        heap, pop = self._heap, heapq.heappop
+        while heap:
+            t, _, fn, arg = heap[0]
+            if t > until:
+                break
+            pop(heap)
+            self.now = t
+            self.events += 1
+            fn(arg)
+            if stop is not None and stop():
+                break
+
+    def __len__(self) -> int:
+        return len(self._heap)

@@ -1,0 +1,104 @@
+"""Hardware profiles and the step-time model.
+
+One engine step runs P prefill tokens (chunked) and D decode sequences. Its time is
+
+    T = c0 + c_prefill·P + c_decode·D + c_attn·H·Σctx_decode
+           + c_prefill_attn·Σ_chunks p·(ctx_before + p/2)
+
+* c0: fixed per-step cost (weights read, launch, scheduling);
+* c_prefill, c_decode: the linear layers' cost per prefill token / per decode sequence;
+* c_attn: decode attention per context token — each decode step reads every sequence's whole
+  KV, so it is bandwidth-bound;
+* c_prefill_attn: prefill attention per (query, key) pair — compute-bound, quadratic in a
+  chunk and linear in the context before it;
+* H ≥ 1: batch heterogeneity. Attention over a batch of mixed lengths is slower than over a
+  uniform batch with the same total tokens (CascadeInfer §2.2: 1.1–2.1×). We use
+  H = min(h_max, 1 + h_cv · CV) where CV is the coefficient of variation of the decode batch's
+  context lengths; with the defaults (h_cv 0.8, h_max 2.1) CV 0.125 → 1.1× and CV ≥ 1.375 → 2.1×.
+
+``ttft_overhead_s`` is a per-request latency outside the engine's step loop (HTTP, tokenizing,
+scheduling); it adds to the first token's time without occupying the engine.
+
+Profiles live in ``profiles/*.yaml`` with every number annotated with its source.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+PROFILE_DIR = Path(__file__).resolve().parents[3] / "profiles"
+
+
+class HardwareProfile(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str
+    hardware: str
+    model: str
+    c0_s: float = Field(ge=0)
+    c_prefill_s: float = Field(ge=0)
+    c_decode_s: float = Field(ge=0)
+    c_attn_s: float = Field(ge=0)
+    c_prefill_attn_s: float = Field(0.0, ge=0)
+    h_cv: float = Field(0.8, ge=0)
+    h_max: float = Field(2.1, ge=1)
+    ttft_overhead_s: float = Field(0.0, ge=0)
+    kv_blocks: int = Field(gt=0)
+    block_size: int = Field(16, gt=0)
+    max_running: int = Field(256, gt=0)
+    max_batched_tokens: int = Field(8192, gt=0)
+    # published points this profile must reproduce within 5% (checked by the tests), each one of
+    # {prefill, expect_s} | {prefill, ttft_s} | {decode, ctx, expect_s} | {decode, ctx, attn_share}
+    # | {heterogeneity_cv, expect_h}, with its source
+    points: list[dict] = Field(default_factory=list)
+
+    @property
+    def kv_tokens(self) -> int:
+        return self.kv_blocks * self.block_size
+
+    def heterogeneity(self, n: int, ctx_sum: float, ctx_sq_sum: float) -> float:
+        if n < 2 or ctx_sum <= 0:
+            return 1.0
+        mean = ctx_sum / n
+        var = max(0.0, ctx_sq_sum / n - mean * mean)
+        return min(self.h_max, 1.0 + self.h_cv * math.sqrt(var) / mean)
+
+    def step_time(self, prefill_tokens: int = 0, decode: int = 0, decode_ctx: float = 0.0,
+                  prefill_attn: float = 0.0, h: float = 1.0) -> float:
+        """Seconds for one step; ``prefill_attn`` = Σ chunk·(ctx_before + chunk/2)."""
+        return (self.c0_s + self.c_prefill_s * prefill_tokens + self.c_decode_s * decode
+                + self.c_attn_s * h * decode_ctx + self.c_prefill_attn_s * prefill_attn)
+
+    def prefill_time(self, tokens: int) -> float:
+        """One prompt prefilled alone in a single step (no decodes in the batch)."""
+        return self.step_time(tokens, prefill_attn=tokens * tokens / 2)
+
+    def attention_share(self, decode: int, ctx_each: int) -> float:
+        attn = self.c_attn_s * decode * ctx_each
+        return attn / self.step_time(decode=decode, decode_ctx=decode * ctx_each)
+
+
+class ProfileError(ValueError):
+    pass
+
+
+def available_profiles() -> list[str]:
+    return sorted(p.stem for p in PROFILE_DIR.glob("*.yaml"))
+
+
+def load_profile(name_or_path: str) -> HardwareProfile:
+    path = PROFILE_DIR / f"{name_or_path}.yaml"
+    if not path.is_file():
+        path = Path(name_or_path)
+    if not path.is_file():
+        raise ProfileError(f"unknown profile {name_or_path!r}; available: {', '.join(available_profiles())}")
+    data = yaml.safe_load(path.read_text())
+    try:
+        return HardwareProfile(**data)
+    except ValidationError as err:
+        e = err.errors()[0]
+        raise ProfileError(f"{path}: field {'.'.join(map(str, e['loc']))}: {e['msg']}") from None

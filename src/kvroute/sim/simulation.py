@@ -1,0 +1,297 @@
+"""One simulated run: replicas, load balancers, network and a workload, under one policy.
+
+A request's journey (a ``Flight``): the client sends it to the nearest load balancer (half an
+RTT); the balancer's Router decides — dispatch, hold in its FIFO queue, or forward to a peer;
+the replica receives it another half RTT later (plus the profile's per-request overhead); its
+first token and its completion travel back along the same path, and every balancer on the path
+gets its ``on_first_token`` / ``on_finish`` when they pass, which is when the live gateway would.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvroute.metrics import Recorder
+from kvroute.policy import Router
+from kvroute.sim.balancer import SimBalancer
+from kvroute.sim.engine import Engine, Seq
+from kvroute.sim.events import EventLoop
+from kvroute.sim.network import Network
+from kvroute.sim.profile import HardwareProfile
+from kvroute.workload import Program, SimRequest, Workload
+
+
+@dataclass
+class ReplicaSpec:
+    id: str
+    region: str
+    profile: HardwareProfile
+
+
+@dataclass
+class BalancerSpec:
+    id: str
+    region: str
+    replicas: list[str]
+    probe_interval_s: float = 0.1
+    forward: bool = False
+
+
+@dataclass
+class Limits:
+    max_requests: int | None = None
+    max_sim_s: float | None = None  # stop issuing after this much simulated time
+    drain_s: float = 3600.0  # then give in-flight requests this long to finish
+
+
+@dataclass
+class Setup:
+    replicas: list[ReplicaSpec]
+    balancers: list[BalancerSpec]
+    network: Network = field(default_factory=Network)
+    limits: Limits = field(default_factory=Limits)
+    seed: int = 0
+    sample_interval_s: float = 1.0
+    index_block_tokens: int = 64
+
+
+@dataclass
+class Replica:
+    id: str
+    region: str
+    engine: Engine
+
+
+class Flight:
+    __slots__ = ("sreq", "client_region", "sent", "lb_arrivals", "notify", "replica", "back_s",
+                 "first", "net_s", "origin", "dispatched")
+
+    def __init__(self, sreq: SimRequest, client_region: str, sent: float):
+        self.sreq = sreq
+        self.client_region = client_region
+        self.sent = sent
+        self.lb_arrivals: list[float] = []
+        self.notify: list[tuple[Router, SimBalancer, float]] = []  # balancers on the way back
+        self.replica = ""
+        self.back_s = 0.0  # replica → client
+        self.first = 0.0
+        self.net_s = 0.0  # LB → LB forwarding time (not queueing)
+        self.origin: SimBalancer | None = None
+        self.dispatched = 0.0
+
+
+class Simulation:
+    def __init__(self, setup: Setup, preset: str, params: dict | None, workload: Workload,
+                 progress: Callable[[int], None] | None = None):
+        self.setup = setup
+        self.seed = setup.seed
+        self.loop = EventLoop()
+        self.network = setup.network
+        self.workload = workload
+        self.progress = progress
+        self.rng = random.Random(setup.seed)
+        self.replicas = {r.id: Replica(r.id, r.region, Engine(r.id, r.profile, self.loop,
+                                                              self._first_token, self._finish))
+                         for r in setup.replicas}
+        self.recorder = Recorder(list(self.replicas))
+        self.lbs = [SimBalancer(self, b.id, b.region, b.replicas, preset, params, b.probe_interval_s,
+                                b.forward, setup.index_block_tokens) for b in setup.balancers]
+        for lb in self.lbs:
+            lb.connect_peers([p for p in self.lbs if p is not lb])
+        self.issued = 0
+        self.outstanding = 0
+        self.issuing = True
+        self._live: dict[int, list] = {}  # id(program) → [region, slot, requests in flight]
+        self._arrivals = None
+
+    # -- topology ---------------------------------------------------------------------------
+    def lb_for(self, region: str) -> SimBalancer:
+        """Clients use their region's balancer, else the one with the smallest RTT."""
+        return min(self.lbs, key=lambda lb: (self.network.rtt(region, lb.region), lb.id))
+
+    # -- issuing ------------------------------------------------------------------------------
+    def _may_issue(self) -> bool:
+        lim = self.setup.limits
+        if lim.max_requests is not None and self.issued >= lim.max_requests:
+            self.issuing = False
+        if lim.max_sim_s is not None and self.loop.now > lim.max_sim_s:
+            self.issuing = False
+        return self.issuing
+
+    def issue(self, sreq: SimRequest) -> None:
+        region = sreq.req.region or self.lbs[0].region
+        lb = self.lb_for(region)
+        flight = Flight(sreq, region, self.loop.now)
+        flight.origin = lb
+        self.issued += 1
+        self.outstanding += 1
+        if sreq.program is not None:
+            self._live[id(sreq.program)][2] += 1
+        self.loop.at(self.loop.now + self.network.one_way(region, lb.region), lb.arrive, flight)
+
+    def _next_arrival(self, sreq: SimRequest | None) -> None:
+        if sreq is not None and self._may_issue():
+            self.issue(sreq)
+        if not self._may_issue():
+            return
+        nxt = next(self._arrivals, None)
+        if nxt is None:
+            self.issuing = False
+            return
+        self.loop.at(nxt.req.arrival_s, self._next_arrival, nxt)
+
+    def _start_program(self, slot: tuple[str, int]) -> None:
+        if not self._may_issue():
+            return
+        region, i = slot
+        program = self.workload.new_program(region, i)
+        if program is None:
+            return
+        self._live[id(program)] = [region, i, 0]
+        for sreq in program.start():
+            self.issue(sreq)
+        self._maybe_program_done(program)
+
+    def _maybe_program_done(self, program: Program) -> None:
+        live = self._live[id(program)]
+        if live[2] == 0:
+            del self._live[id(program)]
+            self._start_program((live[0], live[1]))
+
+    def _continue(self, sreq: SimRequest) -> None:
+        program = sreq.program
+        self._live[id(program)][2] -= 1
+        if self._may_issue():
+            for nxt in program.on_complete(sreq):
+                if not self._may_issue():
+                    break
+                self.issue(nxt)
+        self._maybe_program_done(program)
+
+    # -- routing outcomes (called by balancers) -------------------------------------------------
+    def dispatch(self, flight: Flight, lb: SimBalancer, replica_id: str, branch: str) -> None:
+        rep = self.replicas[replica_id]
+        rec = self.recorder
+        rec.branches[branch] = rec.branches.get(branch, 0) + 1
+        flight.replica = replica_id
+        flight.dispatched = self.loop.now
+        flight.notify.append((lb.router, lb, self.network.one_way(rep.region, lb.region)))
+        delay = self.network.one_way(lb.region, rep.region) + rep.engine.p.ttft_overhead_s
+        self.loop.at(self.loop.now + delay, self._arrive_replica, flight)
+
+    def forward(self, flight: Flight, src: SimBalancer, dst: SimBalancer) -> None:
+        self.recorder.forwarded += 1
+        flight.sreq.req.from_peer = True
+        flight.notify.append((src.peers, src, 0.0))
+        hop = self.network.one_way(src.region, dst.region)
+        flight.net_s += hop
+        self.loop.at(self.loop.now + hop, dst.arrive, flight)
+
+    def fail(self, flight: Flight, reason: str) -> None:
+        for router, _, _ in flight.notify:
+            router.on_finish(flight.sreq.req.id)
+        self.recorder.fail(reason)
+        self._done(flight)
+
+    def _done(self, flight: Flight) -> None:
+        self.outstanding -= 1
+        if flight.sreq.program is not None:
+            self.loop.at(self.loop.now + self.workload.think_time_s, self._continue, flight.sreq)
+        if self.progress is not None and (self.recorder.completed & 255) == 0:
+            self.progress(self.recorder.completed)
+
+    # -- replicas -----------------------------------------------------------------------------
+    def _arrive_replica(self, flight: Flight) -> None:
+        rep = self.replicas[flight.replica]
+        req = flight.sreq.req
+        eng = rep.engine
+        # the way back: replica → each balancer on the path (last first) → client
+        back, hops, here = 0.0, [], rep.region
+        for router, lb, _ in reversed(flight.notify):
+            back += self.network.one_way(here, lb.region)
+            hops.append((router, lb, back))
+            here = lb.region
+        flight.notify = hops
+        flight.back_s = back + self.network.one_way(here, flight.client_region)
+        if not eng.fits(req.prompt_tokens, flight.sreq.output_tokens):
+            self.loop.at(self.loop.now + flight.back_s, self._reject, flight)
+            return
+        eng.submit(Seq(req.id, req.prompt_tokens, flight.sreq.output_tokens, req.block_hashes,
+                       req.block_tokens, flight))
+
+    def _reject(self, flight: Flight) -> None:
+        self.fail(flight, "rejected: prompt + output exceed the replica's KV capacity")
+
+    def _first_token(self, seq: Seq, t: float) -> None:
+        flight = seq.payload
+        flight.first = t + flight.back_s
+        for router, lb, delay in flight.notify:
+            self.loop.at(t + delay, self._lb_first_token, (router, seq.rid))
+
+    @staticmethod
+    def _lb_first_token(arg: tuple[Router, str]) -> None:
+        arg[0].on_first_token(arg[1])
+
+    def _finish(self, seq: Seq, t: float) -> None:
+        flight = seq.payload
+        for router, lb, delay in flight.notify:
+            self.loop.at(t + delay, self._lb_finish, (router, lb, seq.rid))
+        done = t + flight.back_s
+        queue_s = max(0.0, flight.dispatched - flight.lb_arrivals[0] - flight.net_s)
+        rep = self.replicas[flight.replica]
+        self.recorder.complete(flight.sent, flight.first, done, flight.sreq.output_tokens,
+                               flight.sreq.req.prompt_tokens, max(0, seq.cached), queue_s,
+                               flight.replica, rep.region != flight.client_region)
+        self.loop.at(done, self._client_done, flight)
+
+    def _client_done(self, flight: Flight) -> None:
+        self._done(flight)
+
+    @staticmethod
+    def _lb_finish(arg: tuple[Router, SimBalancer, str]) -> None:
+        router, lb, rid = arg
+        router.on_finish(rid)
+        if lb.queue:
+            lb.drain()
+
+    # -- periodic work ----------------------------------------------------------------------------
+    def _active(self) -> bool:
+        return self.issuing or self.outstanding > 0
+
+    def _probe(self, lb: SimBalancer) -> None:
+        lb.probe()
+        if self._active():
+            self.loop.at(self.loop.now + lb.probe_interval_s, self._probe, lb)
+
+    def _sample(self, _=None) -> None:
+        self.recorder.sample(self.loop.now, [r.engine.running for r in self.replicas.values()])
+        if self._active():
+            self.loop.at(self.loop.now + self.setup.sample_interval_s, self._sample)
+
+    # -- run -------------------------------------------------------------------------------------
+    def run(self) -> dict:
+        wl = self.workload
+        if wl.closed_loop:
+            for region, n in wl.clients.items():
+                for i in range(n):  # stagger starts over the first second
+                    self.loop.at(self.rng.random(), self._start_program, (region, i))
+        else:
+            self._arrivals = iter(wl.arrivals())
+            self._next_arrival(None)
+        for lb in self.lbs:
+            self.loop.at(0.0, self._probe, lb)
+        self.loop.at(0.0, self._sample)
+        lim = self.setup.limits
+        horizon = (lim.max_sim_s if lim.max_sim_s is not None else float("inf")) + lim.drain_s
+        self.loop.run(until=horizon)
+        if self.outstanding:  # still in flight at the horizon
+            self.recorder.failed["unfinished"] = self.outstanding
+        hours = len(self.replicas) * self.loop.now / 3600.0
+        result = self.recorder.result(hours)
+        result["issued"] = self.issued
+        result["preemptions"] = sum(r.engine.preemptions for r in self.replicas.values())
+        result["max_lb_queue"] = max(lb.max_queue for lb in self.lbs)
+        result["sim_time_s"] = round(self.loop.now, 6)
+        return result

@@ -1,0 +1,51 @@
+"""What a workload hands the simulator.
+
+Open-loop workloads yield ``SimRequest``s in arrival order (pulled lazily, so a million-request
+run never holds them all). Closed-loop workloads run ``Program``s: each program issues its
+first requests, then more whenever one of its requests completes at the client (the next turn
+of a conversation; a tree node's children, which run concurrently).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from kvroute.model import Request
+
+
+@dataclass(slots=True)
+class SimRequest:
+    req: Request
+    output_tokens: int  # what the engine will generate; the router never sees it
+    program: "Program | None" = None
+
+
+class Program:
+    """A closed-loop client program (conversation, tree of thought)."""
+
+    def start(self) -> list[SimRequest]:
+        raise NotImplementedError
+
+    def on_complete(self, done: SimRequest) -> list[SimRequest]:
+        """Requests to issue now that ``done`` completed at the client."""
+        raise NotImplementedError
+
+
+class Workload:
+    """Base class. Open loop: override ``arrivals``. Closed loop: set ``clients`` and override
+    ``new_program``; the simulator keeps ``clients[region]`` programs running per region."""
+
+    name = "workload"
+    clients: dict[str, int] = {}
+    think_time_s: float = 0.0
+
+    def arrivals(self) -> Iterator[SimRequest] | None:
+        return None
+
+    def new_program(self, region: str, slot: int) -> Program | None:
+        return None
+
+    @property
+    def closed_loop(self) -> bool:
+        return bool(self.clients)

@@ -1,0 +1,47 @@
+"""Synthetic prompt contexts with chained block hashes and no text.
+
+A context is a sequence of segments (id, tokens). Block i's hash chains over the segment pieces
+that cover tokens [i·bt, (i+1)·bt), so two contexts share exactly the block hashes of their
+common prefix — like real prompts hashed by kvroute or vLLM — at a cost proportional to the new
+blocks only when a context is extended.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import xxhash
+
+_xxh = xxhash.xxh3_64_intdigest
+_piece = struct.Struct("<QII")
+
+
+class Context:
+    __slots__ = ("hashes", "tokens", "tail", "bt")
+
+    def __init__(self, bt: int, hashes: tuple[int, ...] = (), tokens: int = 0,
+                 tail: tuple[tuple[int, int, int], ...] = ()):
+        self.bt = bt
+        self.hashes = hashes
+        self.tokens = tokens
+        self.tail = tail  # pieces (segment id, start, length) of the unfinished last block
+
+    def extend(self, segment: int, n: int) -> "Context":
+        """A new context: this one followed by ``n`` tokens of ``segment``."""
+        if n <= 0:
+            return self
+        bt = self.bt
+        hashes = list(self.hashes)
+        tail = list(self.tail)
+        filled = self.tokens - len(hashes) * bt
+        start = 0
+        while start < n:
+            take = min(n - start, bt - filled)
+            tail.append((segment, start, take))
+            filled += take
+            start += take
+            if filled == bt:
+                data = b"".join(_piece.pack(s & 0xFFFFFFFFFFFFFFFF, a, b) for s, a, b in tail)
+                hashes.append(_xxh(data, hashes[-1] if hashes else 0))
+                tail, filled = [], 0
+        return Context(bt, tuple(hashes), self.tokens + n, tuple(tail))

@@ -1,0 +1,202 @@
+"""Synthetic workloads calibrated to the papers' published statistics.
+
+Structure (what makes prefix-aware routing matter):
+
+* **Shared system prompts.** Each region draws from its own pool of 16 system prompts plus 4
+  global ones (10% of sessions); median 600 tokens. Region-local pools keep cross-region prefix
+  affinity low, as SkyWalker measured (Fig. 5(a): 2.5% across regions).
+* **Users and sessions.** Each region has 3 users per client slot. 60% of a user's sessions start
+  with that user's own context (a document, median 1,500 tokens), so within-user prefix
+  similarity is several times cross-user similarity (SkyWalker §2, GORGO v2 §5).
+* **Multi-turn conversations.** 1 + Geometric(0.35) turns (mean ≈ 2.9, capped at 12): chat
+  traces average 2–3 turns (LMSYS-Chat, WildChat). Turn n+1's prompt is turn n's prompt, its
+  answer and a new question. Questions: log-normal, median 120 tokens; answers: log-normal,
+  median 200 tokens, capped at 2,048 (ShareGPT-like lengths).
+* **Trees of thought** (SkyWalker §5.1): depth 4, branching 2 → 15 requests per tree; children
+  of a node run concurrently and extend the parent's prompt and answer; the question id is the
+  consistent-hashing key.
+* **Regional skew**: clients per region, e.g. 120/40/40 (SkyWalker's skewed setting).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Iterator
+
+from kvroute.model import Request
+from kvroute.workload.base import Program, SimRequest, Workload
+from kvroute.workload.context import Context
+
+BLOCK_TOKENS = 64
+
+
+def lognormal(rng: random.Random, median: float, sigma: float, lo: int, hi: int) -> int:
+    return int(min(hi, max(lo, round(median * math.exp(sigma * rng.gauss(0.0, 1.0))))))
+
+
+class _Ids:
+    def __init__(self, prefix: str):
+        self.prefix, self.n = prefix, 0
+
+    def __call__(self) -> str:
+        self.n += 1
+        return f"{self.prefix}{self.n}"
+
+
+class ChatPopulation:
+    """System prompts, users and their contexts; draws sessions deterministically from a seed."""
+
+    def __init__(self, regions: list[str], users_per_region: dict[str, int], rng: random.Random,
+                 bt: int = BLOCK_TOKENS):
+        self.rng, self.bt = rng, bt
+        seg = lambda: rng.getrandbits(63)  # noqa: E731 - a segment id is any fresh integer
+        self.seg = seg
+        self.global_systems = [Context(bt).extend(seg(), lognormal(rng, 600, 0.6, 64, 4000))
+                               for _ in range(4)]
+        self.systems = {r: [Context(bt).extend(seg(), lognormal(rng, 600, 0.6, 64, 4000))
+                            for _ in range(16)] for r in regions}
+        self.user_docs = {r: [(seg(), lognormal(rng, 1500, 0.7, 128, 12000))
+                              for _ in range(max(1, users_per_region.get(r, 1)))] for r in regions}
+
+    def session_context(self, region: str) -> tuple[str, Context]:
+        rng = self.rng
+        pool = self.global_systems if rng.random() < 0.1 else self.systems[region]
+        ctx = rng.choice(pool)
+        user = rng.randrange(len(self.user_docs[region]))
+        if rng.random() < 0.6:
+            doc, n = self.user_docs[region][user]
+            ctx = ctx.extend(doc, n)
+        return f"{region}-user{user}", ctx
+
+    def question(self) -> int:
+        return lognormal(self.rng, 120, 0.9, 4, 4000)
+
+    def answer(self) -> int:
+        return lognormal(self.rng, 200, 0.8, 1, 2048)
+
+
+class Conversation(Program):
+    def __init__(self, pop: ChatPopulation, region: str, ids: _Ids, turns: int | None = None):
+        self.pop, self.region, self.ids = pop, region, ids
+        self.user, self.ctx = pop.session_context(region)
+        rng = pop.rng
+        self.turns_left = turns if turns is not None else min(12, 1 + _geometric(rng, 0.35))
+
+    def _next(self) -> SimRequest:
+        self.ctx = self.ctx.extend(self.pop.seg(), self.pop.question())
+        self.turns_left -= 1
+        out = self.pop.answer()
+        req = Request(id=self.ids(), region=self.region, tenant=self.user, routing_key=self.user,
+                      block_hashes=self.ctx.hashes, block_tokens=self.ctx.bt,
+                      prompt_tokens=self.ctx.tokens, max_output_tokens=2048)
+        return SimRequest(req, out, self)
+
+    def start(self) -> list[SimRequest]:
+        return [self._next()]
+
+    def on_complete(self, done: SimRequest) -> list[SimRequest]:
+        self.ctx = self.ctx.extend(self.pop.seg(), done.output_tokens)
+        return [self._next()] if self.turns_left > 0 else []
+
+
+class ThoughtTree(Program):
+    """Tree of thought: every finished node spawns ``branching`` children until ``depth``."""
+
+    def __init__(self, pop: ChatPopulation, region: str, ids: _Ids, depth: int = 4, branching: int = 2):
+        self.pop, self.region, self.ids = pop, region, ids
+        self.depth, self.branching = depth, branching
+        rng = pop.rng
+        self.key = f"{region}-q{rng.getrandbits(32)}"
+        base = rng.choice(pop.systems[region])
+        self.root = base.extend(pop.seg(), lognormal(rng, 200, 0.5, 16, 2000))
+        self.level: dict[str, tuple[int, Context]] = {}
+
+    def _node(self, ctx: Context, level: int) -> SimRequest:
+        ctx = ctx.extend(self.pop.seg(), 24)  # "consider the next step" instruction
+        out = lognormal(self.pop.rng, 150, 0.6, 8, 1024)
+        req = Request(id=self.ids(), region=self.region, routing_key=self.key,
+                      block_hashes=ctx.hashes, block_tokens=ctx.bt, prompt_tokens=ctx.tokens,
+                      max_output_tokens=1024)
+        self.level[req.id] = (level, ctx)
+        return SimRequest(req, out, self)
+
+    def start(self) -> list[SimRequest]:
+        return [self._node(self.root, 1)]
+
+    def on_complete(self, done: SimRequest) -> list[SimRequest]:
+        level, ctx = self.level.pop(done.req.id)
+        if level >= self.depth:
+            return []
+        ctx = ctx.extend(self.pop.seg(), done.output_tokens)
+        return [self._node(ctx, level + 1) for _ in range(self.branching)]
+
+
+def _geometric(rng: random.Random, p: float) -> int:
+    return int(math.log(1.0 - rng.random()) / math.log(1.0 - p))
+
+
+class ChatWorkload(Workload):
+    """Closed loop: ``clients[region]`` concurrent conversations per region."""
+
+    name = "chat"
+
+    def __init__(self, clients: dict[str, int], seed: int = 0, think_time_s: float = 0.0,
+                 tree_fraction: float = 0.0, depth: int = 4, branching: int = 2):
+        self.clients = dict(clients)
+        self.think_time_s = think_time_s
+        self.rng = random.Random(seed)
+        self.tree_fraction = tree_fraction
+        self.depth, self.branching = depth, branching
+        self.ids = _Ids("c")
+        self.pop = ChatPopulation(list(clients), {r: 3 * n for r, n in clients.items()}, self.rng)
+
+    def new_program(self, region: str, slot: int) -> Program:
+        if self.tree_fraction and self.rng.random() < self.tree_fraction:
+            return ThoughtTree(self.pop, region, self.ids, self.depth, self.branching)
+        return Conversation(self.pop, region, self.ids)
+
+
+class ChatPoisson(Workload):
+    """Open loop: chat turns arriving as a Poisson process at ``rate`` requests/s.
+
+    A pool of ``sessions`` live conversations per region; each arrival continues one of them
+    (its previous answer becomes part of the prompt), and finished conversations are replaced.
+    Requests are generated lazily, so the run's memory does not grow with its length.
+    """
+
+    name = "chat-poisson"
+
+    def __init__(self, rate: float, clients: dict[str, int], seed: int = 0, sessions: int = 512,
+                 max_requests: int | None = None):
+        self.rate = rate
+        self.weights = dict(clients)
+        self.rng = random.Random(seed)
+        self.sessions = sessions
+        self.max_requests = max_requests
+        self.ids = _Ids("p")
+        self.pop = ChatPopulation(list(clients), {r: max(1, n) * 3 for r, n in clients.items()}, self.rng)
+
+    def arrivals(self) -> Iterator[SimRequest]:
+        rng = self.rng
+        regions = list(self.weights)
+        weights = [self.weights[r] for r in regions]
+        live: dict[str, list[Conversation]] = {r: [] for r in regions}
+        t, n = 0.0, 0
+        while self.max_requests is None or n < self.max_requests:
+            t += rng.expovariate(self.rate)
+            region = rng.choices(regions, weights)[0]
+            pool = live[region]
+            if len(pool) < self.sessions:
+                pool.append(Conversation(self.pop, region, self.ids))
+            i = rng.randrange(len(pool))
+            conv = pool[i]
+            sreq = conv._next()
+            sreq.program = None
+            sreq.req.arrival_s = t
+            conv.ctx = conv.ctx.extend(self.pop.seg(), sreq.output_tokens)
+            if conv.turns_left <= 0:
+                pool[i] = pool[-1]
+                pool.pop()
+            n += 1
+            yield sreq

@@ -1,0 +1,292 @@
+"""Trace loaders: Mooncake JSONL, Azure LLM CSV, OpenAI-messages JSONL conversations.
+
+Every loader reads lazily and reports a malformed line as ``file:line: field ...``; with
+``skip_bad`` such lines are skipped and counted instead.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import random
+from collections.abc import Iterator
+from datetime import datetime
+from pathlib import Path
+
+from kvroute.model import Request
+from kvroute.prefix import BlockHasher, PromptError, chat_key, estimate_tokens
+from kvroute.workload.base import Program, SimRequest, Workload
+
+MOONCAKE_BLOCK_TOKENS = 512  # Mooncake: one hash id per 512-token block
+
+
+class TraceError(ValueError):
+    pass
+
+
+class _BadLines:
+    def __init__(self, skip: bool):
+        self.skip, self.skipped = skip, 0
+
+    def __call__(self, where: str, msg: str) -> None:
+        if not self.skip:
+            raise TraceError(f"{where}: {msg} (use --skip-bad to skip such lines)")
+        self.skipped += 1
+
+
+def _int_field(obj: dict, field: str, where: str, minimum: int = 0) -> int:
+    if field not in obj:
+        raise TraceError(f"{where}: missing field {field!r}")
+    v = obj[field]
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or v < minimum or v != int(v):
+        raise TraceError(f"{where}: field {field!r} must be an integer ≥ {minimum}, got {v!r}")
+    return int(v)
+
+
+class _Regions:
+    """Assigns trace requests (which carry no region) to regions by weight, deterministically."""
+
+    def __init__(self, weights: dict[str, float], seed: int):
+        self.regions = list(weights) or ["local"]
+        self.weights = [weights[r] for r in self.regions] if weights else [1.0]
+        self.rng = random.Random(seed)
+
+    def __call__(self) -> str:
+        if len(self.regions) == 1:
+            return self.regions[0]
+        return self.rng.choices(self.regions, self.weights)[0]
+
+
+class MooncakeTrace(Workload):
+    """Open-loop replay of a Mooncake trace: ``timestamp`` (ms), ``input_length``,
+    ``output_length``, ``hash_ids`` (chained ids of 512-token blocks).
+
+    ``time_scale`` stretches inter-arrival times (GORGO v2: 1.0 saturates their testbed, 3.0
+    does not); ``rate`` instead re-times arrivals as a Poisson process. The session key for
+    consistent hashing is the conversation's second block id (the first is usually a shared
+    system prompt).
+    """
+
+    name = "mooncake"
+
+    def __init__(self, path: str | Path, time_scale: float = 1.0, rate: float | None = None,
+                 regions: dict[str, float] | None = None, seed: int = 0, skip_bad: bool = False,
+                 max_requests: int | None = None):
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise TraceError(f"{path}: no such trace file")
+        if time_scale <= 0:
+            raise TraceError(f"time_scale must be positive, got {time_scale}")
+        self.time_scale, self.rate = time_scale, rate
+        self.region_of = _Regions(regions or {}, seed)
+        self.rng = random.Random(seed + 1)
+        self.bad = _BadLines(skip_bad)
+        self.max_requests = max_requests
+
+    def _parse(self, line: str, where: str) -> tuple[float, int, int, tuple[int, ...]]:
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise TraceError(f"{where}: invalid JSON ({exc.msg})") from None
+        if not isinstance(obj, dict):
+            raise TraceError(f"{where}: expected a JSON object")
+        ts = obj.get("timestamp")
+        if not isinstance(ts, (int, float)) or isinstance(ts, bool) or ts < 0:
+            raise TraceError(f"{where}: field 'timestamp' must be a number of ms ≥ 0, got {ts!r}")
+        inp = _int_field(obj, "input_length", where, 1)
+        out = _int_field(obj, "output_length", where, 0)
+        ids = obj.get("hash_ids", [])
+        if not isinstance(ids, list) or not all(isinstance(h, int) and not isinstance(h, bool) for h in ids):
+            raise TraceError(f"{where}: field 'hash_ids' must be a list of integers")
+        return float(ts), inp, max(1, out), tuple(ids)
+
+    def arrivals(self) -> Iterator[SimRequest]:
+        t = 0.0
+        n = 0
+        with self.path.open() as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                where = f"{self.path}:{lineno}"
+                try:
+                    ts, inp, out, ids = self._parse(line, where)
+                except TraceError as exc:
+                    self.bad(where, str(exc).removeprefix(f"{where}: "))
+                    continue
+                if self.rate:
+                    t += self.rng.expovariate(self.rate)
+                else:
+                    t = ts / 1000.0 * self.time_scale
+                key = str(ids[1] if len(ids) > 1 else ids[0]) if ids else None
+                req = Request(id=f"m{lineno}", arrival_s=t, region=self.region_of(), routing_key=key,
+                              block_hashes=ids, block_tokens=MOONCAKE_BLOCK_TOKENS,
+                              prompt_tokens=inp, max_output_tokens=out)
+                yield SimRequest(req, out)
+                n += 1
+                if self.max_requests and n >= self.max_requests:
+                    return
+
+    @property
+    def skipped(self) -> int:
+        return self.bad.skipped
+
+
+class AzureTrace(MooncakeTrace):
+    """Open-loop replay of the Azure LLM inference CSV (TIMESTAMP, ContextTokens,
+    GeneratedTokens): lengths only, so no prefix is ever shared."""
+
+    name = "azure"
+
+    def arrivals(self) -> Iterator[SimRequest]:
+        t0 = None
+        t = 0.0
+        n = 0
+        with self.path.open(newline="") as f:
+            reader = csv.reader(f)
+            header = next(reader, None)
+            expected = ["TIMESTAMP", "ContextTokens", "GeneratedTokens"]
+            if header != expected:
+                raise TraceError(f"{self.path}:1: expected header {','.join(expected)}, got {header}")
+            for lineno, row in enumerate(reader, 2):
+                where = f"{self.path}:{lineno}"
+                try:
+                    if len(row) != 3:
+                        raise TraceError(f"{where}: expected 3 columns, got {len(row)}")
+                    try:
+                        stamp = datetime.fromisoformat(row[0].strip()[:26])
+                    except ValueError:
+                        raise TraceError(f"{where}: field 'TIMESTAMP' is not a date-time: {row[0]!r}") from None
+                    ints = []
+                    for name, raw in zip(expected[1:], row[1:]):
+                        if not raw.strip().isdigit():
+                            raise TraceError(f"{where}: field {name!r} must be a non-negative integer, got {raw!r}")
+                        ints.append(int(raw))
+                except TraceError as exc:
+                    self.bad(where, str(exc).removeprefix(f"{where}: "))
+                    continue
+                ctx, gen = ints
+                if ctx <= 0:
+                    self.bad(where, "field 'ContextTokens' must be positive")
+                    continue
+                if self.rate:
+                    t += self.rng.expovariate(self.rate)
+                else:
+                    t0 = t0 or stamp
+                    t = (stamp - t0).total_seconds() * self.time_scale
+                req = Request(id=f"a{lineno}", arrival_s=t, region=self.region_of(),
+                              prompt_tokens=ctx, max_output_tokens=max(1, gen))
+                yield SimRequest(req, max(1, gen))
+                n += 1
+                if self.max_requests and n >= self.max_requests:
+                    return
+
+
+class _Replay(Program):
+    """Replays one recorded conversation turn by turn (closed loop)."""
+
+    def __init__(self, turns: list[tuple[Request, int]]):
+        self.turns = turns
+        self.i = 0
+
+    def _next(self) -> list[SimRequest]:
+        if self.i >= len(self.turns):
+            return []
+        req, out = self.turns[self.i]
+        self.i += 1
+        return [SimRequest(req, out, self)]
+
+    def start(self) -> list[SimRequest]:
+        return self._next()
+
+    def on_complete(self, done: SimRequest) -> list[SimRequest]:
+        return self._next()
+
+
+class OpenAIConversations(Workload):
+    """Closed-loop replay of OpenAI-messages JSONL: one conversation per line,
+    ``{"messages": [...], "user": "...", "region": "...", "max_tokens": n}``.
+
+    Each user message becomes a request whose prompt is the conversation up to it; the
+    assistant message that follows gives its output length (else ``max_tokens`` or 256).
+    ``clients`` conversations run concurrently per region; lines without a region go to the
+    first region.
+    """
+
+    name = "openai"
+
+    def __init__(self, path: str | Path, clients: dict[str, int], seed: int = 0,
+                 skip_bad: bool = False, block_tokens: int = 64):
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise TraceError(f"{path}: no such trace file")
+        self.clients = dict(clients) or {"local": 8}
+        self.bad = _BadLines(skip_bad)
+        self.hasher = BlockHasher(block_tokens)
+        self.default_region = next(iter(self.clients))
+        self.queues: dict[str, list[_Replay]] = {r: [] for r in self.clients}
+        self._load()
+
+    def _load(self) -> None:
+        with self.path.open() as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                where = f"{self.path}:{lineno}"
+                try:
+                    program = self._conversation(line, where, lineno)
+                except TraceError as exc:
+                    self.bad(where, str(exc).removeprefix(f"{where}: "))
+                    continue
+                if program is not None:
+                    region = program.turns[0][0].region
+                    self.queues.setdefault(region, []).append(program)
+        for q in self.queues.values():
+            q.reverse()  # pop() takes them in file order
+
+    def _conversation(self, line: str, where: str, lineno: int) -> _Replay | None:
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise TraceError(f"{where}: invalid JSON ({exc.msg})") from None
+        if not isinstance(obj, dict):
+            raise TraceError(f"{where}: expected a JSON object")
+        messages = obj.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise TraceError(f"{where}: field 'messages' must be a non-empty list")
+        region = obj.get("region", self.default_region)
+        if region not in self.clients:
+            raise TraceError(f"{where}: field 'region' is {region!r}; regions with clients: "
+                             f"{', '.join(self.clients)}")
+        user = obj.get("user")
+        default_out = obj.get("max_tokens", 256)
+        if not isinstance(default_out, int) or default_out <= 0:
+            raise TraceError(f"{where}: field 'max_tokens' must be a positive integer")
+        turns = []
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or m.get("role") != "user":
+                continue
+            try:
+                key = chat_key(messages[: i + 1])
+            except PromptError as exc:
+                raise TraceError(f"{where}: {exc}") from None
+            nxt = messages[i + 1] if i + 1 < len(messages) else None
+            if isinstance(nxt, dict) and nxt.get("role") == "assistant" and isinstance(nxt.get("content"), str):
+                out = max(1, estimate_tokens(nxt["content"]))
+            else:
+                out = default_out
+            hashes, tokens = self.hasher(key)
+            req = Request(id=f"o{lineno}.{i}", region=region, tenant=user, routing_key=user,
+                          block_hashes=hashes, block_tokens=self.hasher.block_tokens,
+                          prompt_tokens=tokens, max_output_tokens=out)
+            turns.append((req, out))
+        if not turns:
+            raise TraceError(f"{where}: field 'messages' has no user message")
+        return _Replay(turns)
+
+    def new_program(self, region: str, slot: int) -> Program | None:
+        q = self.queues.get(region)
+        return q.pop() if q else None
+
+    @property
+    def skipped(self) -> int:
+        return self.bad.skipped
