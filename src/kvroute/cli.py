@@ -10,7 +10,11 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-console = Console(stderr=False)
+import os
+
+# Tables are wide: when output is not a terminal (CI logs, pipes), do not squeeze them to 80.
+_width = None if sys.stdout.isatty() else int(os.environ.get("COLUMNS", 160))
+console = Console(stderr=False, width=_width)
 err = Console(stderr=True)
 
 
@@ -96,6 +100,105 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _scenario_from_args(args: argparse.Namespace):
+    from kvroute.sim.scenario import WORKLOAD_KINDS, Scenario, detect_trace_kind, load_scenario, parse_scenario
+
+    sc = load_scenario(args.scenario) if args.scenario else Scenario()
+    data = sc.model_dump(exclude_none=True)
+    if args.workload:
+        if args.workload in WORKLOAD_KINDS:
+            data["workload"]["kind"] = args.workload
+        else:
+            data["workload"]["kind"] = detect_trace_kind(args.workload)
+            data["workload"]["path"] = args.workload
+    if args.replicas is not None:
+        for g in data["replicas"]:
+            g["count"] = args.replicas
+    if args.profile:
+        for g in data["replicas"]:
+            g["profile"] = args.profile
+    if args.policy:
+        data["policies"] = [p.strip() for p in args.policy.split(",") if p.strip()]
+    for flag, key in (("time_scale", "time_scale"), ("rate", "rate")):
+        if getattr(args, flag) is not None:
+            data["workload"][key] = getattr(args, flag)
+    if args.skip_bad:
+        data["workload"]["skip_bad"] = True
+    if args.max_requests is not None:
+        data.setdefault("limits", {})["max_requests"] = args.max_requests
+    if args.seed is not None:
+        data["seed"] = args.seed
+    return parse_scenario(data, args.scenario or "flags")
+
+
+def _sim_table(report: dict) -> Table:
+    table = Table(title=f"{report['scenario']}: {report['replicas']} replicas, workload {report['workload']}")
+    cols = ("policy", "done", "TTFT mean", "TTFT p50", "TTFT p99", "TPOT p50", "E2E p50", "E2E p99",
+            "req/s", "out tok/s", "prefix hit", "imbal. CV", "LB queue p99", "fwd")
+    for col in cols:
+        table.add_column(col, justify="left" if col == "policy" else "right")
+    for label, r in report["results"].items():
+        failed = sum(r["failed"].values())
+        table.add_row(label, f"{r['requests']}" + (f" ({failed} failed)" if failed else ""),
+                      f"{r['ttft_s']['mean']:.3f}", f"{r['ttft_s']['p50']:.3f}", f"{r['ttft_s']['p99']:.3f}",
+                      f"{r['tpot_s']['p50'] * 1000:.1f}ms", f"{r['e2e_s']['p50']:.2f}", f"{r['e2e_s']['p99']:.2f}",
+                      f"{r['throughput_rps']:.2f}", f"{r['output_tps']:.0f}", f"{r['prefix_hit_rate']:.1%}",
+                      f"{r['imbalance_cv']:.2f}", f"{r['lb_queue_s']['p99']:.2f}",
+                      str(r["cross_region_forwards"]))
+    return table
+
+
+def run_simulation(sc, json_path: str | None = None, plots: str | None = None) -> dict:
+    import time
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from kvroute.sim.runner import report, run_scenario
+
+    total = sc.limits.max_requests
+    tasks: dict[str, int] = {}
+    t0 = time.perf_counter()
+    with Progress(TextColumn("{task.description:<28}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=err, transient=False) as progress:
+        def on_start(label: str) -> None:
+            tasks[label] = progress.add_task(label, total=total)
+
+        def on_progress(label: str, n: int) -> None:
+            progress.update(tasks[label], completed=n)
+
+        runs = run_scenario(sc, on_start, on_progress)
+    rep = report(sc, runs)
+    console.print(_sim_table(rep))
+    wall = time.perf_counter() - t0
+    done = sum(r.result["requests"] for r in runs)
+    console.print(f"[dim]{done:,} simulated requests in {wall:.1f} s wall ({done / wall:,.0f}/s)[/dim]")
+    _write_json(json_path, rep)
+    if plots:
+        from kvroute.metrics.plots import write_plots
+
+        for p in write_plots(runs, plots, sc.name):
+            console.print(f"wrote {p}")
+    return rep
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from kvroute.sim.scenario import ScenarioError
+
+    try:
+        sc = _scenario_from_args(args)
+        sc.policy_list()
+        sc.setup()
+    except ScenarioError as exc:
+        err.print(f"[red]error:[/red] {exc}", highlight=False)
+        return 2
+    try:
+        run_simulation(sc, args.json, args.plots)
+    except ScenarioError as exc:
+        err.print(f"[red]error:[/red] {exc}", highlight=False)
+        return 2
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvroute", description="KV-cache-aware load balancer for LLM inference")
     sub = p.add_subparsers(dest="command", required=True)
@@ -110,6 +213,21 @@ def build_parser() -> argparse.ArgumentParser:
     br.add_argument("--decisions", type=int, default=2000, help="decisions per prompt size")
     br.add_argument("--seed", type=int, default=0)
     br.set_defaults(func=cmd_bench_routing)
+
+    sim = sub.add_parser("simulate", help="compare policies in the discrete-event simulator")
+    sim.add_argument("scenario", nargs="?", help="scenario YAML, or the name of a bundled one in scenarios/")
+    sim.add_argument("--workload", help="chat, tot, mixed, chat-poisson, mooncake, azure, openai, or a trace file")
+    sim.add_argument("--replicas", type=int, help="replicas per replica group (per region)")
+    sim.add_argument("--profile", help="hardware profile for every replica (profiles/*.yaml)")
+    sim.add_argument("--policy", help="comma-separated presets, e.g. round_robin,skywalker,lmetric")
+    sim.add_argument("--time-scale", type=float, dest="time_scale", help="stretch trace inter-arrival times")
+    sim.add_argument("--rate", type=float, help="Poisson arrival rate (requests/s) instead of trace times")
+    sim.add_argument("--max-requests", type=int, dest="max_requests")
+    sim.add_argument("--seed", type=int)
+    sim.add_argument("--skip-bad", action="store_true", dest="skip_bad", help="skip and count malformed trace lines")
+    sim.add_argument("--json", metavar="FILE")
+    sim.add_argument("--plots", metavar="DIR", help="write TTFT/E2E CDFs, throughput and load PNGs")
+    sim.set_defaults(func=cmd_simulate)
 
     demo = sub.add_parser("demo", help="the main job: walk-through, benchmark, simulation, gateway")
     demo.add_argument("--out", default="out", help="folder for JSON results and plots")

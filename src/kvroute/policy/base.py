@@ -47,6 +47,11 @@ class Policy:
     Params: ClassVar[type[PolicyParams]] = PolicyParams
     uses_ring: ClassVar[bool] = False
 
+    @property
+    def reads_kv_usage(self) -> bool:
+        """Whether scoring reads ``Endpoint.kv_usage`` (lets a simulated probe skip it)."""
+        return False
+
     def __init__(self, params: PolicyParams | None = None, seed: int = 0):
         self.params = params if params is not None else self.Params()
         self.rng = random.Random(seed)

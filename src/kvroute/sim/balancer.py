@@ -39,6 +39,7 @@ class SimBalancer:
                                 max_running=p.max_running, rtt_s=sim.network.rtt(region, rep.region)))
         self.router = Router(build_policy(preset, params, seed=seed), eps,
                              index_block_tokens=index_block_tokens)
+        self._probed = [(ep, sim.replicas[ep.id].engine) for ep in self.router.endpoints]
         self.peers: Router | None = None
         self.peer_lbs: dict[str, SimBalancer] = {}
         self._preset, self._params = preset, params
@@ -86,11 +87,19 @@ class SimBalancer:
 
     # -- probes ---------------------------------------------------------------------------------
     def probe(self) -> None:
+        """Read every replica's running, waiting and KV usage, as a /metrics scrape would.
+
+        This runs ten times a simulated second per balancer, so it writes the probed fields
+        directly (what ``Endpoint.apply_probe`` does) instead of calling per endpoint.
+        """
         now = self.sim.loop.now
-        replicas = self.sim.replicas
-        for ep in self.router.endpoints:
-            eng = replicas[ep.id].engine
-            ep.apply_probe(eng.running, len(eng.waiting), eng.kv_usage(now))
+        kv = self.router.policy.reads_kv_usage  # mid-jump KV usage costs a square root
+        for ep, eng in self._probed:
+            ep.running = len(eng.prefilling) + len(eng.decoding)
+            ep.waiting = len(eng.waiting)
+            if kv:
+                ep.kv_usage = eng.kv_usage(now)
+            ep.dispatched_since_probe = 0
         if self.peers is not None:
             for ep in self.peers.endpoints:
                 peer = self.peer_lbs[ep.id]

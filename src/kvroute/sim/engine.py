@@ -177,10 +177,11 @@ class Engine:
     def _plan(self) -> None:
         """At a step boundary: admit, then schedule the next step or decode jump."""
         # vLLM v1 admits nothing in a step that had to preempt (unless the engine went idle)
-        if not self._preempted or not (self.prefilling or self.decoding):
+        if self.waiting and (not self._preempted or not (self.prefilling or self.decoding)):
             self._admit()
         n_dec = len(self.decoding)
-        if not self.prefilling and not n_dec:
+        prefilling = self.prefilling
+        if not prefilling and not n_dec:
             self._busy = False
             self._jump = None
             return
@@ -188,35 +189,38 @@ class Engine:
         self._version += 1
         p = self.p
         T = self.steps
+        h = 1.0
+        ctx_sum = 0
         if n_dec:
+            if self.capacity - self.used < n_dec and not self._decode_room(n_dec):
+                return self._plan()  # a preemption changed the batch
             ctx_sum = self.ctx_a + n_dec * T
-            ctx_sq = self.ctx_a2 + 2 * T * self.ctx_a + n_dec * T * T
-            h = p.heterogeneity(n_dec, ctx_sum, ctx_sq)
-        else:
-            ctx_sum, h = 0, 1.0
-        if self.prefilling:
+            if n_dec > 1 and p.h_cv:  # batch heterogeneity (see profile.py)
+                mean = ctx_sum / n_dec
+                var = (self.ctx_a2 + 2 * T * self.ctx_a + n_dec * T * T) / n_dec - mean * mean
+                if var > 0:
+                    h = 1.0 + p.h_cv * math.sqrt(var) / mean
+                    if h > p.h_max:
+                        h = p.h_max
+        if prefilling:
             budget = p.max_batched_tokens - n_dec
             chunks, tokens, attn = [], 0, 0.0
-            for seq in self.prefilling:
+            for seq in prefilling:
                 if budget <= 0:
                     break
                 c = seq.prefill_left if seq.prefill_left < budget else budget
-                before = seq.prompt - seq.prefill_left
                 chunks.append((seq, c))
                 tokens += c
-                attn += c * (before + c / 2)
+                attn += c * (seq.prompt - seq.prefill_left + c / 2)
                 budget -= c
             self._chunks = chunks
             self._jump = None
-            if n_dec and not self._decode_room(n_dec):
-                return self._plan()  # a preemption changed the batch
-            dt = p.step_time(tokens, n_dec, ctx_sum, attn, h)
+            dt = (p.c0_s + p.c_prefill_s * tokens + p.c_decode_s * n_dec
+                  + p.c_attn_s * h * ctx_sum + p.c_prefill_attn_s * attn)
             self.busy_s += dt
             self.loop.at(self.loop.now + dt, self._end_step, (self._version, 1))
             return
         # decode only: jump to the next finish or memory limit
-        if not self._decode_room(n_dec):
-            return self._plan()
         k_finish = self.finishes[0][0] - T
         k_mem = (self.capacity - self.used) // n_dec
         if k_mem < k_finish:
@@ -303,8 +307,9 @@ class Engine:
             seq.private -= bt
         seq.refs = max(seq.refs, full)
         seq.state = DECODE
-        ctx = seq.prompt + 1
-        seq.a = ctx - self.steps
+        # KV now holds the prompt; each decode step adds the previous token's KV, so the
+        # context is a + steps and a sequence's tokens beyond its prompt are generated − 1
+        seq.a = seq.prompt - self.steps
         self.ctx_a += seq.a
         self.ctx_a2 += seq.a * seq.a
         self.decoding[seq.order] = seq
@@ -322,8 +327,7 @@ class Engine:
         del self.decoding[seq.order]
         self.ctx_a -= seq.a
         self.ctx_a2 -= seq.a * seq.a
-        generated = seq.a + self.steps - seq.prompt  # tokens produced in this admission
-        self.used -= seq.private + generated
+        self.used -= seq.private + (seq.a + self.steps - seq.prompt)
         refcnt, evictable = self.refcnt, self.evictable
         for h in reversed(seq.hashes[:seq.refs]):  # tail first: the head stays cached longest
             c = refcnt[h] - 1
@@ -339,7 +343,7 @@ class Engine:
         self.on_finish(seq, now)
 
     def _preempt(self, seq: Seq) -> None:
-        generated = seq.a + self.steps - seq.prompt
+        generated = seq.a + self.steps - seq.prompt + 1  # tokens produced in this admission
         self._release(seq)
         self._preempted = True
         self.preemptions += 1

@@ -244,7 +244,10 @@ class Simulation:
         self.recorder.complete(flight.sent, flight.first, done, flight.sreq.output_tokens,
                                flight.sreq.req.prompt_tokens, max(0, seq.cached), queue_s,
                                flight.replica, rep.region != flight.client_region)
-        self.loop.at(done, self._client_done, flight)
+        if flight.sreq.program is None:
+            self._done(flight)  # open loop: nobody waits on the client side
+        else:
+            self.loop.at(done, self._client_done, flight)
 
     def _client_done(self, flight: Flight) -> None:
         self._done(flight)

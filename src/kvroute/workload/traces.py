@@ -18,6 +18,7 @@ from kvroute.prefix import BlockHasher, PromptError, chat_key, estimate_tokens
 from kvroute.workload.base import Program, SimRequest, Workload
 
 MOONCAKE_BLOCK_TOKENS = 512  # Mooncake: one hash id per 512-token block
+_INT_ONLY = {int}
 
 
 class TraceError(ValueError):
@@ -96,7 +97,7 @@ class MooncakeTrace(Workload):
         inp = _int_field(obj, "input_length", where, 1)
         out = _int_field(obj, "output_length", where, 0)
         ids = obj.get("hash_ids", [])
-        if not isinstance(ids, list) or not all(isinstance(h, int) and not isinstance(h, bool) for h in ids):
+        if not isinstance(ids, list) or not set(map(type, ids)) <= _INT_ONLY:
             raise TraceError(f"{where}: field 'hash_ids' must be a list of integers")
         return float(ts), inp, max(1, out), tuple(ids)
 

@@ -69,6 +69,10 @@ class Weighted(Policy):
     source = "llm-d inference scheduler: filter → weighted scorers → picker"
     Params = WeightedParams
 
+    @property
+    def reads_kv_usage(self) -> bool:
+        return "kv_cache_util" in self.params.scorers
+
     def choose(self, req: Request, eps: list[Endpoint], view: View) -> Decision:
         matches = view.prefix.match(req.block_hashes)
         total = [0.0] * len(eps)

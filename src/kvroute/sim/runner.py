@@ -1,0 +1,46 @@
+"""Run every policy of a scenario on the identical workload and collect the results."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvroute.metrics import Recorder
+from kvroute.sim.scenario import Scenario
+from kvroute.sim.simulation import Simulation
+
+
+@dataclass
+class PolicyRun:
+    label: str
+    result: dict
+    recorder: Recorder
+    skipped_lines: int = 0
+
+
+def run_scenario(sc: Scenario, on_start: Callable[[str], None] | None = None,
+                 on_progress: Callable[[str, int], None] | None = None) -> list[PolicyRun]:
+    setup = sc.setup()
+    policies = sc.policy_list()
+    runs = []
+    for label, preset, params in policies:
+        workload = sc.make_workload()  # fresh and identically seeded for every policy
+        if on_start:
+            on_start(label)
+        progress = (lambda n, label=label: on_progress(label, n)) if on_progress else None
+        sim = Simulation(setup, preset, params, workload, progress)
+        result = sim.run()
+        skipped = getattr(workload, "skipped", 0)
+        if skipped:
+            result["skipped_lines"] = skipped
+        runs.append(PolicyRun(label, result, sim.recorder, skipped))
+        if on_progress:
+            on_progress(label, sim.recorder.completed)
+    return runs
+
+
+def report(sc: Scenario, runs: list[PolicyRun]) -> dict:
+    return {"scenario": sc.name, "seed": sc.seed,
+            "replicas": sum(g.count for g in sc.replicas),
+            "workload": sc.workload.kind,
+            "results": {r.label: r.result for r in runs}}

@@ -1,0 +1,281 @@
+"""Scenario files: the whole simulated deployment and workload in one YAML document.
+
+    name: 3-region chat
+    seed: 1
+    network: {rtt_ms: {us-eu: 80, us-asia: 150, eu-asia: 200}, in_region_ms: 2}
+    replicas: [{region: us, count: 4, profile: l4-llama3.1-8b}, ...]
+    balancers: [{region: us, manages: [us], probe_interval_s: 0.1, forward: true}, ...]
+    workload: {kind: chat, clients: {us: 120, eu: 40, asia: 40}}
+    policies: [round_robin, skywalker, {preset: sglang_cache_aware, params: {balance_abs: 16}}]
+    limits: {max_requests: 3000}
+
+Unknown keys are errors that name the key, the allowed keys and the file line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from kvroute.policy import ConfigError, policy_from_config
+from kvroute.sim.network import Network
+from kvroute.sim.profile import ProfileError, load_profile
+from kvroute.sim.simulation import BalancerSpec, Limits, ReplicaSpec, Setup
+from kvroute.workload import Workload
+from kvroute.workload.synthetic import ChatPoisson, ChatWorkload
+from kvroute.workload.traces import AzureTrace, MooncakeTrace, OpenAIConversations, TraceError
+
+SCENARIO_DIR = Path(__file__).resolve().parents[3] / "scenarios"
+# bundled traces live in shared/ beside the repository; KVROUTE_TRACES overrides
+DATA_DIR = Path(os.environ.get("KVROUTE_TRACES",
+                               Path(__file__).resolve().parents[3].parent / "shared" / "data" / "traces"))
+WORKLOAD_KINDS = ("chat", "tot", "mixed", "chat-poisson", "mooncake", "azure", "openai")
+
+
+class ScenarioError(ValueError):
+    pass
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class NetworkSpec(_Strict):
+    rtt_ms: dict[str, float] = Field(default_factory=lambda: {"us-eu": 80, "us-asia": 150, "eu-asia": 200})
+    in_region_ms: float = Field(2.0, ge=0)
+
+    @field_validator("rtt_ms")
+    @classmethod
+    def _pairs(cls, v: dict[str, float]) -> dict[str, float]:
+        for k, ms in v.items():
+            if k.count("-") != 1 or ms < 0:
+                raise ValueError(f"rtt_ms keys are 'regionA-regionB' with a non-negative value; got {k!r}: {ms}")
+        return v
+
+
+class ReplicaGroup(_Strict):
+    region: str = "local"
+    count: int = Field(1, ge=1)
+    profile: str = "l4-llama3.1-8b"
+
+
+class BalancerGroup(_Strict):
+    region: str
+    manages: list[str] | Literal["all"] | None = None  # replica regions; default: its own
+    probe_interval_s: float = Field(0.1, gt=0)
+    forward: bool = False
+
+
+class WorkloadSpec(_Strict):
+    kind: Literal["chat", "tot", "mixed", "chat-poisson", "mooncake", "azure", "openai"] = "chat"
+    clients: dict[str, int] = Field(default_factory=dict)
+    path: str | None = None
+    time_scale: float = Field(1.0, gt=0)
+    rate: float | None = Field(None, gt=0)
+    tree_fraction: float = Field(0.5, ge=0, le=1)
+    depth: int = Field(4, ge=1)
+    branching: int = Field(2, ge=1)
+    think_time_s: float = Field(0.0, ge=0)
+    skip_bad: bool = False
+
+
+class LimitSpec(_Strict):
+    max_requests: int | None = Field(None, ge=1)
+    max_sim_s: float | None = Field(None, gt=0)
+    drain_s: float = Field(3600.0, gt=0)
+
+
+class Scenario(_Strict):
+    name: str = "scenario"
+    seed: int = 0
+    network: NetworkSpec = Field(default_factory=NetworkSpec)
+    replicas: list[ReplicaGroup] = Field(default_factory=lambda: [ReplicaGroup(count=4)])
+    balancers: list[BalancerGroup] | None = None
+    workload: WorkloadSpec = Field(default_factory=WorkloadSpec)
+    policies: list[str | dict[str, Any]] = Field(default_factory=lambda: ["round_robin", "skywalker"])
+    limits: LimitSpec = Field(default_factory=LimitSpec)
+    sample_interval_s: float = Field(1.0, gt=0)
+    index_block_tokens: int | None = Field(None, gt=0)
+
+    # -- derived ---------------------------------------------------------------------------------
+    def regions(self) -> list[str]:
+        return list(dict.fromkeys(g.region for g in self.replicas))
+
+    def policy_list(self) -> list[tuple[str, str, dict | None]]:
+        """(label, preset, params) per policy, validated now so a typo fails before any run."""
+        out, seen = [], set()
+        for i, entry in enumerate(self.policies):
+            try:
+                policy_from_config(entry, where=f"policies[{i}]")
+            except ConfigError as exc:
+                raise ScenarioError(str(exc)) from None
+            preset = entry if isinstance(entry, str) else entry["preset"]
+            params = None if isinstance(entry, str) else entry.get("params")
+            label = preset if not params else f"{preset}({','.join(f'{k}={v}' for k, v in sorted(params.items()))})"
+            if label in seen:
+                raise ScenarioError(f"policies[{i}]: {label} is listed twice")
+            seen.add(label)
+            out.append((label, preset, params))
+        return out
+
+    def setup(self) -> Setup:
+        replicas = []
+        for g in self.replicas:
+            try:
+                prof = load_profile(g.profile)
+            except ProfileError as exc:
+                raise ScenarioError(f"replicas: {exc}") from None
+            n0 = sum(1 for r in replicas if r.region == g.region)
+            replicas += [ReplicaSpec(f"{g.region}-{n0 + i}", g.region, prof) for i in range(g.count)]
+        groups = self.balancers or [BalancerGroup(region=r) for r in self.regions()]
+        balancers = []
+        for b in groups:
+            manages = self.regions() if b.manages == "all" else (b.manages or [b.region])
+            unknown = sorted(set(manages) - set(self.regions()))
+            if unknown:
+                raise ScenarioError(f"balancers[{b.region}].manages: no replicas in region(s) "
+                                    f"{', '.join(unknown)}; regions: {', '.join(self.regions())}")
+            ids = [r.id for r in replicas if r.region in manages]
+            balancers.append(BalancerSpec(f"lb-{b.region}", b.region, ids, b.probe_interval_s, b.forward))
+        rtt = {tuple(k.split("-")): v for k, v in self.network.rtt_ms.items()}
+        bt = self.index_block_tokens or (512 if self.workload.kind == "mooncake" else 64)
+        return Setup(replicas, balancers, Network(rtt, self.network.in_region_ms),
+                     Limits(self.limits.max_requests, self.limits.max_sim_s, self.limits.drain_s),
+                     self.seed, self.sample_interval_s, bt)
+
+    def clients(self) -> dict[str, int]:
+        return dict(self.workload.clients) or {r: 16 for r in self.regions()}
+
+    def make_workload(self) -> Workload:
+        w = self.workload
+        clients = self.clients()
+        try:
+            if w.kind in ("chat", "tot", "mixed"):
+                frac = {"chat": 0.0, "tot": 1.0, "mixed": w.tree_fraction}[w.kind]
+                return ChatWorkload(clients, self.seed, w.think_time_s, frac, w.depth, w.branching)
+            if w.kind == "chat-poisson":
+                return ChatPoisson(w.rate or 1.0, clients, self.seed, max_requests=self.limits.max_requests)
+            path = resolve_trace(w.path, w.kind)
+            if w.kind == "mooncake":
+                return MooncakeTrace(path, w.time_scale, w.rate, clients, self.seed, w.skip_bad,
+                                     self.limits.max_requests)
+            if w.kind == "azure":
+                return AzureTrace(path, w.time_scale, w.rate, clients, self.seed, w.skip_bad,
+                                  self.limits.max_requests)
+            return OpenAIConversations(path, clients, self.seed, w.skip_bad)
+        except TraceError as exc:
+            raise ScenarioError(str(exc)) from None
+
+
+def resolve_trace(path: str | None, kind: str) -> str:
+    if path is None:
+        bundled = {"mooncake": DATA_DIR / "mooncake" / "conversation_trace.jsonl",
+                   "azure": DATA_DIR / "azure-2023" / "AzureLLMInferenceTrace_code.csv"}.get(kind)
+        if bundled is None:
+            raise ScenarioError(f"workload.path is required for kind {kind!r}")
+        return str(bundled)
+    p = Path(path)
+    if not p.is_absolute() and not p.exists() and (DATA_DIR / path).exists():
+        p = DATA_DIR / path
+    return str(p)
+
+
+def detect_trace_kind(path: str) -> str:
+    """Trace kind from a file: .csv → azure; JSONL with hash_ids/input_length → mooncake;
+    JSONL with messages → openai."""
+    p = Path(path)
+    if p.suffix == ".csv":
+        return "azure"
+    with p.open() as f:
+        for lineno, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise ScenarioError(f"{path}:{lineno}: invalid JSON ({exc.msg})") from None
+                if isinstance(obj, dict) and ("input_length" in obj or "hash_ids" in obj):
+                    return "mooncake"
+                if isinstance(obj, dict) and "messages" in obj:
+                    return "openai"
+                raise ScenarioError(f"{path}:{lineno}: not a Mooncake line (input_length, "
+                                    "output_length, hash_ids) nor an OpenAI conversation (messages)")
+    raise ScenarioError(f"{path}: empty trace")
+
+
+def _line_of(text: str, loc: tuple) -> int | None:
+    """Line number of the YAML node at ``loc`` (keys and list indices), for error messages."""
+    try:
+        node = yaml.compose(text)
+    except yaml.YAMLError:
+        return None
+    line = None
+    for part in loc:
+        if isinstance(node, yaml.MappingNode):
+            for k, v in node.value:
+                if k.value == part:
+                    line, node = k.start_mark.line + 1, v
+                    break
+            else:
+                return line
+        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(node.value):
+            node = node.value[part]
+            line = node.start_mark.line + 1
+        else:
+            return line
+    return line
+
+
+def _allowed(model: type[BaseModel], loc: tuple) -> list[str]:
+    for part in loc[:-1]:
+        field = model.model_fields.get(part) if isinstance(part, str) else None
+        if field is None:
+            continue
+        ann = field.annotation
+        for cand in getattr(ann, "__args__", ()) + (ann,):
+            if isinstance(cand, type) and issubclass(cand, BaseModel):
+                model = cand
+                break
+    return list(model.model_fields)
+
+
+def parse_scenario(data: Any, source: str = "scenario", text: str | None = None) -> Scenario:
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ScenarioError(f"{source}: a scenario is a mapping of keys, got {type(data).__name__}")
+    try:
+        return Scenario(**data)
+    except ValidationError as err:
+        msgs = []
+        for e in err.errors():
+            loc = tuple(e["loc"])
+            where = ".".join(str(x) for x in loc)
+            line = _line_of(text, loc) if text else None
+            at = f"{source}:{line}" if line else source
+            if e["type"] == "extra_forbidden":
+                msgs.append(f"{at}: unknown key {where!r}; allowed: {', '.join(_allowed(Scenario, loc))}")
+            else:
+                msgs.append(f"{at}: {where}: {e['msg']} (got {e.get('input')!r})")
+        raise ScenarioError("\n".join(msgs)) from None
+
+
+def load_scenario(path: str) -> Scenario:
+    p = Path(path)
+    if not p.exists() and (SCENARIO_DIR / f"{path}.yaml").exists():
+        p = SCENARIO_DIR / f"{path}.yaml"
+    if not p.is_file():
+        bundled = ", ".join(sorted(x.stem for x in SCENARIO_DIR.glob("*.yaml")))
+        raise ScenarioError(f"{path}: no such scenario file; bundled scenarios: {bundled}")
+    text = p.read_text()
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        raise ScenarioError(f"{p}:{mark.line + 1 if mark else '?'}: invalid YAML: "
+                            f"{getattr(exc, 'problem', exc)}") from None
+    return parse_scenario(data, str(p), text)

@@ -1,0 +1,174 @@
+"""The engine model: invariants under random load, prefix caching, preemption, analytic decode."""
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvroute.sim.engine import DECODE, Engine, Seq
+from kvroute.sim.events import EventLoop
+from kvroute.sim.profile import available_profiles, load_profile
+
+
+def small_profile(**kw):
+    base = load_profile("l4-llama3.1-8b").model_dump()
+    base.update(kw)
+    return type(load_profile("l4-llama3.1-8b"))(**base)
+
+
+class Harness:
+    """An engine plus bookkeeping that checks its invariants after every event."""
+
+    def __init__(self, profile):
+        self.loop = EventLoop()
+        self.first, self.done = {}, {}
+        self.eng = Engine("e", profile, self.loop, self._first, self._finish)
+        self.computed: set[int] = set()  # blocks some sequence finished prefilling
+
+    def _first(self, seq, t):
+        assert seq.rid not in self.first
+        self.first[seq.rid] = t
+        self.computed.update(seq.hashes[: min(len(seq.hashes), seq.prompt // seq.bt)])
+
+    def _finish(self, seq, t):
+        assert seq.rid not in self.done, "finished twice"
+        self.done[seq.rid] = t
+
+    def check(self):
+        e = self.eng
+        assert 0 <= e.used <= e.capacity, (e.used, e.capacity)
+        assert e.running <= e.p.max_running
+        assert all(c >= 0 for c in e.refcnt.values())
+        assert set(e.evictable) == {h for h, c in e.refcnt.items() if c == 0}
+        # the cache only holds blocks that some sequence actually computed
+        assert set(e.refcnt) <= self.computed
+        private = sum(s.private + (s.a + e.steps - s.prompt) for s in e.decoding.values()) \
+            + sum(s.private for s in e.prefilling)
+        assert e.used == private + len(e.refcnt) * e.cache_bt
+
+    def run(self):
+        heap = self.loop._heap
+        while heap:
+            self.loop.run(until=heap[0][0])
+            self.check()
+
+
+chains = st.lists(st.tuples(st.integers(0, 3), st.integers(1, 12), st.integers(1, 300),
+                            st.floats(0, 5)), min_size=1, max_size=40)
+
+
+@settings(max_examples=60, deadline=None)
+@given(chains, st.integers(200, 2000))
+def test_engine_invariants_under_random_load(reqs, kv_blocks):
+    h = Harness(small_profile(kv_blocks=kv_blocks, max_running=8, max_batched_tokens=512))
+    rng = random.Random(len(reqs))
+    families = {f: tuple(rng.getrandbits(64) for _ in range(12)) for f in range(4)}
+    submitted = []
+    for i, (fam, nblocks, out, at) in enumerate(reqs):
+        hashes = families[fam][:nblocks]
+        prompt = nblocks * 64 + rng.randrange(0, 64)
+        if not h.eng.fits(prompt, out):
+            continue
+        seq = Seq(f"r{i}", prompt, out, hashes, 64)
+        submitted.append(seq)
+        h.loop.at(at, h.eng.submit, seq)
+    h.run()
+    assert set(h.done) == {s.rid for s in submitted}  # each finishes exactly once
+    assert set(h.first) == set(h.done)
+    assert all(h.first[r] <= h.done[r] for r in h.done)
+    assert h.eng.running == 0 and not h.eng.waiting
+    assert h.eng.hit_tokens <= h.eng.prompt_tokens
+
+
+def test_prefix_cache_hits_only_after_prefill_and_skip_prefill_work():
+    h = Harness(small_profile(kv_blocks=4000))
+    hashes = tuple(range(100, 120))
+    a = Seq("a", 20 * 64, 4, hashes, 64)
+    b = Seq("b", 20 * 64, 4, hashes, 64)
+    h.eng.submit(a)
+    h.run()
+    t_a = h.first["a"]
+    h.loop.at(h.loop.now + 1.0, h.eng.submit, b)
+    start = h.loop.now + 1.0
+    h.run()
+    assert b.cached == 20 * 64 - 1  # everything but the last token came from the cache
+    assert h.first["b"] - start < t_a / 5  # and the prefill was far shorter
+
+
+def test_concurrent_identical_prompts_do_not_hit_uncomputed_blocks():
+    h = Harness(small_profile(kv_blocks=4000, max_batched_tokens=128))
+    hashes = tuple(range(10))
+    a, b = Seq("a", 640, 2, hashes, 64), Seq("b", 640, 2, hashes, 64)
+    h.eng.submit(a)  # five chunked-prefill steps of 128 tokens
+    h.loop.at(0.01, h.eng.submit, b)  # admitted while a is still prefilling
+    h.run()
+    assert b.cached == 0 and h.eng.hit_tokens == 0
+    c = Seq("c", 640, 2, hashes, 64)  # after a finished prefilling, the blocks are there
+    h.eng.submit(c)
+    h.run()
+    assert c.cached == 639
+
+
+def test_preemption_under_memory_pressure_still_finishes_everything():
+    h = Harness(small_profile(kv_blocks=120, max_running=16, max_batched_tokens=2048))  # 1920 tokens
+    for i in range(8):
+        h.eng.submit(Seq(f"r{i}", 100, 400, (), 64))
+    h.run()
+    assert len(h.done) == 8 and h.eng.preemptions > 0
+
+
+def test_decode_jump_matches_step_by_step_time():
+    p = small_profile(kv_blocks=10_000)
+    h = Harness(p)
+    h.eng.submit(Seq("a", 64, 50, (), 64))
+    h.run()
+    t_prefill = p.step_time(64, prefill_attn=64 * 32)
+    # 49 more decode steps over a KV context growing from 64 to 112 tokens
+    t_decode = sum(p.step_time(decode=1, decode_ctx=64 + k) for k in range(49))
+    assert h.done["a"] == pytest.approx(t_prefill + t_decode, rel=1e-9)
+
+
+def test_arrival_interrupts_a_decode_jump_at_the_next_step_boundary():
+    p = small_profile(kv_blocks=10_000)
+    h = Harness(p)
+    h.eng.submit(Seq("long", 64, 1000, (), 64))
+    h.loop.at(0.9, h.eng.submit, Seq("late", 64, 2, (), 64))
+    h.run()
+    assert 0.9 < h.first["late"] < 0.9 + 0.3  # not after the long request's 1000 tokens
+    assert h.done["long"] > h.done["late"]
+
+
+@pytest.mark.parametrize("name", available_profiles())
+def test_profiles_reproduce_their_published_points(name):
+    p = load_profile(name)
+    assert p.points, f"{name} lists no published points"
+    for pt in p.points:
+        if "ttft_s" in pt:
+            got, want = p.ttft_overhead_s + p.prefill_time(pt["prefill"]), pt["ttft_s"]
+        elif "attn_share" in pt:
+            got, want = p.attention_share(pt["decode"], pt["ctx"]), pt["attn_share"]
+        elif "expect_h" in pt:
+            cv = pt["heterogeneity_cv"]  # two lengths m(1±cv) have exactly this CV
+            got, want = p.heterogeneity(2, 2000, 1000**2 * ((1 + cv) ** 2 + (1 - cv) ** 2)), pt["expect_h"]
+        elif "kv_fits" in pt:
+            f = pt["kv_fits"]
+            got = p.kv_tokens * f["kv_bytes_per_token"] / 1e9
+            want = f["hbm_gb"] * 0.9 - f["weights_gb"]
+            assert got <= want * 1.05, pt["source"]
+            continue
+        elif "prefill" in pt:
+            got, want = p.prefill_time(pt["prefill"]), pt["expect_s"]
+        else:
+            got, want = p.step_time(decode=pt["decode"], decode_ctx=pt["decode"] * pt["ctx"]), pt["expect_s"]
+        assert got == pytest.approx(want, rel=0.05), pt["source"]
+
+
+def test_mixed_length_batches_are_slower_than_uniform():
+    p = load_profile("h100-llama3.2-3b")
+    lengths_uniform = [1000] * 4
+    lengths_mixed = [100, 100, 100, 3700]
+    def t(ls):
+        s, s2 = sum(ls), sum(x * x for x in ls)
+        return p.step_time(decode=4, decode_ctx=s, h=p.heterogeneity(4, s, s2))
+    assert 1.1 <= t(lengths_mixed) / t(lengths_uniform) <= 2.1

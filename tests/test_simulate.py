@@ -1,0 +1,164 @@
+"""Whole simulations: conservation, sanity, determinism, workloads, forwarding, bad input."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvroute.cli import main
+from kvroute.sim.runner import run_scenario
+from kvroute.sim.scenario import ScenarioError, load_scenario, parse_scenario
+from kvroute.workload.synthetic import ChatWorkload, ThoughtTree
+from kvroute.workload.traces import MooncakeTrace, TraceError
+
+MOONCAKE = Path(__file__).resolve().parents[2] / "shared/data/traces/mooncake/conversation_trace.jsonl"
+needs_trace = pytest.mark.skipif(not MOONCAKE.exists(), reason="shared/ traces are not beside this checkout")
+
+
+def scenario(**kw):
+    base = {"replicas": [{"region": "us", "count": 4, "profile": "l4-llama3.1-8b"}],
+            "workload": {"kind": "chat", "clients": {"us": 24}},
+            "policies": ["round_robin", "skywalker", "lmetric"],
+            "limits": {"max_requests": 400}, "seed": 3}
+    base.update(kw)
+    return parse_scenario(base)
+
+
+def test_conservation_every_request_finishes_once_or_fails():
+    for run in run_scenario(scenario()):
+        r = run.result
+        assert r["requests"] + sum(r["failed"].values()) == r["issued"] == 400
+        assert not r["failed"]
+        assert 0 <= r["prefix_hit_rate"] <= 1
+        assert r["ttft_s"]["p50"] <= r["ttft_s"]["p99"] and r["ttft_s"]["p50"] <= r["e2e_s"]["p50"]
+
+
+def test_more_replicas_never_lower_throughput():
+    tput = []
+    for n in (2, 4, 8):
+        sc = scenario(replicas=[{"region": "us", "count": n}], policies=["round_robin"],
+                      workload={"kind": "chat-poisson", "rate": 40.0, "clients": {"us": 1}},
+                      limits={"max_requests": 600})
+        tput.append(run_scenario(sc)[0].result["throughput_rps"])
+    assert tput[0] <= tput[1] <= tput[2], tput
+
+
+@needs_trace
+def test_larger_time_scale_never_raises_mean_ttft():
+    means = []
+    for ts in (0.05, 0.2, 1.0, 4.0):
+        sc = scenario(replicas=[{"region": "us", "count": 4, "profile": "h20-qwen3-30b-a3b"}],
+                      workload={"kind": "mooncake", "path": str(MOONCAKE), "time_scale": ts},
+                      policies=["least_request"], limits={"max_requests": 600})
+        means.append(run_scenario(sc)[0].result["ttft_s"]["mean"])
+    assert all(a >= b for a, b in zip(means, means[1:])), means
+
+
+def test_same_scenario_and_seed_give_byte_identical_json(tmp_path):
+    sc = tmp_path / "s.yaml"
+    sc.write_text("replicas: [{region: us, count: 3}]\nworkload: {kind: mixed, clients: {us: 12}}\n"
+                  "policies: [sglang_cache_aware, lmetric]\nlimits: {max_requests: 300}\nseed: 9\n")
+    outs = []
+    for i in range(2):
+        out = tmp_path / f"r{i}.json"
+        assert main(["simulate", str(sc), "--json", str(out)]) == 0
+        outs.append(out.read_bytes())
+    assert outs[0] == outs[1]
+    data = json.loads(outs[0])
+    for r in data["results"].values():
+        assert {"requests", "ttft_s", "tpot_s", "e2e_s", "throughput_rps", "output_tps",
+                "prefix_hit_rate", "imbalance_cv"} <= set(r)
+        assert set(r["ttft_s"]) == {"mean", "p50", "p90", "p95", "p99"}
+
+
+def test_tree_of_thought_issues_fifteen_requests_per_tree_with_concurrent_siblings():
+    wl = ChatWorkload({"us": 1}, seed=1, tree_fraction=1.0)
+    tree = wl.new_program("us", 0)
+    assert isinstance(tree, ThoughtTree)
+    pending, total, widest = tree.start(), 0, 0
+    while pending:
+        widest = max(widest, len(pending))
+        total += len(pending)
+        nxt = []
+        for sreq in pending:
+            nxt += tree.on_complete(sreq)
+        pending = nxt
+    assert total == 15 and widest == 8
+
+
+def test_conversation_turns_extend_the_previous_prompt():
+    wl = ChatWorkload({"us": 1}, seed=2)
+    conv = wl.new_program("us", 0)
+    conv.turns_left = 3
+    first = conv.start()[0]
+    second = conv.on_complete(first)[0]
+    assert second.req.block_hashes[: len(first.req.block_hashes)] == first.req.block_hashes
+    assert second.req.prompt_tokens > first.req.prompt_tokens + first.output_tokens
+
+
+def test_skewed_regions_forward_to_peers_with_skywalker():
+    sc = scenario(
+        replicas=[{"region": r, "count": 2} for r in ("us", "eu", "asia")],
+        balancers=[{"region": r, "forward": True} for r in ("us", "eu", "asia")],
+        workload={"kind": "chat", "clients": {"us": 60, "eu": 4, "asia": 4}},
+        policies=["round_robin", "skywalker"], limits={"max_requests": 500})
+    rr, sky = (run.result for run in run_scenario(sc))
+    assert rr["cross_region_forwards"] == 0  # blind pushing never holds, so never forwards
+    assert sky["cross_region_forwards"] > 0
+    assert sky["cross_region_served"] == sky["cross_region_forwards"]
+    assert sky["ttft_s"]["mean"] < rr["ttft_s"]["mean"]
+
+
+def test_request_longer_than_kv_capacity_is_rejected_and_counted(tmp_path):
+    trace = tmp_path / "t.jsonl"
+    lines = [{"timestamp": i * 100, "input_length": 800, "output_length": 20, "hash_ids": [i, 1000 + i]}
+             for i in range(20)]
+    lines[5]["input_length"] = 10_000_000
+    trace.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    sc = scenario(workload={"kind": "mooncake", "path": str(trace)}, policies=["round_robin"])
+    r = run_scenario(sc)[0].result
+    assert r["requests"] == 19 and r["failed"] == {"rejected": 1}
+
+
+def test_malformed_trace_line_names_file_line_and_field(tmp_path):
+    trace = tmp_path / "bad.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 10, "output_length": 5, "hash_ids": [1]}\n'
+                     '{"timestamp": 5, "input_length": "ten", "output_length": 5, "hash_ids": [2]}\n'
+                     '{"timestamp": 9, "input_length": 10, "output_length": 5, "hash_ids": [3]}\n')
+    with pytest.raises(TraceError, match=r"bad.jsonl:2: field 'input_length'"):
+        list(MooncakeTrace(trace).arrivals())
+    wl = MooncakeTrace(trace, skip_bad=True)
+    assert len(list(wl.arrivals())) == 2 and wl.skipped == 1
+
+
+def test_unknown_scenario_key_names_key_line_and_allowed(tmp_path):
+    f = tmp_path / "s.yaml"
+    f.write_text("name: x\nworkload:\n  kind: chat\n  rat: 3\n")
+    with pytest.raises(ScenarioError, match=r"s.yaml:4: unknown key 'workload.rat'; allowed: kind, clients"):
+        load_scenario(str(f))
+    f.write_text("name: x\npolicy: [lmetric]\n")
+    with pytest.raises(ScenarioError, match=r"unknown key 'policy'; allowed: name, seed, network"):
+        load_scenario(str(f))
+    with pytest.raises(ScenarioError, match="unknown preset 'lmetrik'"):
+        parse_scenario({"policies": ["lmetrik"]}).policy_list()
+
+
+def test_cli_reports_bad_input_without_traceback(tmp_path, capsys):
+    f = tmp_path / "s.yaml"
+    f.write_text("workload: {kind: chat, clients: {us: 2}}\nreplicas: [{region: us, profile: tpu}]\n")
+    assert main(["simulate", str(f)]) == 2
+    assert "unknown profile 'tpu'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["chat-1region", "chat-3region-skewed", "tot", "mixed-tree", "mooncake"])
+def test_bundled_scenarios_validate(name):
+    sc = load_scenario(name)
+    sc.setup()
+    assert sc.policy_list()
+
+
+def test_cli_simulate_writes_plots(tmp_path):
+    assert main(["simulate", "--replicas", "2", "--workload", "tot", "--policy", "round_robin,skywalker",
+                 "--max-requests", "150", "--plots", str(tmp_path)]) == 0
+    for name in ("ttft_cdf.png", "e2e_cdf.png", "throughput.png", "replica_load.png"):
+        assert (tmp_path / name).stat().st_size > 1000
