@@ -33,6 +33,7 @@ test: $(DEVSTAMP)
 bench: $(STAMP)
 	mkdir -p $(OUT)
 	$(BIN)/kvroute bench routing --json $(OUT)/bench-routing.json
+	$(BIN)/kvroute bench sim-speed --json $(OUT)/bench-sim-speed.json
 
 clean:
 	rm -rf $(VENV) $(OUT) .pytest_cache

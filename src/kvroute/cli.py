@@ -73,6 +73,27 @@ def cmd_bench_routing(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_sim_speed(args: argparse.Namespace) -> int:
+    from kvroute.bench import sim_speed
+
+    result = sim_speed.run(progress=lambda msg: err.print(msg), with_million=not args.skip_million,
+                           million_requests=args.million_requests)
+    table = Table(title="simulator speed: Mooncake conversation trace, 16 replicas, ~70% load")
+    table.add_column("preset")
+    table.add_column("simulated requests / wall s", justify="right")
+    table.add_column("wall s", justify="right")
+    for name, r in result["per_preset"].items():
+        table.add_row(name, f"{r['sim_requests_per_s']:,}", f"{r['wall_s']:.2f}")
+    console.print(table)
+    console.print(f"median: {result['sim_requests_per_s']:,.0f} simulated requests per wall second")
+    if "million" in result:
+        m = result["million"]
+        console.print(f"{m['requests']:,}-request synthetic run: {m['wall_s']:.1f} s wall, "
+                      f"peak RSS {m['peak_rss_mb']:,.0f} MB ({m['sim_requests_per_s']:,}/s)")
+    _write_json(args.json, result)
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from kvroute import walkthrough
     from kvroute.bench import routing
@@ -97,6 +118,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
     console.print(f"index memory: {result['index_bytes_per_block']:.1f} bytes/block   "
                   f"220 KB chat keyed+hashed+routed: {result['chat_220kb_ms']:.2f} ms")
     _write_json(str(Path(args.out) / "bench-routing.json"), result)
+
+    from kvroute.sim.scenario import load_scenario, parse_scenario
+
+    console.rule("[bold]simulated comparison: 3 regions, skewed clients (120/40/40), 12 L4 replicas")
+    data = load_scenario("chat-3region-skewed").model_dump(exclude_none=True)
+    data["limits"]["max_requests"] = args.sim_requests
+    run_simulation(parse_scenario(data), str(Path(args.out) / "simulate.json"), str(Path(args.out) / "plots"))
     return 0
 
 
@@ -229,9 +257,16 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--plots", metavar="DIR", help="write TTFT/E2E CDFs, throughput and load PNGs")
     sim.set_defaults(func=cmd_simulate)
 
+    bs = bench.add_parser("sim-speed", help="simulated requests per wall second; 1M-request run")
+    bs.add_argument("--json", metavar="FILE")
+    bs.add_argument("--skip-million", action="store_true", dest="skip_million")
+    bs.add_argument("--million-requests", type=int, default=1_000_000, dest="million_requests")
+    bs.set_defaults(func=cmd_bench_sim_speed)
+
     demo = sub.add_parser("demo", help="the main job: walk-through, benchmark, simulation, gateway")
     demo.add_argument("--out", default="out", help="folder for JSON results and plots")
     demo.add_argument("--decisions", type=int, default=500)
+    demo.add_argument("--sim-requests", type=int, default=3000, dest="sim_requests")
     demo.set_defaults(func=cmd_demo)
     return p
 

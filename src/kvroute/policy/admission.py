@@ -30,8 +30,9 @@ class PendingGate(Admission):
     name = "pending"
 
     def ready(self, eps: list[Endpoint]) -> list[Endpoint]:
-        return [e for e in eps
-                if (_peer_ok(e) if e.kind is EndpointKind.PEER else e.waiting == 0)]
+        if eps[0].kind is EndpointKind.PEER:  # a router's pool is all peers or all replicas
+            return [e for e in eps if _peer_ok(e)]
+        return [e for e in eps if not e.waiting]
 
 
 class OutstandingGate(Admission):

@@ -67,8 +67,10 @@ class Policy:
         if not req.has_prompt:
             return Decision.none("request has no prompt or messages", branch="bad-request")
         zone = req.residency
-        eps = [e for e in view.endpoints if e.healthy and not e.circuit_open
-               and (zone is None or e.zone == zone)]
+        if zone is None:
+            eps = [e for e in view.endpoints if e.healthy and not e.circuit_open]
+        else:
+            eps = [e for e in view.endpoints if e.healthy and not e.circuit_open and e.zone == zone]
         if not eps:
             why = f"outside residency zone {zone!r}, " if zone else ""
             return Decision.none(f"every endpoint was filtered out ({why}unhealthy or circuit open)",

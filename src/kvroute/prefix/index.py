@@ -125,20 +125,31 @@ class PrefixIndex:
         else:
             tables = [(eid, self._blocks[eid]) for eid in endpoint_ids if eid in self._blocks]
         out: dict[str, int] = {}
+        guess = 0  # endpoints sharing a system prompt usually match equally: try the last answer
         for eid, table in tables:
             if first not in table:
                 continue
             if last in table:
                 out[eid] = n
                 continue
-            lo, hi = 1, n - 1  # invariant: hashes[lo-1] held, hashes[hi] not held
+            # invariant: hashes[lo-1] held, hashes[hi] not held
+            if 0 < guess < n:
+                if hashes[guess - 1] in table:
+                    if hashes[guess] not in table:
+                        out[eid] = guess
+                        continue
+                    lo, hi = guess + 1, n - 1
+                else:
+                    lo, hi = 1, guess - 1
+            else:
+                lo, hi = 1, n - 1
             while lo < hi:
                 mid = (lo + hi) >> 1
                 if hashes[mid] in table:
                     lo = mid + 1
                 else:
                     hi = mid
-            out[eid] = lo
+            out[eid] = guess = lo
         return out
 
     def match_one(self, endpoint_id: str, hashes: Sequence[int]) -> int:

@@ -9,11 +9,12 @@ blocks only when a context is extended.
 from __future__ import annotations
 
 import struct
+from array import array
 
 import xxhash
 
 _xxh = xxhash.xxh3_64_intdigest
-_piece = struct.Struct("<QII")
+_one = struct.Struct("<qqq")  # the common block: one piece of one segment
 
 
 class Context:
@@ -41,7 +42,8 @@ class Context:
             filled += take
             start += take
             if filled == bt:
-                data = b"".join(_piece.pack(s & 0xFFFFFFFFFFFFFFFF, a, b) for s, a, b in tail)
+                data = (_one.pack(*tail[0]) if len(tail) == 1
+                        else array("q", [x for piece in tail for x in piece]).tobytes())
                 hashes.append(_xxh(data, hashes[-1] if hashes else 0))
                 tail, filled = [], 0
         return Context(bt, tuple(hashes), self.tokens + n, tuple(tail))

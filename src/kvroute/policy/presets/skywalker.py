@@ -33,9 +33,14 @@ class SkyWalker(Policy):
 
     def choose(self, req: Request, eps: list[Endpoint], view: View) -> Decision:
         matches = view.prefix.match(req.block_hashes)
-        best = max([matches.get(e.id, 0) for e in eps])
+        best, tied = 0, []
+        for e in eps:
+            m = matches.get(e.id, 0)
+            if m > best:
+                best, tied = m, [e]
+            elif m == best and m:
+                tied.append(e)
         if best and req.hit_ratio(best) >= self.params.cache_threshold:
-            tied = [e for e in eps if matches.get(e.id) == best]
             loads = [e.inflight for e in tied]
             ep = argmin(tied, loads, self.rng)
             return Decision.dispatch(ep.id, "prefix-hit", best, explain(tied, loads))
