@@ -227,6 +227,92 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_async(coro) -> None:
+    import asyncio
+
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux/macOS
+        asyncio.run(coro)
+    else:
+        uvloop.run(coro)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from kvroute import yamlconf
+    from kvroute.gateway.config import GatewayConfig, load_config
+    from kvroute.gateway.server import configure_logging, serve
+
+    configure_logging(args.log_level)
+    if args.config:
+        try:
+            config = load_config(args.config)
+        except yamlconf.ConfigFileError as exc:
+            err.print(f"[red]error:[/red] {exc}", highlight=False)
+            return 2
+        overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
+        config = config.model_copy(update=overrides)
+
+        async def main() -> None:
+            await serve(config, args.config,
+                        on_ready=lambda gw: err.print(f"kvroute gateway on http://{config.host}:{gw.port} "
+                                                      f"({len(config.replicas)} replicas, policy {gw.runtime.policy_name})"))
+        _run_async(main())
+        return 0
+
+    async def embedded() -> None:
+        import asyncio
+        import signal
+
+        from kvroute.gateway.embedded import start_deployment
+
+        dep = await start_deployment(replicas=args.replicas, policy=args.policy or "skywalker",
+                                     host=args.host or "127.0.0.1", port=args.port if args.port is not None else 8000)
+        err.print(f"kvroute gateway on {dep.url} in front of {len(dep.emulators)} emulated replicas "
+                  f"(policy {dep.gateway.runtime.policy_name}). Try:\n"
+                  f"  curl {dep.url}/v1/chat/completions -H 'content-type: application/json' "
+                  "-d '{\"model\": \"emulated\", \"messages\": [{\"role\": \"user\", \"content\": \"hi\"}]}'")
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        await dep.gateway.drain()
+        await dep.stop()
+
+    _run_async(embedded())
+    return 0
+
+
+def cmd_emulate(args: argparse.Namespace) -> int:
+    from kvroute.emulator.server import Faults, start_emulator
+    from kvroute.sim.profile import ProfileError, load_profile
+
+    try:
+        profile = load_profile(args.profile)
+    except ProfileError as exc:
+        err.print(f"[red]error:[/red] {exc}", highlight=False)
+        return 2
+    faults = Faults(fail_rate=args.fail_rate, hang=args.hang, close_after_tokens=args.close_after_tokens,
+                    slowdown=args.slowdown)
+
+    async def main() -> None:
+        import asyncio
+        import signal
+
+        runner, emu, port = await start_emulator(args.host, args.port, profile, args.engine, faults, args.model)
+        err.print(f"emulated {args.engine} replica ({profile.name}) on http://{args.host}:{port}")
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        await runner.cleanup()
+
+    _run_async(main())
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvroute", description="KV-cache-aware load balancer for LLM inference")
     sub = p.add_subparsers(dest="command", required=True)
@@ -262,6 +348,28 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--skip-million", action="store_true", dest="skip_million")
     bs.add_argument("--million-requests", type=int, default=1_000_000, dest="million_requests")
     bs.set_defaults(func=cmd_bench_sim_speed)
+
+    sv = sub.add_parser("serve", help="run the gateway (no --config: an embedded emulated deployment)")
+    sv.add_argument("--config", help="gateway YAML (replicas, policy, probes, queue, timeouts)")
+    sv.add_argument("--host")
+    sv.add_argument("--port", type=int)
+    sv.add_argument("--replicas", type=int, default=4, help="emulated replicas when no --config")
+    sv.add_argument("--policy", help="policy preset when no --config")
+    sv.add_argument("--log-level", default="INFO", dest="log_level")
+    sv.set_defaults(func=cmd_serve)
+
+    em = sub.add_parser("emulate", help="an engine replica emulated in real time behind the OpenAI API")
+    em.add_argument("--host", default="127.0.0.1")
+    em.add_argument("--port", type=int, default=8001)
+    em.add_argument("--profile", default="h100-llama3.2-3b")
+    em.add_argument("--engine", choices=["vllm", "sglang", "llamacpp"], default="vllm")
+    em.add_argument("--model", default="emulated")
+    em.add_argument("--fail-rate", type=float, default=0.0, dest="fail_rate", help="fraction answered 500")
+    em.add_argument("--hang", action="store_true", help="accept requests and never answer")
+    em.add_argument("--close-after-tokens", type=int, dest="close_after_tokens",
+                    help="drop streams after this many tokens")
+    em.add_argument("--slowdown", type=float, default=1.0, help="model time runs this many times slower")
+    em.set_defaults(func=cmd_emulate)
 
     demo = sub.add_parser("demo", help="the main job: walk-through, benchmark, simulation, gateway")
     demo.add_argument("--out", default="out", help="folder for JSON results and plots")

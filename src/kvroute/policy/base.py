@@ -71,6 +71,8 @@ class Policy:
             eps = [e for e in view.endpoints if e.healthy and not e.circuit_open]
         else:
             eps = [e for e in view.endpoints if e.healthy and not e.circuit_open and e.zone == zone]
+        if req.exclude:
+            eps = [e for e in eps if e.id not in req.exclude]
         if not eps:
             why = f"outside residency zone {zone!r}, " if zone else ""
             return Decision.none(f"every endpoint was filtered out ({why}unhealthy or circuit open)",

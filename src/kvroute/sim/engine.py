@@ -79,8 +79,14 @@ class Seq:
 class Engine:
     def __init__(self, eid: str, profile: HardwareProfile, loop: EventLoop,
                  on_first_token: Callable[[Seq, float], None],
-                 on_finish: Callable[[Seq, float], None]):
+                 on_finish: Callable[[Seq, float], None],
+                 on_step: Callable[[list[Seq]], None] | None = None,
+                 max_jump_steps: int | None = None):
+        """``on_step`` (called with the sequences that decoded one token) and ``max_jump_steps=1``
+        make the engine step token by token, which the real-time emulator needs to stream."""
         self.id = eid
+        self.on_step = on_step
+        self.max_jump_steps = max_jump_steps
         self.p = profile
         self.loop = loop
         self.on_first_token = on_first_token
@@ -128,6 +134,21 @@ class Engine:
     # -- arrivals --------------------------------------------------------------------------------
     def fits(self, prompt: int, output: int) -> bool:
         return prompt + output <= self.capacity
+
+    def cancel(self, seq: Seq) -> None:
+        """Drop a sequence (its client went away), wherever it is, and free what it holds."""
+        if seq.state == WAITING:
+            try:
+                self.waiting.remove(seq)
+            except ValueError:
+                pass
+        elif seq.state == PREFILL:
+            self.prefilling = [s for s in self.prefilling if s is not seq]
+            self.used -= seq.private
+            self._unref(seq)
+        elif seq.state == DECODE:
+            self._release(seq)
+        seq.state = DONE
 
     def submit(self, seq: Seq) -> None:
         self.waiting.append(seq)
@@ -240,6 +261,8 @@ class Engine:
         if k_mem < k_finish:
             k_mem = max(1, k_mem + len(self.evictable) * self.cache_bt // n_dec)
         K = max(1, min(k_finish, k_mem))
+        if self.max_jump_steps is not None and K > self.max_jump_steps:
+            K = self.max_jump_steps
         alpha = p.c0_s + p.c_decode_s * n_dec + p.c_attn_s * h * ctx_sum
         beta = p.c_attn_s * h * n_dec
         self._chunks = []
@@ -283,6 +306,7 @@ class Engine:
             return  # superseded by an interrupt
         now = self.loop.now
         n_dec = len(self.decoding)
+        advanced = list(self.decoding.values()) if self.on_step is not None and n_dec else None
         if n_dec:
             self.steps += k
             self.used += n_dec * k
@@ -291,6 +315,8 @@ class Engine:
         self._jump = None
         self._preempted = False
         for seq, c in self._chunks:
+            if seq.state != PREFILL:
+                continue  # cancelled during the step
             seq.prefill_left -= c
             if seq.prefill_left == 0:
                 self._prefill_done(seq, now)
@@ -302,6 +328,8 @@ class Engine:
             at, _, seq = heapq.heappop(finishes)
             if seq.state == DECODE and seq.finish_at == at:
                 self._finish(seq, now)
+        if advanced:
+            self.on_step(advanced)
         self._plan()
 
     def _prefill_done(self, seq: Seq, now: float) -> None:
@@ -342,6 +370,9 @@ class Engine:
         self.ctx_a -= seq.a
         self.ctx_a2 -= seq.a * seq.a
         self.used -= seq.private + (seq.a + self.steps - seq.prompt)
+        self._unref(seq)
+
+    def _unref(self, seq: Seq) -> None:
         refcnt, evictable = self.refcnt, self.evictable
         for h in reversed(seq.hashes[:seq.refs]):  # tail first: the head stays cached longest
             c = refcnt[h] - 1

@@ -9,7 +9,7 @@
     policies: [round_robin, skywalker, {preset: sglang_cache_aware, params: {balance_abs: 16}}]
     limits: {max_requests: 3000}
 
-Unknown keys are errors that name the key, the allowed keys and the file line.
+Unknown keys are errors that name the key, the allowed keys and the file line (``yamlconf``).
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from kvroute import yamlconf
 
 from kvroute.policy import ConfigError, policy_from_config
 from kvroute.sim.network import Network
@@ -207,61 +208,11 @@ def detect_trace_kind(path: str) -> str:
     raise ScenarioError(f"{path}: empty trace")
 
 
-def _line_of(text: str, loc: tuple) -> int | None:
-    """Line number of the YAML node at ``loc`` (keys and list indices), for error messages."""
-    try:
-        node = yaml.compose(text)
-    except yaml.YAMLError:
-        return None
-    line = None
-    for part in loc:
-        if isinstance(node, yaml.MappingNode):
-            for k, v in node.value:
-                if k.value == part:
-                    line, node = k.start_mark.line + 1, v
-                    break
-            else:
-                return line
-        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(node.value):
-            node = node.value[part]
-            line = node.start_mark.line + 1
-        else:
-            return line
-    return line
-
-
-def _allowed(model: type[BaseModel], loc: tuple) -> list[str]:
-    for part in loc[:-1]:
-        field = model.model_fields.get(part) if isinstance(part, str) else None
-        if field is None:
-            continue
-        ann = field.annotation
-        for cand in getattr(ann, "__args__", ()) + (ann,):
-            if isinstance(cand, type) and issubclass(cand, BaseModel):
-                model = cand
-                break
-    return list(model.model_fields)
-
-
 def parse_scenario(data: Any, source: str = "scenario", text: str | None = None) -> Scenario:
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise ScenarioError(f"{source}: a scenario is a mapping of keys, got {type(data).__name__}")
     try:
-        return Scenario(**data)
-    except ValidationError as err:
-        msgs = []
-        for e in err.errors():
-            loc = tuple(e["loc"])
-            where = ".".join(str(x) for x in loc)
-            line = _line_of(text, loc) if text else None
-            at = f"{source}:{line}" if line else source
-            if e["type"] == "extra_forbidden":
-                msgs.append(f"{at}: unknown key {where!r}; allowed: {', '.join(_allowed(Scenario, loc))}")
-            else:
-                msgs.append(f"{at}: {where}: {e['msg']} (got {e.get('input')!r})")
-        raise ScenarioError("\n".join(msgs)) from None
+        return yamlconf.validate(Scenario, data, source, text)
+    except yamlconf.ConfigFileError as exc:
+        raise ScenarioError(str(exc)) from None
 
 
 def load_scenario(path: str) -> Scenario:
@@ -271,11 +222,7 @@ def load_scenario(path: str) -> Scenario:
     if not p.is_file():
         bundled = ", ".join(sorted(x.stem for x in SCENARIO_DIR.glob("*.yaml")))
         raise ScenarioError(f"{path}: no such scenario file; bundled scenarios: {bundled}")
-    text = p.read_text()
     try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        raise ScenarioError(f"{p}:{mark.line + 1 if mark else '?'}: invalid YAML: "
-                            f"{getattr(exc, 'problem', exc)}") from None
-    return parse_scenario(data, str(p), text)
+        return yamlconf.load(Scenario, p)
+    except yamlconf.ConfigFileError as exc:
+        raise ScenarioError(str(exc)) from None

@@ -1,0 +1,1 @@
+"""An engine emulator: the simulator's engine model, in real time, behind the OpenAI API."""

@@ -1,0 +1,289 @@
+"""`kvroute emulate`: an engine replica emulated in real time behind the OpenAI API.
+
+Requests go through the simulator's engine model (continuous batching, chunked prefill, paged
+KV cache with prefix caching, preemption), stepping token by token so streams arrive at the
+modelled pace. ``/metrics`` exports the chosen engine's own metric names so the gateway's probes
+read it exactly as they read vLLM, SGLang or llama.cpp; SGLang's ``/get_load`` is served too.
+
+Fault knobs, for tests and chaos drills (flags, or ``POST /_fault`` with the same keys):
+``fail_rate`` (fraction answered 500 before any byte), ``hang`` (accept, never answer),
+``close_after_tokens`` (drop the connection mid-stream), ``slowdown`` (model time ×N),
+``probe_hang`` (``/metrics`` and ``/health`` never answer).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+from kvroute.emulator.realtime import RealtimeLoop
+from kvroute.prefix import BlockHasher, PromptError, chat_key, completion_key
+from kvroute.sim.engine import DONE, Engine, Seq
+from kvroute.sim.profile import HardwareProfile, load_profile
+
+ENGINES = ("vllm", "sglang", "llamacpp")
+DEFAULT_MAX_TOKENS = 16
+
+
+@dataclass
+class Faults:
+    fail_rate: float = 0.0
+    hang: bool = False
+    close_after_tokens: int | None = None
+    slowdown: float = 1.0
+    probe_hang: bool = False
+
+
+@dataclass
+class _Stream:
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    sent: int = 0
+    first_at: float | None = None
+
+
+class Emulator:
+    def __init__(self, profile: HardwareProfile, engine_type: str = "vllm", model: str = "emulated",
+                 faults: Faults | None = None, seed: int = 0, block_tokens: int = 64):
+        if engine_type not in ENGINES:
+            raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {engine_type!r}")
+        self.profile = profile
+        self.engine_type = engine_type
+        self.model = model
+        self.faults = faults or Faults()
+        self.rng = random.Random(seed)
+        self.hasher = BlockHasher(block_tokens)
+        self.clock = RealtimeLoop(slowdown=self.faults.slowdown)
+        self.engine = Engine("emulated", profile, self.clock, self._first_token, self._finished,
+                             on_step=self._stepped, max_jump_steps=1)
+        self.streams: dict[str, _Stream] = {}
+        self.requests_total = 0
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+
+    # -- engine callbacks: one token per decoding sequence per step ----------------------------
+    def _push(self, seq: Seq, n: int) -> None:
+        st = self.streams.get(seq.rid)
+        if st is None:
+            return
+        for _ in range(n):
+            st.sent += 1
+            st.queue.put_nowait(st.sent)
+        self.generation_tokens_total += n
+
+    def _first_token(self, seq: Seq, t: float) -> None:
+        self._push(seq, 1)
+
+    def _stepped(self, seqs: list[Seq]) -> None:
+        for seq in seqs:
+            if seq.state != DONE:
+                self._push(seq, 1)
+
+    def _finished(self, seq: Seq, t: float) -> None:
+        st = self.streams.get(seq.rid)
+        if st is not None:
+            self._push(seq, max(0, seq.output - st.sent))
+            st.queue.put_nowait(None)
+
+    # -- requests ---------------------------------------------------------------------------------
+    async def generate(self, key, max_tokens: int, usage: dict):
+        """Yields token indexes as the model produces them; fills ``usage`` when done."""
+        hashes, prompt_tokens = self.hasher(key)
+        rid = uuid.uuid4().hex
+        seq = Seq(rid, max(1, prompt_tokens), max(1, max_tokens), hashes, self.hasher.block_tokens)
+        if not self.engine.fits(seq.prompt, seq.output):
+            raise web.HTTPBadRequest(
+                text=json.dumps({"error": {"message": f"prompt ({seq.prompt} tokens) + max_tokens "
+                                           f"({seq.output}) exceed the KV capacity "
+                                           f"({self.engine.capacity} tokens)",
+                                           "type": "invalid_request_error",
+                                           "code": "exceed_context_size_error"}}),
+                content_type="application/json")
+        st = self.streams[rid] = _Stream()
+        self.requests_total += 1
+        self.prompt_tokens_total += seq.prompt
+        self.engine.submit(seq)
+        try:
+            while True:
+                item = await st.queue.get()
+                if item is None:
+                    break
+                yield item
+        finally:
+            self.streams.pop(rid, None)
+            if seq.state != DONE:  # client went away: free the engine's resources
+                self.engine.cancel(seq)
+        usage.update({"prompt_tokens": seq.prompt, "completion_tokens": seq.output,
+                      "total_tokens": seq.prompt + seq.output,
+                      "prompt_tokens_details": {"cached_tokens": max(0, seq.cached)}})
+
+    # -- metrics ----------------------------------------------------------------------------------
+    def metrics_text(self) -> str:
+        e = self.engine
+        running, waiting, usage = e.running, len(e.waiting), e.kv_usage(self.clock.now)
+        lines = []
+
+        def gauge(name: str, value: float, help_: str) -> None:
+            lines.extend([f"# HELP {name} {help_}", f"# TYPE {name} gauge",
+                          f'{name}{{model_name="{self.model}"}} {value}'])
+
+        if self.engine_type == "vllm":
+            gauge("vllm:num_requests_running", running, "Requests in the running batch.")
+            gauge("vllm:num_requests_waiting", waiting, "Requests waiting to be scheduled.")
+            gauge("vllm:gpu_cache_usage_perc", usage, "KV-cache usage, 0..1 (vLLM v0 name).")
+            gauge("vllm:kv_cache_usage_perc", usage, "KV-cache usage, 0..1.")
+        elif self.engine_type == "sglang":
+            gauge("sglang:num_running_reqs", running, "Running requests.")
+            gauge("sglang:num_queue_reqs", waiting, "Queued requests.")
+            gauge("sglang:token_usage", usage, "KV token usage, 0..1.")
+        else:
+            gauge("llamacpp:requests_processing", running, "Requests being processed.")
+            gauge("llamacpp:requests_deferred", waiting, "Requests deferred (queued).")
+            gauge("llamacpp:kv_cache_usage_ratio", usage, "KV-cache usage, 0..1.")
+            lines += ["# TYPE llamacpp:prompt_tokens_total counter",
+                      f"llamacpp:prompt_tokens_total {self.prompt_tokens_total}",
+                      "# TYPE llamacpp:tokens_predicted_total counter",
+                      f"llamacpp:tokens_predicted_total {self.generation_tokens_total}"]
+        return "\n".join(lines) + "\n"
+
+
+# -- HTTP -----------------------------------------------------------------------------------------
+
+def _error(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None):
+    body = {"error": {"message": message, "type": type_, "param": param, "code": None}}
+    return web.json_response(body, status=status)
+
+
+async def _read_json(request: web.Request) -> dict:
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise web.HTTPBadRequest(text=json.dumps({"error": {"message": "body is not valid JSON",
+                                                            "type": "invalid_request_error"}}),
+                                 content_type="application/json") from None
+    if not isinstance(body, dict):
+        raise web.HTTPBadRequest(text=json.dumps({"error": {"message": "body must be a JSON object",
+                                                            "type": "invalid_request_error"}}),
+                                 content_type="application/json")
+    return body
+
+
+def build_app(emu: Emulator) -> web.Application:
+    app = web.Application()
+    app["emulator"] = emu
+
+    async def completions(request: web.Request, chat: bool) -> web.StreamResponse:
+        f = emu.faults
+        body = await _read_json(request)
+        if f.hang:
+            await asyncio.sleep(3600)
+        if f.fail_rate and emu.rng.random() < f.fail_rate:
+            return _error(500, "injected failure", "server_error")
+        try:
+            key = chat_key(body.get("messages")) if chat else completion_key(body.get("prompt"))
+        except PromptError as exc:
+            return _error(400, str(exc), param="messages" if chat else "prompt")
+        max_tokens = body.get("max_completion_tokens", body.get("max_tokens", DEFAULT_MAX_TOKENS))
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+            return _error(400, "max_tokens must be a positive integer", param="max_tokens")
+        stream = bool(body.get("stream", False))
+        created = int(time.time())
+        cid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        obj = "chat.completion" if chat else "text_completion"
+        usage: dict = {}
+        gen = emu.generate(key, max_tokens, usage)
+        if not stream:
+            n = 0
+            async for _ in gen:
+                n += 1
+            text = " ".join(f"t{i}" for i in range(n))
+            choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}
+                      if chat else {"index": 0, "text": text, "finish_reason": "length", "logprobs": None})
+            return web.json_response({"id": cid, "object": obj, "created": created, "model": emu.model,
+                                      "choices": [choice], "usage": usage})
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        chunk_obj = "chat.completion.chunk" if chat else "text_completion"
+        i = 0
+        async for _ in gen:
+            if f.close_after_tokens is not None and i >= f.close_after_tokens:
+                request.transport.close()  # abrupt: no terminating chunk
+                await gen.aclose()
+                return resp
+            delta = ({"index": 0, "delta": ({"role": "assistant", "content": f"t{i} "} if i == 0
+                                             else {"content": f"t{i} "}), "finish_reason": None}
+                     if chat else {"index": 0, "text": f"t{i} ", "finish_reason": None})
+            payload = {"id": cid, "object": chunk_obj, "created": created, "model": emu.model, "choices": [delta]}
+            await resp.write(f"data: {json.dumps(payload)}\n\n".encode())
+            i += 1
+        final = ({"index": 0, "delta": {}, "finish_reason": "length"} if chat
+                 else {"index": 0, "text": "", "finish_reason": "length"})
+        tail = {"id": cid, "object": chunk_obj, "created": created, "model": emu.model, "choices": [final],
+                "usage": usage}
+        await resp.write(f"data: {json.dumps(tail)}\n\ndata: [DONE]\n\n".encode())
+        await resp.write_eof()
+        return resp
+
+    async def chat(request):
+        return await completions(request, True)
+
+    async def complete(request):
+        return await completions(request, False)
+
+    async def models(request):
+        return web.json_response({"object": "list", "data": [
+            {"id": emu.model, "object": "model", "created": 0, "owned_by": "kvroute-emulator"}]})
+
+    async def health(request):
+        if emu.faults.probe_hang:
+            await asyncio.sleep(3600)
+        return web.json_response({"status": "ok"})
+
+    async def metrics(request):
+        if emu.faults.probe_hang:
+            await asyncio.sleep(3600)
+        return web.Response(text=emu.metrics_text(), content_type="text/plain")
+
+    async def get_load(request):
+        e = emu.engine
+        return web.json_response([{"dp_rank": 0, "num_reqs": e.running + len(e.waiting),
+                                   "num_waiting_reqs": len(e.waiting),
+                                   "num_tokens": int(e.kv_usage(emu.clock.now) * e.capacity)}])
+
+    async def fault(request):
+        body = await _read_json(request)
+        allowed = set(Faults.__dataclass_fields__)
+        unknown = sorted(set(body) - allowed)
+        if unknown:
+            return _error(400, f"unknown fault(s) {', '.join(unknown)}; allowed: {', '.join(sorted(allowed))}")
+        for k, v in body.items():
+            setattr(emu.faults, k, v)
+        emu.clock.slowdown = emu.faults.slowdown
+        return web.json_response({"faults": emu.faults.__dict__})
+
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_post("/v1/completions", complete)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/get_load", get_load)
+    app.router.add_post("/_fault", fault)
+    return app
+
+
+async def start_emulator(host: str, port: int, profile: str | HardwareProfile = "l4-llama3.1-8b",
+                         engine_type: str = "vllm", faults: Faults | None = None,
+                         model: str = "emulated") -> tuple[web.AppRunner, Emulator, int]:
+    prof = load_profile(profile) if isinstance(profile, str) else profile
+    emu = Emulator(prof, engine_type, model, faults)
+    runner = web.AppRunner(build_app(emu), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    bound = site._server.sockets[0].getsockname()[1]
+    return runner, emu, bound

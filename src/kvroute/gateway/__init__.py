@@ -1,0 +1,1 @@
+"""The live gateway: an OpenAI-compatible load balancer over real (or emulated) engines."""

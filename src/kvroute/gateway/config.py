@@ -1,0 +1,121 @@
+"""Gateway configuration (YAML, validated with pydantic; errors name file:line and the field).
+
+    host: 127.0.0.1
+    port: 8000
+    region: us
+    policy: {preset: skywalker, params: {cache_threshold: 0.5}}
+    replicas:
+      - {url: http://10.0.0.5:8000, region: us, engine: vllm, weight: 1}
+      - {url: http://10.0.0.6:30000, engine: sglang}
+    probe: {interval_s: 0.1, timeout_s: 0.5}
+    queue: {max_len: 1024, max_wait_s: 30}
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+from urllib.parse import urlsplit
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from kvroute import yamlconf
+from kvroute.policy import ConfigError, policy_from_config
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ReplicaConfig(_Strict):
+    url: str
+    id: str | None = None
+    region: str = "local"
+    engine: Literal["auto", "vllm", "sglang", "llamacpp"] = "auto"
+    weight: float = Field(1.0, gt=0)
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        parts = urlsplit(v)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise ValueError(f"url must be http(s)://host:port, got {v!r}")
+        return v.rstrip("/")
+
+    @property
+    def name(self) -> str:
+        return self.id or urlsplit(self.url).netloc
+
+
+class ProbeConfig(_Strict):
+    interval_s: float = Field(0.1, gt=0)  # SkyWalker probes every 100 ms
+    timeout_s: float = Field(0.5, gt=0)
+    unhealthy_after: int = Field(3, ge=1)  # consecutive probe failures → ejected
+    healthy_after: int = Field(2, ge=1)  # consecutive successes → re-admitted
+    rtt_ewma: float = Field(0.3, gt=0, le=1)  # GORGO's RTT smoothing
+
+
+class QueueConfig(_Strict):
+    max_len: int = Field(1024, ge=0)  # beyond this: 429
+    max_wait_s: float = Field(30.0, gt=0)  # waited longer: 503
+
+
+class RetryConfig(_Strict):
+    max_attempts: int = Field(3, ge=1)
+    backoff_s: float = Field(0.02, ge=0)
+    backoff_max_s: float = Field(0.5, ge=0)
+
+
+class TimeoutConfig(_Strict):
+    connect_s: float = Field(2.0, gt=0)
+    first_byte_s: float = Field(120.0, gt=0)
+    idle_s: float = Field(60.0, gt=0)
+
+
+class BreakerConfig(_Strict):
+    failures: int = Field(5, ge=1)  # consecutive failures → open
+    cooldown_s: float = Field(5.0, gt=0)  # then half-open: one trial decides
+
+
+class GatewayConfig(_Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    region: str = "local"
+    policy: str | dict[str, Any] = "skywalker"
+    replicas: list[ReplicaConfig] = Field(default_factory=list)
+    probe: ProbeConfig = Field(default_factory=ProbeConfig)
+    queue: QueueConfig = Field(default_factory=QueueConfig)
+    retry: RetryConfig = Field(default_factory=RetryConfig)
+    timeouts: TimeoutConfig = Field(default_factory=TimeoutConfig)
+    breaker: BreakerConfig = Field(default_factory=BreakerConfig)
+    max_body_bytes: int = Field(16 * 1024 * 1024, gt=0)
+    replica_header: bool = True  # x-kvroute-replica on responses
+    session_headers: list[str] = Field(default_factory=lambda: ["x-session-id", "x-hash-key", "x-user-id"])
+    block_tokens: int = Field(64, gt=0)
+    tokenizer_path: str | None = None
+    log_prompts: bool = False
+    drain_timeout_s: float = Field(30.0, gt=0)
+    seed: int = 0
+
+    @field_validator("policy")
+    @classmethod
+    def _policy(cls, v):
+        try:
+            policy_from_config(v)
+        except ConfigError as exc:
+            raise ValueError(str(exc)) from None
+        return v
+
+    @model_validator(mode="after")
+    def _unique(self) -> "GatewayConfig":
+        names = [r.name for r in self.replicas]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"replica ids must be unique; repeated: {', '.join(dup)}")
+        return self
+
+    def build_policy(self):
+        return policy_from_config(self.policy, seed=self.seed)
+
+
+def load_config(path: str) -> GatewayConfig:
+    return yamlconf.load(GatewayConfig, path)

@@ -1,0 +1,279 @@
+"""The load balancer's state in the live gateway: replicas, the Router, the FIFO queue, probes,
+health, circuit breakers. Everything here runs on the event loop's thread, so a routing
+decision and its commit are one synchronous step — no burst can see stale in-flight counts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from kvroute.gateway.config import GatewayConfig, ReplicaConfig
+from kvroute.gateway.probes import ProbeError, parse_prometheus, read_indicators
+from kvroute.model import Decision, DecisionKind, Endpoint, Request
+from kvroute.policy import Router
+
+log = logging.getLogger("kvroute.gateway")
+
+
+class CircuitBreaker:
+    """Closed → (N consecutive failures) → open for a cooldown → half-open: the next outcome
+    decides (success closes, failure reopens)."""
+
+    CLOSED, OPEN, HALF_OPEN = 0, 1, 2
+
+    def __init__(self, failures: int, cooldown_s: float):
+        self.threshold, self.cooldown_s = failures, cooldown_s
+        self.state = self.CLOSED
+        self.failures = 0
+        self.opened_at = 0.0
+
+    @property
+    def state_code(self) -> int:
+        return self.state
+
+    def success(self) -> None:
+        self.state, self.failures = self.CLOSED, 0
+
+    def failure(self, now: float) -> None:
+        self.failures += 1
+        if self.state == self.HALF_OPEN or self.failures >= self.threshold:
+            self.state, self.opened_at = self.OPEN, now
+
+    def tick(self, now: float) -> None:
+        if self.state == self.OPEN and now - self.opened_at >= self.cooldown_s:
+            self.state = self.HALF_OPEN
+
+    @property
+    def open(self) -> bool:
+        return self.state == self.OPEN
+
+
+@dataclass
+class Upstream:
+    config: ReplicaConfig
+    endpoint: Endpoint
+    breaker: CircuitBreaker
+    engine: str = "auto"
+    probe_fail_streak: int = 0
+    probe_ok_streak: int = 0
+    rtt_ewma_s: float | None = None
+
+
+@dataclass
+class Waiter:
+    request: Request
+    future: asyncio.Future
+    enqueued: float = field(default_factory=time.monotonic)
+
+
+class QueueFull(Exception):
+    pass
+
+
+class QueueTimeout(Exception):
+    pass
+
+
+class Runtime:
+    def __init__(self, config: GatewayConfig, metrics_factory=None):
+        self.config = config
+        self.policy_name = self._policy_label(config)
+        self.router = Router(config.build_policy(), index_block_tokens=config.block_tokens)
+        self.upstreams: dict[str, Upstream] = {}
+        for rc in config.replicas:
+            self._add(rc)
+        self.queue: deque[Waiter] = deque()
+        self.prompt_tokens_routed = 0
+        self.hit_tokens_routed = 0
+        self.draining = False
+        self.metrics = metrics_factory(self) if metrics_factory else None
+        self._probe_task: asyncio.Task | None = None
+        self.session: aiohttp.ClientSession | None = None
+
+    @staticmethod
+    def _policy_label(config: GatewayConfig) -> str:
+        return config.policy if isinstance(config.policy, str) else config.policy["preset"]
+
+    # -- replicas -------------------------------------------------------------------------------
+    def _add(self, rc: ReplicaConfig) -> None:
+        ep = Endpoint(rc.name, region=rc.region, weight=rc.weight)
+        self.router.add_endpoint(ep)
+        self.upstreams[rc.name] = Upstream(rc, ep, CircuitBreaker(self.config.breaker.failures,
+                                                                  self.config.breaker.cooldown_s),
+                                           engine=rc.engine)
+
+    def reconfigure(self, new: GatewayConfig) -> list[str]:
+        """Apply a reloaded config without dropping requests: replicas are added and removed,
+        the policy swapped; in-flight requests finish where they are."""
+        changes = []
+        old = {r.name: r for r in self.config.replicas}
+        fresh = {r.name: r for r in new.replicas}
+        for name in old.keys() - fresh.keys():
+            self.router.remove_endpoint(name)
+            del self.upstreams[name]
+            changes.append(f"removed {name}")
+        for name in fresh.keys() - old.keys():
+            self._add(fresh[name])
+            changes.append(f"added {name}")
+        for name in fresh.keys() & old.keys():
+            if fresh[name] != old[name]:
+                up = self.upstreams[name]
+                up.config, up.engine = fresh[name], fresh[name].engine
+                up.endpoint.region, up.endpoint.weight = fresh[name].region, fresh[name].weight
+                changes.append(f"updated {name}")
+        if new.policy != self.config.policy:
+            policy = new.build_policy()
+            self.router.policy = policy
+            if policy.uses_ring:
+                self.router.ring.add_many(e.id for e in self.router.endpoints)
+            self.policy_name = self._policy_label(new)
+            changes.append(f"policy {self.policy_name}")
+        self.config = new
+        self.drain_queue()
+        return changes
+
+    # -- admission and accounting ----------------------------------------------------------------
+    async def admit(self, req: Request) -> Decision:
+        """Route now, or wait in FIFO order while the policy holds (selective pushing)."""
+        if not self.queue:
+            d = self.router.route(req)
+            if d.kind is not DecisionKind.HOLD:
+                return d
+        qc = self.config.queue
+        if len(self.queue) >= qc.max_len:
+            raise QueueFull(f"LB queue is full ({qc.max_len} waiting)")
+        waiter = Waiter(req, asyncio.get_running_loop().create_future())
+        self.queue.append(waiter)
+        self.drain_queue()
+        try:
+            return await asyncio.wait_for(waiter.future, qc.max_wait_s)
+        except asyncio.TimeoutError:
+            self._abandon(waiter)
+            raise QueueTimeout(f"no replica could take the request within {qc.max_wait_s:g} s") from None
+        except asyncio.CancelledError:  # the client went away while queued
+            self._abandon(waiter)
+            raise
+
+    def _abandon(self, w: Waiter) -> None:
+        """A waiter gave up: leave the queue, or undo a dispatch it can no longer use."""
+        if not w.future.done():
+            w.future.cancel()  # drain_queue skips it
+        elif not w.future.cancelled() and w.future.exception() is None and w.future.result().dispatched:
+            self.release(w.request.id)
+
+    def drain_queue(self) -> None:
+        queue = self.queue
+        while queue:
+            w = queue[0]
+            if w.future.done():
+                queue.popleft()
+                continue
+            d = self.router.route(w.request)
+            if d.kind is DecisionKind.HOLD:
+                return
+            queue.popleft()
+            if self.metrics is not None:
+                self.metrics.queue_wait.observe(time.monotonic() - w.enqueued)
+            w.future.set_result(d)
+
+    def dispatched(self, req: Request, d: Decision) -> None:
+        self.prompt_tokens_routed += req.prompt_tokens
+        self.hit_tokens_routed += req.prompt_tokens - req.new_prefill_tokens(d.matched_blocks)
+
+    def first_token(self, rid: str) -> None:
+        self.router.on_first_token(rid)
+
+    def release(self, rid: str) -> None:
+        self.router.on_finish(rid)
+        if self.queue:
+            self.drain_queue()
+
+    def upstream_ok(self, name: str) -> None:
+        up = self.upstreams.get(name)
+        if up is not None:
+            up.breaker.success()
+            up.endpoint.circuit_open = False
+
+    def upstream_failed(self, name: str) -> None:
+        up = self.upstreams.get(name)
+        if up is not None:
+            up.breaker.failure(time.monotonic())
+            up.endpoint.circuit_open = up.breaker.open
+
+    # -- probes -----------------------------------------------------------------------------------
+    async def start(self) -> None:
+        self.session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, force_close=False),
+            auto_decompress=False)
+        await self.probe_all()
+        self._probe_task = asyncio.create_task(self._probe_loop())
+
+    async def stop(self) -> None:
+        if self._probe_task:
+            self._probe_task.cancel()
+            try:
+                await self._probe_task
+            except asyncio.CancelledError:
+                pass
+        for w in self.queue:
+            if not w.future.done():
+                w.future.set_exception(QueueTimeout("gateway is shutting down"))
+        if self.session:
+            await self.session.close()
+
+    async def _probe_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.probe.interval_s)
+            try:
+                await self.probe_all()
+            except Exception:  # a probe bug must not stop probing
+                log.exception("probe round failed")
+
+    async def probe_all(self) -> None:
+        ups = list(self.upstreams.values())
+        await asyncio.gather(*(self._probe(up) for up in ups))
+        now = time.monotonic()
+        for up in ups:
+            up.breaker.tick(now)
+            up.endpoint.circuit_open = up.breaker.open
+        self.drain_queue()
+
+    async def _probe(self, up: Upstream) -> None:
+        pc = self.config.probe
+        ep = up.endpoint
+        t0 = time.monotonic()
+        try:
+            timeout = aiohttp.ClientTimeout(total=pc.timeout_s)
+            async with self.session.get(f"{up.config.url}/metrics", timeout=timeout) as resp:
+                if resp.status != 200:
+                    raise ProbeError(f"/metrics answered {resp.status}")
+                text = await resp.text()
+            reading = read_indicators(parse_prometheus(text), up.engine)
+        except (aiohttp.ClientError, asyncio.TimeoutError, ProbeError, UnicodeDecodeError) as exc:
+            up.probe_ok_streak = 0
+            up.probe_fail_streak += 1
+            if self.metrics is not None:
+                self.metrics.probe_failures.labels(ep.id).inc()
+            if ep.healthy and up.probe_fail_streak >= pc.unhealthy_after:
+                ep.healthy = False
+                log.warning("replica %s ejected after %d failed probes: %s", ep.id, up.probe_fail_streak,
+                            exc.__class__.__name__)
+            return
+        rtt = time.monotonic() - t0
+        up.rtt_ewma_s = rtt if up.rtt_ewma_s is None else pc.rtt_ewma * rtt + (1 - pc.rtt_ewma) * up.rtt_ewma_s
+        ep.rtt_s = up.rtt_ewma_s
+        if up.engine == "auto":
+            up.engine = reading.engine
+        ep.apply_probe(reading.running, reading.waiting, reading.kv_usage)
+        up.probe_fail_streak = 0
+        up.probe_ok_streak += 1
+        if not ep.healthy and up.probe_ok_streak >= pc.healthy_after:
+            ep.healthy = True
+            self.router.prefix.clear(ep.id)  # it may have restarted with an empty cache
+            log.info("replica %s re-admitted", ep.id)

@@ -1,0 +1,94 @@
+"""Load YAML into a pydantic model with errors that name file:line, the field and what is allowed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+M = TypeVar("M", bound=BaseModel)
+
+
+class ConfigFileError(ValueError):
+    pass
+
+
+def line_of(text: str, loc: tuple) -> int | None:
+    """Line of the YAML node at ``loc`` (mapping keys and list indices)."""
+    try:
+        node = yaml.compose(text)
+    except yaml.YAMLError:
+        return None
+    line = None
+    for part in loc:
+        if isinstance(node, yaml.MappingNode):
+            for k, v in node.value:
+                if k.value == part:
+                    line, node = k.start_mark.line + 1, v
+                    break
+            else:
+                return line
+        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(node.value):
+            node = node.value[part]
+            line = node.start_mark.line + 1
+        else:
+            return line
+    return line
+
+
+def allowed_keys(model: type[BaseModel], loc: tuple) -> list[str]:
+    """Field names of the (nested) model that owns the last key of ``loc``."""
+    for part in loc[:-1]:
+        field = model.model_fields.get(part) if isinstance(part, str) else None
+        if field is None:
+            continue
+        ann = field.annotation
+        for cand in (*getattr(ann, "__args__", ()), ann):
+            inner = getattr(cand, "__args__", ())
+            for c in (cand, *inner):
+                if isinstance(c, type) and issubclass(c, BaseModel):
+                    model = c
+                    break
+            else:
+                continue
+            break
+    return list(model.model_fields)
+
+
+def validate(model: type[M], data: Any, source: str, text: str | None = None) -> M:
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigFileError(f"{source}: expected a mapping of keys, got {type(data).__name__}")
+    try:
+        return model(**data)
+    except ValidationError as err:
+        msgs = []
+        for e in err.errors():
+            loc = tuple(e["loc"])
+            where = ".".join(str(x) for x in loc)
+            line = line_of(text, loc) if text else None
+            at = f"{source}:{line}" if line else source
+            if e["type"] == "extra_forbidden":
+                msgs.append(f"{at}: unknown key {where!r}; allowed: {', '.join(allowed_keys(model, loc))}")
+            else:
+                msg = e["msg"].removeprefix("Value error, ")
+                msgs.append(f"{at}: {where}: {msg} (got {e.get('input')!r})")
+        raise ConfigFileError("\n".join(msgs)) from None
+
+
+def load(model: type[M], path: str | Path) -> M:
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as exc:
+        raise ConfigFileError(f"{path}: {exc.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        raise ConfigFileError(f"{p}:{mark.line + 1 if mark else '?'}: invalid YAML: "
+                              f"{getattr(exc, 'problem', exc)}") from None
+    return validate(model, data, str(p), text)
