@@ -28,6 +28,7 @@ from kvroute.sim.engine import DONE, Engine, Seq
 from kvroute.sim.profile import HardwareProfile, load_profile
 
 ENGINES = ("vllm", "sglang", "llamacpp")
+EMULATOR = web.AppKey("emulator", object)
 DEFAULT_MAX_TOKENS = 16
 
 
@@ -175,7 +176,7 @@ async def _read_json(request: web.Request) -> dict:
 
 def build_app(emu: Emulator) -> web.Application:
     app = web.Application()
-    app["emulator"] = emu
+    app[EMULATOR] = emu
 
     async def completions(request: web.Request, chat: bool) -> web.StreamResponse:
         f = emu.faults

@@ -46,8 +46,9 @@ async def openai_errors(request: web.Request, handler):
     """Every error leaves as an OpenAI-style JSON body, including aiohttp's own 404/405/413."""
     try:
         return await handler(request)
-    except web.HTTPRequestEntityTooLarge as exc:
-        return error_response(413, f"request body exceeds {exc.max_size} bytes", code="body_too_large")
+    except web.HTTPRequestEntityTooLarge:
+        limit = request.app[RUNTIME].config.max_body_bytes
+        return error_response(413, f"request body exceeds the limit of {limit} bytes", code="body_too_large")
     except web.HTTPMethodNotAllowed as exc:
         return error_response(405, f"method {request.method} not allowed on {request.path}; "
                                    f"allowed: {', '.join(sorted(exc.allowed_methods))}")

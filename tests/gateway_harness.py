@@ -1,0 +1,62 @@
+"""Run an emulated deployment on a background event loop, so tests can use blocking clients
+(the official openai SDK) against real HTTP on 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import aiohttp
+
+from kvroute.gateway.embedded import start_deployment
+
+
+class LiveDeployment:
+    def __init__(self, replicas: int = 3, policy="skywalker", profile: str = "h100-llama3.2-3b", **overrides):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.dep = self.call(start_deployment(replicas=replicas, policy=policy, port=0, profile=profile,
+                                              **overrides))
+        self.url = self.dep.url
+        self.runtime = self.dep.gateway.runtime
+
+    def call(self, coro, timeout: float = 30):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def emulator_url(self, i: int) -> str:
+        return f"http://127.0.0.1:{self.dep.emulators[i][2]}"
+
+    def replica_id(self, i: int) -> str:
+        return f"emulated-{i}"
+
+    def fault(self, i: int, **faults) -> None:
+        async def post():
+            async with aiohttp.ClientSession() as s:
+                async with s.post(f"{self.emulator_url(i)}/_fault", json=faults) as r:
+                    assert r.status == 200, await r.text()
+        self.call(post())
+
+    def inflight(self) -> int:
+        async def read():
+            return sum(e.inflight for e in self.runtime.router.endpoints), len(self.runtime.queue), \
+                len(self.runtime.router.tickets)
+        return self.call(read())
+
+    def settle(self, timeout: float = 5.0) -> tuple[int, int, int]:
+        """Wait until no request is in flight or queued at the gateway; returns the counters."""
+        async def wait():
+            deadline = self.loop.time() + timeout
+            while self.loop.time() < deadline:
+                rt = self.runtime
+                if not rt.router.tickets and not rt.queue and all(e.inflight == 0 for e in rt.router.endpoints):
+                    break
+                await asyncio.sleep(0.02)
+            rt = self.runtime
+            return sum(e.inflight for e in rt.router.endpoints), len(rt.queue), len(rt.router.tickets)
+        return self.call(wait(), timeout + 5)
+
+    def close(self) -> None:
+        self.call(self.dep.stop())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)

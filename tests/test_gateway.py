@@ -1,0 +1,240 @@
+"""The gateway end to end: the official openai SDK → kvroute → emulated engines, all on 127.0.0.1."""
+
+import asyncio
+import concurrent.futures
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.gateway_harness import LiveDeployment
+
+LONG = "You are the on-call assistant for the storage team. " * 60
+
+
+@pytest.fixture
+def live():
+    dep = LiveDeployment(replicas=3, policy="skywalker",
+                         timeouts={"connect_s": 1.0, "first_byte_s": 2.0, "idle_s": 2.0},
+                         probe={"interval_s": 0.05, "timeout_s": 0.3, "unhealthy_after": 2},
+                         breaker={"failures": 2, "cooldown_s": 30.0})
+    yield dep
+    counters = dep.settle()
+    dep.close()
+    assert counters == (0, 0, 0), f"in-flight / queue / tickets not back to zero: {counters}"
+
+
+def client(dep, **kw):
+    return openai.OpenAI(base_url=f"{dep.url}/v1", api_key="unused", max_retries=0, timeout=20, **kw)
+
+
+def test_chat_completions_and_models_with_the_openai_sdk(live):
+    c = client(live)
+    r = c.chat.completions.create(model="emulated", messages=[{"role": "user", "content": "hello"}], max_tokens=5)
+    assert r.choices[0].message.content.split() == ["t0", "t1", "t2", "t3", "t4"]
+    assert r.usage.completion_tokens == 5
+    r = c.completions.create(model="emulated", prompt="once upon a time", max_tokens=3)
+    assert r.choices[0].text.split() == ["t0", "t1", "t2"]
+    assert [m.id for m in c.models.list().data] == ["emulated"]
+
+
+def test_streaming_chat_and_completions(live):
+    c = client(live)
+    stream = c.chat.completions.create(model="emulated", messages=[{"role": "user", "content": "stream"}],
+                                       max_tokens=6, stream=True)
+    text = "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
+    assert text.split() == [f"t{i}" for i in range(6)]
+    stream = c.completions.create(model="emulated", prompt="abc", max_tokens=4, stream=True)
+    assert "".join(ch.choices[0].text for ch in stream if ch.choices).split() == ["t0", "t1", "t2", "t3"]
+
+
+def test_prefix_affinity_is_visible_through_the_replica_header(live):
+    c = client(live)
+    seen = []
+    for turn in range(4):
+        raw = c.chat.completions.with_raw_response.create(
+            model="emulated", max_tokens=2,
+            messages=[{"role": "system", "content": LONG}, {"role": "user", "content": f"question {turn}"}])
+        seen.append(raw.headers["x-kvroute-replica"])
+        usage = raw.parse().usage
+    assert len(set(seen)) == 1, seen  # the shared 600-token prefix keeps one replica
+    assert usage.prompt_tokens_details.cached_tokens > 500  # and the engine really reused it
+
+
+def test_burst_spreads_over_replicas_without_stale_counts(live):
+    c = client(live)
+    with concurrent.futures.ThreadPoolExecutor(12) as pool:
+        raws = list(pool.map(lambda i: c.completions.with_raw_response.create(
+            model="emulated", prompt=f"unrelated prompt number {i} " * 20, max_tokens=20), range(12)))
+    assert len({r.headers["x-kvroute-replica"] for r in raws}) == 3
+
+
+def test_replica_killed_mid_stream_ends_with_an_sse_error(live):
+    for i in range(3):
+        live.fault(i, close_after_tokens=2)
+    with httpx.stream("POST", f"{live.url}/v1/chat/completions", timeout=10,
+                      json={"model": "emulated", "messages": [{"role": "user", "content": "x"}],
+                            "max_tokens": 50, "stream": True}) as r:
+        assert r.status_code == 200
+        body = r.read().decode()
+    events = [line[6:] for line in body.split("\n") if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["error"]["code"] == "upstream_stream_error"
+    assert sum(1 for e in events if '"content": "t' in e) == 2  # the two tokens before the cut
+
+
+def test_hung_replica_is_retried_elsewhere(live):
+    live.fault(0, hang=True)
+    c = client(live)
+    for i in range(3):
+        raw = c.completions.with_raw_response.create(model="emulated", prompt=f"p{i}", max_tokens=2)
+        assert raw.headers["x-kvroute-replica"] != live.replica_id(0)
+    live.fault(0, hang=False)
+
+
+def test_failing_replica_is_retried_then_circuit_opens(live):
+    live.fault(1, fail_rate=1.0)
+    c = client(live)
+    for i in range(8):
+        raw = c.completions.with_raw_response.create(model="emulated", prompt=f"q{i} " * 30, max_tokens=2)
+        assert raw.status_code == 200 and raw.headers["x-kvroute-replica"] != live.replica_id(1)
+    metrics = httpx.get(f"{live.url}/metrics").text
+    assert 'kvroute_circuit_state{replica="emulated-1"} 1.0' in metrics
+    assert "kvroute_retries_total" in metrics
+
+
+def test_probe_timeouts_eject_and_readmit(live):
+    live.fault(2, probe_hang=True)
+    time.sleep(1.2)  # two probe timeouts of 0.3 s
+    health = httpx.get(f"{live.url}/health").json()
+    assert health["healthy"] == 2
+    c = client(live)
+    for i in range(4):
+        raw = c.completions.with_raw_response.create(model="emulated", prompt=f"z{i}", max_tokens=2)
+        assert raw.headers["x-kvroute-replica"] != live.replica_id(2)
+    live.fault(2, probe_hang=False)
+    time.sleep(0.6)
+    assert httpx.get(f"{live.url}/health").json()["healthy"] == 3
+    assert 'kvroute_probe_failures_total{replica="emulated-2"}' in httpx.get(f"{live.url}/metrics").text
+
+
+def test_all_replicas_busy_queue_then_429():
+    dep = LiveDeployment(replicas=2, policy={"preset": "least_request",
+                                             "params": {"admission": "outstanding", "max_outstanding": 1}},
+                         queue={"max_len": 1, "max_wait_s": 10})
+    try:
+        for i in range(2):
+            dep.fault(i, slowdown=20.0)
+        body = {"model": "emulated", "prompt": "busy " * 50, "max_tokens": 10}
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            futs = []
+            for _ in range(4):
+                futs.append(pool.submit(httpx.post, f"{dep.url}/v1/completions", json=body, timeout=30))
+                time.sleep(0.1)
+            codes = sorted(f.result().status_code for f in futs)
+            rejected = next(f.result() for f in futs if f.result().status_code == 429)
+        assert codes == [200, 200, 200, 429]  # two dispatched, one queued then served, one refused
+        assert rejected.headers["Retry-After"] and rejected.json()["error"]["code"] == "queue_full"
+    finally:
+        counters = dep.settle()
+        dep.close()
+    assert counters == (0, 0, 0)
+
+
+@pytest.mark.parametrize("path, data, headers, status, fragment", [
+    ("/v1/chat/completions", b"{not json", {}, 400, "not valid JSON"),
+    ("/v1/chat/completions", b"[1, 2]", {}, 400, "JSON object"),
+    ("/v1/chat/completions", b'{"model": "m"}', {}, 400, "missing required field 'messages'"),
+    ("/v1/chat/completions", b'{"messages": "hi"}', {}, 400, "messages must be a non-empty list"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": "9"}', {}, 400,
+     "max_tokens"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "stream": "yes"}', {}, 400,
+     "stream"),
+    ("/v1/completions", b'{"prompt": 42}', {}, 400, "prompt must be"),
+    ("/v1/completions", b'{"prompt": "\xff\xfe"}', {}, 400, "UTF-8"),
+    ("/v1/embeddings", b"{}", {}, 404, "unknown path"),
+])
+def test_bad_inputs_get_openai_style_4xx(live, path, data, headers, status, fragment):
+    r = httpx.post(f"{live.url}{path}", content=data, headers={"content-type": "application/json", **headers})
+    assert r.status_code == status
+    assert fragment in r.json()["error"]["message"]
+
+
+def test_wrong_method_and_oversized_body(live):
+    r = httpx.get(f"{live.url}/v1/chat/completions")
+    assert r.status_code == 405 and "not allowed" in r.json()["error"]["message"]
+    small = LiveDeployment(replicas=1, max_body_bytes=1000)
+    try:
+        r = httpx.post(f"{small.url}/v1/completions", json={"prompt": "x" * 5000})
+        assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
+        assert httpx.post(f"{small.url}/v1/completions", json={"prompt": "ok", "max_tokens": 1}).status_code == 200
+    finally:
+        small.close()
+
+
+def test_client_disconnect_cancels_upstream(live):
+    with httpx.stream("POST", f"{live.url}/v1/completions", timeout=10,
+                      json={"prompt": "long one", "max_tokens": 5000, "stream": True}) as r:
+        for _ in r.iter_lines():
+            break  # read the first event, then hang up
+    deadline = time.time() + 5
+    while time.time() < deadline:
+        running = sum(emu.engine.running for _, emu, _ in live.dep.emulators)
+        if running == 0:
+            break
+        time.sleep(0.05)
+    assert running == 0, "the upstream kept generating after the client left"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_serve_reloads_on_sighup_and_drains_on_sigterm(tmp_path):
+    ports = [_free_port(), _free_port()]
+    emus = [subprocess.Popen([sys.executable, "-m", "kvroute.cli", "emulate", "--port", str(p),
+                              "--profile", "h100-llama3.2-3b"], stderr=subprocess.DEVNULL) for p in ports]
+    gw_port = _free_port()
+    cfg = tmp_path / "gw.yaml"
+    cfg.write_text(f"port: {gw_port}\npolicy: least_request\nreplicas:\n  - {{url: http://127.0.0.1:{ports[0]}}}\n")
+    gw = subprocess.Popen([sys.executable, "-m", "kvroute.cli", "serve", "--config", str(cfg)],
+                          stderr=subprocess.PIPE, text=True)
+    try:
+        base = f"http://127.0.0.1:{gw_port}"
+        deadline = time.time() + 20
+        while time.time() < deadline:
+            try:
+                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        assert httpx.get(f"{base}/health").json()["replicas"] == 1
+        cfg.write_text(cfg.read_text() + f"  - {{url: http://127.0.0.1:{ports[1]}}}\n")
+        gw.send_signal(signal.SIGHUP)
+        deadline = time.time() + 10
+        while time.time() < deadline and httpx.get(f"{base}/health").json()["healthy"] != 2:
+            time.sleep(0.1)
+        assert httpx.get(f"{base}/health").json()["healthy"] == 2
+        # a long stream in flight survives SIGTERM; the process then exits 0
+        with httpx.stream("POST", f"{base}/v1/completions", timeout=20,
+                          json={"prompt": "drain me", "max_tokens": 60, "stream": True}) as r:
+            lines = r.iter_lines()
+            next(lines)
+            gw.send_signal(signal.SIGTERM)
+            rest = list(lines)
+        assert "data: [DONE]" in rest
+        assert gw.wait(15) == 0
+    finally:
+        for p in [gw, *emus]:
+            if p.poll() is None:
+                p.terminate()
+                p.wait(10)
