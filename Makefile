@@ -34,6 +34,7 @@ bench: $(STAMP)
 	mkdir -p $(OUT)
 	$(BIN)/kvroute bench routing --json $(OUT)/bench-routing.json
 	$(BIN)/kvroute bench sim-speed --json $(OUT)/bench-sim-speed.json
+	$(BIN)/kvroute bench gateway --json $(OUT)/bench-gateway.json
 
 clean:
 	rm -rf $(VENV) $(OUT) .pytest_cache

@@ -94,6 +94,24 @@ def cmd_bench_sim_speed(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_gateway(args: argparse.Namespace) -> int:
+    from kvroute.bench import gateway
+
+    result = gateway.run(requests=args.requests, concurrency=args.concurrency, repeats=args.repeats,
+                         presets=tuple(args.presets.split(",")), progress=lambda m: err.print(m))
+    for mode in ("nonstream", "stream"):
+        table = Table(title=f"gateway vs direct, {mode} ({args.requests} requests × {args.repeats}, "
+                            f"concurrency {args.concurrency}, medians)")
+        for col in ("preset", "gateway req/s", "direct req/s", "ratio", "added p50 ms", "added p99 ms"):
+            table.add_column(col, justify="left" if col == "preset" else "right")
+        for name, r in result[mode].items():
+            table.add_row(name, f"{r['gateway_rps']:,.0f}", f"{r['direct_rps']:,.0f}", f"{r['rps_ratio']:.2f}x",
+                          f"{r['added_p50_ms']:.2f}", f"{r['added_p99_ms']:.2f}")
+        console.print(table)
+    _write_json(args.json, result)
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from kvroute import walkthrough
     from kvroute.bench import routing
@@ -125,7 +143,52 @@ def cmd_demo(args: argparse.Namespace) -> int:
     data = load_scenario("chat-3region-skewed").model_dump(exclude_none=True)
     data["limits"]["max_requests"] = args.sim_requests
     run_simulation(parse_scenario(data), str(Path(args.out) / "simulate.json"), str(Path(args.out) / "plots"))
+
+    console.rule("[bold]live: gateway + 4 emulated replicas, chat clients over real HTTP")
+    live = live_comparison(args.live_policies.split(","), args.live_seconds, args.live_requests)
+    _write_json(str(Path(args.out) / "live.json"), live)
     return 0
+
+
+def live_comparison(policies: list[str], seconds: float, max_requests: int) -> dict:
+    """Each policy in turn: a fresh emulated deployment, the same chat load, a summary row."""
+    import asyncio
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from kvroute.gateway.embedded import start_deployment
+    from kvroute.gateway.loadgen import run_chat_load
+
+    results: dict[str, dict] = {}
+    with Progress(TextColumn("{task.description:<22}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=err) as progress:
+        for policy in policies:
+            task = progress.add_task(policy, total=max_requests)
+
+            async def one(policy=policy, task=task) -> dict:
+                dep = await start_deployment(replicas=4, policy=policy, port=0)
+                try:
+                    res = await run_chat_load(dep.url, clients=16, max_requests=max_requests, duration_s=seconds,
+                                              on_done=lambda n: progress.update(task, completed=n))
+                    summary = res.summary()
+                    rt = dep.gateway.runtime
+                    summary["inflight_after"] = sum(e.inflight for e in rt.router.endpoints)
+                    return summary
+                finally:
+                    await dep.stop()
+
+            results[policy] = asyncio.run(one())
+    table = Table(title="live gateway, 4 emulated H100/Llama-3.2-3B replicas, 16 chat clients")
+    for col in ("policy", "requests", "errors", "TTFT p50", "TTFT p99", "E2E p50", "E2E p99", "req/s",
+                "engine cache hits", "requests per replica"):
+        table.add_column(col, justify="left" if col == "policy" else "right")
+    for policy, s in results.items():
+        table.add_row(policy, str(s["requests"]), str(s["errors"]), f"{s['ttft_p50_s'] * 1000:.0f} ms",
+                      f"{s['ttft_p99_s'] * 1000:.0f} ms", f"{s['e2e_p50_s'] * 1000:.0f} ms",
+                      f"{s['e2e_p99_s'] * 1000:.0f} ms", f"{s['throughput_rps']:.1f}",
+                      f"{s['cached_ratio']:.1%}", " ".join(str(v) for v in s["replicas"].values()))
+    console.print(table)
+    return {"results": results}
 
 
 def _scenario_from_args(args: argparse.Namespace):
@@ -371,10 +434,23 @@ def build_parser() -> argparse.ArgumentParser:
     em.add_argument("--slowdown", type=float, default=1.0, help="model time runs this many times slower")
     em.set_defaults(func=cmd_emulate)
 
+    bg = bench.add_parser("gateway", help="gateway vs direct throughput and added latency")
+    bg.add_argument("--json", metavar="FILE")
+    bg.add_argument("--requests", type=int, default=20000)
+    bg.add_argument("--concurrency", type=int, default=32)
+    bg.add_argument("--repeats", type=int, default=3)
+    bg.add_argument("--presets", default="round_robin,sglang_cache_aware,skywalker,lmetric")
+    bg.set_defaults(func=cmd_bench_gateway)
+
     demo = sub.add_parser("demo", help="the main job: walk-through, benchmark, simulation, gateway")
     demo.add_argument("--out", default="out", help="folder for JSON results and plots")
     demo.add_argument("--decisions", type=int, default=500)
     demo.add_argument("--sim-requests", type=int, default=3000, dest="sim_requests")
+    demo.add_argument("--live-policies", default="round_robin,sglang_cache_aware,skywalker,lmetric",
+                      dest="live_policies")
+    demo.add_argument("--live-seconds", type=float, default=10.0, dest="live_seconds",
+                      help="time limit per policy for the live run")
+    demo.add_argument("--live-requests", type=int, default=400, dest="live_requests")
     demo.set_defaults(func=cmd_demo)
     return p
 

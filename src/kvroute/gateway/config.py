@@ -37,8 +37,9 @@ class ReplicaConfig(_Strict):
     @classmethod
     def _url(cls, v: str) -> str:
         parts = urlsplit(v)
-        if parts.scheme not in ("http", "https") or not parts.netloc:
-            raise ValueError(f"url must be http(s)://host:port, got {v!r}")
+        if parts.scheme != "http" or not parts.netloc:
+            raise ValueError(f"url must be http://host:port (engines are reached over plain HTTP "
+                             f"inside the cluster), got {v!r}")
         return v.rstrip("/")
 
     @property

@@ -4,7 +4,7 @@ in tests stay apart)."""
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 disable_created_metrics()  # *_created series double the exposition for no operational use
 
@@ -24,16 +24,26 @@ class GatewayMetrics:
                              registry=r)
         self.queue_wait = Histogram("kvroute_lb_queue_wait_seconds", "Time held in the LB queue",
                                     buckets=LATENCY_BUCKETS, registry=r)
-        self.prompt_tokens = Counter("kvroute_prompt_tokens", "Estimated prompt tokens routed", registry=r)
-        self.prefix_hit_tokens = Counter("kvroute_prefix_hit_tokens",
-                                         "Prompt tokens the router expected cached on the chosen replica",
-                                         registry=r)
         self.probe_failures = Counter("kvroute_probe_failures", "Failed probes", ["replica"], registry=r)
         self.retries = Counter("kvroute_retries", "Upstream attempts retried on another replica", ["reason"],
                                registry=r)
         self.rejected = Counter("kvroute_queue_rejected", "Requests refused by the LB queue", ["reason"],
                                 registry=r)
         r.register(_LiveCollector(runtime))
+        self._children: dict[tuple, object] = {}  # label lookups cost more than the increment
+
+    def _child(self, metric, *labels):
+        key = (id(metric), *labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
+
+    def count_request(self, route: str, status: int, policy: str) -> None:
+        self._child(self.requests, route, str(status), policy).inc()
+
+    def count_branch(self, policy: str, branch: str) -> None:
+        self._child(self.branches, policy, branch).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -61,6 +71,13 @@ class _LiveCollector:
             healthy.add_metric([ep.id], 1 if ep.healthy else 0)
         total = rt.prompt_tokens_routed
         ratio.add_metric([], rt.hit_tokens_routed / total if total else 0.0)
+        prompt = CounterMetricFamily("kvroute_prompt_tokens", "Estimated prompt tokens routed")
+        prompt.add_metric([], total)
+        hits = CounterMetricFamily("kvroute_prefix_hit_tokens",
+                                   "Prompt tokens the router expected cached on the chosen replica")
+        hits.add_metric([], rt.hit_tokens_routed)
+        yield prompt
+        yield hits
         yield inflight
         yield circuit
         yield healthy

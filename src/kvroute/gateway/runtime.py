@@ -15,6 +15,7 @@ import aiohttp
 
 from kvroute.gateway.config import GatewayConfig, ReplicaConfig
 from kvroute.gateway.probes import ProbeError, parse_prometheus, read_indicators
+from kvroute.gateway.upstream import UpstreamPool
 from kvroute.model import Decision, DecisionKind, Endpoint, Request
 from kvroute.policy import Router
 
@@ -59,6 +60,7 @@ class Upstream:
     config: ReplicaConfig
     endpoint: Endpoint
     breaker: CircuitBreaker
+    pool: UpstreamPool
     engine: str = "auto"
     probe_fail_streak: int = 0
     probe_ok_streak: int = 0
@@ -104,9 +106,8 @@ class Runtime:
     def _add(self, rc: ReplicaConfig) -> None:
         ep = Endpoint(rc.name, region=rc.region, weight=rc.weight)
         self.router.add_endpoint(ep)
-        self.upstreams[rc.name] = Upstream(rc, ep, CircuitBreaker(self.config.breaker.failures,
-                                                                  self.config.breaker.cooldown_s),
-                                           engine=rc.engine)
+        breaker = CircuitBreaker(self.config.breaker.failures, self.config.breaker.cooldown_s)
+        self.upstreams[rc.name] = Upstream(rc, ep, breaker, UpstreamPool(rc.url), engine=rc.engine)
 
     def reconfigure(self, new: GatewayConfig) -> list[str]:
         """Apply a reloaded config without dropping requests: replicas are added and removed,
@@ -116,7 +117,7 @@ class Runtime:
         fresh = {r.name: r for r in new.replicas}
         for name in old.keys() - fresh.keys():
             self.router.remove_endpoint(name)
-            del self.upstreams[name]
+            self.upstreams.pop(name).pool.close()
             changes.append(f"removed {name}")
         for name in fresh.keys() - old.keys():
             self._add(fresh[name])
@@ -124,6 +125,9 @@ class Runtime:
         for name in fresh.keys() & old.keys():
             if fresh[name] != old[name]:
                 up = self.upstreams[name]
+                if fresh[name].url != up.config.url:
+                    up.pool.close()
+                    up.pool = UpstreamPool(fresh[name].url)
                 up.config, up.engine = fresh[name], fresh[name].engine
                 up.endpoint.region, up.endpoint.weight = fresh[name].region, fresh[name].weight
                 changes.append(f"updated {name}")
@@ -226,6 +230,8 @@ class Runtime:
                 w.future.set_exception(QueueTimeout("gateway is shutting down"))
         if self.session:
             await self.session.close()
+        for up in self.upstreams.values():
+            up.pool.close()
 
     async def _probe_loop(self) -> None:
         while True:

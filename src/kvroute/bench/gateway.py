@@ -1,0 +1,192 @@
+"""`kvroute bench gateway`: what the gateway costs, measured against going direct, in one run.
+
+Trivial upstreams (answer at once; ``/metrics`` in vLLM's names so probes pass) run in their own
+process; the load generator in another (keep-alive, fixed concurrency, on the gateway's own lean
+HTTP/1.1 client so that the client is not what saturates the two cores); each gateway under test
+in a third. For every preset and for both non-stream and stream (16 SSE chunks) it
+runs the same bounded load direct (client-side round robin over the upstreams) and through the
+gateway, alternating, and reports the ratio of requests/s and the added p50/p99 latency.
+Every process started here is stopped by its PID.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+PRESETS = ("round_robin", "sglang_cache_aware", "skywalker", "lmetric")
+
+UPSTREAM = r'''
+import asyncio, json, sys
+from aiohttp import web
+ports = [int(p) for p in sys.argv[1:]]
+BODY = json.dumps({"id": "x", "object": "chat.completion", "created": 0, "model": "m",
+                   "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"},
+                                "finish_reason": "stop"}],
+                   "usage": {"prompt_tokens": 8, "completion_tokens": 1, "total_tokens": 9}}).encode()
+CHUNK = b'data: {"id":"x","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":"t"}}]}\n\n'
+METRICS = b"vllm:num_requests_running 0\nvllm:num_requests_waiting 0\nvllm:kv_cache_usage_perc 0\n"
+async def chat(request):
+    body = await request.json()
+    if not body.get("stream"):
+        return web.Response(body=BODY, content_type="application/json")
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    for _ in range(16):
+        await resp.write(CHUNK)
+    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
+    return resp
+async def metrics(request):
+    return web.Response(body=METRICS, content_type="text/plain")
+async def main():
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_get("/metrics", metrics)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    for p in ports:
+        await web.TCPSite(runner, "127.0.0.1", p).start()
+    print("ready", flush=True)
+    await asyncio.Event().wait()
+import uvloop; uvloop.run(main())
+'''
+
+CLIENT = r'''
+import asyncio, itertools, json, sys, time
+from kvroute.gateway.upstream import UpstreamError, UpstreamPool
+urls, n, conc, stream, limit_s = sys.argv[1].split(","), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1", float(sys.argv[5])
+body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "Say ok. " * 8}], "max_tokens": 16,
+                   "stream": stream}).encode()
+headers = [("Content-Type", "application/json")]
+async def main():
+    pools = [UpstreamPool(u, max_idle=conc) for u in urls]
+    rr = itertools.cycle(pools)
+    lat, errors, remaining = [], 0, n
+    async def one(pool):
+        r = await pool.post("/v1/chat/completions", body, headers, connect_s=5, first_byte_s=30, idle_s=30)
+        try:
+            await r.read()
+            return r.status == 200
+        finally:
+            r.release()
+    for _ in range(50):  # warm the connections
+        await one(pools[0])
+    deadline = time.perf_counter() + limit_s
+    async def worker():
+        nonlocal remaining, errors
+        while remaining > 0 and time.perf_counter() < deadline:
+            remaining -= 1
+            t0 = time.perf_counter()
+            try:
+                ok = await one(next(rr))
+            except UpstreamError:
+                ok = False
+            if ok:
+                lat.append(time.perf_counter() - t0)
+            else:
+                errors += 1
+    start = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(conc)))
+    wall = time.perf_counter() - start
+    lat.sort()
+    q = lambda p: lat[min(len(lat) - 1, int(p * (len(lat) - 1)))] * 1000 if lat else 0.0
+    print(json.dumps({"rps": len(lat) / wall, "p50_ms": q(0.5), "p99_ms": q(0.99), "ok": len(lat), "errors": errors}))
+import uvloop; uvloop.run(main())
+'''
+
+
+def _free_ports(k: int) -> list[int]:
+    socks, ports = [], []
+    for _ in range(k):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        socks.append(s)
+        ports.append(s.getsockname()[1])
+    for s in socks:
+        s.close()
+    return ports
+
+
+def _wait_port(port: int, timeout: float = 20.0) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"nothing listening on 127.0.0.1:{port} after {timeout} s")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.kill(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(5)
+
+
+def _load(urls: list[str], n: int, conc: int, stream: bool, limit_s: float) -> dict:
+    out = subprocess.run([sys.executable, "-c", CLIENT, ",".join(urls), str(n), str(conc), "1" if stream else "0",
+                          str(limit_s)], capture_output=True, text=True, timeout=limit_s + 60)
+    if out.returncode != 0:
+        raise RuntimeError(f"load client failed: {out.stderr[-1500:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def run(requests: int = 20000, concurrency: int = 32, repeats: int = 3, limit_s: float = 30.0,
+        presets=PRESETS, progress=print) -> dict:
+    up_ports = _free_ports(2)
+    upstream = subprocess.Popen([sys.executable, "-c", UPSTREAM, *map(str, up_ports)], stdout=subprocess.PIPE,
+                                stderr=subprocess.DEVNULL)
+    procs = [upstream]
+    result: dict = {"nonstream": {}, "stream": {}, "requests": requests, "concurrency": concurrency,
+                    "repeats": repeats, "direct": {}}
+    try:
+        for p in up_ports:
+            _wait_port(p)
+        direct_urls = [f"http://127.0.0.1:{p}" for p in up_ports]
+        with tempfile.TemporaryDirectory() as tmp:
+            for preset in presets:
+                gw_port = _free_ports(1)[0]
+                cfg = Path(tmp) / f"{preset}.yaml"
+                cfg.write_text(json.dumps({"port": gw_port, "policy": preset, "replica_header": True,
+                                           "replicas": [{"url": u, "engine": "vllm"} for u in direct_urls]}))
+                gw = subprocess.Popen([sys.executable, "-m", "kvroute.cli", "serve", "--config", str(cfg),
+                                       "--log-level", "WARNING"], stderr=subprocess.DEVNULL)
+                procs.append(gw)
+                try:
+                    _wait_port(gw_port)
+                    for mode, stream in (("nonstream", False), ("stream", True)):
+                        direct, via = [], []
+                        for _ in range(repeats):  # alternate so drift hits both alike
+                            direct.append(_load(direct_urls, requests, concurrency, stream, limit_s))
+                            via.append(_load([f"http://127.0.0.1:{gw_port}"], requests, concurrency, stream, limit_s))
+                        med = lambda runs, k: statistics.median(r[k] for r in runs)  # noqa: E731
+                        row = {"rps_ratio": round(med(via, "rps") / med(direct, "rps"), 3),
+                               "added_p50_ms": round(med(via, "p50_ms") - med(direct, "p50_ms"), 3),
+                               "added_p99_ms": round(med(via, "p99_ms") - med(direct, "p99_ms"), 3),
+                               "gateway_rps": round(med(via, "rps"), 1), "direct_rps": round(med(direct, "rps"), 1),
+                               "errors": sum(r["errors"] for r in via)}
+                        result[mode][preset] = row
+                        progress(f"{preset} {mode}: {row['gateway_rps']:.0f} vs {row['direct_rps']:.0f} req/s "
+                                 f"({row['rps_ratio']:.2f}x), +{row['added_p50_ms']:.2f} ms p50, "
+                                 f"+{row['added_p99_ms']:.2f} ms p99")
+                finally:
+                    _stop(gw)
+                    procs.remove(gw)
+    finally:
+        for p in procs:
+            _stop(p)
+    return result
