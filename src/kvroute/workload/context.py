@@ -32,9 +32,10 @@ class Context:
         if n <= 0:
             return self
         bt = self.bt
-        hashes = list(self.hashes)
+        new: list[int] = []
+        last = self.hashes[-1] if self.hashes else 0
         tail = list(self.tail)
-        filled = self.tokens - len(hashes) * bt
+        filled = self.tokens - len(self.hashes) * bt
         start = 0
         while start < n:
             take = min(n - start, bt - filled)
@@ -44,6 +45,8 @@ class Context:
             if filled == bt:
                 data = (_one.pack(*tail[0]) if len(tail) == 1
                         else array("q", [x for piece in tail for x in piece]).tobytes())
-                hashes.append(_xxh(data, hashes[-1] if hashes else 0))
+                last = _xxh(data, last)
+                new.append(last)
                 tail, filled = [], 0
-        return Context(bt, tuple(hashes), self.tokens + n, tuple(tail))
+        hashes = self.hashes + tuple(new) if new else self.hashes
+        return Context(bt, hashes, self.tokens + n, tuple(tail))
