@@ -1,9 +1,7 @@
 """The gateway end to end: the official openai SDK → kvroute → emulated engines, all on 127.0.0.1."""
 
-import asyncio
 import concurrent.futures
 import json
-import os
 import signal
 import socket
 import subprocess

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvroute.sim.engine import DECODE, Engine, Seq
+from kvroute.sim.engine import Engine, Seq
 from kvroute.sim.events import EventLoop
 from kvroute.sim.profile import available_profiles, load_profile
 

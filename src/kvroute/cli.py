@@ -303,7 +303,7 @@ def _run_async(coro) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from kvroute import yamlconf
-    from kvroute.gateway.config import GatewayConfig, load_config
+    from kvroute.gateway.config import load_config
     from kvroute.gateway.server import configure_logging, serve
 
     configure_logging(args.log_level)

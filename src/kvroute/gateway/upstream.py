@@ -136,11 +136,7 @@ class _Conn(asyncio.Protocol):
             elif st == "body":
                 if not buf:
                     return
-                take = min(len(buf), self.remaining)
-                self._deliver(bytes(buf[:take]))
-                del buf[:take]
-                self.remaining -= take
-                if self.remaining == 0:
+                if self._take() == 0:
                     self._finish()
             elif st == "body-close":
                 if buf:
@@ -163,11 +159,7 @@ class _Conn(asyncio.Protocol):
             elif st == "chunk-data":
                 if not buf:
                     return
-                take = min(len(buf), self.remaining)
-                self._deliver(bytes(buf[:take]))
-                del buf[:take]
-                self.remaining -= take
-                if self.remaining == 0:
+                if self._take() == 0:
                     self.state = "chunk-crlf"
             elif st == "chunk-crlf":
                 if len(buf) < 2:
@@ -186,6 +178,14 @@ class _Conn(asyncio.Protocol):
                 if buf:
                     raise UpstreamError("unexpected bytes from upstream between responses")
                 return
+
+    def _take(self) -> int:
+        """Deliver what has arrived of the current sized piece; returns what is still missing."""
+        take = min(len(self.buf), self.remaining)
+        self._deliver(bytes(self.buf[:take]))
+        del self.buf[:take]
+        self.remaining -= take
+        return self.remaining
 
     def _finish(self) -> None:
         self.state = "done"

@@ -29,6 +29,28 @@ from collections.abc import Iterable, Sequence
 from itertools import compress
 
 
+def cached_prefix(hashes: Sequence[int], table) -> int:
+    """Leading blocks of the chain ``hashes`` present in ``table``, which must be prefix-closed
+    on every chain (true of this index and of the simulated engines' caches): a binary search."""
+    n = len(hashes)
+    if not n or hashes[0] not in table:
+        return 0
+    if hashes[-1] in table:
+        return n
+    return _bisect(hashes, table, 1, n - 1)
+
+
+def _bisect(hashes: Sequence[int], table, lo: int, hi: int) -> int:
+    """First index in [lo, hi] not in ``table``, given hashes[lo-1] held and hashes[hi] not."""
+    while lo < hi:
+        mid = (lo + hi) >> 1
+        if hashes[mid] in table:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
 class _Table:
     __slots__ = ("blocks", "log", "logged", "capacity")
 
@@ -143,17 +165,12 @@ class PrefixIndex:
                     lo, hi = 1, guess - 1
             else:
                 lo, hi = 1, n - 1
-            while lo < hi:
-                mid = (lo + hi) >> 1
-                if hashes[mid] in table:
-                    lo = mid + 1
-                else:
-                    hi = mid
-            out[eid] = guess = lo
+            out[eid] = guess = _bisect(hashes, table, lo, hi)
         return out
 
     def match_one(self, endpoint_id: str, hashes: Sequence[int]) -> int:
-        return self.match(hashes, (endpoint_id,)).get(endpoint_id, 0)
+        table = self._blocks.get(endpoint_id)
+        return cached_prefix(hashes, table) if table is not None else 0
 
     def holders(self, block_hash: int) -> list[str]:
         """Endpoints believed to hold ``block_hash``."""

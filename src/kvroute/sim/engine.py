@@ -25,28 +25,11 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 from typing import Any
 
+from kvroute.prefix.index import cached_prefix
 from kvroute.sim.events import EventLoop
 from kvroute.sim.profile import HardwareProfile
 
 WAITING, PREFILL, DECODE, DONE = 0, 1, 2, 3
-
-
-def _cached_prefix(hashes: tuple[int, ...], cache: dict[int, int]) -> int:
-    """Leading blocks of ``hashes`` in ``cache``. The cache is prefix-closed on every chain
-    (blocks enter when a prefix is computed and leave tail first), so binary search is exact."""
-    n = len(hashes)
-    if not n or hashes[0] not in cache:
-        return 0
-    if hashes[-1] in cache:
-        return n
-    lo, hi = 1, n - 1
-    while lo < hi:
-        mid = (lo + hi) >> 1
-        if hashes[mid] in cache:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo
 
 
 class Seq:
@@ -164,7 +147,7 @@ class Engine:
             seq = self.waiting[0]
             refcnt = self.refcnt
             hashes = seq.hashes
-            m = _cached_prefix(hashes, refcnt)
+            m = cached_prefix(hashes, refcnt)  # the cache is prefix-closed: blocks leave tail first
             matched = min(m * seq.bt, seq.prompt)
             need = seq.prompt - matched
             if not self._make_room(need, protect=hashes[:m]):

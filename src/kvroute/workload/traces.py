@@ -35,6 +35,31 @@ class _BadLines:
         self.skipped += 1
 
 
+def _parsed_lines(path: Path, bad: _BadLines, parse):
+    """``(lineno, parse(line, where, lineno))`` for each non-empty line; bad lines go to ``bad``."""
+    with path.open() as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                item = parse(line, where, lineno)
+            except TraceError as exc:
+                bad(where, str(exc).removeprefix(f"{where}: "))
+                continue
+            yield lineno, item
+
+
+def _json_object(line: str, where: str) -> dict:
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise TraceError(f"{where}: invalid JSON ({exc.msg})") from None
+    if not isinstance(obj, dict):
+        raise TraceError(f"{where}: expected a JSON object")
+    return obj
+
+
 def _int_field(obj: dict, field: str, where: str, minimum: int = 0) -> int:
     if field not in obj:
         raise TraceError(f"{where}: missing field {field!r}")
@@ -84,13 +109,8 @@ class MooncakeTrace(Workload):
         self.bad = _BadLines(skip_bad)
         self.max_requests = max_requests
 
-    def _parse(self, line: str, where: str) -> tuple[float, int, int, tuple[int, ...]]:
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise TraceError(f"{where}: invalid JSON ({exc.msg})") from None
-        if not isinstance(obj, dict):
-            raise TraceError(f"{where}: expected a JSON object")
+    def _parse(self, line: str, where: str, lineno: int) -> tuple[float, int, int, tuple[int, ...]]:
+        obj = _json_object(line, where)
         ts = obj.get("timestamp")
         if not isinstance(ts, (int, float)) or isinstance(ts, bool) or ts < 0:
             raise TraceError(f"{where}: field 'timestamp' must be a number of ms ≥ 0, got {ts!r}")
@@ -104,28 +124,19 @@ class MooncakeTrace(Workload):
     def arrivals(self) -> Iterator[SimRequest]:
         t = 0.0
         n = 0
-        with self.path.open() as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                where = f"{self.path}:{lineno}"
-                try:
-                    ts, inp, out, ids = self._parse(line, where)
-                except TraceError as exc:
-                    self.bad(where, str(exc).removeprefix(f"{where}: "))
-                    continue
-                if self.rate:
-                    t += self.rng.expovariate(self.rate)
-                else:
-                    t = ts / 1000.0 * self.time_scale
-                key = str(ids[1] if len(ids) > 1 else ids[0]) if ids else None
-                req = Request(id=f"m{lineno}", arrival_s=t, region=self.region_of(), routing_key=key,
-                              block_hashes=ids, block_tokens=MOONCAKE_BLOCK_TOKENS,
-                              prompt_tokens=inp, max_output_tokens=out)
-                yield SimRequest(req, out)
-                n += 1
-                if self.max_requests and n >= self.max_requests:
-                    return
+        for lineno, (ts, inp, out, ids) in _parsed_lines(self.path, self.bad, self._parse):
+            if self.rate:
+                t += self.rng.expovariate(self.rate)
+            else:
+                t = ts / 1000.0 * self.time_scale
+            key = str(ids[1] if len(ids) > 1 else ids[0]) if ids else None
+            req = Request(id=f"m{lineno}", arrival_s=t, region=self.region_of(), routing_key=key,
+                          block_hashes=ids, block_tokens=MOONCAKE_BLOCK_TOKENS,
+                          prompt_tokens=inp, max_output_tokens=out)
+            yield SimRequest(req, out)
+            n += 1
+            if self.max_requests and n >= self.max_requests:
+                return
 
     @property
     def skipped(self) -> int:
@@ -228,29 +239,14 @@ class OpenAIConversations(Workload):
         self._load()
 
     def _load(self) -> None:
-        with self.path.open() as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                where = f"{self.path}:{lineno}"
-                try:
-                    program = self._conversation(line, where, lineno)
-                except TraceError as exc:
-                    self.bad(where, str(exc).removeprefix(f"{where}: "))
-                    continue
-                if program is not None:
-                    region = program.turns[0][0].region
-                    self.queues.setdefault(region, []).append(program)
+        for _, program in _parsed_lines(self.path, self.bad, self._conversation):
+            region = program.turns[0][0].region
+            self.queues.setdefault(region, []).append(program)
         for q in self.queues.values():
             q.reverse()  # pop() takes them in file order
 
-    def _conversation(self, line: str, where: str, lineno: int) -> _Replay | None:
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise TraceError(f"{where}: invalid JSON ({exc.msg})") from None
-        if not isinstance(obj, dict):
-            raise TraceError(f"{where}: expected a JSON object")
+    def _conversation(self, line: str, where: str, lineno: int) -> _Replay:
+        obj = _json_object(line, where)
         messages = obj.get("messages")
         if not isinstance(messages, list) or not messages:
             raise TraceError(f"{where}: field 'messages' must be a non-empty list")

@@ -33,28 +33,43 @@ class RandomPolicy(Policy):
         return Decision.dispatch(ep.id, "random")
 
 
-class LeastRequest(Policy):
+class MinLoad(Policy):
+    """Base of the load-only arg-min presets: the endpoint with the smallest ``load``."""
+
+    branch = ""
+
+    @staticmethod
+    def load(e: Endpoint) -> float:
+        raise NotImplementedError  # each preset defines its load
+
+    def choose(self, req: Request, eps: list[Endpoint], view: View) -> Decision:
+        values = list(map(self.load, eps))
+        ep = argmin(eps, values, self.rng)
+        return Decision.dispatch(ep.id, self.branch, scores=explain(eps, values))
+
+
+class LeastRequest(MinLoad):
     """Fewest in-flight requests (router-side count), random tie-break."""
 
     name = "least_request"
     source = "SkyWalker baseline LL; GORGO v2 baseline least-request; AIBrix `least-request`"
+    branch = "least-request"
 
-    def choose(self, req: Request, eps: list[Endpoint], view: View) -> Decision:
-        values = [e.inflight for e in eps]
-        ep = argmin(eps, values, self.rng)
-        return Decision.dispatch(ep.id, "least-request", scores=explain(eps, values))
+    @staticmethod
+    def load(e: Endpoint) -> float:
+        return e.inflight
 
 
-class LeastLoad(Policy):
+class LeastLoad(MinLoad):
     """Fewest outstanding tokens: in-flight prompt tokens plus the engine's batch as tie-break."""
 
     name = "least_load"
     source = "GORGO v2 baseline least-load (queued + running + used tokens); SGLang token load"
+    branch = "least-load"
 
-    def choose(self, req: Request, eps: list[Endpoint], view: View) -> Decision:
-        values = [e.inflight_tokens + e.batch_size * 1e-6 for e in eps]
-        ep = argmin(eps, values, self.rng)
-        return Decision.dispatch(ep.id, "least-load", scores=explain(eps, values))
+    @staticmethod
+    def load(e: Endpoint) -> float:
+        return e.inflight_tokens + e.batch_size * 1e-6
 
 
 class PowerOfTwo(Policy):

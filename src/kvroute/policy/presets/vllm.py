@@ -5,19 +5,20 @@ from __future__ import annotations
 from pydantic import Field
 
 from kvroute.model import Decision, Endpoint, Request
-from kvroute.policy.base import Policy, PolicyParams, View, argmax, argmin, explain
+from kvroute.policy.base import Policy, PolicyParams, View, argmax, explain
+from kvroute.policy.presets.basic import MinLoad
 
 
-class VLLMJoinShortestQueue(Policy):
+class VLLMJoinShortestQueue(MinLoad):
     """Smallest batch: running + waiting requests (as probed, plus dispatches since the probe)."""
 
     name = "vllm_jsq"
     source = "LMetric §3 (vLLM policy: Q-BS + R-BS); vLLM production-stack"
+    branch = "jsq"
 
-    def choose(self, req: Request, eps: list[Endpoint], view: View) -> Decision:
-        values = [e.batch_size for e in eps]
-        ep = argmin(eps, values, self.rng)
-        return Decision.dispatch(ep.id, "jsq", scores=explain(eps, values))
+    @staticmethod
+    def load(e: Endpoint) -> float:
+        return e.batch_size
 
 
 class BailianParams(PolicyParams):
