@@ -4,7 +4,8 @@ Set-up (the issue's): 64 endpoints with varied indicators, a prefix index holdin
 (64-token blocks, conversation-like chains spread over the endpoints), prompts of 8K and 32K
 tokens of which half extend a cached chain. One measured decision is ``route`` (filters,
 admission, scoring, pick, commit into the index and counters) plus the matching ``on_finish``
-— what the gateway pays per request. Tokenization is excluded: requests arrive hashed, as the
+— what the gateway pays per request. Each preset decides on its own freshly built copy of the
+same index, endpoints and requests, so no preset measures the churn another one caused. Tokenization is excluded: requests arrive hashed, as the
 gateway hashes once on parse. ``chat_220kb_ms`` times the whole front half for a 220 KB chat
 body: JSON parse, canonical key, block hashing, routing.
 """
@@ -90,16 +91,19 @@ def _percentile(sorted_vals: list[float], q: float) -> float:
     return sorted_vals[min(len(sorted_vals) - 1, int(round(q * (len(sorted_vals) - 1))))]
 
 
-def time_decisions(router: Router, reqs: list[Request]) -> tuple[float, float]:
+def time_decisions(router: Router, reqs: list[Request], samples: list[float]) -> None:
+    """Time ``route`` + ``on_finish`` per request, appending microseconds to ``samples``."""
     clock = time.perf_counter_ns
-    samples = []
     for req in reqs:
         t0 = clock()
         d = router.route(req)
         router.on_finish(req.id)
         samples.append((clock() - t0) / 1000.0)
         assert d.kind.value != "none", d.reason
-    samples.sort()
+
+
+def _p50_p99(samples: list[float]) -> tuple[float, float]:
+    samples = sorted(samples)
     return _percentile(samples, 0.5), _percentile(samples, 0.99)
 
 
@@ -124,34 +128,43 @@ def chat_220kb_ms(router: Router, repeats: int = 21) -> float:
     return statistics.median(samples)
 
 
-def run(decisions: int = 2000, seed: int = 0, progress=None) -> dict:
+def _fixture(seed: int, decisions: int):
+    """Endpoints, a ~1M-block index and requests, identical for every call with one seed."""
     rng = random.Random(seed)
     endpoints = make_endpoints(rng)
-    ids = [e.id for e in endpoints]
-    shared = PrefixIndex(capacity_blocks=INDEX_BLOCKS // N_ENDPOINTS + 4096)
-    for i in ids:
-        shared.add_endpoint(i)
-    chains = populate(shared, ids, INDEX_BLOCKS, rng)
-    reqs8 = _requests(rng, chains, 8192, decisions)
-    reqs32 = _requests(rng, chains, 32768, decisions)
-    result: dict = {"presets": {}, "endpoints": N_ENDPOINTS, "index_blocks": len(shared),
-                    "block_tokens": BLOCK_TOKENS, "decisions_per_size": decisions}
-    gc.collect()
-    gc.freeze()  # long-lived set-up state leaves the GC's scans, as a serving process would do
+    index = PrefixIndex(capacity_blocks=INDEX_BLOCKS // N_ENDPOINTS + 4096)
+    for e in endpoints:
+        index.add_endpoint(e.id)
+    chains = populate(index, [e.id for e in endpoints], INDEX_BLOCKS, rng)
+    return endpoints, index, _requests(rng, chains, 8192, decisions), _requests(rng, chains, 32768, decisions)
+
+
+def run(decisions: int = 2000, seed: int = 0, progress=None) -> dict:
+    result: dict = {"presets": {}, "endpoints": N_ENDPOINTS, "block_tokens": BLOCK_TOKENS,
+                    "decisions_per_size": decisions}
     for name in PRESETS:
+        # every preset starts from the same freshly built index: no preset measures another's churn
+        endpoints, index, reqs8, reqs32 = _fixture(seed, decisions)
+        result["index_blocks"] = len(index)
         router = Router(build_policy(name, seed=seed), endpoints)
-        router.prefix = router.view.prefix = shared  # every preset decides on the same index
-        p50_8, p99_8 = time_decisions(router, reqs8)
-        p50_32, p99_32 = time_decisions(router, reqs32)
+        router.prefix = router.view.prefix = index
+        gc.collect()
+        gc.freeze()  # long-lived state leaves the GC's scans, as a serving process would do
+        s8, s32 = [], []
+        time_decisions(router, reqs8, s8)
+        time_decisions(router, reqs32, s32)
+        gc.unfreeze()
+        p50_8, p99_8 = _p50_p99(s8)
+        p50_32, p99_32 = _p50_p99(s32)
         result["presets"][name] = {"p50_us_8k": round(p50_8, 2), "p99_us_8k": round(p99_8, 2),
                                    "p50_us_32k": round(p50_32, 2), "p99_us_32k": round(p99_32, 2)}
         if progress:
             progress(name)
+        del endpoints, index, reqs8, reqs32, router
+    endpoints, index, _, _ = _fixture(seed, 1)
     heaviest = Router(build_policy("sglang_cache_aware", seed=seed), endpoints)
-    heaviest.prefix = heaviest.view.prefix = shared
+    heaviest.prefix = heaviest.view.prefix = index
     result["chat_220kb_ms"] = round(chat_220kb_ms(heaviest), 3)
-    result["index_blocks_after"] = len(shared)
-    gc.unfreeze()
-    del shared, chains
+    del endpoints, index, heaviest
     result["index_bytes_per_block"] = round(index_bytes_per_block(seed), 1)
     return result
