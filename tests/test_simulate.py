@@ -162,3 +162,39 @@ def test_cli_simulate_writes_plots(tmp_path):
                  "--max-requests", "150", "--plots", str(tmp_path)]) == 0
     for name in ("ttft_cdf.png", "e2e_cdf.png", "throughput.png", "replica_load.png"):
         assert (tmp_path / name).stat().st_size > 1000
+
+
+def test_synthetic_context_hashes_match_a_token_by_token_reference():
+    import random
+    import struct
+    from array import array
+
+    import xxhash
+
+    from kvroute.workload.context import Context
+
+    def reference(segments, bt):
+        tokens = [(s, i) for s, n in segments for i in range(n)]
+        hashes, last = [], 0
+        for b in range(len(tokens) // bt):
+            pieces = []
+            for s, i in tokens[b * bt:(b + 1) * bt]:
+                if pieces and pieces[-1][0] == s and pieces[-1][1] + pieces[-1][2] == i:
+                    pieces[-1][2] += 1
+                else:
+                    pieces.append([s, i, 1])
+            data = (struct.pack("<qqq", *pieces[0]) if len(pieces) == 1
+                    else array("q", [x for p in pieces for x in p]).tobytes())
+            last = xxhash.xxh3_64_intdigest(data, last)
+            hashes.append(last)
+        return tuple(hashes)
+
+    rng = random.Random(1)
+    for _ in range(200):
+        bt = rng.choice([4, 16, 64])
+        segments = [(rng.getrandbits(62), rng.randint(1, 150)) for _ in range(rng.randint(1, 8))]
+        ctx = Context(bt)
+        for s, n in segments:
+            ctx = ctx.extend(s, n)
+        assert ctx.hashes == reference(segments, bt)
+        assert ctx.tokens == sum(n for _, n in segments)

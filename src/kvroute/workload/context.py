@@ -34,19 +34,23 @@ class Context:
         bt = self.bt
         new: list[int] = []
         last = self.hashes[-1] if self.hashes else 0
-        tail = list(self.tail)
-        filled = self.tokens - len(self.hashes) * bt
+        tail = self.tail
         start = 0
-        while start < n:
-            take = min(n - start, bt - filled)
-            tail.append((segment, start, take))
-            filled += take
-            start += take
-            if filled == bt:
-                data = (_one.pack(*tail[0]) if len(tail) == 1
-                        else array("q", [x for piece in tail for x in piece]).tobytes())
-                last = _xxh(data, last)
+        filled = self.tokens - len(self.hashes) * bt
+        if filled:  # complete the unfinished block first: several pieces
+            take = min(n, bt - filled)
+            tail = (*tail, (segment, 0, take))
+            start = take
+            if filled + take == bt:
+                last = _xxh(array("q", [x for piece in tail for x in piece]).tobytes(), last)
                 new.append(last)
-                tail, filled = [], 0
+                tail = ()
+        pack = _one.pack
+        while n - start >= bt:  # whole blocks of this segment: one piece each
+            last = _xxh(pack(segment, start, bt), last)
+            new.append(last)
+            start += bt
+        if start < n:
+            tail = (*tail, (segment, start, n - start))
         hashes = self.hashes + tuple(new) if new else self.hashes
-        return Context(bt, hashes, self.tokens + n, tuple(tail))
+        return Context(bt, hashes, self.tokens + n, tail)
