@@ -236,3 +236,21 @@ def test_serve_reloads_on_sighup_and_drains_on_sigterm(tmp_path):
             if p.poll() is None:
                 p.terminate()
                 p.wait(10)
+
+
+def test_access_log_has_ids_and_replica_but_no_prompt_by_default(caplog):
+    import logging
+
+    secret = "my secret prompt text"
+    for log_prompts in (False, True):
+        dep = LiveDeployment(replicas=1, log_prompts=log_prompts)
+        try:
+            with caplog.at_level(logging.INFO, logger="kvroute.access"):
+                caplog.clear()
+                r = httpx.post(f"{dep.url}/v1/completions", json={"prompt": secret, "max_tokens": 2})
+                fields = next(rec.fields for rec in caplog.records if rec.name == "kvroute.access")
+        finally:
+            dep.close()
+        assert fields["rid"] == r.headers["x-request-id"] and fields["replica"] == "emulated-0"
+        assert fields["status"] == 200 and fields["branch"]
+        assert (secret in json.dumps(fields)) is log_prompts

@@ -85,3 +85,19 @@ def test_token_id_hashing_and_hasher():
 def test_tokenizer_path_must_be_local_file(tmp_path):
     with pytest.raises(ValueError, match="no such file"):
         BlockHasher(tokenizer_path=str(tmp_path / "missing.json"))
+
+
+def test_local_tokenizer_json_gives_exact_token_blocks(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"[UNK]": 0, **{w: i + 1 for i, w in enumerate("the cache router prefix keeps warm".split())}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    path = tmp_path / "tokenizer.json"
+    tok.save(str(path))
+    hasher = BlockHasher(block_tokens=4, tokenizer_path=str(path))
+    hashes, tokens = hasher("the cache router keeps the prefix warm the cache")
+    assert tokens == 9 and len(hashes) == 2  # exact token count, two full blocks of four ids
+    longer, _ = hasher("the cache router keeps the prefix warm the cache router keeps warm")
+    assert longer[:2] == hashes
+    assert hashes == hash_token_ids(tok.encode("the cache router keeps the prefix warm the cache").ids, 4)

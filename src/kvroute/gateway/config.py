@@ -93,7 +93,8 @@ class GatewayConfig(_Strict):
     session_headers: list[str] = Field(default_factory=lambda: ["x-session-id", "x-hash-key", "x-user-id"])
     block_tokens: int = Field(64, gt=0)
     tokenizer_path: str | None = None
-    log_prompts: bool = False
+    access_log: bool = True  # one structured line per request (ids, replica, branch, timings)
+    log_prompts: bool = False  # add the prompt's canonical key (truncated) to access lines
     drain_timeout_s: float = Field(30.0, gt=0)
     seed: int = 0
 

@@ -31,6 +31,7 @@ from kvroute.model import DecisionKind, Request
 from kvroute.prefix import BlockHasher, PromptError, chat_key, completion_key
 
 log = logging.getLogger("kvroute.gateway")
+access = logging.getLogger("kvroute.access")
 HOP_HEADERS = {"host", "content-length", "transfer-encoding", "connection", "keep-alive", "expect",
                "accept-encoding", "upgrade", "te", "trailer", "proxy-authorization", "server", "date"}
 ROUTES = {"/v1/chat/completions": "POST", "/v1/completions": "POST", "/v1/models": "GET",
@@ -103,10 +104,34 @@ class Proxy:
         if rt.draining:
             resp.send_error(503, "gateway is draining", "server_error", headers=[("Retry-After", "1")])
             return self._count(route, resp)
-        stream = bool(body.get("stream"))
         headers = [(k, v) for k, v in request.headers.items() if k not in HOP_HEADERS]
+        served: dict[str, Any] = {"excluded": []}  # where it went, for the access line
+        if rt.config.access_log:
+            resp.extra_headers.append(("x-request-id", req.id))
+        try:
+            await self._route_and_forward(request, resp, route, bool(body.get("stream")), req, headers,
+                                          served, t0)
+        finally:
+            if rt.config.access_log:
+                self._access(resp, route, body, req, served, t0)
+
+    def _access(self, resp: Responder, route: str, body: dict, req: Request, served: dict, t0: float) -> None:
+        """One JSON line per request: what happened, never the prompt unless asked."""
+        fields = {"rid": req.id, "route": route, "status": resp.status or 499,  # 499: client left
+                  "replica": served.get("replica"), "branch": served.get("branch"),
+                  "prompt_tokens": req.prompt_tokens, "stream": bool(body.get("stream")),
+                  "ms": round((time.monotonic() - t0) * 1000, 2)}
+        if served["excluded"]:
+            fields["failed_on"] = served["excluded"]
+        if self.rt.config.log_prompts:
+            fields["prompt"] = (chat_key(body["messages"]) if route == "chat" else str(body.get("prompt")))[:512]
+        access.info("request", extra={"fields": fields})
+
+    async def _route_and_forward(self, request: HTTPRequest, resp: Responder, route: str, stream: bool,
+                                 req: Request, headers, served: dict, t0: float) -> None:
+        rt = self.rt
         rc = rt.config.retry
-        excluded: list[str] = []
+        excluded = served["excluded"]
         for attempt in range(1, rc.max_attempts + 1):
             try:
                 decision = await rt.admit(req)
@@ -123,6 +148,7 @@ class Proxy:
                                 code=decision.branch)
                 return self._count(route, resp)
             target = decision.target
+            served["replica"], served["branch"] = target, decision.branch
             rt.dispatched(req, decision)
             rt.metrics.count_branch(rt.policy_name, decision.branch)
             retry = await self._forward(request.body, resp, route, headers, req, target, stream, t0,
@@ -322,6 +348,7 @@ def configure_logging(level: str = "INFO") -> None:
         def format(self, record: logging.LogRecord) -> str:
             out: dict[str, Any] = {"ts": round(record.created, 3), "level": record.levelname,
                                    "logger": record.name, "msg": record.getMessage()}
+            out.update(getattr(record, "fields", {}))
             if record.exc_info:
                 out["exc"] = self.formatException(record.exc_info)
             return json.dumps(out)
