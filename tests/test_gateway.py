@@ -108,18 +108,24 @@ def test_failing_replica_is_retried_then_circuit_opens(live):
     assert "kvroute_retries_total" in metrics
 
 
+def _wait_healthy(dep, n: int, timeout: float = 10.0) -> int:
+    deadline = time.time() + timeout
+    while True:
+        healthy = httpx.get(f"{dep.url}/health").json()["healthy"]
+        if healthy == n or time.time() > deadline:
+            return healthy
+        time.sleep(0.05)
+
+
 def test_probe_timeouts_eject_and_readmit(live):
     live.fault(2, probe_hang=True)
-    time.sleep(1.2)  # two probe timeouts of 0.3 s
-    health = httpx.get(f"{live.url}/health").json()
-    assert health["healthy"] == 2
+    assert _wait_healthy(live, 2) == 2  # after two probe timeouts of 0.3 s
     c = client(live)
     for i in range(4):
         raw = c.completions.with_raw_response.create(model="emulated", prompt=f"z{i}", max_tokens=2)
         assert raw.headers["x-kvroute-replica"] != live.replica_id(2)
     live.fault(2, probe_hang=False)
-    time.sleep(0.6)
-    assert httpx.get(f"{live.url}/health").json()["healthy"] == 3
+    assert _wait_healthy(live, 3) == 3
     assert 'kvroute_probe_failures_total{replica="emulated-2"}' in httpx.get(f"{live.url}/metrics").text
 
 
