@@ -254,6 +254,9 @@ def test_access_log_has_ids_and_replica_but_no_prompt_by_default(caplog):
             with caplog.at_level(logging.INFO, logger="kvroute.access"):
                 caplog.clear()
                 r = httpx.post(f"{dep.url}/v1/completions", json={"prompt": secret, "max_tokens": 2})
+                deadline = time.time() + 5  # the line is written just after the response bytes
+                while not any(rec.name == "kvroute.access" for rec in caplog.records) and time.time() < deadline:
+                    time.sleep(0.01)
                 fields = next(rec.fields for rec in caplog.records if rec.name == "kvroute.access")
         finally:
             dep.close()
