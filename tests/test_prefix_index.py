@@ -90,3 +90,22 @@ def test_insert_longer_than_capacity_keeps_the_head():
     index = PrefixIndex(capacity_blocks=4)
     index.insert("e", (1, 2, 3, 4, 5, 6))
     assert index.match_one("e", (1, 2, 3, 4, 5, 6)) == 4
+
+
+def test_max_blocks_bounds_what_is_indexed_and_matched():
+    index = PrefixIndex(max_blocks=4)
+    chain = tuple(range(100, 110))
+    index.insert("e", chain)
+    assert index.blocks("e") == 4  # only the head is indexed
+    assert index.match(chain) == {"e": 4} and index.match_one("e", chain) == 4
+    unbounded = PrefixIndex(max_blocks=0)
+    unbounded.insert("e", chain)
+    assert unbounded.match(chain) == {"e": 10}
+
+
+def test_hit_ratio_counts_tokens_so_a_bounded_index_does_not_overstate_it():
+    from kvroute.model import Request
+
+    req = Request("r", block_hashes=tuple(range(512)), block_tokens=64, prompt_tokens=32768)
+    assert req.hit_ratio(256) == 0.5  # the indexed head of a 32K prompt is half of it
+    assert req.new_prefill_tokens(256) == 16384

@@ -132,7 +132,7 @@ def _fixture(seed: int, decisions: int):
     """Endpoints, a ~1M-block index and requests, identical for every call with one seed."""
     rng = random.Random(seed)
     endpoints = make_endpoints(rng)
-    index = PrefixIndex(capacity_blocks=INDEX_BLOCKS // N_ENDPOINTS + 4096)
+    index = PrefixIndex(capacity_blocks=INDEX_BLOCKS // N_ENDPOINTS + 4096)  # default max_blocks, as a Router
     for e in endpoints:
         index.add_endpoint(e.id)
     chains = populate(index, [e.id for e in endpoints], INDEX_BLOCKS, rng)

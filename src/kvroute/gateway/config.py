@@ -92,6 +92,7 @@ class GatewayConfig(_Strict):
     replica_header: bool = True  # x-kvroute-replica on responses
     session_headers: list[str] = Field(default_factory=lambda: ["x-session-id", "x-hash-key", "x-user-id"])
     block_tokens: int = Field(64, gt=0)
+    max_prefix_blocks: int = Field(256, ge=0)  # leading blocks indexed per prompt (llm-d: 256); 0 = all
     tokenizer_path: str | None = None
     access_log: bool = True  # one structured line per request (ids, replica, branch, timings)
     log_prompts: bool = False  # add the prompt's canonical key (truncated) to access lines

@@ -86,7 +86,8 @@ class Runtime:
     def __init__(self, config: GatewayConfig, metrics_factory=None):
         self.config = config
         self.policy_name = self._policy_label(config)
-        self.router = Router(config.build_policy(), index_block_tokens=config.block_tokens)
+        self.router = Router(config.build_policy(), index_block_tokens=config.block_tokens,
+                             max_prefix_blocks=config.max_prefix_blocks)
         self.upstreams: dict[str, Upstream] = {}
         for rc in config.replicas:
             self._add(rc)

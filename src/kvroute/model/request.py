@@ -37,6 +37,11 @@ class Request:
         return max(0, self.prompt_tokens - matched_blocks * self.block_tokens)
 
     def hit_ratio(self, matched_blocks: int) -> float:
-        """Fraction of the prompt's hashed blocks that are cached (0 when nothing is hashed)."""
-        n = len(self.block_hashes)
-        return matched_blocks / n if n else 0.0
+        """Fraction of the prompt's tokens in the ``matched_blocks`` cached leading blocks.
+
+        Counted in tokens rather than blocks so that it stays true when the router indexes only
+        a prompt's first blocks (``PrefixIndex.max_blocks``).
+        """
+        if self.prompt_tokens <= 0:
+            return 0.0
+        return min(1.0, matched_blocks * self.block_tokens / self.prompt_tokens)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from kvroute.model import Decision, Endpoint, Request
 from kvroute.policy.base import Policy, View
 from kvroute.prefix import DEFAULT_BLOCK_TOKENS, HashRing, PrefixIndex
+from kvroute.prefix.index import DEFAULT_MAX_BLOCKS
 
 
 @dataclass(slots=True)
@@ -28,11 +29,12 @@ class Router:
     def __init__(self, policy: Policy, endpoints: list[Endpoint] = (), *,
                  index_capacity_blocks: int | None = None,
                  index_block_tokens: int = DEFAULT_BLOCK_TOKENS,
+                 max_prefix_blocks: int = DEFAULT_MAX_BLOCKS,
                  ring_vnodes: int = 1024):
         self.policy = policy
         self.index_capacity_blocks = index_capacity_blocks
         self.index_block_tokens = index_block_tokens
-        self.prefix = PrefixIndex()
+        self.prefix = PrefixIndex(max_blocks=max_prefix_blocks)
         self.ring = HashRing(vnodes=ring_vnodes)
         self.tickets: dict[str, Ticket] = {}
         self._eps: dict[str, Endpoint] = {}

@@ -61,10 +61,19 @@ class _Table:
         self.capacity = capacity
 
 
+DEFAULT_MAX_BLOCKS = 256  # llm-d's prefix-cache scorer: maxPrefixBlocksToMatch 256 (64-token blocks)
+
+
 class PrefixIndex:
-    def __init__(self, capacity_blocks: int = 1 << 18):
+    """``max_blocks`` bounds how many leading blocks of a prompt are indexed and matched (0: all):
+    routing needs the head of a prompt, and the bound caps per-request work for very long ones."""
+
+    def __init__(self, capacity_blocks: int = 1 << 18, max_blocks: int = DEFAULT_MAX_BLOCKS):
         if capacity_blocks <= 0:
             raise ValueError(f"capacity_blocks must be positive, got {capacity_blocks}")
+        if max_blocks < 0:
+            raise ValueError(f"max_blocks must be ≥ 0 (0: no bound), got {max_blocks}")
+        self.max_blocks = max_blocks
         self.default_capacity = capacity_blocks
         self._tables: dict[str, _Table] = {}
         self._blocks: dict[str, dict[int, int]] = {}  # endpoint -> its table's blocks (hot path)
@@ -112,8 +121,9 @@ class PrefixIndex:
             table = self._tables[endpoint_id]
         if not hashes:
             return
-        if len(hashes) > table.capacity:
-            hashes = hashes[: table.capacity]  # keep the head: it is what others reuse
+        limit = min(table.capacity, self.max_blocks or table.capacity)
+        if len(hashes) > limit:
+            hashes = hashes[:limit]  # keep the head: it is what others reuse
         self._tick += 1
         tick = self._tick
         blocks = table.blocks
@@ -141,6 +151,8 @@ class PrefixIndex:
         """
         if not hashes:
             return {}
+        if self.max_blocks and len(hashes) > self.max_blocks:
+            hashes = hashes[: self.max_blocks]
         first, last, n = hashes[0], hashes[-1], len(hashes)
         if endpoint_ids is None:
             tables = self._blocks.items()
@@ -170,7 +182,9 @@ class PrefixIndex:
 
     def match_one(self, endpoint_id: str, hashes: Sequence[int]) -> int:
         table = self._blocks.get(endpoint_id)
-        return cached_prefix(hashes, table) if table is not None else 0
+        if table is None:
+            return 0
+        return cached_prefix(hashes[: self.max_blocks] if self.max_blocks else hashes, table)
 
     def holders(self, block_hash: int) -> list[str]:
         """Endpoints believed to hold ``block_hash``."""

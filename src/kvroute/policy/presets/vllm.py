@@ -36,8 +36,8 @@ class BailianLinear(Policy):
         lam = self.params.lam
         matches = view.prefix.match(req.block_hashes)
         top = max(1, max(e.batch_size for e in eps))
-        per_block = lam / (len(req.block_hashes) or 1)
-        values = [per_block * matches.get(e.id, 0) + (1 - lam) * (1 - e.batch_size / top)
-                  for e in eps]
+        per_block = lam * req.hit_ratio(1)  # λ × the share of the prompt one cached block covers
+        load = (1 - lam) / top
+        values = [per_block * matches.get(e.id, 0) + (1 - lam) - load * e.batch_size for e in eps]
         ep = argmax(eps, values, self.rng)
         return Decision.dispatch(ep.id, "linear", matches.get(ep.id, 0), explain(eps, values))

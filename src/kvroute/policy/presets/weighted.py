@@ -27,8 +27,10 @@ def _low_is_good(values: list[float]) -> list[float]:
 ScorerFn = Callable[[Request, list[Endpoint], dict[str, int]], list[float]]
 
 def _prefix(r: Request, eps: list[Endpoint], m: dict[str, int]) -> list[float]:
-    n = len(r.block_hashes) or 1
-    return [m.get(e.id, 0) / n for e in eps]
+    # cached share of the prompt; may pass 1 by less than one block when the last block is
+    # partial (Mooncake ids cover it), which changes no ranking
+    per_block = r.hit_ratio(1)
+    return [m.get(e.id, 0) * per_block for e in eps]
 
 
 SCORERS: dict[str, ScorerFn] = {
@@ -75,9 +77,11 @@ class Weighted(Policy):
 
     def choose(self, req: Request, eps: list[Endpoint], view: View) -> Decision:
         matches = view.prefix.match(req.block_hashes)
-        total = [0.0] * len(eps)
+        total = None
         for name, weight in self.params.scorers.items():
-            total = [t + weight * s for t, s in zip(total, SCORERS[name](req, eps, matches))]
+            scores = SCORERS[name](req, eps, matches)
+            total = ([weight * s for s in scores] if total is None
+                     else [t + weight * s for t, s in zip(total, scores)])
         if self.params.picker == "softmax":
             ep = softmax_pick(eps, total, self.params.temperature, self.rng)
         else:
