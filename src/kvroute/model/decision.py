@@ -19,16 +19,24 @@ class Decision:
     branch: str = ""  # which rule decided, e.g. "prefix-hit", "imbalance-fallback", "ring"
     reason: str = ""  # human-readable why, for HOLD / NONE
     matched_blocks: int = 0  # prefix blocks believed cached on the target
-    scores: dict[str, float] = field(default_factory=dict)  # per endpoint, for explanation
+    # per-endpoint scores for explanation: kept as (endpoints, values) and turned into a dict
+    # only when someone asks, since the hot path never does
+    _explain: tuple | None = field(default=None, repr=False)
 
     @property
     def dispatched(self) -> bool:
         return self.kind is DecisionKind.DISPATCH
 
+    @property
+    def scores(self) -> dict[str, float]:
+        if self._explain is None:
+            return {}
+        eps, values = self._explain
+        return {e.id: v for e, v in zip(eps, values)}
+
     @classmethod
-    def dispatch(cls, target: str, branch: str, matched_blocks: int = 0,
-                 scores: dict[str, float] | None = None) -> "Decision":
-        return cls(DecisionKind.DISPATCH, target, branch, "", matched_blocks, scores or {})
+    def dispatch(cls, target: str, branch: str, matched_blocks: int = 0, scores: tuple | None = None) -> "Decision":
+        return cls(DecisionKind.DISPATCH, target, branch, "", matched_blocks, scores)
 
     @classmethod
     def hold(cls, reason: str) -> "Decision":

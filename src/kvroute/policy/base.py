@@ -114,6 +114,6 @@ def softmax_pick(eps: list[Endpoint], logits: list[float], temperature: float,
     return rng.choices(eps, weights=weights, k=1)[0]
 
 
-def explain(eps: list[Endpoint], values: list[float]) -> dict[str, float]:
-    """Per-endpoint scores for the decision record (cheap: no conversion on the hot path)."""
-    return dict(zip([e.id for e in eps], values))
+def explain(eps: list[Endpoint], values: list[float]) -> tuple:
+    """Per-endpoint scores for the decision record; ``Decision.scores`` builds the dict on demand."""
+    return (eps, values)

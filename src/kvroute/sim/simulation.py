@@ -100,6 +100,7 @@ class Simulation:
                                 b.forward, setup.index_block_tokens) for b in setup.balancers]
         for lb in self.lbs:
             lb.connect_peers([p for p in self.lbs if p is not lb])
+        self._nearest: dict[str, SimBalancer] = {}
         self.issued = 0
         self.outstanding = 0
         self.issuing = True
@@ -109,7 +110,10 @@ class Simulation:
     # -- topology ---------------------------------------------------------------------------
     def lb_for(self, region: str) -> SimBalancer:
         """Clients use their region's balancer, else the one with the smallest RTT."""
-        return min(self.lbs, key=lambda lb: (self.network.rtt(region, lb.region), lb.id))
+        lb = self._nearest.get(region)
+        if lb is None:
+            lb = self._nearest[region] = min(self.lbs, key=lambda b: (self.network.rtt(region, b.region), b.id))
+        return lb
 
     # -- issuing ------------------------------------------------------------------------------
     def _may_issue(self) -> bool:

@@ -40,6 +40,6 @@ class AIBrixPrefixCache(Policy):
             for ep in ranked:
                 if ep.batch_size <= limit:
                     return Decision.dispatch(ep.id, "prefix-hit", matches[ep.id],
-                                             {e.id: float(matches.get(e.id, 0)) for e in eps})
+                                             explain(eps, [matches.get(e.id, 0) for e in eps]))
         ep = argmin(eps, loads, self.rng)
         return Decision.dispatch(ep.id, "prefix-miss", matches.get(ep.id, 0), explain(eps, loads))

@@ -83,4 +83,4 @@ class PowerOfTwo(Policy):
             return Decision.dispatch(eps[0].id, "p2c")
         a, b = self.rng.sample(eps, 2)
         ep = a if a.inflight <= b.inflight else b
-        return Decision.dispatch(ep.id, "p2c", scores={a.id: a.inflight, b.id: b.inflight})
+        return Decision.dispatch(ep.id, "p2c", scores=explain([a, b], [a.inflight, b.inflight]))

@@ -31,7 +31,8 @@ class DynamoKV(Policy):
         w = self.params.overlap_weight
         matches = view.prefix.match(req.block_hashes)
         p = req.prompt_tokens
-        costs = [(w * (max(0, p - bt * matches.get(e.id, 0)) + e.queued_prefill_tokens)
+        get = matches.get
+        costs = [(w * ((p if (m := get(e.id)) is None else max(0, p - bt * m)) + e.queued_prefill_tokens)
                   + e.inflight_tokens + p) / bt for e in eps]
         t = self.params.temperature
         if t > 0:

@@ -33,7 +33,8 @@ class Gorgo(Policy):
         matches = view.prefix.match(req.block_hashes)
         tokens, bt = req.prompt_tokens, req.block_tokens
         w_rtt_ms, t_p, w_queue = p.w_rtt * 1000.0, p.t_p, p.w_queue
-        costs = [w_rtt_ms * e.rtt_s + t_p * max(0, tokens - bt * matches.get(e.id, 0))
+        get = matches.get
+        costs = [w_rtt_ms * e.rtt_s + t_p * (tokens if (m := get(e.id)) is None else max(0, tokens - bt * m))
                  + w_queue * e.inflight_tokens for e in eps]
         ep = argmin(eps, costs, self.rng)
         return Decision.dispatch(ep.id, "min-cost", matches.get(ep.id, 0), explain(eps, costs))

@@ -21,7 +21,8 @@ class LMetric(Policy):
     def choose(self, req: Request, eps: list[Endpoint], view: View) -> Decision:
         matches = view.prefix.match(req.block_hashes)
         p, bt = req.prompt_tokens, req.block_tokens
-        scores = [(e.queued_prefill_tokens + max(0, p - bt * matches.get(e.id, 0)))
+        get = matches.get
+        scores = [(e.queued_prefill_tokens + (p if (m := get(e.id)) is None else max(0, p - bt * m)))
                   * (e.batch_size + 1) for e in eps]
         ep = argmin(eps, scores, self.rng)
         return Decision.dispatch(ep.id, "min-score", matches.get(ep.id, 0), explain(eps, scores))
