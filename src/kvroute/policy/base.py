@@ -9,6 +9,7 @@ never reads a clock: everything it needs arrives in the :class:`View`.
 from __future__ import annotations
 
 import random
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
@@ -39,7 +40,7 @@ class PolicyParams(BaseModel):
     max_outstanding: int = Field(16, ge=1, description="limit for admission=outstanding")
 
 
-class Policy:
+class Policy(ABC):
     """Base class of every preset. Subclasses set the class attributes and implement ``choose``."""
 
     name: ClassVar[str] = ""
@@ -85,8 +86,9 @@ class Policy:
         except Exception as exc:  # a policy bug must not take the router down with it
             return Decision.none(f"policy {self.name} failed: {exc!r}", branch="policy-error")
 
+    @abstractmethod
     def choose(self, req: Request, eps: list[Endpoint], view: View) -> Decision:
-        raise NotImplementedError  # every preset overrides this
+        """Score, combine and pick among the admitted endpoints ``eps`` (never empty)."""
 
 
 # -- pickers ------------------------------------------------------------------------------------

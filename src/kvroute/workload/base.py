@@ -8,6 +8,7 @@ of a conversation; a tree node's children, which run concurrently).
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -21,15 +22,16 @@ class SimRequest:
     program: "Program | None" = None
 
 
-class Program:
+class Program(ABC):
     """A closed-loop client program (conversation, tree of thought)."""
 
+    @abstractmethod
     def start(self) -> list[SimRequest]:
-        raise NotImplementedError
+        """The program's first requests."""
 
+    @abstractmethod
     def on_complete(self, done: SimRequest) -> list[SimRequest]:
         """Requests to issue now that ``done`` completed at the client."""
-        raise NotImplementedError
 
 
 class Workload:

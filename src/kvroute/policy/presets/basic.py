@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from abc import abstractmethod
+
 from kvroute.model import Decision, Endpoint, Request
 from kvroute.policy.base import Policy, View, argmin, explain
 
@@ -39,8 +41,9 @@ class MinLoad(Policy):
     branch = ""
 
     @staticmethod
+    @abstractmethod
     def load(e: Endpoint) -> float:
-        raise NotImplementedError  # each preset defines its load
+        """The quantity to minimise."""
 
     def choose(self, req: Request, eps: list[Endpoint], view: View) -> Decision:
         values = list(map(self.load, eps))
