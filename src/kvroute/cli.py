@@ -5,24 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
-from rich.console import Console
 from rich.table import Table
 
-import os
-
-# Tables are wide: when output is not a terminal (CI logs, pipes), do not squeeze them to 80.
-_width = None if sys.stdout.isatty() else int(os.environ.get("COLUMNS", 160))
-console = Console(stderr=False, width=_width)
-err = Console(stderr=True)
-
-
-def _write_json(path: str | None, data: dict) -> None:
-    if path:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-        console.print(f"wrote {path}")
+from kvroute.report import console, err, routing_table, run_simulation, write_json
 
 
 def cmd_policies(args: argparse.Namespace) -> int:
@@ -45,17 +31,6 @@ def cmd_policies(args: argparse.Namespace) -> int:
     return 0
 
 
-def _routing_table(result: dict) -> Table:
-    table = Table(title=f"decision cost, {result['endpoints']} endpoints, "
-                        f"{result['index_blocks']:,} indexed blocks (µs)")
-    for col in ("preset", "p50 8K", "p99 8K", "p50 32K", "p99 32K"):
-        table.add_column(col, justify="right" if col != "preset" else "left")
-    for name, r in result["presets"].items():
-        table.add_row(name, f"{r['p50_us_8k']:.1f}", f"{r['p99_us_8k']:.1f}",
-                      f"{r['p50_us_32k']:.1f}", f"{r['p99_us_32k']:.1f}")
-    return table
-
-
 def cmd_bench_routing(args: argparse.Namespace) -> int:
     from rich.progress import Progress
 
@@ -66,10 +41,10 @@ def cmd_bench_routing(args: argparse.Namespace) -> int:
         task = progress.add_task("routing benchmark", total=len(PRESETS))
         result = routing.run(decisions=args.decisions, seed=args.seed,
                              progress=lambda name: progress.advance(task))
-    console.print(_routing_table(result))
+    console.print(routing_table(result))
     console.print(f"index memory: {result['index_bytes_per_block']:.1f} bytes/block   "
                   f"220 KB chat keyed+hashed+routed: {result['chat_220kb_ms']:.2f} ms (median)")
-    _write_json(args.json, result)
+    write_json(args.json, result)
     return 0
 
 
@@ -90,7 +65,7 @@ def cmd_bench_sim_speed(args: argparse.Namespace) -> int:
         m = result["million"]
         console.print(f"{m['requests']:,}-request synthetic run: {m['wall_s']:.1f} s wall, "
                       f"peak RSS {m['peak_rss_mb']:,.0f} MB ({m['sim_requests_per_s']:,}/s)")
-    _write_json(args.json, result)
+    write_json(args.json, result)
     return 0
 
 
@@ -108,87 +83,8 @@ def cmd_bench_gateway(args: argparse.Namespace) -> int:
             table.add_row(name, f"{r['gateway_rps']:,.0f}", f"{r['direct_rps']:,.0f}", f"{r['rps_ratio']:.2f}x",
                           f"{r['added_p50_ms']:.2f}", f"{r['added_p99_ms']:.2f}")
         console.print(table)
-    _write_json(args.json, result)
+    write_json(args.json, result)
     return 0
-
-
-def cmd_demo(args: argparse.Namespace) -> int:
-    from kvroute import walkthrough
-    from kvroute.bench import routing
-
-    console.rule("[bold]kvroute demo: policy walk-through on sample requests")
-    results = walkthrough.run()
-    table = Table(title="2 users × 3 chat turns over a shared system prompt, plus one-shot bursts; 4 replicas")
-    table.add_column("preset", style="bold cyan")
-    table.add_column("alice's turns →")
-    table.add_column("branches taken")
-    table.add_column("prefix reuse", justify="right")
-    table.add_column("requests per replica", justify="right")
-    for r in results:
-        alice = " ".join(t for rid, t, _ in r.routes if rid.startswith("alice"))
-        branches = ", ".join(sorted({b for _, _, b in r.routes}))
-        table.add_row(r.preset, alice, branches, f"{r.hit_tokens / max(1, r.prompt_tokens):.0%}",
-                      " ".join(map(str, r.spread)))
-    console.print(table)
-    console.rule("[bold]routing benchmark (short run)")
-    result = routing.run(decisions=args.decisions)
-    console.print(_routing_table(result))
-    console.print(f"index memory: {result['index_bytes_per_block']:.1f} bytes/block   "
-                  f"220 KB chat keyed+hashed+routed: {result['chat_220kb_ms']:.2f} ms")
-    _write_json(str(Path(args.out) / "bench-routing.json"), result)
-
-    from kvroute.sim.scenario import load_scenario, parse_scenario
-
-    console.rule("[bold]simulated comparison: 3 regions, skewed clients (120/40/40), 12 L4 replicas")
-    data = load_scenario("chat-3region-skewed").model_dump(exclude_none=True)
-    data["limits"]["max_requests"] = args.sim_requests
-    run_simulation(parse_scenario(data), str(Path(args.out) / "simulate.json"), str(Path(args.out) / "plots"))
-
-    console.rule("[bold]live: gateway + 4 emulated replicas, chat clients over real HTTP")
-    live = live_comparison(args.live_policies.split(","), args.live_seconds, args.live_requests)
-    _write_json(str(Path(args.out) / "live.json"), live)
-    return 0
-
-
-def live_comparison(policies: list[str], seconds: float, max_requests: int) -> dict:
-    """Each policy in turn: a fresh emulated deployment, the same chat load, a summary row."""
-    import asyncio
-
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from kvroute.gateway.embedded import start_deployment
-    from kvroute.gateway.loadgen import run_chat_load
-
-    results: dict[str, dict] = {}
-    with Progress(TextColumn("{task.description:<22}"), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), console=err) as progress:
-        for policy in policies:
-            task = progress.add_task(policy, total=max_requests)
-
-            async def one(policy=policy, task=task) -> dict:
-                dep = await start_deployment(replicas=4, policy=policy, port=0)
-                try:
-                    res = await run_chat_load(dep.url, clients=16, max_requests=max_requests, duration_s=seconds,
-                                              on_done=lambda n: progress.update(task, completed=n))
-                    summary = res.summary()
-                    rt = dep.gateway.runtime
-                    summary["inflight_after"] = sum(e.inflight for e in rt.router.endpoints)
-                    return summary
-                finally:
-                    await dep.stop()
-
-            results[policy] = asyncio.run(one())
-    table = Table(title="live gateway, 4 emulated H100/Llama-3.2-3B replicas, 16 chat clients")
-    for col in ("policy", "requests", "errors", "TTFT p50", "TTFT p99", "E2E p50", "E2E p99", "req/s",
-                "engine cache hits", "requests per replica"):
-        table.add_column(col, justify="left" if col == "policy" else "right")
-    for policy, s in results.items():
-        table.add_row(policy, str(s["requests"]), str(s["errors"]), f"{s['ttft_p50_s'] * 1000:.0f} ms",
-                      f"{s['ttft_p99_s'] * 1000:.0f} ms", f"{s['e2e_p50_s'] * 1000:.0f} ms",
-                      f"{s['e2e_p99_s'] * 1000:.0f} ms", f"{s['throughput_rps']:.1f}",
-                      f"{s['cached_ratio']:.1%}", " ".join(str(v) for v in s["replicas"].values()))
-    console.print(table)
-    return {"results": results}
 
 
 def _scenario_from_args(args: argparse.Namespace):
@@ -220,56 +116,6 @@ def _scenario_from_args(args: argparse.Namespace):
     if args.seed is not None:
         data["seed"] = args.seed
     return parse_scenario(data, args.scenario or "flags")
-
-
-def _sim_table(report: dict) -> Table:
-    table = Table(title=f"{report['scenario']}: {report['replicas']} replicas, workload {report['workload']}")
-    cols = ("policy", "done", "TTFT mean", "TTFT p50", "TTFT p99", "TPOT p50", "E2E p50", "E2E p99",
-            "req/s", "out tok/s", "prefix hit", "imbal. CV", "LB queue p99", "fwd")
-    for col in cols:
-        table.add_column(col, justify="left" if col == "policy" else "right")
-    for label, r in report["results"].items():
-        failed = sum(r["failed"].values())
-        table.add_row(label, f"{r['requests']}" + (f" ({failed} failed)" if failed else ""),
-                      f"{r['ttft_s']['mean']:.3f}", f"{r['ttft_s']['p50']:.3f}", f"{r['ttft_s']['p99']:.3f}",
-                      f"{r['tpot_s']['p50'] * 1000:.1f}ms", f"{r['e2e_s']['p50']:.2f}", f"{r['e2e_s']['p99']:.2f}",
-                      f"{r['throughput_rps']:.2f}", f"{r['output_tps']:.0f}", f"{r['prefix_hit_rate']:.1%}",
-                      f"{r['imbalance_cv']:.2f}", f"{r['lb_queue_s']['p99']:.2f}",
-                      str(r["cross_region_forwards"]))
-    return table
-
-
-def run_simulation(sc, json_path: str | None = None, plots: str | None = None) -> dict:
-    import time
-
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from kvroute.sim.runner import report, run_scenario
-
-    total = sc.limits.max_requests
-    tasks: dict[str, int] = {}
-    t0 = time.perf_counter()
-    with Progress(TextColumn("{task.description:<28}"), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), console=err, transient=False) as progress:
-        def on_start(label: str) -> None:
-            tasks[label] = progress.add_task(label, total=total)
-
-        def on_progress(label: str, n: int) -> None:
-            progress.update(tasks[label], completed=n)
-
-        runs = run_scenario(sc, on_start, on_progress)
-    rep = report(sc, runs)
-    console.print(_sim_table(rep))
-    wall = time.perf_counter() - t0
-    done = sum(r.result["requests"] for r in runs)
-    console.print(f"[dim]{done:,} simulated requests in {wall:.1f} s wall ({done / wall:,.0f}/s)[/dim]")
-    _write_json(json_path, rep)
-    if plots:
-        from kvroute.metrics.plots import write_plots
-
-        for p in write_plots(runs, plots, sc.name):
-            console.print(f"wrote {p}")
-    return rep
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
@@ -373,6 +219,14 @@ def cmd_emulate(args: argparse.Namespace) -> int:
         await runner.cleanup()
 
     _run_async(main())
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from kvroute.demo import run_demo
+
+    run_demo(args.out, args.decisions, args.sim_requests, args.live_policies.split(","), args.live_seconds,
+             args.live_requests)
     return 0
 
 
