@@ -57,7 +57,8 @@ class SimBalancer:
 
     # -- requests ------------------------------------------------------------------------------
     def arrive(self, flight: "Flight") -> None:
-        flight.lb_arrivals.append(self.sim.loop.now)
+        if flight.reached_lb < 0:
+            flight.reached_lb = self.sim.loop.now
         self.queue.append(flight)
         if len(self.queue) > self.max_queue:
             self.max_queue = len(self.queue)

@@ -65,20 +65,19 @@ class Replica:
 
 
 class Flight:
-    __slots__ = ("sreq", "client_region", "sent", "lb_arrivals", "notify", "replica", "back_s",
-                 "first", "net_s", "origin", "dispatched")
+    __slots__ = ("sreq", "client_region", "sent", "reached_lb", "notify", "replica", "back_s",
+                 "first", "net_s", "dispatched")
 
     def __init__(self, sreq: SimRequest, client_region: str, sent: float):
         self.sreq = sreq
         self.client_region = client_region
         self.sent = sent
-        self.lb_arrivals: list[float] = []
+        self.reached_lb = -1.0  # when it first reached a load balancer
         self.notify: list[tuple[Router, SimBalancer, float]] = []  # balancers on the way back
         self.replica = ""
         self.back_s = 0.0  # replica → client
         self.first = 0.0
         self.net_s = 0.0  # LB → LB forwarding time (not queueing)
-        self.origin: SimBalancer | None = None
         self.dispatched = 0.0
 
 
@@ -128,7 +127,6 @@ class Simulation:
         region = sreq.req.region or self.lbs[0].region
         lb = self.lb_for(region)
         flight = Flight(sreq, region, self.loop.now)
-        flight.origin = lb
         self.issued += 1
         self.outstanding += 1
         if sreq.program is not None:
@@ -243,7 +241,7 @@ class Simulation:
         for router, lb, delay in flight.notify:
             self.loop.at(t + delay, self._lb_finish, (router, lb, seq.rid))
         done = t + flight.back_s
-        queue_s = max(0.0, flight.dispatched - flight.lb_arrivals[0] - flight.net_s)
+        queue_s = max(0.0, flight.dispatched - flight.reached_lb - flight.net_s)
         rep = self.replicas[flight.replica]
         self.recorder.complete(flight.sent, flight.first, done, flight.sreq.output_tokens,
                                flight.sreq.req.prompt_tokens, max(0, seq.cached), queue_s,
@@ -251,10 +249,7 @@ class Simulation:
         if flight.sreq.program is None:
             self._done(flight)  # open loop: nobody waits on the client side
         else:
-            self.loop.at(done, self._client_done, flight)
-
-    def _client_done(self, flight: Flight) -> None:
-        self._done(flight)
+            self.loop.at(done, self._done, flight)  # the client goes on when the answer reaches it
 
     @staticmethod
     def _lb_finish(arg: tuple[Router, SimBalancer, str]) -> None:
