@@ -104,10 +104,6 @@ class Engine:
     def running(self) -> int:
         return len(self.prefilling) + len(self.decoding)
 
-    @property
-    def n_waiting(self) -> int:
-        return len(self.waiting)
-
     def kv_usage(self, now: float) -> float:
         used = self.used
         if self._jump is not None:
