@@ -79,16 +79,21 @@ def validate(model: type[M], data: Any, source: str, text: str | None = None) ->
         raise ConfigFileError("\n".join(msgs)) from None
 
 
-def load(model: type[M], path: str | Path) -> M:
+def read(path: str | Path) -> tuple[Any, str]:
+    """Parsed YAML and its text; unreadable files and syntax errors name file:line."""
     p = Path(path)
     try:
         text = p.read_text()
     except OSError as exc:
         raise ConfigFileError(f"{path}: {exc.strerror}") from None
     try:
-        data = yaml.safe_load(text)
+        return yaml.safe_load(text), text
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         raise ConfigFileError(f"{p}:{mark.line + 1 if mark else '?'}: invalid YAML: "
                               f"{getattr(exc, 'problem', exc)}") from None
-    return validate(model, data, str(p), text)
+
+
+def load(model: type[M], path: str | Path) -> M:
+    data, text = read(path)
+    return validate(model, data, str(path), text)

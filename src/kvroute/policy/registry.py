@@ -11,7 +11,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import ValidationError
 
 from kvroute.policy.base import Policy
@@ -79,12 +78,10 @@ def policy_from_config(config: dict[str, Any] | str, seed: int = 0, where: str =
 
 
 def load_policy_file(path: str | Path, seed: int = 0) -> Policy:
+    from kvroute import yamlconf
+
     try:
-        data = yaml.safe_load(Path(path).read_text())
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        loc = f"{path}:{mark.line + 1}" if mark else str(path)
-        raise ConfigError(f"{loc}: invalid YAML: {getattr(exc, 'problem', exc)}") from None
-    except OSError as exc:
-        raise ConfigError(f"{path}: {exc.strerror}") from None
+        data, _ = yamlconf.read(path)
+    except yamlconf.ConfigFileError as exc:
+        raise ConfigError(str(exc)) from None
     return policy_from_config(data, seed=seed, where=str(path))
