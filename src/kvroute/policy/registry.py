@@ -13,6 +13,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from kvroute import yamlconf
+
 from kvroute.policy.base import Policy
 from kvroute.policy.presets.aibrix import AIBrixPrefixCache
 from kvroute.policy.presets.basic import LeastLoad, LeastRequest, PowerOfTwo, RandomPolicy, RoundRobin
@@ -78,8 +80,6 @@ def policy_from_config(config: dict[str, Any] | str, seed: int = 0, where: str =
 
 
 def load_policy_file(path: str | Path, seed: int = 0) -> Policy:
-    from kvroute import yamlconf
-
     try:
         data, _ = yamlconf.read(path)
     except yamlconf.ConfigFileError as exc:
