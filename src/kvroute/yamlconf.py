@@ -12,7 +12,7 @@ M = TypeVar("M", bound=BaseModel)
 
 
 class ConfigFileError(ValueError):
-    pass
+    """Unreadable or invalid YAML configuration; the message names file:line and the field."""
 
 
 def line_of(text: str, loc: tuple) -> int | None:

@@ -23,7 +23,7 @@ ENGINE_METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
 
 
 class ProbeError(Exception):
-    pass
+    """A scrape answered, but without usable load metrics."""
 
 
 def parse_prometheus(text: str) -> dict[str, float]:

@@ -6,6 +6,7 @@ decision and its commit are one synchronous step — no burst can see stale in-f
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import deque
@@ -75,11 +76,11 @@ class Waiter:
 
 
 class QueueFull(Exception):
-    pass
+    """The LB queue is at its configured length; the gateway answers 429."""
 
 
 class QueueTimeout(Exception):
-    pass
+    """No replica took the request within the queue's max wait; the gateway answers 503."""
 
 
 class Runtime:
@@ -222,10 +223,8 @@ class Runtime:
     async def stop(self) -> None:
         if self._probe_task:
             self._probe_task.cancel()
-            try:
+            with contextlib.suppress(asyncio.CancelledError):
                 await self._probe_task
-            except asyncio.CancelledError:
-                pass
         for w in self.queue:
             if not w.future.done():
                 w.future.set_exception(QueueTimeout("gateway is shutting down"))

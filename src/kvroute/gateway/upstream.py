@@ -19,7 +19,7 @@ class UpstreamError(Exception):
 
 
 class UpstreamTimeout(UpstreamError):
-    pass
+    """Connect, first byte or idle time ran out."""
 
 
 _EOF = object()

@@ -19,6 +19,7 @@ worth at most block_size − 1 tokens per running sequence.
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import math
 from collections import OrderedDict, deque
@@ -117,10 +118,8 @@ class Engine:
     def cancel(self, seq: Seq) -> None:
         """Drop a sequence (its client went away), wherever it is, and free what it holds."""
         if seq.state == WAITING:
-            try:
+            with contextlib.suppress(ValueError):  # already admitted meanwhile
                 self.waiting.remove(seq)
-            except ValueError:
-                pass
         elif seq.state == PREFILL:
             self.prefilling = [s for s in self.prefilling if s is not seq]
             self.used -= seq.private

@@ -83,7 +83,7 @@ class HardwareProfile(BaseModel):
 
 
 class ProfileError(ValueError):
-    pass
+    """An unknown or invalid hardware profile."""
 
 
 def available_profiles() -> list[str]:

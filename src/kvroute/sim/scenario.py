@@ -39,7 +39,7 @@ WORKLOAD_KINDS = ("chat", "tot", "mixed", "chat-poisson", "mooncake", "azure", "
 
 
 class ScenarioError(ValueError):
-    pass
+    """An invalid scenario; the message names file:line, the key and what is allowed."""
 
 
 class _Strict(BaseModel):

@@ -22,7 +22,7 @@ _INT_ONLY = {int}
 
 
 class TraceError(ValueError):
-    pass
+    """A malformed trace line; the message names file:line and the field."""
 
 
 class _BadLines:
