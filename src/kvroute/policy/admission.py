@@ -3,8 +3,14 @@
 SkyWalker §3.3: blind pushing sends every request at once; selective pushing keeps it in the
 load balancer's FIFO queue until some replica can take it. "Outstanding" gates on a fixed limit
 of in-flight requests (SP-O); "pending" gates on the replica having no waiting requests, i.e. a
-continuous batch with room (SP-P, SkyWalker's choice). Peer load balancers are admitted when
-they have a non-full replica and a short queue (SkyWalker's steal threshold, 10).
+continuous batch with room (SP-P, SkyWalker's choice). A probe is up to one interval old, so
+the pending gate also counts the requests this balancer sent since that probe against the
+room the probe showed (free batch slots): a replica that looked idle cannot absorb a whole
+queue before the next probe. Peer load balancers are admitted when their queue is no longer
+than the local one and at most SkyWalker's steal threshold (10), and they have a replica
+available (skypilot ``serve-multi-region-lb``: ``conf.queue_size <= own qsize and <= 10 and
+num_available_replicas > 0``). The pace at which a queue drains is the caller's
+(:mod:`kvroute.policy.pacing`).
 """
 
 from __future__ import annotations
@@ -20,33 +26,50 @@ PEER_QUEUE_LIMIT = 10  # SkyWalker _STEAL_TRIGGER_THRESHOLD
 
 
 class Admission:
-    name = "blind"
+    """Blind pushing: every endpoint may take a request now (never holds)."""
 
-    def ready(self, eps: list[Endpoint]) -> list[Endpoint]:
+    name = "blind"
+    holds = False  # whether this gate can ever keep a request in the LB queue
+
+    def ready(self, eps: list[Endpoint], local_queue: int = 0) -> list[Endpoint]:
+        """Endpoints that may take a request now; ``local_queue`` is this LB's queue length."""
         return eps
 
 
 class PendingGate(Admission):
-    name = "pending"
+    """SP-P: replicas with no waiting request and free batch slots left since the last probe."""
 
-    def ready(self, eps: list[Endpoint]) -> list[Endpoint]:
+    name = "pending"
+    holds = True
+
+    def ready(self, eps: list[Endpoint], local_queue: int = 0) -> list[Endpoint]:
         if eps[0].kind is EndpointKind.PEER:  # a router's pool is all peers or all replicas
-            return [e for e in eps if _peer_ok(e)]
-        return [e for e in eps if not e.waiting]
+            return [e for e in eps if peer_available(e, local_queue)]
+        return [e for e in eps if replica_available(e)]
 
 
 class OutstandingGate(Admission):
+    """SP-O: replicas below a fixed number of in-flight requests."""
+
     name = "outstanding"
+    holds = True
 
     def __init__(self, limit: int):
         self.limit = limit
 
-    def ready(self, eps: list[Endpoint]) -> list[Endpoint]:
+    def ready(self, eps: list[Endpoint], local_queue: int = 0) -> list[Endpoint]:
         return [e for e in eps if e.inflight < self.limit]
 
 
-def _peer_ok(e: Endpoint) -> bool:
-    return e.peer_available > 0 and e.peer_queue <= PEER_QUEUE_LIMIT
+def replica_available(e: Endpoint) -> bool:
+    """No waiting request at the last probe, and the dispatches since then fit its free slots."""
+    return not e.waiting and e.dispatched_since_probe < e.max_running - e.running
+
+
+def peer_available(e: Endpoint, local_queue: int) -> bool:
+    """SkyWalker's steal condition for a peer LB, judged from its last /conf."""
+    return (e.peer_available > 0 and e.peer_queue <= local_queue
+            and e.peer_queue <= PEER_QUEUE_LIMIT)
 
 
 def make_admission(params: "PolicyParams") -> Admission:

@@ -27,6 +27,7 @@ class View:
     endpoints: list[Endpoint]
     prefix: PrefixIndex
     ring: HashRing
+    local_queue: int = 0  # requests waiting in this LB's own queue (the peer gate compares)
 
 
 class PolicyParams(BaseModel):
@@ -78,7 +79,7 @@ class Policy(ABC):
             why = f"outside residency zone {zone!r}, " if zone else ""
             return Decision.none(f"every endpoint was filtered out ({why}unhealthy or circuit open)",
                                  branch="all-filtered")
-        ready = self.admission.ready(eps)
+        ready = self.admission.ready(eps, view.local_queue)
         if not ready:
             return Decision.hold(f"no endpoint admits a request now ({self.admission.name})")
         try:

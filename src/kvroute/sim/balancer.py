@@ -3,7 +3,9 @@
 It sees replica indicators only through probes every ``probe_interval_s`` (stale in between),
 plus its own in-flight accounting — exactly what the live gateway sees. Requests the policy
 holds wait in a FIFO queue (selective pushing) and are retried on every probe and every
-completion. With ``forward`` on, a request that finds no local replica available may go to a
+completion. When the policy can hold (admission pending or outstanding) the balancer pushes at
+most one request per dispatch tick (10 ms, SkyWalker's queue processor), new arrivals
+included, through a :class:`~kvroute.policy.pacing.DispatchPacer`. With ``forward`` on, a request that finds no local replica available may go to a
 peer load balancer chosen by the same policy over the peers (SkyWalker's two-layer routing,
 with the regional snapshot as the peer router's prefix index); a forwarded request is never
 forwarded again.
@@ -15,7 +17,8 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 from kvroute.model import DecisionKind, Endpoint, EndpointKind
-from kvroute.policy import Router, build_policy
+from kvroute.policy.admission import replica_available
+from kvroute.policy import DEFAULT_TICK_S, DispatchPacer, Router, build_policy
 
 if TYPE_CHECKING:
     from kvroute.sim.simulation import Flight, Simulation
@@ -24,7 +27,7 @@ if TYPE_CHECKING:
 class SimBalancer:
     def __init__(self, sim: "Simulation", lb_id: str, region: str, replica_ids: list[str],
                  preset: str, params: dict | None, probe_interval_s: float, forward: bool,
-                 index_block_tokens: int):
+                 index_block_tokens: int, dispatch_tick_s: float = DEFAULT_TICK_S):
         self.sim = sim
         self.id = lb_id
         self.region = region
@@ -45,6 +48,9 @@ class SimBalancer:
         self._preset, self._params = preset, params
         self.queue: deque[Flight] = deque()
         self.max_queue = 0
+        holds = self.router.policy.admission.holds
+        self.pacer = DispatchPacer(dispatch_tick_s) if holds and dispatch_tick_s > 0 else None
+        self._wake_at = -1.0  # a paced drain already scheduled for this time
 
     def connect_peers(self, peers: list["SimBalancer"]) -> None:
         if not self.forward or not peers:
@@ -64,20 +70,32 @@ class SimBalancer:
             self.max_queue = len(self.queue)
         self.drain()
 
-    def drain(self) -> None:
-        queue, router = self.queue, self.router
+    def drain(self, _=None) -> None:
+        queue, router, pacer = self.queue, self.router, self.pacer
+        now = self.sim.loop.now
         while queue:
+            if pacer is not None and not pacer.ready(now):
+                wake = pacer.next_at
+                if self._wake_at != wake:  # one wake-up per tick, however often drain is called
+                    self._wake_at = wake
+                    self.sim.loop.at(wake, self.drain)
+                return
             flight = queue[0]
             req = flight.sreq.req
             d = router.route(req)
             if d.kind is DecisionKind.DISPATCH:
                 queue.popleft()
+                if pacer is not None:
+                    pacer.dispatched(now)
                 self.sim.dispatch(flight, self, d.target, d.branch)
                 continue
             if d.kind is DecisionKind.HOLD and self.peers is not None and not req.from_peer:
+                self.peers.view.local_queue = len(queue) - 1  # the rest of the queue behind it
                 pd = self.peers.route(req)
                 if pd.dispatched:
                     queue.popleft()
+                    if pacer is not None:
+                        pacer.dispatched(now)
                     self.sim.forward(flight, self, self.peer_lbs[pd.target])
                     continue
             if d.kind is DecisionKind.NONE:
@@ -105,6 +123,6 @@ class SimBalancer:
             for ep in self.peers.endpoints:
                 peer = self.peer_lbs[ep.id]
                 ep.peer_queue = len(peer.queue)
-                ep.peer_available = sum(1 for e in peer.router.endpoints if e.waiting == 0)
+                ep.peer_available = sum(1 for e in peer.router.endpoints if replica_available(e))
         if self.queue:
             self.drain()

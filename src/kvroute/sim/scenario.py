@@ -70,6 +70,8 @@ class BalancerGroup(_Strict):
     manages: list[str] | Literal["all"] | None = None  # replica regions; default: its own
     probe_interval_s: float = Field(0.1, gt=0)
     forward: bool = False
+    dispatch_tick_s: float = Field(0.01, ge=0, description="at most one dispatch per tick when the "
+                                   "policy can hold (SkyWalker's 10 ms queue processor); 0 = unpaced")
 
 
 class WorkloadSpec(_Strict):
@@ -142,7 +144,8 @@ class Scenario(_Strict):
                 raise ScenarioError(f"balancers[{b.region}].manages: no replicas in region(s) "
                                     f"{', '.join(unknown)}; regions: {', '.join(self.regions())}")
             ids = [r.id for r in replicas if r.region in manages]
-            balancers.append(BalancerSpec(f"lb-{b.region}", b.region, ids, b.probe_interval_s, b.forward))
+            balancers.append(BalancerSpec(f"lb-{b.region}", b.region, ids, b.probe_interval_s, b.forward,
+                                          b.dispatch_tick_s))
         rtt = {tuple(k.split("-")): v for k, v in self.network.rtt_ms.items()}
         bt = self.index_block_tokens or (512 if self.workload.kind == "mooncake" else 64)
         return Setup(replicas, balancers, Network(rtt, self.network.in_region_ms),

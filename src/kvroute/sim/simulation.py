@@ -37,6 +37,7 @@ class BalancerSpec:
     replicas: list[str]
     probe_interval_s: float = 0.1
     forward: bool = False
+    dispatch_tick_s: float = 0.01  # paced queue: one dispatch per tick (0: unpaced)
 
 
 @dataclass
@@ -96,7 +97,8 @@ class Simulation:
                          for r in setup.replicas}
         self.recorder = Recorder(list(self.replicas))
         self.lbs = [SimBalancer(self, b.id, b.region, b.replicas, preset, params, b.probe_interval_s,
-                                b.forward, setup.index_block_tokens) for b in setup.balancers]
+                                b.forward, setup.index_block_tokens, b.dispatch_tick_s)
+                    for b in setup.balancers]
         for lb in self.lbs:
             lb.connect_peers([p for p in self.lbs if p is not lb])
         self._nearest: dict[str, SimBalancer] = {}
