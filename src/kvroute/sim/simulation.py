@@ -106,6 +106,7 @@ class Simulation:
         self.outstanding = 0
         self.issuing = True
         self._live: dict[int, list] = {}  # id(program) → [region, slot, requests in flight]
+        self._starts_pending = 0  # client slots scheduled to start and not started yet
         self._arrivals = None
 
     # -- topology ---------------------------------------------------------------------------
@@ -146,12 +147,18 @@ class Simulation:
             return
         self.loop.at(nxt.req.arrival_s, self._next_arrival, nxt)
 
+    def _first_program(self, slot: tuple[str, int]) -> None:
+        self._starts_pending -= 1
+        self._start_program(slot)
+
     def _start_program(self, slot: tuple[str, int]) -> None:
         if not self._may_issue():
             return
         region, i = slot
         program = self.workload.new_program(region, i)
         if program is None:
+            if not self._live and not self._starts_pending:
+                self.issuing = False  # every program has run: the closed loop is over
             return
         self._live[id(program)] = [region, i, 0]
         for sreq in program.start():
@@ -280,7 +287,8 @@ class Simulation:
         if wl.closed_loop:
             for region, n in wl.clients.items():
                 for i in range(n):  # stagger starts over the first second
-                    self.loop.at(self.rng.random(), self._start_program, (region, i))
+                    self._starts_pending += 1
+                    self.loop.at(self.rng.random(), self._first_program, (region, i))
         else:
             self._arrivals = iter(wl.arrivals())
             self._next_arrival(None)

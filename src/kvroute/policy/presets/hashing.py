@@ -39,6 +39,8 @@ class ConsistentHash(Policy):
 class PrefixHashParams(PolicyParams):
     prefix_tokens: int = Field(256, ge=1, description="leading tokens hashed onto the ring")
     load_factor: float = Field(1.25, ge=1.0, description="bound: in-flight ≤ factor × mean")
+    min_key_blocks: int = Field(2, ge=1, description="the key spans at least this many hash blocks "
+                                "(when the prompt has them), so a shared first block is not the key")
 
 
 class PrefixHash(Policy):
@@ -46,6 +48,13 @@ class PrefixHash(Policy):
 
     Consistent hashing with bounded loads (Mirrokni et al.): an endpoint may take the request
     while its in-flight count stays within ``ceil(load_factor × (total + 1) / n)``.
+
+    The key is the chained hash of the block that covers the first ``prefix_tokens`` tokens, but
+    never shallower than ``min_key_blocks`` blocks. With kvroute's 64-token blocks that changes
+    nothing (256 tokens = 4 blocks). With Mooncake's 512-token hash ids the first block alone
+    is the shared system prompt of every request in the conversation trace, so a one-block key
+    sent every request to one ring point and 92 % of decisions overflowed (issue 7); two blocks
+    tell conversations apart, as the trace's own session key does.
     """
 
     name = "prefix_hash"
@@ -55,7 +64,7 @@ class PrefixHash(Policy):
 
     def _key(self, req: Request) -> int | str:
         if req.block_hashes:
-            n = max(1, math.ceil(self.params.prefix_tokens / req.block_tokens))
+            n = max(self.params.min_key_blocks, math.ceil(self.params.prefix_tokens / req.block_tokens))
             return req.block_hashes[min(n, len(req.block_hashes)) - 1]
         return req.prompt_key[: self.params.prefix_tokens * 4] or req.id
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
 from kvroute.model import Decision, Endpoint, Request
@@ -12,15 +14,21 @@ class CacheAwareParams(PolicyParams):
     cache_threshold: float = Field(0.5, ge=0.0, le=1.0, description="match rate to follow the cache")
     balance_abs: int = Field(32, ge=0, description="imbalanced if max − min load exceeds this ...")
     balance_rel: float = Field(1.0001, ge=1.0, description="... and max exceeds rel × min")
+    miss: Literal["least_load", "smallest_tree"] = Field(
+        "least_load", description="where a cache miss goes: least_load (SGLang today, default) or "
+        "smallest_tree (the SGLang router SkyWalker compared against)")
 
 
 class SGLangCacheAware(Policy):
     """Load imbalance → least loaded; else longest prefix match if its rate clears 0.5.
 
     Imbalance needs *both* max − min > balance_abs and max > balance_rel × min. On a miss
-    SGLang originally took the smallest tree, which overloads a replica in a "death spiral"
-    (SGLang PR #14305); kvroute takes the least-loaded endpoint instead, as later versions do.
-    Load is the router's in-flight count; match rate is in blocks rather than characters.
+    SGLang originally took the smallest tree (the endpoint whose approximate tree holds the
+    fewest entries; here the fewest indexed blocks), which can overload a replica in a "death
+    spiral" (SGLang PR #14305); later versions take the least-loaded endpoint. Both exist as
+    ``miss``: ``least_load`` is the default, ``smallest_tree`` is the router SkyWalker's
+    evaluation ran against. Load is the router's in-flight count; match rate is in blocks
+    rather than characters.
     """
 
     name = "sglang_cache_aware"
@@ -42,6 +50,10 @@ class SGLangCacheAware(Policy):
                 tied = [e for e, v in zip(eps, values) if v == best]
                 ep = argmin(tied, [e.inflight for e in tied], self.rng)
                 return Decision.dispatch(ep.id, "prefix-hit", best, explain(eps, values))
+        if p.miss == "smallest_tree":
+            sizes = [view.prefix.blocks(e.id) for e in eps]
+            ep = argmin(eps, sizes, self.rng)
+            return Decision.dispatch(ep.id, "prefix-miss", matches.get(ep.id, 0), explain(eps, sizes))
         ep = argmin(eps, loads, self.rng)
         return Decision.dispatch(ep.id, "prefix-miss", matches.get(ep.id, 0),
                                  explain(eps, loads))
