@@ -71,3 +71,18 @@ def test_closed_loop_ends_when_conversations_run_out(tmp_path):
     r = run_scenario(sc)[0].result
     assert r["requests"] == 6 and r["issued"] == 6
     assert r["sim_time_s"] < 60  # it stops with the last answer, not at a horizon
+
+
+def test_bench_gateway_never_reports_a_negative_overhead():
+    from kvroute.bench.gateway import _compare, added_text
+
+    direct = [{"rps": 1000, "p50_ms": 2.0, "p99_ms": 5.0, "errors": 0},
+              {"rps": 1100, "p50_ms": 2.2, "p99_ms": 6.0, "errors": 0}]
+    via = [{"rps": 900, "p50_ms": 1.9, "p99_ms": 5.5, "errors": 0},
+           {"rps": 1000, "p50_ms": 2.1, "p99_ms": 6.5, "errors": 0}]
+    row = _compare(direct, via)
+    assert row["added_p50_ms"] == 0.0 and not row["added_p50_resolved"]
+    assert row["added_p50_ms_spread"] == [-0.1, -0.1]
+    assert added_text(row, "p50").startswith("< noise")
+    assert row["added_p99_resolved"] and row["added_p99_ms"] == 0.5
+    assert row["rps_ratio_spread"][0] <= row["rps_ratio"] <= row["rps_ratio_spread"][1] < 1
