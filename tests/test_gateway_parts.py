@@ -126,9 +126,9 @@ def test_chunked_request_body_and_pipelined_requests(gw):
 
 @pytest.mark.parametrize("payload, status", [
     (b"NONSENSE\r\n\r\n", 400),
-    (b"POST /v1/completions HTTP/1.1\r\nContent-Length: abc\r\n\r\n", 400),
-    (b"POST /v1/completions HTTP/1.1\r\nbad header line\r\n\r\n", 400),
-    (b"POST /v1/completions HTTP/1.1\r\nContent-Length: 999999999999\r\n\r\n", 413),
+    (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n", 400),
+    (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nbad header line\r\n\r\n", 400),
+    (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 999999999999\r\n\r\n", 413),
 ])
 def test_malformed_http_gets_a_json_error_and_the_server_survives(gw, payload, status):
     out = _raw(_port(gw), payload, read_until=b"")

@@ -19,6 +19,7 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from kvroute import yamlconf
+from kvroute.gateway.http import HTTPLimits
 from kvroute.policy import ConfigError, policy_from_config
 
 
@@ -68,13 +69,27 @@ class RetryConfig(_Strict):
 
 class TimeoutConfig(_Strict):
     connect_s: float = Field(2.0, gt=0)
-    first_byte_s: float = Field(120.0, gt=0)
-    idle_s: float = Field(60.0, gt=0)
+    # until the first body byte: per attempt, and in all for every attempt of one request
+    first_byte_s: float = Field(60.0, gt=0)
+    first_byte_total_s: float = Field(120.0, gt=0)
+    idle_s: float = Field(60.0, gt=0)  # between body pieces once the response has begun
 
 
 class BreakerConfig(_Strict):
     failures: int = Field(5, ge=1)  # consecutive failures → open
-    cooldown_s: float = Field(5.0, gt=0)  # then half-open: one trial decides
+    cooldown_s: float = Field(5.0, gt=0)  # then half-open: one trial request at a time
+    successes: int = Field(1, ge=1)  # consecutive good trials that close it again
+
+
+class HTTPConfig(_Strict):
+    """Limits on what one client can hold (see ``gateway/http.py``)."""
+
+    max_head_bytes: int = Field(64 * 1024, ge=1024)
+    max_headers: int = Field(100, ge=8)
+    header_timeout_s: float = Field(10.0, gt=0)  # to send a whole request head (slowloris)
+    body_timeout_s: float = Field(60.0, gt=0)  # to send a whole body, once the head is in
+    keepalive_timeout_s: float = Field(30.0, gt=0)  # an idle kept-alive connection is closed
+    max_connections: int = Field(4096, ge=1)  # beyond: 503 and close
 
 
 class GatewayConfig(_Strict):
@@ -88,6 +103,7 @@ class GatewayConfig(_Strict):
     retry: RetryConfig = Field(default_factory=RetryConfig)
     timeouts: TimeoutConfig = Field(default_factory=TimeoutConfig)
     breaker: BreakerConfig = Field(default_factory=BreakerConfig)
+    http: HTTPConfig = Field(default_factory=HTTPConfig)
     max_body_bytes: int = Field(16 * 1024 * 1024, gt=0)
     replica_header: bool = True  # x-kvroute-replica on responses
     session_headers: list[str] = Field(default_factory=lambda: ["x-session-id", "x-hash-key", "x-user-id"])
@@ -115,6 +131,10 @@ class GatewayConfig(_Strict):
         if dup:
             raise ValueError(f"replica ids must be unique; repeated: {', '.join(dup)}")
         return self
+
+    def http_limits(self) -> HTTPLimits:
+        """The HTTP server's limits, body size included."""
+        return HTTPLimits(max_body_bytes=self.max_body_bytes, **self.http.model_dump())
 
     def build_policy(self):
         return policy_from_config(self.policy, seed=self.seed)

@@ -27,6 +27,8 @@ class GatewayMetrics:
         self.probe_failures = Counter("kvroute_probe_failures", "Failed probes", ["replica"], registry=r)
         self.retries = Counter("kvroute_retries", "Upstream attempts retried on another replica", ["reason"],
                                registry=r)
+        self.policy_errors = Counter("kvroute_policy_errors", "Routing decisions that raised (answered 503)",
+                                     registry=r)
         self.rejected = Counter("kvroute_queue_rejected", "Requests refused by the LB queue", ["reason"],
                                 registry=r)
         r.register(_LiveCollector(runtime))
@@ -67,7 +69,7 @@ class _LiveCollector:
         for ep in rt.router.endpoints:
             up = rt.upstreams[ep.id]
             inflight.add_metric([ep.id], ep.inflight)
-            circuit.add_metric([ep.id], up.breaker.state_code)
+            circuit.add_metric([ep.id], int(up.breaker.state))
             healthy.add_metric([ep.id], 1 if ep.healthy else 0)
         total = rt.prompt_tokens_routed
         ratio.add_metric([], rt.hit_tokens_routed / total if total else 0.0)

@@ -11,9 +11,11 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from enum import Enum
 
 import aiohttp
 
+from kvroute.gateway.breaker import CircuitBreaker
 from kvroute.gateway.config import GatewayConfig, ReplicaConfig
 from kvroute.gateway.probes import ProbeError, parse_prometheus, read_indicators
 from kvroute.gateway.upstream import UpstreamPool
@@ -21,39 +23,6 @@ from kvroute.model import Decision, DecisionKind, Endpoint, Request
 from kvroute.policy import Router
 
 log = logging.getLogger("kvroute.gateway")
-
-
-class CircuitBreaker:
-    """Closed → (N consecutive failures) → open for a cooldown → half-open: the next outcome
-    decides (success closes, failure reopens)."""
-
-    CLOSED, OPEN, HALF_OPEN = 0, 1, 2
-
-    def __init__(self, failures: int, cooldown_s: float):
-        self.threshold, self.cooldown_s = failures, cooldown_s
-        self.state = self.CLOSED
-        self.failures = 0
-        self.opened_at = 0.0
-
-    @property
-    def state_code(self) -> int:
-        return self.state
-
-    def success(self) -> None:
-        self.state, self.failures = self.CLOSED, 0
-
-    def failure(self, now: float) -> None:
-        self.failures += 1
-        if self.state == self.HALF_OPEN or self.failures >= self.threshold:
-            self.state, self.opened_at = self.OPEN, now
-
-    def tick(self, now: float) -> None:
-        if self.state == self.OPEN and now - self.opened_at >= self.cooldown_s:
-            self.state = self.HALF_OPEN
-
-    @property
-    def open(self) -> bool:
-        return self.state == self.OPEN
 
 
 @dataclass
@@ -83,6 +52,18 @@ class QueueTimeout(Exception):
     """No replica took the request within the queue's max wait; the gateway answers 503."""
 
 
+class PolicyError(Exception):
+    """The routing policy raised; logged with its traceback, answered 503 without details."""
+
+
+class Outcome(Enum):
+    """What one upstream attempt says about the replica's health (fed to its breaker)."""
+
+    OK = "ok"
+    FAILED = "failed"
+    NEUTRAL = "neutral"
+
+
 class Runtime:
     def __init__(self, config: GatewayConfig, metrics_factory=None):
         self.config = config
@@ -108,7 +89,8 @@ class Runtime:
     def _add(self, rc: ReplicaConfig) -> None:
         ep = Endpoint(rc.name, region=rc.region, weight=rc.weight)
         self.router.add_endpoint(ep)
-        breaker = CircuitBreaker(self.config.breaker.failures, self.config.breaker.cooldown_s)
+        bc = self.config.breaker
+        breaker = CircuitBreaker(bc.failures, bc.cooldown_s, bc.successes)
         self.upstreams[rc.name] = Upstream(rc, ep, breaker, UpstreamPool(rc.url), engine=rc.engine)
 
     def reconfigure(self, new: GatewayConfig) -> list[str]:
@@ -148,7 +130,7 @@ class Runtime:
     async def admit(self, req: Request) -> Decision:
         """Route now, or wait in FIFO order while the policy holds (selective pushing)."""
         if not self.queue:
-            d = self.router.route(req)
+            d = self._route(req)
             if d.kind is not DecisionKind.HOLD:
                 return d
         qc = self.config.queue
@@ -173,14 +155,35 @@ class Runtime:
         elif not w.future.cancelled() and w.future.exception() is None and w.future.result().dispatched:
             self.release(w.request.id)
 
+    def _route(self, req: Request) -> Decision:
+        """Decide and commit; a dispatch to a half-open replica takes its single trial slot."""
+        try:
+            d = self.router.route(req)
+        except Exception as exc:
+            log.exception("policy %s raised while routing %s", self.policy_name, req.id)
+            if self.metrics is not None:
+                self.metrics.policy_errors.inc()
+            raise PolicyError(f"policy {self.policy_name} failed") from exc
+        if d.kind is DecisionKind.DISPATCH:
+            up = self.upstreams[d.target]
+            up.breaker.dispatched()
+            up.endpoint.circuit_open = not up.breaker.allows
+        return d
+
     def drain_queue(self) -> None:
+        """Dispatch queued requests, oldest first, while the policy admits them."""
         queue = self.queue
         while queue:
             w = queue[0]
             if w.future.done():
                 queue.popleft()
                 continue
-            d = self.router.route(w.request)
+            try:
+                d = self._route(w.request)
+            except PolicyError as exc:
+                queue.popleft()
+                w.future.set_exception(exc)
+                continue
             if d.kind is DecisionKind.HOLD:
                 return
             queue.popleft()
@@ -200,17 +203,21 @@ class Runtime:
         if self.queue:
             self.drain_queue()
 
-    def upstream_ok(self, name: str) -> None:
+    def attempt_done(self, name: str, outcome: Outcome) -> None:
+        """Feed one attempt's outcome to the replica's breaker."""
         up = self.upstreams.get(name)
-        if up is not None:
-            up.breaker.success()
-            up.endpoint.circuit_open = False
-
-    def upstream_failed(self, name: str) -> None:
-        up = self.upstreams.get(name)
-        if up is not None:
-            up.breaker.failure(time.monotonic())
-            up.endpoint.circuit_open = up.breaker.open
+        if up is None:
+            return
+        breaker = up.breaker
+        if outcome is Outcome.OK:
+            breaker.success()
+        elif outcome is Outcome.FAILED:
+            breaker.failure(time.monotonic())
+        else:
+            breaker.neutral()
+        up.endpoint.circuit_open = not breaker.allows
+        if self.queue and breaker.allows:
+            self.drain_queue()
 
     # -- probes -----------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -247,7 +254,7 @@ class Runtime:
         now = time.monotonic()
         for up in ups:
             up.breaker.tick(now)
-            up.endpoint.circuit_open = up.breaker.open
+            up.endpoint.circuit_open = not up.breaker.allows
         self.drain_queue()
 
     async def _probe(self, up: Upstream) -> None:

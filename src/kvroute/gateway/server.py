@@ -2,10 +2,18 @@
 
 A completion request is parsed and validated, keyed and hashed once, admitted by the runtime
 (route now or wait in the LB queue), then proxied. Streams pass through chunk by chunk as the
-upstream produces them. A connection failure or a 5xx before any byte reached the client is
-retried on another replica (bounded, exponential backoff with jitter); once bytes are out, an
-upstream failure ends the stream with an SSE error event. Every exit path undoes the router's
-accounting exactly once. HTTP itself is ``gateway/http.py``; upstreams are ``gateway/upstream.py``.
+upstream produces them, but the response head is held until the first body byte, so a replica
+that fails before producing anything is retried like one that never answered.
+
+Retries: an attempt that fails before any byte reached the client is retried on another replica
+when the failure is on the allow-list (connect errors, timeouts, broken HTTP, and the statuses
+408, 429, 500, 502, 503, 504), with exponential backoff and jitter between attempts and never
+after the last. The first-byte timeout applies per attempt and, as ``first_byte_total_s``, to all attempts of a
+request together. When no
+attempt succeeds the client gets the last failure as 502 (504 for timeouts, 429 passed on); once
+bytes are out, an upstream failure ends the stream with an SSE error event and ``[DONE]``. Every
+exit path undoes the router's accounting exactly once and counts the request once.
+HTTP itself is ``gateway/http.py``; upstreams are ``gateway/upstream.py``.
 """
 
 from __future__ import annotations
@@ -18,30 +26,77 @@ import random
 import signal
 import time
 import uuid
+from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
 import aiohttp
 
+from kvroute.gateway.breaker import CircuitState
 from kvroute.gateway.config import GatewayConfig, load_config
 from kvroute.gateway.http import HTTPServer, Request as HTTPRequest, Responder
 from kvroute.gateway.metrics import GatewayMetrics
-from kvroute.gateway.runtime import QueueFull, QueueTimeout, Runtime
-from kvroute.gateway.upstream import UpstreamError, UpstreamResponse, UpstreamTimeout
+from kvroute.gateway.runtime import Outcome, PolicyError, QueueFull, QueueTimeout, Runtime
+from kvroute.gateway.upstream import (UpstreamConnectError, UpstreamError, UpstreamProtocolError, UpstreamResponse,
+                                      UpstreamTimeout)
 from kvroute.model import DecisionKind, Request
 from kvroute.prefix import BlockHasher, PromptError, chat_key, completion_key
 
 log = logging.getLogger("kvroute.gateway")
 access = logging.getLogger("kvroute.access")
-HOP_HEADERS = {"host", "content-length", "transfer-encoding", "connection", "keep-alive", "expect",
-               "accept-encoding", "upgrade", "te", "trailer", "proxy-authorization", "server", "date"}
+# never forwarded in either direction (RFC 9110 §7.6.1), plus what the gateway sets itself
+HOP_HEADERS = frozenset({"host", "content-length", "transfer-encoding", "connection", "keep-alive", "expect",
+                         "accept-encoding", "upgrade", "te", "trailer", "proxy-authorization",
+                         "proxy-authenticate", "proxy-connection", "server", "date"})
 ROUTES = {"/v1/chat/completions": "POST", "/v1/completions": "POST", "/v1/models": "GET",
           "/health": "GET", "/metrics": "GET"}
+RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
+MAX_INT32 = 2**31 - 1
+MAX_N = 128  # OpenAI's limit on choices per request
+
+
+class RetryReason(str, Enum):
+    """Why an attempt is retried elsewhere (the ``reason`` label of ``kvroute_retries``)."""
+
+    CONNECT = "connect"
+    TIMEOUT = "timeout"
+    PROTOCOL = "protocol"
+    STATUS = "status"
+    REPLICA_REMOVED = "replica_removed"
+
+
+@dataclass
+class Failure:
+    """An attempt that sent nothing to the client: why, and what the client gets if it is the last."""
+
+    reason: RetryReason
+    message: str
+    status: int = 502
+    code: str = "upstream_error"
 
 
 class BadInput(Exception):
+    """The request body is unusable; the message names the field."""
+
     def __init__(self, message: str, param: str | None = None):
         super().__init__(message)
         self.param = param
+
+
+def _failure_of(exc: UpstreamError, target: str) -> Failure:
+    if isinstance(exc, UpstreamTimeout):
+        return Failure(RetryReason.TIMEOUT, f"upstream {target} timed out: {exc}", 504, "upstream_timeout")
+    if isinstance(exc, UpstreamConnectError):
+        return Failure(RetryReason.CONNECT, f"upstream {target} unreachable: {exc}")
+    return Failure(RetryReason.PROTOCOL, f"upstream {target} failed: {exc}")
+
+
+def _forwarded(headers: dict[str, str]) -> list[tuple[str, str]]:
+    """End-to-end headers only: hop-by-hop ones and those the client's Connection names are dropped."""
+    drop = HOP_HEADERS
+    if "connection" in headers:
+        drop = drop | {t.strip().lower() for t in headers["connection"].split(",")}
+    return [(k, v) for k, v in headers.items() if k not in drop]
 
 
 class Proxy:
@@ -57,6 +112,7 @@ class Proxy:
 
     # -- request parsing --------------------------------------------------------------------
     def parse(self, raw: bytes, chat: bool, headers: dict[str, str]) -> tuple[dict, Request]:
+        """Validate the body (the fields routing reads; the rest passes through) and key it."""
         try:
             body = json.loads(raw)
         except UnicodeDecodeError:
@@ -64,6 +120,10 @@ class Proxy:
         except json.JSONDecodeError as exc:
             raise BadInput(f"request body is not valid JSON: {exc.msg} at line {exc.lineno} "
                            f"column {exc.colno}") from None
+        except RecursionError:
+            raise BadInput("request body is nested too deeply") from None
+        except ValueError as exc:  # e.g. an integer longer than Python's 4,300-digit limit
+            raise BadInput(f"request body has an unreadable value: {str(exc)[:120]}") from None
         if not isinstance(body, dict):
             raise BadInput("request body must be a JSON object")
         field = "messages" if chat else "prompt"
@@ -71,15 +131,17 @@ class Proxy:
             raise BadInput(f"missing required field '{field}'", field)
         for name, typ in (("model", str), ("stream", bool), ("user", str)):
             if body.get(name) is not None and not isinstance(body[name], typ):
-                raise BadInput(f"field '{name}' must be a {typ.__name__}", name)
-        for name in ("max_tokens", "max_completion_tokens"):
+                raise BadInput(f"field '{name}' must be a {typ.__name__}, got {type(body[name]).__name__}", name)
+        for name, top in (("max_tokens", MAX_INT32), ("max_completion_tokens", MAX_INT32), ("n", MAX_N)):
             v = body.get(name)
-            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
-                raise BadInput(f"field '{name}' must be a positive integer", name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= top):
+                raise BadInput(f"field '{name}' must be an integer from 1 to {top}", name)
         try:
             key = chat_key(body["messages"]) if chat else completion_key(body["prompt"])
         except PromptError as exc:
             raise BadInput(str(exc), field) from None
+        except RecursionError:
+            raise BadInput(f"field '{field}' is nested too deeply", field) from None
         hashes, tokens = self.hasher(key)
         routing_key = next((headers[h] for h in self.session_headers if h in headers), None)
         if routing_key is None and isinstance(body.get("user"), str):
@@ -93,26 +155,29 @@ class Proxy:
 
     # -- the handler ----------------------------------------------------------------------------
     async def handle(self, request: HTTPRequest, resp: Responder, chat: bool) -> None:
+        """Answer one completion request; counted and logged once, whatever happens."""
         rt = self.rt
         route = "chat" if chat else "completions"
         t0 = time.monotonic()
-        try:
-            body, req = self.parse(request.body, chat, request.headers)
-        except BadInput as exc:
-            resp.send_error(400, str(exc), param=exc.param)
-            return self._count(route, resp)
-        if rt.draining:
-            resp.send_error(503, "gateway is draining", "server_error", headers=[("Retry-After", "1")])
-            return self._count(route, resp)
-        headers = [(k, v) for k, v in request.headers.items() if k not in HOP_HEADERS]
+        body: dict = {}
+        req: Request | None = None
         served: dict[str, Any] = {"excluded": []}  # where it went, for the access line
-        if rt.config.access_log:
-            resp.extra_headers.append(("x-request-id", req.id))
         try:
-            await self._route_and_forward(request, resp, route, bool(body.get("stream")), req, headers,
-                                          served, t0)
-        finally:
+            try:
+                body, req = self.parse(request.body, chat, request.headers)
+            except BadInput as exc:
+                resp.send_error(400, str(exc), param=exc.param)
+                return
+            if rt.draining:
+                resp.send_error(503, "gateway is draining", "server_error", headers=[("Retry-After", "1")])
+                return
             if rt.config.access_log:
+                resp.extra_headers.append(("x-request-id", req.id))
+            await self._route_and_forward(request, resp, route, bool(body.get("stream")), req,
+                                          _forwarded(request.headers), served, t0)
+        finally:
+            rt.metrics.count_request(route, resp.status or 499, rt.policy_name)  # 499: the client left
+            if rt.config.access_log and req is not None:
                 self._access(resp, route, body, req, served, t0)
 
     def _access(self, resp: Responder, route: str, body: dict, req: Request, served: dict, t0: float) -> None:
@@ -132,38 +197,46 @@ class Proxy:
         rt = self.rt
         rc = rt.config.retry
         excluded = served["excluded"]
+        deadline = time.monotonic() + rt.config.timeouts.first_byte_total_s  # one budget for every attempt
+        failure: Failure | None = None
         for attempt in range(1, rc.max_attempts + 1):
             try:
                 decision = await rt.admit(req)
             except QueueFull as exc:
                 rt.metrics.rejected.labels("full").inc()
                 resp.send_error(429, str(exc), "rate_limit_error", code="queue_full", headers=[("Retry-After", "1")])
-                return self._count(route, resp)
+                return
             except QueueTimeout as exc:
                 rt.metrics.rejected.labels("timeout").inc()
                 resp.send_error(503, str(exc), "server_error", code="queue_timeout", headers=[("Retry-After", "2")])
-                return self._count(route, resp)
+                return
+            except PolicyError as exc:
+                resp.send_error(503, f"{exc}; see the gateway log", "server_error", code="policy_error")
+                return
             if decision.kind is DecisionKind.NONE:
+                if failure is not None:
+                    break  # every replica that could take it has failed: the last failure answers
                 resp.send_error(503, f"no replica can serve this request: {decision.reason}", "server_error",
                                 code=decision.branch)
-                return self._count(route, resp)
+                return
             target = decision.target
             served["replica"], served["branch"] = target, decision.branch
             rt.dispatched(req, decision)
             rt.metrics.count_branch(rt.policy_name, decision.branch)
-            retry = await self._forward(request.body, resp, route, headers, req, target, stream, t0,
-                                        last_try=attempt == rc.max_attempts)
-            if retry is None:
-                return self._count(route, resp)
-            # retryable failure before any byte reached the client
-            rt.metrics.retries.labels(retry).inc()
+            failure = await self._forward(request.body, resp, route, headers, req, target, stream, t0, deadline)
+            if failure is None:
+                return
             excluded.append(target)
             req.exclude = tuple(excluded)
-            delay = min(rc.backoff_max_s, rc.backoff_s * 2 ** (attempt - 1))
-            await asyncio.sleep(delay * (0.5 + self.rng.random()))  # jitter around the step
-
-    def _count(self, route: str, resp: Responder) -> None:
-        self.rt.metrics.count_request(route, resp.status, self.rt.policy_name)
+            left = deadline - time.monotonic()
+            if attempt == rc.max_attempts or left <= 0:
+                break
+            rt.metrics.retries.labels(failure.reason.value).inc()
+            delay = min(rc.backoff_max_s, rc.backoff_s * 2 ** (attempt - 1)) * (0.5 + self.rng.random())
+            await asyncio.sleep(min(delay, left))
+        assert failure is not None
+        retry_after = [("Retry-After", "1")] if failure.status in (429, 503) else []
+        resp.send_error(failure.status, failure.message, "server_error", code=failure.code, headers=retry_after)
 
     def _resp_headers(self, upstream: UpstreamResponse, target: str) -> list[tuple[str, str]]:
         out = [(k, v) for k, v in upstream.headers if k.lower() not in HOP_HEADERS]
@@ -172,69 +245,86 @@ class Proxy:
         return out
 
     async def _forward(self, raw: bytes, resp: Responder, route: str, headers, req: Request, target: str,
-                       stream: bool, t0: float, last_try: bool) -> str | None:
-        """Proxy one attempt. Returns None when a response was sent, or a retry reason if nothing
-        was sent yet."""
+                       stream: bool, t0: float, deadline: float) -> Failure | None:
+        """Proxy one attempt. Returns None once the client has a response, or the failure if
+        nothing was sent."""
         rt = self.rt
         up = rt.upstreams.get(target)
         if up is None:  # removed by a reload between decision and now
             rt.release(req.id)
-            return "replica-removed"
+            return Failure(RetryReason.REPLICA_REMOVED, f"replica {target} was removed", 503, "replica_removed")
         to = rt.config.timeouts
         path = "/v1/chat/completions" if route == "chat" else "/v1/completions"
         upstream = None
+        outcome = Outcome.NEUTRAL
         try:
             try:
+                attempt_deadline = min(deadline, time.monotonic() + to.first_byte_s)
                 upstream = await up.pool.post(path, raw, headers, connect_s=to.connect_s,
-                                              first_byte_s=to.first_byte_s, idle_s=to.idle_s)
-                if upstream.status >= 500:
-                    await upstream.read()
-                    raise UpstreamError(f"answered {upstream.status}")
-                payload = await upstream.read() if not stream or upstream.status != 200 else None
+                                              first_byte_s=max(attempt_deadline - time.monotonic(), 0.001),
+                                              idle_s=to.idle_s)
+                status = upstream.status
+                budget = max(attempt_deadline - time.monotonic(), 0.001)  # the first body byte counts too
+                if status in RETRY_STATUSES:
+                    await upstream.read(budget)  # read to the end so the connection can be reused
+                    if status >= 500:
+                        outcome = Outcome.FAILED
+                    return Failure(RetryReason.STATUS, f"upstream {target} answered {status}",
+                                   429 if status == 429 else 502, "upstream_overloaded" if status == 429
+                                   else "upstream_error")
+                if stream and status == 200:
+                    first = await upstream.next_chunk(budget)  # hold the head until a byte of body
+                    if first is None:
+                        raise UpstreamProtocolError("upstream ended the stream before sending anything")
+                    payload = None
+                else:
+                    payload = await upstream.read(budget)
             except UpstreamError as exc:  # nothing has reached the client yet: retryable
-                rt.upstream_failed(target)
+                outcome = Outcome.FAILED
                 log.warning("upstream %s failed before responding: %s", target, exc)
-                if last_try:
-                    resp.send_error(502, f"upstream {target} failed: {exc}", "server_error", code="upstream_error")
-                    return None
-                return "timeout" if isinstance(exc, UpstreamTimeout) else "error"
+                return _failure_of(exc, target)
             if payload is None:
-                await self._stream(resp, upstream, req, target, t0)
+                outcome = await self._stream(resp, upstream, first, req, target, t0)
                 return None
             rt.first_token(req.id)
             rt.metrics.ttft.observe(time.monotonic() - t0)
-            if upstream.status < 400:
-                rt.upstream_ok(target)
+            outcome = Outcome.OK if upstream.status < 500 else Outcome.NEUTRAL
             resp.send(upstream.status, payload, self._resp_headers(upstream, target), content_type=None)
             rt.metrics.e2e.observe(time.monotonic() - t0)
             return None
         finally:
             rt.release(req.id)
+            rt.attempt_done(target, outcome)
             if upstream is not None:
                 upstream.release()  # kept alive when fully read; closed (cancelling upstream) otherwise
 
-    async def _stream(self, resp: Responder, upstream: UpstreamResponse, req: Request, target: str,
-                      t0: float) -> None:
+    async def _stream(self, resp: Responder, upstream: UpstreamResponse, first: bytes, req: Request,
+                      target: str, t0: float) -> Outcome:
+        """Pass an SSE stream through; a failure after bytes are out ends it with an error event."""
         rt = self.rt
+        rt.first_token(req.id)
+        rt.metrics.ttft.observe(time.monotonic() - t0)
         resp.start(upstream.status, self._resp_headers(upstream, target))
-        first = True
+        chunk: bytes | None = first
+        tail = b""  # the stream's last bytes: is it at an event boundary, did [DONE] arrive?
         try:
-            while (chunk := await upstream.next_chunk()) is not None:
-                if first:
-                    first = False
-                    rt.first_token(req.id)
-                    rt.metrics.ttft.observe(time.monotonic() - t0)
+            while chunk is not None:
                 await resp.write(chunk)
-            rt.upstream_ok(target)
+                tail = (tail + chunk)[-32:]
+                chunk = await upstream.next_chunk()
+            if b"[DONE]" not in tail:
+                raise UpstreamError("upstream ended the stream without [DONE]")
+            outcome = Outcome.OK
         except UpstreamError as exc:
-            # bytes may already be out: end the stream cleanly with an SSE error event
-            rt.upstream_failed(target)
+            outcome = Outcome.FAILED
             log.warning("upstream %s failed mid-stream: %s", target, exc)
             event = {"error": {"message": f"upstream {target} failed mid-stream: {exc}",
                                "type": "server_error", "param": None, "code": "upstream_stream_error"}}
-            await resp.write(f"data: {json.dumps(event)}\n\ndata: [DONE]\n\n".encode())
+            sep = b"" if tail.endswith((b"\n\n", b"\r\n\r\n")) or not tail else b"\n\n"  # never glue onto a partial event
+            await resp.write(sep + f"data: {json.dumps(event)}\n\ndata: [DONE]\n\n".encode())
         await resp.end()
         rt.metrics.e2e.observe(time.monotonic() - t0)
+        return outcome
 
 
 class Gateway:
@@ -245,7 +335,7 @@ class Gateway:
         self.config_path = config_path
         self.runtime = Runtime(config, GatewayMetrics)
         self.proxy = Proxy(self.runtime)
-        self.http = HTTPServer(self.dispatch, config.max_body_bytes)
+        self.http = HTTPServer(self.dispatch, config.http_limits())
         self.port = config.port
 
     async def dispatch(self, request: HTTPRequest, resp: Responder) -> None:
@@ -268,7 +358,7 @@ class Gateway:
 
     def _health(self, resp: Responder) -> None:
         rt = self.runtime
-        healthy = sum(1 for u in rt.upstreams.values() if u.endpoint.routable)
+        healthy = sum(1 for u in rt.upstreams.values() if u.endpoint.healthy and u.breaker.state is not CircuitState.OPEN)
         ok = healthy and not rt.draining
         body = {"status": "ok" if ok else "unavailable", "replicas": len(rt.upstreams), "healthy": healthy,
                 "queue": len(rt.queue), "policy": rt.policy_name}

@@ -1,28 +1,61 @@
-"""A lean HTTP/1.1 client for upstream engines: keep-alive pools on raw asyncio protocols.
+"""A lean HTTP/1.1 client for upstream engines: keep-alive pools, llhttp parsing, asyncio protocols.
 
-The gateway's only client-side needs are: POST a JSON body, get the status and headers, then
-the body as it arrives (Content-Length, chunked, or until close), with connect / first-byte /
-idle timeouts, and closing the connection to cancel an abandoned request. aiohttp's general
-client spends several times more CPU per request on features a proxy hop does not use
-(cookies, redirects, tracing, multidict headers); this one keeps the hop cheap.
+The gateway's only client-side needs are: POST a JSON body, get the status and headers, then the
+body as it arrives (Content-Length, chunked, or until close), with connect / first-byte / idle
+timeouts, and closing the connection to cancel an abandoned request. aiohttp's general client
+spends several times more CPU per request on features a proxy hop does not use (cookies,
+redirects, tracing, multidict headers); this one keeps the hop cheap. Responses are parsed by
+llhttp (``httptools``) in strict mode, so a malformed status line, a negative or non-numeric
+Content-Length, Content-Length with Transfer-Encoding or a bad chunk size is an
+``UpstreamProtocolError``, never an exception inside the protocol.
+
+Pooled connections: real engines close kept-alive connections on their own (llama-server after
+every streamed response, while still advertising ``Keep-Alive``). A connection is reused only if
+the upstream neither closed it nor said ``Connection: close``; and when a reused connection turns
+out dead before any byte of the response, the request is sent once more on a fresh connection —
+that is the pool's business, not a replica failure.
+
+Errors, from general to specific (the gateway retries them by kind)::
+
+    UpstreamError
+    ├── UpstreamConnectError    could not connect: nothing reached the engine
+    ├── UpstreamTimeout         connect, first byte or idle time ran out
+    └── UpstreamProtocolError   not valid HTTP, or closed before the response was complete
 """
 
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections import deque
 from urllib.parse import urlsplit
 
+import httptools
+
 
 class UpstreamError(Exception):
-    """The upstream connection failed or sent something that is not HTTP."""
+    """An upstream attempt failed."""
+
+
+class UpstreamConnectError(UpstreamError):
+    """The connection could not be opened."""
 
 
 class UpstreamTimeout(UpstreamError):
     """Connect, first byte or idle time ran out."""
 
 
+class UpstreamProtocolError(UpstreamError):
+    """The upstream sent something that is not valid HTTP, or closed before the response ended."""
+
+
+class _StaleConnection(UpstreamProtocolError):
+    """A reused keep-alive connection was closed by the upstream before any response byte."""
+
+
 _EOF = object()
+# connection states
+_IDLE, _WAIT_HEAD, _BODY, _DONE, _BROKEN = range(5)
 
 
 def _expire(fut: asyncio.Future, message: str) -> None:
@@ -40,159 +73,124 @@ async def _within(fut: asyncio.Future, seconds: float, message: str):
 
 
 class _Conn(asyncio.Protocol):
-    __slots__ = ("pool", "transport", "buf", "head", "chunks", "state", "remaining", "reusable",
-                 "closed", "wakeup")
+    """One upstream connection; llhttp callbacks turn bytes into a head future and body pieces."""
+
+    __slots__ = ("pool", "parser", "transport", "head", "chunks", "wakeup", "state", "closed", "reused",
+                 "got_bytes", "keep_alive", "until_close", "interim", "_headers")
 
     def __init__(self, pool: "UpstreamPool"):
         self.pool = pool
+        self.parser = httptools.HttpResponseParser(self)
         self.transport: asyncio.Transport | None = None
-        self.buf = bytearray()
         self.head: asyncio.Future | None = None
         self.chunks: deque = deque()
         self.wakeup: asyncio.Future | None = None
-        self.state = "idle"
-        self.remaining = 0
-        self.reusable = True
+        self.state = _IDLE
         self.closed = False
+        self.reused = False
+        self.got_bytes = False
+        self.keep_alive = True
+        self.until_close = False
+        self.interim = False
+        self._headers: list[tuple[str, str]] = []
+
+    def begin(self, reused: bool) -> asyncio.Future:
+        """Prepare for the next response; returns the future of its head."""
+        self.state, self.reused, self.got_bytes, self.interim = _WAIT_HEAD, reused, False, False
+        self.chunks.clear()
+        self.head = asyncio.get_running_loop().create_future()
+        return self.head
 
     # -- asyncio.Protocol -------------------------------------------------------------------------
     def connection_made(self, transport) -> None:
         self.transport = transport
         sock = transport.get_extra_info("socket")
         if sock is not None:
-            import socket
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def connection_lost(self, exc) -> None:
         self.closed = True
-        if self.state == "body-close":  # body delimited by the connection's end
-            self._deliver(_EOF)
-        elif self.state in ("head", "body", "chunk-size", "chunk-data", "chunk-crlf", "trailer"):
-            err = UpstreamError(f"connection closed by upstream ({exc or 'EOF'})")
-            if self.head is not None and not self.head.done():
-                self.head.set_exception(err)
+        state = self.state
+        if state == _WAIT_HEAD:
+            cls = _StaleConnection if self.reused and not self.got_bytes else UpstreamProtocolError
+            self._fail(cls(f"upstream closed the connection before responding ({exc or 'EOF'})"))
+        elif state == _BODY:
+            if self.until_close:  # the body was delimited by the connection's end
+                self.state = _DONE
+                self._deliver(_EOF)
             else:
-                self._deliver(err)
-        self.state = "closed"
+                self._fail(UpstreamProtocolError("upstream closed the connection before the body ended"))
 
     def data_received(self, data: bytes) -> None:
-        self.buf += data
+        if self.state not in (_WAIT_HEAD, _BODY):
+            self._fail(UpstreamProtocolError("unexpected bytes from upstream between responses"))
+            return
+        self.got_bytes = True
         try:
-            self._parse()
-        except UpstreamError as exc:
-            self.transport.close()
-            if self.head is not None and not self.head.done():
-                self.head.set_exception(exc)
-            else:
-                self._deliver(exc)
+            self.parser.feed_data(data)
+        except httptools.HttpParserCallbackError as exc:
+            cause = exc.__context__
+            self._fail(cause if isinstance(cause, UpstreamError) else UpstreamProtocolError(str(exc)))
+        except httptools.HttpParserError as exc:
+            self._fail(UpstreamProtocolError(f"malformed response from upstream: {exc}"))
 
-    # -- parsing ------------------------------------------------------------------------------------
+    # -- llhttp callbacks ---------------------------------------------------------------------------
+    def on_message_begin(self) -> None:
+        if self.state != _WAIT_HEAD:
+            raise UpstreamProtocolError("upstream sent a second response to one request")
+        self._headers = []
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._headers.append((name.decode("latin-1"), value.decode("latin-1")))
+
+    def on_headers_complete(self) -> None:
+        parser = self.parser
+        status = parser.get_status_code()
+        if 100 <= status < 200:  # an interim response (100 Continue, 103 Early Hints): skip it
+            self.interim = True
+            return
+        self.keep_alive = parser.should_keep_alive()
+        delimited = status in (204, 304) or any(
+            n.lower() in ("content-length", "transfer-encoding") for n, _ in self._headers)
+        self.until_close = not delimited
+        if self.until_close:
+            self.keep_alive = False
+        self.state = _BODY
+        if not self.head.done():
+            self.head.set_result((status, self._headers))
+
+    def on_body(self, data: bytes) -> None:
+        self._deliver(data)
+
+    def on_message_complete(self) -> None:
+        if self.interim:
+            self.interim = False
+            return
+        self.state = _DONE
+        self._deliver(_EOF)
+
+    # -- delivery -----------------------------------------------------------------------------------
     def _deliver(self, item) -> None:
         self.chunks.append(item)
         w = self.wakeup
         if w is not None and not w.done():
             w.set_result(None)
 
-    def _parse(self) -> None:
-        buf = self.buf
-        while True:
-            st = self.state
-            if st == "head":
-                end = buf.find(b"\r\n\r\n")
-                if end < 0:
-                    if len(buf) > 65536:
-                        raise UpstreamError("response head larger than 64 KiB")
-                    return
-                lines = bytes(buf[:end]).decode("latin-1").split("\r\n")
-                del buf[: end + 4]
-                parts = lines[0].split(" ", 2)
-                if len(parts) < 2 or not parts[0].startswith("HTTP/1."):
-                    raise UpstreamError(f"not an HTTP/1.x response: {lines[0][:80]!r}")
-                status = int(parts[1])
-                headers = []
-                length, chunked = None, False
-                for line in lines[1:]:
-                    name, _, value = line.partition(":")
-                    name, value = name.strip(), value.strip()
-                    low = name.lower()
-                    if low == "content-length":
-                        length = int(value)
-                    elif low == "transfer-encoding" and "chunked" in value.lower():
-                        chunked = True
-                    elif low == "connection" and value.lower() == "close":
-                        self.reusable = False
-                    headers.append((name, value))
-                if parts[0] == "HTTP/1.0":
-                    self.reusable = False
-                if chunked:
-                    self.state = "chunk-size"
-                elif length is not None:
-                    self.state, self.remaining = "body", length
-                else:
-                    self.state, self.reusable = "body-close", False
-                self.head.set_result((status, headers))
-                if self.state == "body" and length == 0:
-                    self._finish()
-            elif st == "body":
-                if not buf:
-                    return
-                if self._take() == 0:
-                    self._finish()
-            elif st == "body-close":
-                if buf:
-                    self._deliver(bytes(buf))
-                    buf.clear()
-                return
-            elif st == "chunk-size":
-                end = buf.find(b"\r\n")
-                if end < 0:
-                    return
-                try:
-                    size = int(bytes(buf[:end]).split(b";", 1)[0], 16)
-                except ValueError:
-                    raise UpstreamError("bad chunk size in chunked body") from None
-                del buf[: end + 2]
-                if size == 0:
-                    self.state = "trailer"
-                else:
-                    self.state, self.remaining = "chunk-data", size
-            elif st == "chunk-data":
-                if not buf:
-                    return
-                if self._take() == 0:
-                    self.state = "chunk-crlf"
-            elif st == "chunk-crlf":
-                if len(buf) < 2:
-                    return
-                del buf[:2]
-                self.state = "chunk-size"
-            elif st == "trailer":
-                end = buf.find(b"\r\n")
-                if end < 0:
-                    return
-                line = bytes(buf[:end])
-                del buf[: end + 2]
-                if not line:
-                    self._finish()
-            else:  # idle or finished: unexpected bytes
-                if buf:
-                    raise UpstreamError("unexpected bytes from upstream between responses")
-                return
-
-    def _take(self) -> int:
-        """Deliver what has arrived of the current sized piece; returns what is still missing."""
-        take = min(len(self.buf), self.remaining)
-        self._deliver(bytes(self.buf[:take]))
-        del self.buf[:take]
-        self.remaining -= take
-        return self.remaining
-
-    def _finish(self) -> None:
-        self.state = "done"
-        self._deliver(_EOF)
+    def _fail(self, err: UpstreamError) -> None:
+        """The connection is unusable: close it and hand the error to whoever waits."""
+        was = self.state
+        self.state, self.keep_alive = _BROKEN, False
+        if not self.closed:
+            self.transport.close()
+        if self.head is not None and not self.head.done():
+            self.head.set_exception(err)
+        elif was == _BODY:
+            self._deliver(err)
 
 
 class UpstreamResponse:
+    """The status and headers of an upstream response; the body is read with ``next_chunk``."""
+
     def __init__(self, conn: _Conn, status: int, headers: list[tuple[str, str]], idle_s: float):
         self._conn = conn
         self.status = status
@@ -200,13 +198,15 @@ class UpstreamResponse:
         self._idle_s = idle_s
         self._done = False
 
-    async def next_chunk(self) -> bytes | None:
-        """The next piece of body as it arrives; None at the end."""
+    async def next_chunk(self, timeout_s: float | None = None) -> bytes | None:
+        """The next piece of body as it arrives (all pieces already received, joined); None at
+        the end. Waits at most ``timeout_s`` (default: the idle timeout)."""
         conn = self._conn
         while not conn.chunks:
+            wait = self._idle_s if timeout_s is None else timeout_s
             conn.wakeup = asyncio.get_running_loop().create_future()
             try:
-                await _within(conn.wakeup, self._idle_s, f"upstream sent nothing for {self._idle_s:g} s")
+                await _within(conn.wakeup, wait, f"upstream sent nothing for {wait:g} s")
             finally:
                 conn.wakeup = None
         chunks = conn.chunks
@@ -223,22 +223,27 @@ class UpstreamResponse:
             item = b"".join(parts)
         return item
 
-    async def read(self) -> bytes:
+    async def read(self, timeout_s: float | None = None) -> bytes:
+        """The whole body; ``timeout_s`` bounds the wait for its first piece."""
         parts = []
-        while (chunk := await self.next_chunk()) is not None:
+        while (chunk := await self.next_chunk(timeout_s)) is not None:
             parts.append(chunk)
+            timeout_s = None
         return b"".join(parts)
 
     def release(self) -> None:
-        """Give the connection back when the body was read to the end; otherwise close it,
-        which tells the upstream engine to stop working on the request."""
+        """Give the connection back when the body was read to the end and the upstream keeps it
+        alive; otherwise close it, which tells the engine to stop working on the request."""
         conn, self._conn = self._conn, None
         if conn is None:
             return
-        if self._done and conn.reusable and not conn.closed and not conn.buf:
-            conn.state = "idle"
-            conn.pool._idle.append(conn)
-        else:
+        pool = conn.pool
+        if self._done and conn.keep_alive and conn.state == _DONE and not conn.closed \
+                and len(pool._idle) < pool.max_idle:
+            conn.state = _IDLE
+            pool._idle.append(conn)
+        elif not conn.closed:
+            conn.state = _BROKEN
             conn.transport.close()
 
 
@@ -254,12 +259,17 @@ class UpstreamPool:
         self.authority = parts.netloc.encode()
         self.max_idle = max_idle
         self._idle: deque[_Conn] = deque()
+        self.stale_retries = 0  # reused connections found dead and replaced (not replica failures)
+
+    def _pooled(self) -> _Conn | None:
+        idle = self._idle
+        while idle:
+            conn = idle.pop()
+            if not conn.closed and conn.state == _IDLE:
+                return conn
+        return None
 
     async def _connect(self, timeout: float) -> _Conn:
-        while self._idle:
-            conn = self._idle.pop()
-            if not conn.closed:
-                return conn
         loop = asyncio.get_running_loop()
         try:
             _, conn = await asyncio.wait_for(loop.create_connection(lambda: _Conn(self), self.host, self.port),
@@ -267,42 +277,41 @@ class UpstreamPool:
         except asyncio.TimeoutError:
             raise UpstreamTimeout(f"connect to {self.host}:{self.port} timed out") from None
         except OSError as exc:
-            raise UpstreamError(f"connect to {self.host}:{self.port} failed: {exc.strerror or exc}") from None
+            raise UpstreamConnectError(f"connect to {self.host}:{self.port} failed: {exc.strerror or exc}") from None
         return conn
 
     async def post(self, path: str, body: bytes, headers: list[tuple[str, str]], *, connect_s: float,
                    first_byte_s: float, idle_s: float) -> UpstreamResponse:
-        for attempt in (0, 1):
-            fresh = not self._idle
-            conn = await self._connect(connect_s)
-            conn.buf.clear()
-            conn.chunks.clear()
-            conn.state = "head"
-            conn.reusable = True
-            conn.head = asyncio.get_running_loop().create_future()
-            head = [b"POST ", path.encode(), b" HTTP/1.1\r\nHost: ", self.authority,
-                    b"\r\nContent-Length: ", str(len(body)).encode(), b"\r\n"]
-            for name, value in headers:
-                head += (name.encode("latin-1"), b": ", value.encode("latin-1"), b"\r\n")
-            head.append(b"\r\n")
-            conn.transport.writelines((b"".join(head), body))
+        """Send the request; returns once the response head arrived (within ``first_byte_s``)."""
+        head = [b"POST ", path.encode(), b" HTTP/1.1\r\nHost: ", self.authority,
+                b"\r\nContent-Length: ", str(len(body)).encode(), b"\r\n"]
+        for name, value in headers:
+            head += (name.encode("latin-1"), b": ", value.encode("latin-1"), b"\r\n")
+        head.append(b"\r\n")
+        request = (b"".join(head), body)
+        conn = self._pooled()
+        if conn is not None:
             try:
-                status, resp_headers = await _within(conn.head, first_byte_s,
-                                                     f"no response within {first_byte_s:g} s")
-            except UpstreamTimeout:
-                conn.transport.close()
-                raise
-            except UpstreamError:
-                conn.transport.close()
-                if attempt == 0 and not fresh:
-                    continue  # a kept-alive connection the upstream had closed: retry once on a new one
-                raise
-            except asyncio.CancelledError:
-                conn.transport.close()
-                raise
-            return UpstreamResponse(conn, status, resp_headers, idle_s)
-        raise UpstreamError("unreachable")
+                return await self._exchange(conn, True, request, first_byte_s, idle_s)
+            except _StaleConnection:
+                self.stale_retries += 1  # the upstream had closed it: once more, on a new connection
+        conn = await self._connect(connect_s)
+        return await self._exchange(conn, False, request, first_byte_s, idle_s)
+
+    @staticmethod
+    async def _exchange(conn: _Conn, reused: bool, request: tuple[bytes, bytes], first_byte_s: float,
+                        idle_s: float) -> UpstreamResponse:
+        head = conn.begin(reused)
+        conn.transport.writelines(request)
+        try:
+            status, headers = await _within(head, first_byte_s, f"no response within {first_byte_s:g} s")
+        except BaseException:
+            conn.state = _BROKEN
+            conn.transport.close()
+            raise
+        return UpstreamResponse(conn, status, headers, idle_s)
 
     def close(self) -> None:
+        """Close every idle connection."""
         while self._idle:
             self._idle.pop().transport.close()

@@ -78,10 +78,20 @@ def completion_key(prompt: Any) -> str | list[int]:
         return prompt
     if isinstance(prompt, list) and prompt:
         if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            return list(prompt)
+            return _token_ids(prompt, "prompt")
         first = prompt[0]
         if isinstance(first, str) and first:
             return first
-        if isinstance(first, list) and first and all(isinstance(t, int) for t in first):
-            return list(first)
+        if isinstance(first, list) and first and all(isinstance(t, int) and not isinstance(t, bool) for t in first):
+            return _token_ids(first, "prompt[0]")
     raise PromptError("prompt must be a non-empty string, list of strings or list of token ids")
+
+
+MAX_TOKEN_ID = 2**32 - 1  # ids are hashed as unsigned 32-bit integers
+
+
+def _token_ids(ids: list[int], where: str) -> list[int]:
+    for i, t in enumerate(ids):
+        if not 0 <= t <= MAX_TOKEN_ID:
+            raise PromptError(f"{where}[{i}] is not a token id: {str(t)[:24]} (allowed: 0 to {MAX_TOKEN_ID})")
+    return list(ids)
