@@ -143,6 +143,9 @@ def test_arrival_interrupts_a_decode_jump_at_the_next_step_boundary():
 def test_profiles_reproduce_their_published_points(name):
     p = load_profile(name)
     assert p.points, f"{name} lists no published points"
+    independent = [pt for pt in p.points if pt.get("independent")]
+    assert independent or p.no_independent_anchor, \
+        f"{name}: no independent anchor and no statement why none exists"
     for pt in p.points:
         if "ttft_s" in pt:
             got, want = p.ttft_overhead_s + p.prefill_time(pt["prefill"]), pt["ttft_s"]
@@ -168,7 +171,8 @@ def test_mixed_length_batches_are_slower_than_uniform():
     p = load_profile("h100-llama3.2-3b")
     lengths_uniform = [1000] * 4
     lengths_mixed = [100, 100, 100, 3700]
-    def t(ls):
+    def attention(ls):  # CascadeInfer's 1.1–2.1x is the attention kernel's time, not the step's
         s, s2 = sum(ls), sum(x * x for x in ls)
-        return p.step_time(decode=4, decode_ctx=s, h=p.heterogeneity(4, s, s2))
-    assert 1.1 <= t(lengths_mixed) / t(lengths_uniform) <= 2.1
+        step = p.step_time(decode=4, decode_ctx=s, h=p.heterogeneity(4, s, s2))
+        return step - p.step_time(decode=4) + p.c_attn_fixed_s
+    assert 1.1 <= attention(lengths_mixed) / attention(lengths_uniform) <= 2.1

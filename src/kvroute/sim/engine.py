@@ -230,6 +230,8 @@ class Engine:
             self._jump = None
             dt = (p.c0_s + p.c_prefill_s * tokens + p.c_decode_s * n_dec
                   + p.c_attn_s * h * ctx_sum + p.c_prefill_attn_s * attn)
+            if n_dec:
+                dt += p.c_attn_fixed_s
             self.busy_s += dt
             self.loop.at(self.loop.now + dt, self._end_step, (self._version, 1))
             return
@@ -241,7 +243,7 @@ class Engine:
         K = max(1, min(k_finish, k_mem))
         if self.max_jump_steps is not None and K > self.max_jump_steps:
             K = self.max_jump_steps
-        alpha = p.c0_s + p.c_decode_s * n_dec + p.c_attn_s * h * ctx_sum
+        alpha = p.c0_s + p.c_attn_fixed_s + p.c_decode_s * n_dec + p.c_attn_s * h * ctx_sum
         beta = p.c_attn_s * h * n_dec
         self._chunks = []
         self._jump = (self.loop.now, K, alpha, beta, n_dec)

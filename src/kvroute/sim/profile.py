@@ -2,13 +2,15 @@
 
 One engine step runs P prefill tokens (chunked) and D decode sequences. Its time is
 
-    T = c0 + c_prefill·P + c_decode·D + c_attn·H·Σctx_decode
+    T = c0 + c_prefill·P + c_decode·D + [D > 0]·c_attn_fixed + c_attn·H·Σctx_decode
            + c_prefill_attn·Σ_chunks p·(ctx_before + p/2)
 
 * c0: fixed per-step cost (weights read, launch, scheduling);
+* c_attn_fixed: the decode attention kernels' fixed cost per step (launches, split-KV
+  reduction, one pass per layer), paid whenever the step decodes at all;
 * c_prefill, c_decode: the linear layers' cost per prefill token / per decode sequence;
 * c_attn: decode attention per context token — each decode step reads every sequence's whole
-  KV, so it is bandwidth-bound;
+  KV, so it is bandwidth-bound: KV bytes per token ÷ memory bandwidth;
 * c_prefill_attn: prefill attention per (query, key) pair — compute-bound, quadratic in a
   chunk and linear in the context before it;
 * H ≥ 1: batch heterogeneity. Attention over a batch of mixed lengths is slower than over a
@@ -43,6 +45,7 @@ class HardwareProfile(BaseModel):
     c_prefill_s: float = Field(ge=0)
     c_decode_s: float = Field(ge=0)
     c_attn_s: float = Field(ge=0)
+    c_attn_fixed_s: float = Field(0.0, ge=0)
     c_prefill_attn_s: float = Field(0.0, ge=0)
     h_cv: float = Field(0.8, ge=0)
     h_max: float = Field(2.1, ge=1)
@@ -53,8 +56,11 @@ class HardwareProfile(BaseModel):
     max_batched_tokens: int = Field(8192, gt=0)
     # published points this profile must reproduce within 5% (checked by the tests), each one of
     # {prefill, expect_s} | {prefill, ttft_s} | {decode, ctx, expect_s} | {decode, ctx, attn_share}
-    # | {heterogeneity_cv, expect_h}, with its source
+    # | {heterogeneity_cv, expect_h}, with its source. ``independent: true`` marks an anchor
+    # that no constant was fitted to (a check, not a calibration).
     points: list[dict] = Field(default_factory=list)
+    # when no independent published anchor exists, why (the tests require one or the other)
+    no_independent_anchor: str | None = None
 
     @property
     def kv_tokens(self) -> int:
@@ -71,6 +77,7 @@ class HardwareProfile(BaseModel):
                   prefill_attn: float = 0.0, h: float = 1.0) -> float:
         """Seconds for one step; ``prefill_attn`` = Σ chunk·(ctx_before + chunk/2)."""
         return (self.c0_s + self.c_prefill_s * prefill_tokens + self.c_decode_s * decode
+                + (self.c_attn_fixed_s if decode else 0.0)
                 + self.c_attn_s * h * decode_ctx + self.c_prefill_attn_s * prefill_attn)
 
     def prefill_time(self, tokens: int) -> float:
@@ -78,7 +85,7 @@ class HardwareProfile(BaseModel):
         return self.step_time(tokens, prefill_attn=tokens * tokens / 2)
 
     def attention_share(self, decode: int, ctx_each: int) -> float:
-        attn = self.c_attn_s * decode * ctx_each
+        attn = self.c_attn_fixed_s + self.c_attn_s * decode * ctx_each
         return attn / self.step_time(decode=decode, decode_ctx=decode * ctx_each)
 
 
