@@ -50,6 +50,33 @@ def _parsed_lines(path: Path, bad: _BadLines, parse):
             yield lineno, item
 
 
+_PARSED: dict[tuple, tuple[list, int]] = {}  # (path, mtime, size, parser, skip) → (lines, skipped)
+_CACHE_MAX_BYTES = 64 << 20
+
+
+def _cached_lines(path: Path, bad: _BadLines, parse, kind: str):
+    """``_parsed_lines``, remembered for files up to 64 MB while they are unchanged.
+
+    ``simulate`` replays one trace once per policy (and ``--sweep`` many times more); parsing
+    JSON is about a tenth of a replay's cost. Larger traces stay lazy: they are read line by
+    line and never held in memory.
+    """
+    st = path.stat()
+    if st.st_size > _CACHE_MAX_BYTES:
+        yield from _parsed_lines(path, bad, parse)
+        return
+    key = (str(path.resolve()), st.st_mtime_ns, st.st_size, kind, bad.skip)
+    hit = _PARSED.get(key)
+    if hit is None:
+        counter = _BadLines(bad.skip)
+        lines = list(_parsed_lines(path, counter, parse))
+        hit = _PARSED[key] = (lines, counter.skipped)
+        if len(_PARSED) > 8:
+            _PARSED.pop(next(iter(_PARSED)))
+    bad.skipped = hit[1]
+    yield from hit[0]
+
+
 def _json_object(line: str, where: str) -> dict:
     try:
         obj = json.loads(line)
@@ -124,7 +151,7 @@ class MooncakeTrace(Workload):
     def arrivals(self) -> Iterator[SimRequest]:
         t = 0.0
         n = 0
-        for lineno, (ts, inp, out, ids) in _parsed_lines(self.path, self.bad, self._parse):
+        for lineno, (ts, inp, out, ids) in _cached_lines(self.path, self.bad, self._parse, self.name):
             if self.rate:
                 t += self.rng.expovariate(self.rate)
             else:
