@@ -156,19 +156,28 @@ class Runtime:
             self.release(w.request.id)
 
     def _route(self, req: Request) -> Decision:
-        """Decide and commit; a dispatch to a half-open replica takes its single trial slot."""
+        """Decide and commit; a dispatch to a half-open replica takes its single trial slot.
+        A policy that raised (the policy layer turns that into a ``policy-error`` decision) is
+        logged and counted here, and reaches the client as a PolicyError without its details."""
         try:
             d = self.router.route(req)
         except Exception as exc:
-            log.exception("policy %s raised while routing %s", self.policy_name, req.id)
-            if self.metrics is not None:
-                self.metrics.policy_errors.inc()
-            raise PolicyError(f"policy {self.policy_name} failed") from exc
+            log.exception("routing %s raised", req.id)
+            raise self._policy_failed() from exc
         if d.kind is DecisionKind.DISPATCH:
-            up = self.upstreams[d.target]
-            up.breaker.dispatched()
-            up.endpoint.circuit_open = not up.breaker.allows
+            up = self.upstreams.get(d.target)
+            if up is not None:
+                up.breaker.dispatched()
+                up.endpoint.circuit_open = not up.breaker.allows
+        elif d.branch == "policy-error":
+            log.error("routing %s: %s", req.id, d.reason)
+            raise self._policy_failed()
         return d
+
+    def _policy_failed(self) -> PolicyError:
+        if self.metrics is not None:
+            self.metrics.policy_errors.inc()
+        return PolicyError(f"policy {self.policy_name} failed")
 
     def drain_queue(self) -> None:
         """Dispatch queued requests, oldest first, while the policy admits them."""
