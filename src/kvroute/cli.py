@@ -90,6 +90,9 @@ def cmd_bench_gateway(args: argparse.Namespace) -> int:
     return 0
 
 
+SWEEP_DEFAULT_REQUESTS = 2000  # per sweep run, unless the scenario or --max-requests says otherwise
+
+
 def _scenario_from_args(args: argparse.Namespace):
     from kvroute.sim.scenario import WORKLOAD_KINDS, Scenario, detect_trace_kind, load_scenario, parse_scenario
 
@@ -118,6 +121,11 @@ def _scenario_from_args(args: argparse.Namespace):
         data.setdefault("limits", {})["max_requests"] = args.max_requests
     if args.seed is not None:
         data["seed"] = args.seed
+    for flag, key in (("slo_ttft", "ttft_s"), ("slo_tpot", "tpot_s"), ("slo_target", "target")):
+        if getattr(args, flag) is not None:
+            data.setdefault("slo", {})[key] = getattr(args, flag)
+    if args.sweep and data.get("limits", {}).get("max_requests") is None:
+        data.setdefault("limits", {})["max_requests"] = SWEEP_DEFAULT_REQUESTS
     return parse_scenario(data, args.scenario or "flags")
 
 
@@ -132,7 +140,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         err.print(f"[red]error:[/red] {exc}", highlight=False)
         return 2
     try:
-        run_simulation(sc, args.json, args.plots)
+        if args.sweep:
+            from kvroute.report import run_sweep
+
+            run_sweep(sc, args.json, args.plots)
+        else:
+            run_simulation(sc, args.json, args.plots)
     except ScenarioError as exc:
         err.print(f"[red]error:[/red] {exc}", highlight=False)
         return 2
@@ -259,8 +272,16 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--max-requests", type=int, dest="max_requests")
     sim.add_argument("--seed", type=int)
     sim.add_argument("--skip-bad", action="store_true", dest="skip_bad", help="skip and count malformed trace lines")
+    sim.add_argument("--slo-ttft", type=float, dest="slo_ttft", metavar="S",
+                     help="goodput SLO: time to first token ≤ S seconds (default 5)")
+    sim.add_argument("--slo-tpot", type=float, dest="slo_tpot", metavar="S",
+                     help="goodput SLO: time per output token ≤ S seconds (default 0.1)")
+    sim.add_argument("--slo-target", type=float, dest="slo_target", metavar="F",
+                     help="share of requests that must meet the SLO below the knee (default 0.9)")
+    sim.add_argument("--sweep", action="store_true",
+                     help="find each policy's capacity knee, then compare at 50/70/90%% of it")
     sim.add_argument("--json", metavar="FILE")
-    sim.add_argument("--plots", metavar="DIR", help="write TTFT/E2E CDFs, throughput and load PNGs")
+    sim.add_argument("--plots", metavar="DIR", help="write CDF, throughput, load-over-time and per-replica PNGs")
     sim.set_defaults(func=cmd_simulate)
 
     bs = bench.add_parser("sim-speed", help="simulated requests per wall second; 1M-request run")

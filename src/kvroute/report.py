@@ -13,7 +13,7 @@ from rich.table import Table
 # Tables are wide: when output is not a terminal (CI logs, pipes), do not squeeze them to 80.
 _width = None if sys.stdout.isatty() else int(os.environ.get("COLUMNS", 160))
 console = Console(stderr=False, width=_width)
-err = Console(stderr=True)
+err = Console(stderr=True, width=None if sys.stderr.isatty() else int(os.environ.get("COLUMNS", 160)))
 
 
 def write_json(path: str | None, data: dict) -> None:
@@ -34,21 +34,41 @@ def routing_table(result: dict) -> Table:
     return table
 
 
+def _failures(failed: dict) -> str:
+    return ", ".join(f"{v} {k}" for k, v in failed.items()) if failed else "0"
+
+
 def sim_table(report: dict) -> Table:
-    table = Table(title=f"{report['scenario']}: {report['replicas']} replicas, workload {report['workload']}")
-    cols = ("policy", "done", "TTFT mean", "TTFT p50", "TTFT p99", "TPOT p50", "E2E p50", "E2E p99",
-            "req/s", "out tok/s", "prefix hit", "imbal. CV", "LB queue p99", "fwd")
+    """One row per policy; every header carries its unit."""
+    slo = report.get("slo") or {}
+    title = f"{report['scenario']}: {report['replicas']} replicas, workload {report['workload']}"
+    if slo:
+        title += f"; goodput = requests/s with TTFT ≤ {slo['ttft_s']:g} s and TPOT ≤ {slo['tpot_s'] * 1000:g} ms"
+    table = Table(title=title)
+    cols = ("policy", "done (req)", "failed (req)", "offered→served (req/s)", "stable",
+            "goodput (req/s, % met)", "TTFT mean (s)", "TTFT p50 / p99 (s)", "TPOT p50 (ms)",
+            "E2E p50 / p99 (s)", "out (tok/s)", "prefix hit (%)", "imbal. CV", "LB queue p99 (s)",
+            "fwd (req)")
     for col in cols:
-        table.add_column(col, justify="left" if col == "policy" else "right")
+        table.add_column(col, justify="left" if col in ("policy", "failed (req)") else "right")
     for label, r in report["results"].items():
-        failed = sum(r["failed"].values())
-        table.add_row(label, f"{r['requests']}" + (f" ({failed} failed)" if failed else ""),
-                      f"{r['ttft_s']['mean']:.3f}", f"{r['ttft_s']['p50']:.3f}", f"{r['ttft_s']['p99']:.3f}",
-                      f"{r['tpot_s']['p50'] * 1000:.1f}ms", f"{r['e2e_s']['p50']:.2f}", f"{r['e2e_s']['p99']:.2f}",
-                      f"{r['throughput_rps']:.2f}", f"{r['output_tps']:.0f}", f"{r['prefix_hit_rate']:.1%}",
+        load = r.get("load") or {}
+        stable = "" if not load else ("yes" if load["stable"] else "[bold red]NO[/bold red]")
+        rate = f"{load['offered_rps']:.2f}→{load['served_rps']:.2f}" if load else ""
+        sl = r.get("slo") or {}
+        goodput = f"{sl['goodput_rps']:.2f} ({sl['attainment']:.0%})" if sl else ""
+        table.add_row(label, f"{r['requests']}", _failures(r["failed"]), rate, stable, goodput,
+                      f"{r['ttft_s']['mean']:.3f}", f"{r['ttft_s']['p50']:.3f} / {r['ttft_s']['p99']:.3f}",
+                      f"{r['tpot_s']['p50'] * 1000:.1f}", f"{r['e2e_s']['p50']:.2f} / {r['e2e_s']['p99']:.2f}",
+                      f"{r['output_tps']:.0f}", f"{r['prefix_hit_rate'] * 100:.1f}",
                       f"{r['imbalance_cv']:.2f}", f"{r['lb_queue_s']['p99']:.2f}",
                       str(r["cross_region_forwards"]))
     return table
+
+
+def warn(line: str) -> None:
+    """A warning line on stderr, plain enough to grep."""
+    err.print(f"[bold yellow]warning:[/bold yellow] {line}", highlight=False)
 
 
 def run_simulation(sc, json_path: str | None = None, plots: str | None = None) -> dict:
@@ -58,6 +78,11 @@ def run_simulation(sc, json_path: str | None = None, plots: str | None = None) -
 
     from kvroute.sim.runner import report, run_scenario
 
+    from kvroute.sim.overload import preflight, warnings
+
+    checks = preflight(sc)
+    for line in checks["messages"]:
+        warn(line)
     total = sc.limits.max_requests
     tasks: dict[str, int] = {}
     t0 = time.perf_counter()
@@ -71,7 +96,12 @@ def run_simulation(sc, json_path: str | None = None, plots: str | None = None) -
 
         runs = run_scenario(sc, on_start, on_progress)
     rep = report(sc, runs)
+    rep["preflight"] = {k: v for k, v in checks.items() if k != "messages"}
+    rep["preflight"]["warnings"] = checks["messages"]
     console.print(sim_table(rep))
+    for r in runs:
+        for line in warnings(r.label, r.result, sc):
+            warn(line)
     wall = time.perf_counter() - t0
     done = sum(r.result["requests"] for r in runs)
     console.print(f"[dim]{done:,} simulated requests in {wall:.1f} s wall ({done / wall:,.0f}/s)[/dim]")
@@ -82,3 +112,55 @@ def run_simulation(sc, json_path: str | None = None, plots: str | None = None) -
         for p in write_plots(runs, plots, sc.name):
             console.print(f"wrote {p}")
     return rep
+
+
+def sweep_tables(sc, result: dict) -> list[Table]:
+    """The knee per policy, and the comparison at 50/70/90 % of the reference knee."""
+    slo = result["slo"]
+    knees = Table(title=f"capacity knee: highest load with ≥ {slo['target']:.0%} of requests within "
+                        f"TTFT ≤ {slo['ttft_s']:g} s and TPOT ≤ {slo['tpot_s'] * 1000:g} ms")
+    for col in ("policy", "knee (× scenario load)", "offered at knee (req/s)", "runs", "note"):
+        knees.add_column(col, justify="left" if col in ("policy", "note") else "right")
+    for label, k in result["knees"].items():
+        knees.add_row(label, "none" if k["factor"] is None else f"{k['factor']:.3g}",
+                      "–" if k["offered_rps"] is None else f"{k['offered_rps']:.3g}",
+                      str(len(k["points"])), k["note"])
+    tables = [knees]
+    ref = result.get("reference")
+    if ref:
+        cmp = Table(title=f"policies at 50/70/90 % of the highest knee ({ref['policy']}, "
+                          f"{ref['offered_rps']:.3g} req/s)")
+        for col in ("load", "policy", "offered→served (req/s)", "stable", "goodput (req/s)", "within SLO (%)",
+                    "TTFT p50 / p99 (s)", "TPOT p50 (ms)", "prefix hit (%)", "failed (req)"):
+            cmp.add_column(col, justify="left" if col in ("load", "policy") else "right")
+        for level, rows in result["compare"].items():
+            for label, r in rows.items():
+                cmp.add_row(level, label, f"{r['offered_rps']:.3g}→{r['served_rps']:.3g}",
+                            "yes" if r["stable"] else "[bold red]NO[/bold red]", f"{r['goodput_rps']:.3g}",
+                            f"{r['attainment'] * 100:.1f}", f"{r['ttft_p50_s']:.3f} / {r['ttft_p99_s']:.3f}",
+                            f"{r['tpot_p50_s'] * 1000:.1f}", f"{r['prefix_hit_rate'] * 100:.1f}", str(r["failed"]))
+        tables.append(cmp)
+    return tables
+
+
+def run_sweep(sc, json_path: str | None = None, plots: str | None = None) -> dict:
+    """``simulate --sweep``: knees, comparison, goodput-vs-load plot."""
+    from kvroute.sim.overload import preflight
+    from kvroute.sim.sweep import sweep
+
+    checks = preflight(sc)
+    for line in checks["messages"]:
+        if "never run" in line:
+            warn(line)
+    result = sweep(sc, progress=lambda m: err.print(f"[dim]{m}[/dim]", highlight=False))
+    for t in sweep_tables(sc, result):
+        console.print(t)
+    out = {"scenario": sc.name, "seed": sc.seed, "workload": sc.workload.kind,
+           "replicas": sum(g.count for g in sc.replicas), "max_requests": sc.limits.max_requests,
+           "sweep": result}
+    write_json(json_path, out)
+    if plots:
+        from kvroute.metrics.plots import write_sweep_plot
+
+        console.print(f"wrote {write_sweep_plot(result, plots, sc.name)}")
+    return out

@@ -25,8 +25,9 @@ def summarize(values) -> dict[str, float]:
 
 
 class Recorder:
-    def __init__(self, replica_ids: list[str]):
+    def __init__(self, replica_ids: list[str], regions: list[str] | None = None):
         self.replica_ids = replica_ids
+        self.replica_regions = regions or ["local"] * len(replica_ids)
         self.index = {r: i for i, r in enumerate(replica_ids)}
         self.ttft = array("d")
         self.e2e = array("d")
@@ -44,6 +45,10 @@ class Recorder:
         self.branches: dict[str, int] = {}
         self.sample_t = array("d")
         self.sample_running: list[array] = [array("i") for _ in replica_ids]
+        self.sample_backlog = array("i")  # requests issued and not yet finished or failed
+        self.sample_lb_queue = array("i")  # requests held in load-balancer queues
+        self.sample_served = array("i")  # completions so far
+        self.sample_issued = array("i")  # requests issued so far
 
     def complete(self, sent: float, first: float, done: float, out: int, prompt: int, cached: int,
                  queue_s: float, replica: str, cross: bool) -> None:
@@ -63,10 +68,66 @@ class Recorder:
         kind = reason.split(":", 1)[0]
         self.failed[kind] = self.failed.get(kind, 0) + 1
 
-    def sample(self, t: float, running: list[int]) -> None:
+    def sample(self, t: float, running: list[int], backlog: int = 0, lb_queue: int = 0,
+               issued: int = 0) -> None:
         self.sample_t.append(t)
         for col, r in zip(self.sample_running, running):
             col.append(r)
+        self.sample_backlog.append(backlog)
+        self.sample_lb_queue.append(lb_queue)
+        self.sample_served.append(len(self.ttft))
+        self.sample_issued.append(issued)
+
+    def slo(self, ttft_s: float, tpot_s: float, issued: int) -> dict:
+        """Requests meeting both the TTFT and the TPOT objective; failed requests never do."""
+        n = self.completed
+        if not n:
+            return {"ttft_s": ttft_s, "tpot_s": tpot_s, "met": 0, "attainment": 0.0, "goodput_rps": 0.0}
+        ttft = np.frombuffer(self.ttft, dtype=np.float64)
+        tpot = np.frombuffer(self.tpot, dtype=np.float64)
+        met = int(np.count_nonzero((ttft <= ttft_s) & (tpot <= tpot_s)))
+        span = max(self.done_at) - min(self.sent_at)
+        return {"ttft_s": ttft_s, "tpot_s": tpot_s, "met": met,
+                "attainment": round(met / issued, 6) if issued else 0.0,
+                "goodput_rps": round(met / span, 6) if span > 0 else 0.0}
+
+    def load(self, first_issue: float, last_issue: float, issued: int, closed_loop: bool) -> dict:
+        """Offered vs served rate over the arrival window, and whether the backlog kept growing.
+
+        Offered = requests issued ÷ arrival window; served = requests completed within that same
+        window ÷ its length (not completed ÷ makespan, which hides a queue that drains after the
+        last arrival). An open-loop run is unstable when it served less than 90 % of what was
+        offered, or when the backlog (issued, not finished) in the window's last quarter averages
+        more than twice its second quarter's. A closed loop is stable by construction — clients
+        wait for answers, so the offered rate follows service — and says so.
+        """
+        window = last_issue - first_issue
+        done = np.frombuffer(self.done_at, dtype=np.float64)
+        served = int(np.count_nonzero(done <= last_issue)) if done.size else 0
+        offered_rps = issued / window if window > 0 else 0.0
+        served_rps = served / window if window > 0 else 0.0
+        t = np.frombuffer(self.sample_t, dtype=np.float64)
+        backlog = np.frombuffer(self.sample_backlog, dtype=np.int32).astype(np.float64)
+        growth = 1.0
+        if window > 0 and t.size:
+            q = lambda a, b: backlog[(t >= first_issue + a * window) & (t <= first_issue + b * window)]  # noqa: E731
+            early, late = q(0.25, 0.5), q(0.75, 1.0)
+            if early.size and late.size:
+                growth = float(late.mean()) / max(1.0, float(early.mean()))
+        if closed_loop:
+            stable, why = True, "closed loop: the offered rate follows service"
+        elif window <= 0:
+            stable, why = True, "a single arrival instant"
+        elif served_rps < 0.9 * offered_rps or growth > 2.0:
+            stable = False
+            why = (f"served {served_rps:.3g} of {offered_rps:.3g} req/s offered; the backlog grew "
+                   f"{growth:.1f}x over the arrival window")
+        else:
+            stable, why = True, "served ≥ 90 % of the offered rate, backlog not growing"
+        return {"offered_rps": round(offered_rps, 6), "served_rps": round(served_rps, 6),
+                "window_s": round(window, 6), "backlog_growth": round(growth, 3),
+                "max_backlog": int(backlog.max()) if backlog.size else 0,
+                "closed_loop": closed_loop, "stable": stable, "verdict": why}
 
     @property
     def completed(self) -> int:

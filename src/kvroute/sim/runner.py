@@ -43,4 +43,5 @@ def report(sc: Scenario, runs: list[PolicyRun]) -> dict:
     return {"scenario": sc.name, "seed": sc.seed,
             "replicas": sum(g.count for g in sc.replicas),
             "workload": sc.workload.kind,
+            "slo": sc.slo.model_dump(),
             "results": {r.label: r.result for r in runs}}

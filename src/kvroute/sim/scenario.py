@@ -93,6 +93,20 @@ class LimitSpec(_Strict):
     drain_s: float = Field(3600.0, gt=0)
 
 
+class SLOSpec(_Strict):
+    """Service-level objective for goodput and the capacity knee (``--slo-ttft``/``--slo-tpot``).
+
+    Defaults: TTFT ≤ 5 s — an interactive bound that still admits the tens-of-thousands-token
+    prompts of the Mooncake traces on the bundled profiles when idle — and TPOT ≤ 100 ms, about
+    10 tokens/s, faster than people read. ``target`` is the share of requests that must meet
+    both for a load to count as under the knee.
+    """
+
+    ttft_s: float = Field(5.0, gt=0)
+    tpot_s: float = Field(0.1, gt=0)
+    target: float = Field(0.9, gt=0, le=1)
+
+
 class Scenario(_Strict):
     name: str = "scenario"
     seed: int = 0
@@ -104,6 +118,7 @@ class Scenario(_Strict):
     limits: LimitSpec = Field(default_factory=LimitSpec)
     sample_interval_s: float = Field(1.0, gt=0)
     index_block_tokens: int | None = Field(None, gt=0)
+    slo: SLOSpec = Field(default_factory=SLOSpec)
 
     # -- derived ---------------------------------------------------------------------------------
     def regions(self) -> list[str]:
@@ -150,7 +165,7 @@ class Scenario(_Strict):
         bt = self.index_block_tokens or (512 if self.workload.kind == "mooncake" else 64)
         return Setup(replicas, balancers, Network(rtt, self.network.in_region_ms),
                      Limits(self.limits.max_requests, self.limits.max_sim_s, self.limits.drain_s),
-                     self.seed, self.sample_interval_s, bt)
+                     self.seed, self.sample_interval_s, bt, self.slo.ttft_s, self.slo.tpot_s)
 
     def clients(self) -> dict[str, int]:
         return dict(self.workload.clients) or {r: 16 for r in self.regions()}

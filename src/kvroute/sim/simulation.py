@@ -56,6 +56,8 @@ class Setup:
     seed: int = 0
     sample_interval_s: float = 1.0
     index_block_tokens: int = 64
+    slo_ttft_s: float = 5.0  # goodput counts requests meeting both objectives
+    slo_tpot_s: float = 0.1
 
 
 @dataclass
@@ -95,7 +97,7 @@ class Simulation:
         self.replicas = {r.id: Replica(r.id, r.region, Engine(r.id, r.profile, self.loop,
                                                               self._first_token, self._finish))
                          for r in setup.replicas}
-        self.recorder = Recorder(list(self.replicas))
+        self.recorder = Recorder(list(self.replicas), [r.region for r in self.replicas.values()])
         self.lbs = [SimBalancer(self, b.id, b.region, b.replicas, preset, params, b.probe_interval_s,
                                 b.forward, setup.index_block_tokens, b.dispatch_tick_s)
                     for b in setup.balancers]
@@ -107,6 +109,8 @@ class Simulation:
         self.issuing = True
         self._live: dict[int, list] = {}  # id(program) → [region, slot, requests in flight]
         self._starts_pending = 0  # client slots scheduled to start and not started yet
+        self.first_issue = -1.0
+        self.last_issue = 0.0
         self._arrivals = None
 
     # -- topology ---------------------------------------------------------------------------
@@ -129,7 +133,11 @@ class Simulation:
     def issue(self, sreq: SimRequest) -> None:
         region = sreq.req.region or self.lbs[0].region
         lb = self.lb_for(region)
-        flight = Flight(sreq, region, self.loop.now)
+        now = self.loop.now
+        flight = Flight(sreq, region, now)
+        if self.first_issue < 0:
+            self.first_issue = now
+        self.last_issue = now
         self.issued += 1
         self.outstanding += 1
         if sreq.program is not None:
@@ -277,7 +285,8 @@ class Simulation:
             self.loop.at(self.loop.now + lb.probe_interval_s, self._probe, lb)
 
     def _sample(self, _=None) -> None:
-        self.recorder.sample(self.loop.now, [r.engine.running for r in self.replicas.values()])
+        self.recorder.sample(self.loop.now, [r.engine.running for r in self.replicas.values()],
+                             self.outstanding, sum(len(lb.queue) for lb in self.lbs), self.issued)
         if self._active():
             self.loop.at(self.loop.now + self.setup.sample_interval_s, self._sample)
 
@@ -306,4 +315,7 @@ class Simulation:
         result["preemptions"] = sum(r.engine.preemptions for r in self.replicas.values())
         result["max_lb_queue"] = max(lb.max_queue for lb in self.lbs)
         result["sim_time_s"] = round(self.loop.now, 6)
+        result["load"] = self.recorder.load(max(0.0, self.first_issue), self.last_issue, self.issued,
+                                            self.workload.closed_loop)
+        result["slo"] = self.recorder.slo(self.setup.slo_ttft_s, self.setup.slo_tpot_s, self.issued)
         return result
