@@ -48,11 +48,12 @@ def replies(data: bytes, keep_open: bool = True) -> Script:
 
 class ScriptedUpstream:
     """One fake engine: answers GET /metrics itself (so probes pass) and every POST by ``script``.
-    Records the heads it received and counts requests and connections."""
+    Records the heads and bodies it received and counts requests and connections."""
 
     def __init__(self, script: Script):
         self.script = script
         self.heads: list[bytes] = []
+        self.bodies: list[bytes] = []
         self.connections = 0
         self.port = 0
         self._server: asyncio.base_events.Server | None = None
@@ -77,6 +78,7 @@ class ScriptedUpstream:
                     await w.drain()
                     continue
                 self.heads.append(head)
+                self.bodies.append(body)
                 if not await self.script(head, body, w):
                     break
         except (asyncio.IncompleteReadError, ConnectionError, asyncio.LimitOverrunError, asyncio.CancelledError):
