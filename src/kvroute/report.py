@@ -66,6 +66,30 @@ def sim_table(report: dict) -> Table:
     return table
 
 
+def breakdown_table(report: dict) -> Table | None:
+    """Per client region and per path (local / remote / forwarded), when there is more than one."""
+    rows = []
+    for label, r in report["results"].items():
+        regions = r.get("by_client_region") or {}
+        paths = r.get("by_path") or {}
+        if len(regions) < 2 and set(paths) <= {"local"}:
+            continue
+        rows += [(label, f"client {k}", v) for k, v in regions.items()]
+        rows += [(label, f"path {k}", v) for k, v in paths.items()]
+    if not rows:
+        return None
+    table = Table(title="by client region and by path (local: served in the client's region; remote: "
+                        "another region, by the client's LB; forwarded: via a peer LB)")
+    for col in ("policy", "group", "requests", "TTFT mean (s)", "TTFT p50 / p99 (s)", "E2E p50 (s)",
+                "prefix hit (%)"):
+        table.add_column(col, justify="left" if col in ("policy", "group") else "right")
+    for label, group, v in rows:
+        table.add_row(label, group, str(v["requests"]), f"{v['ttft_s']['mean']:.3f}",
+                      f"{v['ttft_s']['p50']:.3f} / {v['ttft_s']['p99']:.3f}", f"{v['e2e_s']['p50']:.2f}",
+                      f"{v['prefix_hit_rate'] * 100:.1f}")
+    return table
+
+
 def warn(line: str) -> None:
     """A warning line on stderr, plain enough to grep."""
     err.print(f"[bold yellow]warning:[/bold yellow] {line}", highlight=False)
@@ -78,9 +102,10 @@ def run_simulation(sc, json_path: str | None = None, plots: str | None = None) -
 
     from kvroute.sim.runner import report, run_scenario
 
-    from kvroute.sim.overload import preflight, warnings
+    from kvroute.sim.overload import preflight, topology_warnings, warnings
 
     checks = preflight(sc)
+    checks["messages"] += topology_warnings(sc)
     for line in checks["messages"]:
         warn(line)
     total = sc.limits.max_requests
@@ -99,6 +124,9 @@ def run_simulation(sc, json_path: str | None = None, plots: str | None = None) -
     rep["preflight"] = {k: v for k, v in checks.items() if k != "messages"}
     rep["preflight"]["warnings"] = checks["messages"]
     console.print(sim_table(rep))
+    groups = breakdown_table(rep)
+    if groups is not None:
+        console.print(groups)
     for r in runs:
         for line in warnings(r.label, r.result, sc):
             warn(line)

@@ -41,6 +41,9 @@ class Recorder:
         self.replica = array("i")
         self.cross_region = 0
         self.forwarded = 0
+        self.client_regions: dict[str, int] = {}  # region → code in ``client``
+        self.client = array("b")  # client region code per completed request
+        self.path = array("b")  # 0 local, 1 served in another region by the client's LB, 2 forwarded
         self.failed: dict[str, int] = {}
         self.branches: dict[str, int] = {}
         self.sample_t = array("d")
@@ -51,7 +54,8 @@ class Recorder:
         self.sample_issued = array("i")  # requests issued so far
 
     def complete(self, sent: float, first: float, done: float, out: int, prompt: int, cached: int,
-                 queue_s: float, replica: str, cross: bool) -> None:
+                 queue_s: float, replica: str, cross: bool, client_region: str = "local",
+                 forwarded: bool = False) -> None:
         self.sent_at.append(sent)
         self.ttft.append(first - sent)
         self.e2e.append(done - sent)
@@ -63,6 +67,36 @@ class Recorder:
         self.cached_tokens.append(cached)
         self.replica.append(self.index[replica])
         self.cross_region += cross
+        code = self.client_regions.get(client_region)
+        if code is None:
+            code = self.client_regions[client_region] = len(self.client_regions)
+        self.client.append(code)
+        self.path.append(2 if forwarded else 1 if cross else 0)
+
+    def breakdown(self) -> dict:
+        """Per client region and per path (local / remote / forwarded): count, TTFT, E2E, hit rate.
+
+        Pooled percentiles hide what cross-region routing does: a forwarded request trades an
+        RTT for a shorter queue or a cache hit, and only these groups show which it got.
+        """
+        if not self.completed:
+            return {"by_client_region": {}, "by_path": {}}
+        ttft = np.frombuffer(self.ttft, dtype=np.float64)
+        e2e = np.frombuffer(self.e2e, dtype=np.float64)
+        prompt = np.frombuffer(self.prompt_tokens, dtype=np.int64)
+        cached = np.frombuffer(self.cached_tokens, dtype=np.int64)
+        client = np.frombuffer(self.client, dtype=np.int8)
+        path = np.frombuffer(self.path, dtype=np.int8)
+
+        def group(mask) -> dict:
+            p = int(prompt[mask].sum())
+            return {"requests": int(mask.sum()), "ttft_s": summarize(ttft[mask]), "e2e_s": summarize(e2e[mask]),
+                    "prefix_hit_rate": round(int(cached[mask].sum()) / p, 6) if p else 0.0}
+
+        by_region = {r: group(client == code) for r, code in sorted(self.client_regions.items())}
+        by_path = {name: group(path == code) for code, name in enumerate(("local", "remote", "forwarded"))
+                   if (path == code).any()}
+        return {"by_client_region": by_region, "by_path": by_path}
 
     def fail(self, reason: str) -> None:
         kind = reason.split(":", 1)[0]
@@ -169,4 +203,5 @@ class Recorder:
             "branches": dict(sorted(self.branches.items())),
             "makespan_s": round(span, 6),
             "replica_hours": round(replica_hours, 6),
+            **self.breakdown(),
         }

@@ -125,3 +125,23 @@ def warnings(label: str, result: dict, sc=None) -> list[str]:
         parts = ", ".join(f"{v:,} {k}" for k, v in failed.items())
         lines.append(f"{label}: {sum(failed.values()):,} requests failed ({parts}).")
     return lines
+
+
+def topology_warnings(sc) -> list[str]:
+    """Forwarding that can never happen: a blind policy never holds, and only held requests go
+    to a peer, so ``forward: true`` leaves it region-local without saying so (issue 7)."""
+    from kvroute.policy import build_policy
+
+    lines = []
+    for entry in sc.policy_list():
+        setup = sc.setup(entry.topology)
+        if not any(b.forward for b in setup.balancers) or len(setup.balancers) < 2:
+            continue
+        policy = build_policy(entry.preset, entry.params)
+        if not policy.admission.holds:
+            lines.append(f"{entry.label}: forwarding can never trigger — its admission is "
+                         f"'{policy.admission.name}', which never holds a request, and only held requests "
+                         "are forwarded; its load balancers act region-local. To compare it as the papers "
+                         "do, run it behind one global LB ({preset: ..., topology: global}) or give it "
+                         "admission: pending.")
+    return lines

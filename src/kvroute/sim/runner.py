@@ -20,10 +20,11 @@ class PolicyRun:
 
 def run_scenario(sc: Scenario, on_start: Callable[[str], None] | None = None,
                  on_progress: Callable[[str, int], None] | None = None) -> list[PolicyRun]:
-    setup = sc.setup()
     policies = sc.policy_list()
+    setups = {topo: sc.setup(topo) for topo in {p.topology for p in policies}}
     runs = []
-    for label, preset, params in policies:
+    for label, preset, params, topo in policies:
+        setup = setups[topo]
         workload = sc.make_workload()  # fresh and identically seeded for every policy
         if on_start:
             on_start(label)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -36,6 +36,7 @@ SCENARIO_DIR = Path(__file__).resolve().parents[3] / "scenarios"
 DATA_DIR = Path(os.environ.get("KVROUTE_TRACES",
                                Path(__file__).resolve().parents[3].parent / "shared" / "data" / "traces"))
 WORKLOAD_KINDS = ("chat", "tot", "mixed", "chat-poisson", "mooncake", "azure", "openai")
+TOPOLOGIES = ("regional", "global", "two-layer")
 
 
 class ScenarioError(ValueError):
@@ -74,6 +75,31 @@ class BalancerGroup(_Strict):
                                    "policy can hold (SkyWalker's 10 ms queue processor); 0 = unpaced")
 
 
+class TopologySpec(_Strict):
+    """Where the load balancers are, without listing them (``balancers`` lists them by hand).
+
+    * ``regional``: one LB per region, managing only that region's replicas;
+    * ``global``: ONE LB, placed in ``region`` (default: the first region), managing every
+      replica — clients elsewhere pay the RTT to it, and it pays the RTT to remote replicas
+      (SkyWalker Fig. 8's baselines, GORGO's central proxy);
+    * ``two-layer``: one LB per region with forwarding to peer LBs (SkyWalker).
+    """
+
+    kind: Literal["regional", "global", "two-layer"] = "regional"
+    region: str | None = None
+    probe_interval_s: float = Field(0.1, gt=0)
+    dispatch_tick_s: float = Field(0.01, ge=0)
+
+
+class ShapeSpec(_Strict):
+    """One region's program shape (SkyWalker's mixed tree: different shapes per region)."""
+
+    kind: Literal["chat", "tot", "mixed"] | None = None
+    tree_fraction: float | None = Field(None, ge=0, le=1)
+    depth: int | None = Field(None, ge=1)
+    branching: int | None = Field(None, ge=1)
+
+
 class WorkloadSpec(_Strict):
     kind: Literal["chat", "tot", "mixed", "chat-poisson", "mooncake", "azure", "openai"] = "chat"
     clients: dict[str, int] = Field(default_factory=dict)
@@ -85,6 +111,7 @@ class WorkloadSpec(_Strict):
     branching: int = Field(2, ge=1)
     think_time_s: float = Field(0.0, ge=0)
     skip_bad: bool = False
+    shapes: dict[str, ShapeSpec] = Field(default_factory=dict)  # per client region (chat/tot/mixed)
 
 
 class LimitSpec(_Strict):
@@ -107,12 +134,20 @@ class SLOSpec(_Strict):
     target: float = Field(0.9, gt=0, le=1)
 
 
+class PolicyEntry(NamedTuple):
+    label: str
+    preset: str
+    params: dict | None
+    topology: str | None  # overrides the scenario's topology for this policy
+
+
 class Scenario(_Strict):
     name: str = "scenario"
     seed: int = 0
     network: NetworkSpec = Field(default_factory=NetworkSpec)
     replicas: list[ReplicaGroup] = Field(default_factory=lambda: [ReplicaGroup(count=4)])
     balancers: list[BalancerGroup] | None = None
+    topology: TopologySpec | None = None
     workload: WorkloadSpec = Field(default_factory=WorkloadSpec)
     policies: list[str | dict[str, Any]] = Field(default_factory=lambda: ["round_robin", "skywalker"])
     limits: LimitSpec = Field(default_factory=LimitSpec)
@@ -124,10 +159,23 @@ class Scenario(_Strict):
     def regions(self) -> list[str]:
         return list(dict.fromkeys(g.region for g in self.replicas))
 
-    def policy_list(self) -> list[tuple[str, str, dict | None]]:
-        """(label, preset, params) per policy, validated now so a typo fails before any run."""
+    def policy_list(self) -> list[PolicyEntry]:
+        """One entry per policy, validated now so a typo fails before any run.
+
+        An entry is a preset name or ``{preset, params, topology}``; ``topology`` (regional,
+        global, two-layer) runs that policy on its own LB layout, so one table can put SkyWalker's
+        two-layer LBs beside baselines behind one global LB, as its Fig. 8 does.
+        """
         out, seen = [], set()
         for i, entry in enumerate(self.policies):
+            topo = None
+            if isinstance(entry, dict) and "topology" in entry:
+                entry = dict(entry)
+                topo = entry.pop("topology")
+                if topo not in TOPOLOGIES:
+                    raise ScenarioError(f"policies[{i}].topology: {topo!r}; allowed: {', '.join(TOPOLOGIES)}")
+                if self.balancers:
+                    raise ScenarioError(f"policies[{i}].topology: give either 'balancers' or topologies, not both")
             try:
                 policy_from_config(entry, where=f"policies[{i}]")
             except ConfigError as exc:
@@ -135,13 +183,32 @@ class Scenario(_Strict):
             preset = entry if isinstance(entry, str) else entry["preset"]
             params = None if isinstance(entry, str) else entry.get("params")
             label = preset if not params else f"{preset}({','.join(f'{k}={v}' for k, v in sorted(params.items()))})"
+            if topo:
+                label += f"@{topo}"
             if label in seen:
                 raise ScenarioError(f"policies[{i}]: {label} is listed twice")
             seen.add(label)
-            out.append((label, preset, params))
+            out.append(PolicyEntry(label, preset, params, topo))
         return out
 
-    def setup(self) -> Setup:
+    def balancer_groups(self, topology: str | None = None) -> list[BalancerGroup]:
+        """The LB layout: a policy's topology, else the scenario's, else ``balancers``, else regional."""
+        spec = self.topology or TopologySpec()
+        kind = topology or (self.topology.kind if self.topology else None)
+        if kind is None:
+            return self.balancers or [BalancerGroup(region=r) for r in self.regions()]
+        if self.balancers and self.topology is not None:
+            raise ScenarioError("topology: give either 'balancers' or 'topology', not both")
+        common = {"probe_interval_s": spec.probe_interval_s, "dispatch_tick_s": spec.dispatch_tick_s}
+        if kind == "global":
+            region = spec.region or self.regions()[0]
+            if region not in self.regions() and region not in self.clients():
+                raise ScenarioError(f"topology.region: {region!r} has no replicas or clients; "
+                                    f"regions: {', '.join(self.regions())}")
+            return [BalancerGroup(region=region, manages="all", **common)]
+        return [BalancerGroup(region=r, forward=kind == "two-layer", **common) for r in self.regions()]
+
+    def setup(self, topology: str | None = None) -> Setup:
         replicas = []
         for g in self.replicas:
             try:
@@ -150,7 +217,7 @@ class Scenario(_Strict):
                 raise ScenarioError(f"replicas: {exc}") from None
             n0 = sum(1 for r in replicas if r.region == g.region)
             replicas += [ReplicaSpec(f"{g.region}-{n0 + i}", g.region, prof) for i in range(g.count)]
-        groups = self.balancers or [BalancerGroup(region=r) for r in self.regions()]
+        groups = self.balancer_groups(topology)
         balancers = []
         for b in groups:
             manages = self.regions() if b.manages == "all" else (b.manages or [b.region])
@@ -174,9 +241,21 @@ class Scenario(_Strict):
         w = self.workload
         clients = self.clients()
         try:
+            if w.shapes and w.kind not in ("chat", "tot", "mixed"):
+                raise ScenarioError(f"workload.shapes: per-region shapes apply to chat, tot and mixed "
+                                    f"workloads, not {w.kind!r}")
             if w.kind in ("chat", "tot", "mixed"):
-                frac = {"chat": 0.0, "tot": 1.0, "mixed": w.tree_fraction}[w.kind]
-                return ChatWorkload(clients, self.seed, w.think_time_s, frac, w.depth, w.branching)
+                fractions = {"chat": 0.0, "tot": 1.0, "mixed": w.tree_fraction}
+                frac = fractions[w.kind]
+                shapes = {}
+                for region, sh in w.shapes.items():
+                    if region not in clients:
+                        raise ScenarioError(f"workload.shapes.{region}: no clients in that region; "
+                                            f"regions with clients: {', '.join(clients)}")
+                    f = sh.tree_fraction if sh.tree_fraction is not None else (
+                        fractions[sh.kind] if sh.kind and sh.kind != "mixed" else frac)
+                    shapes[region] = (f, sh.depth or w.depth, sh.branching or w.branching)
+                return ChatWorkload(clients, self.seed, w.think_time_s, frac, w.depth, w.branching, shapes)
             if w.kind == "chat-poisson":
                 return ChatPoisson(w.rate or 1.0, clients, self.seed, max_requests=self.limits.max_requests)
             path = resolve_trace(w.path, w.kind)

@@ -262,7 +262,8 @@ class Simulation:
         rep = self.replicas[flight.replica]
         self.recorder.complete(flight.sent, flight.first, done, flight.sreq.output_tokens,
                                flight.sreq.req.prompt_tokens, max(0, seq.cached), queue_s,
-                               flight.replica, rep.region != flight.client_region)
+                               flight.replica, rep.region != flight.client_region, flight.client_region,
+                               flight.sreq.req.from_peer)
         if flight.sreq.program is None:
             self._done(flight)  # open loop: nobody waits on the client side
         else:

@@ -39,9 +39,9 @@ def scaled(sc: Scenario, f: float, policy: str | dict | None = None) -> Scenario
     return parse_scenario(data, "sweep")
 
 
-def _run(sc: Scenario, f: float, entry, preset: str, params) -> dict:
+def _run(sc: Scenario, f: float, entry, preset: str, params, topology: str | None = None) -> dict:
     s = scaled(sc, f, entry)
-    return Simulation(s.setup(), preset, params, s.make_workload()).run()
+    return Simulation(s.setup(topology), preset, params, s.make_workload()).run()
 
 
 def _point(f: float, r: dict) -> dict:
@@ -51,13 +51,13 @@ def _point(f: float, r: dict) -> dict:
 
 
 def find_knee(sc: Scenario, entry, preset: str, params, bisect_steps: int = 4, max_doublings: int = 6,
-              progress: Callable[[str], None] | None = None) -> dict:
+              progress: Callable[[str], None] | None = None, topology: str | None = None) -> dict:
     """Highest load factor meeting the SLO target for one policy; every run is kept as a point."""
     target = sc.slo.target
     points: list[dict] = []
 
     def ok(f: float) -> bool:
-        r = _run(sc, f, entry, preset, params)
+        r = _run(sc, f, entry, preset, params, topology)
         points.append(_point(f, r))
         if progress:
             progress(f"  x{f:.3g}: {r['load']['offered_rps']:.3g} req/s offered, "
@@ -106,11 +106,11 @@ def _knee(f: float | None, points: list[dict], note: str) -> dict:
 def sweep(sc: Scenario, progress: Callable[[str], None] | None = None) -> dict:
     """Knee per policy, then every policy at 50/70/90 % of the reference (highest) knee."""
     knees = {}
-    for label, preset, params in sc.policy_list():
+    for label, preset, params, topo in sc.policy_list():
         entry = {"preset": preset, "params": params} if params else preset
         if progress:
             progress(f"knee of {label}")
-        knees[label] = find_knee(sc, entry, preset, params, progress=progress)
+        knees[label] = find_knee(sc, entry, preset, params, progress=progress, topology=topo)
     found = [k["factor"] for k in knees.values() if k["factor"] is not None]
     out = {"slo": sc.slo.model_dump(), "knees": knees, "compare": {}}
     if not found:
@@ -121,9 +121,9 @@ def sweep(sc: Scenario, progress: Callable[[str], None] | None = None) -> dict:
     out["reference"] = {"policy": ref_label, "factor": ref, "offered_rps": knees[ref_label]["offered_rps"]}
     for level in LEVELS:
         row = {}
-        for label, preset, params in sc.policy_list():
+        for label, preset, params, topo in sc.policy_list():
             entry = {"preset": preset, "params": params} if params else preset
-            r = _run(sc, ref * level, entry, preset, params)
+            r = _run(sc, ref * level, entry, preset, params, topo)
             row[label] = _point(ref * level, r) | {"tpot_p50_s": r["tpot_s"]["p50"],
                                                     "prefix_hit_rate": r["prefix_hit_rate"],
                                                     "failed": sum(r["failed"].values())}

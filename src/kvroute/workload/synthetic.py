@@ -142,8 +142,12 @@ class ChatWorkload(Workload):
     name = "chat"
 
     def __init__(self, clients: dict[str, int], seed: int = 0, think_time_s: float = 0.0,
-                 tree_fraction: float = 0.0, depth: int = 4, branching: int = 2):
+                 tree_fraction: float = 0.0, depth: int = 4, branching: int = 2,
+                 shapes: dict[str, tuple[float, int, int]] | None = None):
+        """``shapes`` overrides (tree_fraction, depth, branching) per region: SkyWalker's mixed
+        tree gives each region its own program shape."""
         self.clients = dict(clients)
+        self.shapes = dict(shapes or {})
         self.think_time_s = think_time_s
         self.rng = random.Random(seed)
         self.tree_fraction = tree_fraction
@@ -152,8 +156,9 @@ class ChatWorkload(Workload):
         self.pop = ChatPopulation(list(clients), {r: 3 * n for r, n in clients.items()}, self.rng)
 
     def new_program(self, region: str, slot: int) -> Program:
-        if self.tree_fraction and self.rng.random() < self.tree_fraction:
-            return ThoughtTree(self.pop, region, self.ids, self.depth, self.branching)
+        frac, depth, branching = self.shapes.get(region, (self.tree_fraction, self.depth, self.branching))
+        if frac and self.rng.random() < frac:
+            return ThoughtTree(self.pop, region, self.ids, depth, branching)
         return Conversation(self.pop, region, self.ids)
 
 
