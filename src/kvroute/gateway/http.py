@@ -287,8 +287,8 @@ class _Connection(asyncio.Protocol):
     def on_headers_complete(self) -> None:
         parser, headers, limits = self.parser, self._headers, self.limits
         version = parser.get_http_version()
-        if version not in ("1.1", "1.0"):
-            raise BadRequest(505, f"HTTP/{version} is not supported; use HTTP/1.1")
+        if version not in ("1.1", "1.0"):  # 0.9 means a request line without a version
+            raise BadRequest(505 if version >= "2" else 400, f"HTTP/{version} is not supported; use HTTP/1.1")
         if version == "1.1" and "host" not in headers:
             raise BadRequest(400, "HTTP/1.1 request without a Host header")
         te = headers.get("transfer-encoding")

@@ -1,0 +1,235 @@
+"""The gateway's protocols and breaker without sockets: a fake transport records what the server
+writes and whether it reads; a fake upstream connection feeds the client parser bytes."""
+
+import asyncio
+import re
+
+import pytest
+
+from kvroute.gateway.breaker import CircuitBreaker, CircuitState
+from kvroute.gateway.http import HTTPLimits, HTTPServer, _Connection
+from kvroute.gateway.upstream import (UpstreamPool, UpstreamProtocolError, UpstreamResponse, _Conn,
+                                      _StaleConnection)
+
+
+class FakeTransport(asyncio.Transport):
+    """Records writes, pause/resume of reading and close."""
+
+    def __init__(self):
+        super().__init__()
+        self.out = bytearray()
+        self.reading = True
+        self.closed = False
+
+    def write(self, data):
+        self.out += data
+
+    def writelines(self, parts):
+        for p in parts:
+            self.out += p
+
+    def pause_reading(self):
+        self.reading = False
+
+    def resume_reading(self):
+        self.reading = True
+
+    def close(self):
+        self.closed = True
+
+    def is_closing(self):
+        return self.closed
+
+    def get_extra_info(self, name, default=None):
+        return default
+
+
+# -- breaker ----------------------------------------------------------------------------------------
+
+def test_breaker_opens_after_consecutive_failures_only():
+    b = CircuitBreaker(failures=3, cooldown_s=5)
+    for _ in range(2):
+        b.failure(0)
+    b.success()  # resets the streak
+    b.failure(0)
+    b.failure(0)
+    assert b.state is CircuitState.CLOSED and b.allows
+    b.failure(1)
+    assert b.state is CircuitState.OPEN and not b.allows
+
+
+def test_breaker_half_open_admits_one_trial_and_needs_n_successes():
+    b = CircuitBreaker(failures=1, cooldown_s=5, successes=2)
+    b.failure(10)
+    b.tick(14.9)
+    assert b.state is CircuitState.OPEN
+    b.tick(15)
+    assert b.state is CircuitState.HALF_OPEN and b.allows
+    b.dispatched()
+    assert not b.allows  # the single trial is out
+    b.success()
+    assert b.state is CircuitState.HALF_OPEN and b.allows
+    b.dispatched()
+    b.neutral()  # the client left: no verdict, the slot frees
+    assert b.state is CircuitState.HALF_OPEN and b.allows
+    b.dispatched()
+    b.success()
+    assert b.state is CircuitState.CLOSED and b.allows
+
+
+def test_breaker_failed_trial_reopens_for_a_full_cooldown():
+    b = CircuitBreaker(failures=1, cooldown_s=5)
+    b.failure(0)
+    b.tick(5)
+    b.dispatched()
+    b.failure(7)
+    assert b.state is CircuitState.OPEN
+    b.tick(11.9)
+    assert b.state is CircuitState.OPEN
+    b.tick(12)
+    assert b.state is CircuitState.HALF_OPEN
+
+
+# -- server protocol ----------------------------------------------------------------------------------
+
+def _server_conn(handler, **limits):
+    loop = asyncio.get_running_loop()
+    server = HTTPServer(handler, HTTPLimits(**limits))
+    server.now = loop.time()
+    conn = _Connection(server)
+    transport = FakeTransport()
+    conn.connection_made(transport)
+    return server, conn, transport
+
+
+REQ = b"POST /x HTTP/1.1\r\nHost: a\r\nContent-Length: 5\r\n\r\nhello"
+
+
+def test_reading_pauses_while_a_complete_request_waits_behind_a_running_one():
+    async def run():
+        gate = asyncio.Event()
+        seen = []
+
+        async def handler(req, resp):
+            seen.append(req.body)
+            await gate.wait()
+            resp.send(200, b"ok")
+        server, conn, t = _server_conn(handler)
+        conn.data_received(REQ * 10)  # ten pipelined requests in one read
+        await asyncio.sleep(0)
+        assert seen == [b"hello"] and not t.reading and len(conn.pending) == 9
+        gate.set()
+        for _ in range(50):
+            await asyncio.sleep(0)
+        assert seen == [b"hello"] * 10 and t.out.count(b"HTTP/1.1 200") == 10 and t.reading
+    asyncio.run(run())
+
+
+def test_a_bad_request_is_answered_after_the_good_ones_before_it():
+    async def run():
+        async def handler(req, resp):
+            await asyncio.sleep(0.01)
+            resp.send(200, req.body)
+        server, conn, t = _server_conn(handler)
+        conn.data_received(REQ + REQ + b"GET / HTTP/1.1\r\nHost: a\r\nContent-Length: x\r\n\r\n")
+        await asyncio.sleep(0.1)
+        assert re.findall(rb"HTTP/1.1 (\d{3})", t.out) == [b"200", b"200", b"400"]
+        assert t.closed
+    asyncio.run(run())
+
+
+def test_head_counted_by_fields_regardless_of_read_boundaries():
+    async def run():
+        async def handler(req, resp):
+            resp.send(200, b"")
+        for piece in (1, 7, 4096, 1 << 20):  # however the bytes are split, the limit is the same
+            server, conn, t = _server_conn(handler, max_head_bytes=2048)
+            raw = b"GET / HTTP/1.1\r\nHost: a\r\nX-A: " + b"a" * 2100 + b"\r\n\r\n"
+            for i in range(0, len(raw), piece):
+                conn.data_received(raw[i:i + piece])
+                if t.closed:
+                    break
+            assert t.out.startswith(b"HTTP/1.1 431") and t.closed
+    asyncio.run(run())
+
+
+def test_deadlines_by_phase():
+    async def run():
+        async def handler(req, resp):
+            resp.send(200, b"")
+        server, conn, t = _server_conn(handler, header_timeout_s=1, body_timeout_s=2, keepalive_timeout_s=3)
+        now = server.now
+        assert conn.deadline == pytest.approx(now + 3)  # idle
+        conn.data_received(b"POST / HTTP/1.1\r\nHost: a\r\n")
+        assert conn.deadline == pytest.approx(now + 1)  # head
+        conn.data_received(b"Content-Length: 3\r\n\r\na")
+        assert conn.deadline == pytest.approx(now + 2)  # body
+        conn.expire()
+        assert t.out.startswith(b"HTTP/1.1 408") and t.closed
+    asyncio.run(run())
+
+
+# -- upstream client protocol ------------------------------------------------------------------------
+
+def _client_conn(reused=False):
+    conn = _Conn(UpstreamPool("http://127.0.0.1:1"))
+    conn.connection_made(FakeTransport())
+    head = conn.begin(reused)
+    return conn, head
+
+
+def test_upstream_close_delimited_body_ends_at_eof_and_is_not_reused():
+    async def run():
+        conn, head = _client_conn()
+        conn.data_received(b"HTTP/1.1 200 OK\r\n\r\nabc")
+        status, _ = await head
+        resp = UpstreamResponse(conn, status, [], 1.0)
+        conn.data_received(b"def")
+        conn.connection_lost(None)
+        assert await resp.read() == b"abcdef" and not conn.keep_alive
+    asyncio.run(run())
+
+
+def test_upstream_interim_responses_are_skipped():
+    async def run():
+        conn, head = _client_conn()
+        conn.data_received(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 201 Created\r\nContent-Length: 2\r\n\r\nok")
+        status, _ = await head
+        assert status == 201 and await UpstreamResponse(conn, status, [], 1.0).read() == b"ok"
+    asyncio.run(run())
+
+
+def test_upstream_truncated_body_is_an_error_not_a_short_answer():
+    async def run():
+        conn, head = _client_conn()
+        conn.data_received(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nabc")
+        resp = UpstreamResponse(conn, (await head)[0], [], 1.0)
+        conn.connection_lost(None)
+        with pytest.raises(UpstreamProtocolError, match="before the body ended"):
+            await resp.read()
+    asyncio.run(run())
+
+
+def test_upstream_eof_on_a_reused_connection_is_stale_not_a_failure():
+    async def run():
+        conn, head = _client_conn(reused=True)
+        conn.connection_lost(None)
+        with pytest.raises(_StaleConnection):
+            await head
+        conn, head = _client_conn(reused=True)
+        conn.data_received(b"HTTP/1.1 2")  # a byte arrived: the engine died mid-answer
+        conn.connection_lost(None)
+        with pytest.raises(UpstreamProtocolError) as info:
+            await head
+        assert not isinstance(info.value, _StaleConnection)
+    asyncio.run(run())
+
+
+def test_upstream_extra_response_bytes_poison_the_connection():
+    async def run():
+        conn, head = _client_conn()
+        conn.data_received(b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\n\r\naHTTP/1.1 200 OK\r\n")
+        resp = UpstreamResponse(conn, (await head)[0], [], 1.0)
+        assert await resp.read() == b"a"
+        assert conn.transport.closed and not conn.keep_alive
+    asyncio.run(run())
