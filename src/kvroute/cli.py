@@ -73,19 +73,25 @@ def cmd_bench_gateway(args: argparse.Namespace) -> int:
     from kvroute.bench import gateway
 
     result = gateway.run(requests=args.requests, concurrency=args.concurrency, repeats=args.repeats,
-                         presets=tuple(args.presets.split(",")), progress=lambda m: err.print(m))
-    for mode in ("nonstream", "stream"):
-        table = Table(title=f"gateway vs direct, {mode} ({args.requests} requests × {args.repeats}, "
-                            f"concurrency {args.concurrency}, medians)")
-        for col in ("preset", "gateway req/s", "direct req/s", "ratio (spread)", "added p50 (spread)",
-                    "added p99 (spread)"):
-            table.add_column(col, justify="left" if col == "preset" else "right")
-        for name, r in result[mode].items():
-            lo, hi = r["rps_ratio_spread"]
-            table.add_row(name, f"{r['gateway_rps']:,.0f}", f"{r['direct_rps']:,.0f}",
-                          f"{r['rps_ratio']:.2f}x ({lo:.2f}–{hi:.2f})",
-                          gateway.added_text(r, "p50"), gateway.added_text(r, "p99"))
-        console.print(table)
+                         presets=tuple(args.presets.split(",")), upstream_delay_ms=args.upstream_delay_ms,
+                         baseline_src=args.baseline_src, progress=lambda m: err.print(m))
+    variants = [("gateway", result)]
+    if args.baseline_src:
+        variants.append((f"baseline {args.baseline_src}", result["baseline"]))
+    for label, rows in variants:
+        for mode in ("nonstream", "stream"):
+            table = Table(title=f"{label} vs direct, {mode} ({args.requests} requests × {args.repeats}, "
+                                f"concurrency {args.concurrency}, upstream delay {args.upstream_delay_ms:g} ms, "
+                                f"medians)")
+            for col in ("preset", "via req/s", "direct req/s", "ratio (spread)", "added p50 (spread)",
+                        "added p99 (spread)"):
+                table.add_column(col, justify="left" if col == "preset" else "right")
+            for name, r in rows[mode].items():
+                lo, hi = r["rps_ratio_spread"]
+                table.add_row(name, f"{r['gateway_rps']:,.0f}", f"{r['direct_rps']:,.0f}",
+                              f"{r['rps_ratio']:.2f}x ({lo:.2f}–{hi:.2f})",
+                              gateway.added_text(r, "p50"), gateway.added_text(r, "p99"))
+            console.print(table)
     write_json(args.json, result)
     return 0
 
@@ -318,6 +324,11 @@ def build_parser() -> argparse.ArgumentParser:
     bg.add_argument("--concurrency", type=int, default=32)
     bg.add_argument("--repeats", type=int, default=3)
     bg.add_argument("--presets", default="round_robin,sglang_cache_aware,skywalker,lmetric")
+    bg.add_argument("--upstream-delay-ms", type=float, default=0.0,
+                    help="upstream wait before answering (an engine's TTFT); default 0")
+    bg.add_argument("--baseline-src", metavar="DIR",
+                    help="also measure a gateway imported from this source tree (e.g. a git worktree's src/ of "
+                         "an older commit), interleaved in the same run")
     bg.set_defaults(func=cmd_bench_gateway)
 
     demo = sub.add_parser("demo", help="the main job: walk-through, benchmark, simulation, gateway")

@@ -1,6 +1,7 @@
 """`kvroute bench gateway`: what the gateway costs, measured against going direct, in one run.
 
-Trivial upstreams (answer at once; ``/metrics`` in vLLM's names so probes pass) run in their own
+Trivial upstreams (answer at once, or after ``--upstream-delay-ms`` like an engine's time to first
+token; ``/metrics`` in vLLM's names so probes pass) run in their own
 process; the load generator in another (keep-alive, fixed concurrency, on the gateway's own lean
 HTTP/1.1 client so that the client is not what saturates the two cores); each gateway under test
 in a third. For every preset and for both non-stream and stream (16 SSE chunks) it
@@ -29,7 +30,8 @@ PRESETS = ("round_robin", "sglang_cache_aware", "skywalker", "lmetric")
 UPSTREAM = r'''
 import asyncio, json, sys
 from aiohttp import web
-ports = [int(p) for p in sys.argv[1:]]
+delay = float(sys.argv[1]) / 1000
+ports = [int(p) for p in sys.argv[2:]]
 BODY = json.dumps({"id": "x", "object": "chat.completion", "created": 0, "model": "m",
                    "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"},
                                 "finish_reason": "stop"}],
@@ -38,6 +40,8 @@ CHUNK = b'data: {"id":"x","object":"chat.completion.chunk","choices":[{"index":0
 METRICS = b"vllm:num_requests_running 0\nvllm:num_requests_waiting 0\nvllm:kv_cache_usage_perc 0\n"
 async def chat(request):
     body = await request.json()
+    if delay:
+        await asyncio.sleep(delay)  # an engine's time to first token
     if not body.get("stream"):
         return web.Response(body=BODY, content_type="application/json")
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -180,42 +184,67 @@ def added_text(row: dict, q: str) -> str:
     return f"{row[f'added_{q}_ms']:.2f} ms {spread}"
 
 
+def _gateway(src: str | None, cfg: Path) -> subprocess.Popen:
+    """A gateway process; ``src`` puts another source tree (e.g. a worktree of an older commit)
+    first on its import path, for an A/B comparison against the same load client and upstreams."""
+    env = dict(os.environ)
+    if src:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [src, env.get("PYTHONPATH")]))
+    return subprocess.Popen([sys.executable, "-m", "kvroute.cli", "serve", "--config", str(cfg),
+                             "--log-level", "WARNING"], stderr=subprocess.DEVNULL, env=env)
+
+
 def run(requests: int = 20000, concurrency: int = 32, repeats: int = 3, limit_s: float = 30.0,
-        presets=PRESETS, progress=print) -> dict:
+        presets=PRESETS, upstream_delay_ms: float = 0.0, baseline_src: str | None = None,
+        progress=print) -> dict:
+    """Every preset, non-stream and stream: direct, via this gateway and (with ``baseline_src``)
+    via a baseline gateway, repeated and interleaved so drift hits all of them alike."""
     up_ports = _free_ports(2)
-    upstream = subprocess.Popen([sys.executable, "-c", UPSTREAM, *map(str, up_ports)], stdout=subprocess.PIPE,
-                                stderr=subprocess.DEVNULL)
+    upstream = subprocess.Popen([sys.executable, "-c", UPSTREAM, str(upstream_delay_ms), *map(str, up_ports)],
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     procs = [upstream]
     result: dict = {"nonstream": {}, "stream": {}, "requests": requests, "concurrency": concurrency,
-                    "repeats": repeats, "direct": {}}
+                    "repeats": repeats, "upstream_delay_ms": upstream_delay_ms}
+    if baseline_src:
+        result.update(baseline_src=baseline_src, baseline={"nonstream": {}, "stream": {}})
     try:
         for p in up_ports:
             _wait_port(p)
         direct_urls = [f"http://127.0.0.1:{p}" for p in up_ports]
         with tempfile.TemporaryDirectory() as tmp:
             for preset in presets:
-                gw_port = _free_ports(1)[0]
-                cfg = Path(tmp) / f"{preset}.yaml"
-                cfg.write_text(json.dumps({"port": gw_port, "policy": preset, "replica_header": True,
-                                           "replicas": [{"url": u, "engine": "vllm"} for u in direct_urls]}))
-                gw = subprocess.Popen([sys.executable, "-m", "kvroute.cli", "serve", "--config", str(cfg),
-                                       "--log-level", "WARNING"], stderr=subprocess.DEVNULL)
-                procs.append(gw)
+                gateways = {}
+                for name, src in (("gateway", None), ("baseline", baseline_src)):
+                    if name == "baseline" and not src:
+                        continue
+                    port = _free_ports(1)[0]
+                    cfg = Path(tmp) / f"{preset}-{name}.yaml"
+                    cfg.write_text(json.dumps({"port": port, "policy": preset, "replica_header": True,
+                                               "replicas": [{"url": u, "engine": "vllm"} for u in direct_urls]}))
+                    proc = _gateway(src, cfg)
+                    procs.append(proc)
+                    gateways[name] = (proc, port)
                 try:
-                    _wait_port(gw_port)
+                    for _, port in gateways.values():
+                        _wait_port(port)
                     for mode, stream in (("nonstream", False), ("stream", True)):
-                        direct, via = [], []
-                        for _ in range(repeats):  # alternate so drift hits both alike
+                        direct: list[dict] = []
+                        via: dict[str, list[dict]] = {name: [] for name in gateways}
+                        for _ in range(repeats):  # interleaved so drift hits every variant alike
                             direct.append(_load(direct_urls, requests, concurrency, stream, limit_s))
-                            via.append(_load([f"http://127.0.0.1:{gw_port}"], requests, concurrency, stream, limit_s))
-                        row = _compare(direct, via)
-                        result[mode][preset] = row
-                        progress(f"{preset} {mode}: {row['gateway_rps']:.0f} vs {row['direct_rps']:.0f} req/s "
-                                 f"({row['rps_ratio']:.2f}x), added p50 {added_text(row, 'p50')}, "
-                                 f"p99 {added_text(row, 'p99')}")
+                            for name, (_, port) in gateways.items():
+                                via[name].append(_load([f"http://127.0.0.1:{port}"], requests, concurrency,
+                                                       stream, limit_s))
+                        for name, runs in via.items():
+                            row = _compare(direct, runs)
+                            (result if name == "gateway" else result["baseline"])[mode][preset] = row
+                            progress(f"{preset} {mode} ({name}): {row['gateway_rps']:.0f} vs "
+                                     f"{row['direct_rps']:.0f} req/s ({row['rps_ratio']:.2f}x), added p50 "
+                                     f"{added_text(row, 'p50')}, p99 {added_text(row, 'p99')}")
                 finally:
-                    _stop(gw)
-                    procs.remove(gw)
+                    for proc, _ in gateways.values():
+                        _stop(proc)
+                        procs.remove(proc)
     finally:
         for p in procs:
             _stop(p)
