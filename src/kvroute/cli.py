@@ -96,6 +96,27 @@ def cmd_bench_gateway(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_hostile(args: argparse.Namespace) -> int:
+    from kvroute.bench import hostile
+
+    result = hostile.run(requests=args.requests, concurrency=args.concurrency,
+                         attacks=tuple(args.attacks.split(",")), baseline_src=args.baseline_src,
+                         progress=lambda m: err.print(m, markup=False))
+    for name, rows in result["variants"].items():
+        table = Table(title=f"{name}: a normal client ({args.requests} requests, concurrency {args.concurrency}) "
+                            f"during each attack")
+        for col in ("attack", "p50 ms", "p99 ms", "errors", "gateway RSS MB (growth)", "gateway CPU s",
+                    "attack observed"):
+            table.add_column(col, justify="left" if col in ("attack", "attack observed") else "right")
+        for attack, r in rows.items():
+            table.add_row(attack, f"{r['p50_ms']:.2f}", f"{r['p99_ms']:.2f}", str(r["errors"]),
+                          f"{r['gateway_rss_mb']:.0f} ({r['gateway_rss_growth_mb']:+.0f})", f"{r['gateway_cpu_s']:.1f}",
+                          json.dumps(r["attack"]) if r["attack"] else "")
+        console.print(table)
+    write_json(args.json, result)
+    return 0
+
+
 SWEEP_DEFAULT_REQUESTS = 2000  # per sweep run, unless the scenario or --max-requests says otherwise
 
 
@@ -331,6 +352,14 @@ def build_parser() -> argparse.ArgumentParser:
                          "an older commit), interleaved in the same run")
     bg.set_defaults(func=cmd_bench_gateway)
 
+    bh = bench.add_parser("hostile", help="normal clients' latency while hostile clients attack the gateway")
+    bh.add_argument("--json", metavar="FILE")
+    bh.add_argument("--requests", type=int, default=2000)
+    bh.add_argument("--concurrency", type=int, default=8)
+    bh.add_argument("--attacks", default=",".join(("idle-2000", "slow-headers-200", "tiny-chunks-80057",
+                                                   "pipelined-200x1MiB")))
+    bh.add_argument("--baseline-src", metavar="DIR", help="also attack a gateway imported from this source tree")
+    bh.set_defaults(func=cmd_bench_hostile)
     demo = sub.add_parser("demo", help="the main job: walk-through, benchmark, simulation, gateway")
     demo.add_argument("--out", default="out", help="folder for JSON results and plots")
     demo.add_argument("--decisions", type=int, default=500)
