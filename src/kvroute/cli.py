@@ -265,6 +265,36 @@ def cmd_emulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_reproduce(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from kvroute.reproduce import markdown, reproduce
+    from kvroute.sim.scenario import ScenarioError
+
+    try:
+        result = reproduce(args.paper, quick=args.quick,
+                           progress=lambda m: err.print(f"[dim]{m}[/dim]", highlight=False))
+    except ScenarioError as exc:
+        err.print(f"[red]error:[/red] {exc}", highlight=False)
+        return 2
+    table = Table(title=f"{result['title']}: paper vs kvroute" + (" (--quick)" if args.quick else ""))
+    for col in ("claim", "paper", "kvroute", "agrees?", "why not"):
+        table.add_column(col, overflow="fold")
+    colour = {"yes": "green", "direction only": "yellow", "no": "red"}
+    for r in result["rows"]:
+        c = colour.get(r["agrees"])
+        table.add_row(r["claim"], r["paper"], r["kvroute"], f"[{c}]{r['agrees']}[/{c}]" if c else r["agrees"],
+                      r["why_not"])
+    console.print(table)
+    console.print(f"[dim]{result['wall_s']} s wall[/dim]")
+    write_json(args.json, result)
+    if args.md:
+        Path(args.md).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.md).write_text(markdown(result))
+        console.print(f"wrote {args.md}")
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from kvroute.demo import run_demo
 
@@ -360,6 +390,13 @@ def build_parser() -> argparse.ArgumentParser:
                                                    "pipelined-200x1MiB")))
     bh.add_argument("--baseline-src", metavar="DIR", help="also attack a gateway imported from this source tree")
     bh.set_defaults(func=cmd_bench_hostile)
+    rp = sub.add_parser("reproduce", help="a paper's claims beside kvroute's simulated numbers")
+    rp.add_argument("paper", choices=["skywalker", "gorgo-v1", "gorgo-v2", "lmetric", "cascadeinfer"])
+    rp.add_argument("--quick", action="store_true", help="fewer requests per run (≤ 3 minutes per paper)")
+    rp.add_argument("--json", metavar="FILE")
+    rp.add_argument("--md", metavar="FILE", help="write the table as Markdown")
+    rp.set_defaults(func=cmd_reproduce)
+
     demo = sub.add_parser("demo", help="the main job: walk-through, benchmark, simulation, gateway")
     demo.add_argument("--out", default="out", help="folder for JSON results and plots")
     demo.add_argument("--decisions", type=int, default=500)

@@ -36,7 +36,7 @@ SCENARIO_DIR = Path(__file__).resolve().parents[3] / "scenarios"
 DATA_DIR = Path(os.environ.get("KVROUTE_TRACES",
                                Path(__file__).resolve().parents[3].parent / "shared" / "data" / "traces"))
 WORKLOAD_KINDS = ("chat", "tot", "mixed", "chat-poisson", "mooncake", "azure", "openai")
-TOPOLOGIES = ("regional", "global", "two-layer")
+TOPOLOGIES = ("regional", "global", "two-layer", "distributed")
 
 
 class ScenarioError(ValueError):
@@ -82,10 +82,12 @@ class TopologySpec(_Strict):
     * ``global``: ONE LB, placed in ``region`` (default: the first region), managing every
       replica — clients elsewhere pay the RTT to it, and it pays the RTT to remote replicas
       (SkyWalker Fig. 8's baselines, GORGO's central proxy);
-    * ``two-layer``: one LB per region with forwarding to peer LBs (SkyWalker).
+    * ``two-layer``: one LB per region with forwarding to peer LBs (SkyWalker);
+    * ``distributed``: one LB per region, each managing every replica with its own, unshared
+      accounting (GORGO v1's distributed mode: each region's LB may send anywhere).
     """
 
-    kind: Literal["regional", "global", "two-layer"] = "regional"
+    kind: Literal["regional", "global", "two-layer", "distributed"] = "regional"
     region: str | None = None
     probe_interval_s: float = Field(0.1, gt=0)
     dispatch_tick_s: float = Field(0.01, ge=0)
@@ -112,6 +114,8 @@ class WorkloadSpec(_Strict):
     think_time_s: float = Field(0.0, ge=0)
     skip_bad: bool = False
     shapes: dict[str, ShapeSpec] = Field(default_factory=dict)  # per client region (chat/tot/mixed)
+    max_prompt_tokens: int | None = Field(None, gt=0, description="traces: drop longer prompts (GORGO v2: 24,000)")
+    max_output_tokens: int | None = Field(None, gt=0, description="traces: cap output lengths (GORGO v2: 128)")
 
 
 class LimitSpec(_Strict):
@@ -206,6 +210,8 @@ class Scenario(_Strict):
                 raise ScenarioError(f"topology.region: {region!r} has no replicas or clients; "
                                     f"regions: {', '.join(self.regions())}")
             return [BalancerGroup(region=region, manages="all", **common)]
+        if kind == "distributed":
+            return [BalancerGroup(region=r, manages="all", **common) for r in self.regions()]
         return [BalancerGroup(region=r, forward=kind == "two-layer", **common) for r in self.regions()]
 
     def setup(self, topology: str | None = None) -> Setup:
@@ -259,12 +265,15 @@ class Scenario(_Strict):
             if w.kind == "chat-poisson":
                 return ChatPoisson(w.rate or 1.0, clients, self.seed, max_requests=self.limits.max_requests)
             path = resolve_trace(w.path, w.kind)
+            if (w.max_prompt_tokens or w.max_output_tokens) and w.kind not in ("mooncake", "azure"):
+                raise ScenarioError(f"workload.max_prompt_tokens / max_output_tokens apply to mooncake and "
+                                    f"azure traces, not {w.kind!r}")
             if w.kind == "mooncake":
                 return MooncakeTrace(path, w.time_scale, w.rate, clients, self.seed, w.skip_bad,
-                                     self.limits.max_requests)
+                                     self.limits.max_requests, w.max_prompt_tokens, w.max_output_tokens)
             if w.kind == "azure":
                 return AzureTrace(path, w.time_scale, w.rate, clients, self.seed, w.skip_bad,
-                                  self.limits.max_requests)
+                                  self.limits.max_requests, w.max_prompt_tokens, w.max_output_tokens)
             return OpenAIConversations(path, clients, self.seed, w.skip_bad)
         except TraceError as exc:
             raise ScenarioError(str(exc)) from None

@@ -124,7 +124,10 @@ class MooncakeTrace(Workload):
 
     def __init__(self, path: str | Path, time_scale: float = 1.0, rate: float | None = None,
                  regions: dict[str, float] | None = None, seed: int = 0, skip_bad: bool = False,
-                 max_requests: int | None = None):
+                 max_requests: int | None = None, max_prompt_tokens: int | None = None,
+                 max_output_tokens: int | None = None):
+        """``max_prompt_tokens`` drops longer requests (counted in ``dropped``); ``max_output_tokens``
+        caps output lengths (GORGO v2 filters prompts over 24,000 tokens and caps output at 128)."""
         self.path = Path(path)
         if not self.path.is_file():
             raise TraceError(f"{path}: no such trace file")
@@ -135,6 +138,8 @@ class MooncakeTrace(Workload):
         self.rng = random.Random(seed + 1)
         self.bad = _BadLines(skip_bad)
         self.max_requests = max_requests
+        self.max_prompt_tokens, self.max_output_tokens = max_prompt_tokens, max_output_tokens
+        self.dropped = 0
 
     def _parse(self, line: str, where: str, lineno: int) -> tuple[float, int, int, tuple[int, ...]]:
         obj = _json_object(line, where)
@@ -152,6 +157,11 @@ class MooncakeTrace(Workload):
         t = 0.0
         n = 0
         for lineno, (ts, inp, out, ids) in _cached_lines(self.path, self.bad, self._parse, self.name):
+            if self.max_prompt_tokens and inp > self.max_prompt_tokens:
+                self.dropped += 1
+                continue
+            if self.max_output_tokens and out > self.max_output_tokens:
+                out = self.max_output_tokens
             if self.rate:
                 t += self.rng.expovariate(self.rate)
             else:
@@ -207,6 +217,11 @@ class AzureTrace(MooncakeTrace):
                 if ctx <= 0:
                     self.bad(where, "field 'ContextTokens' must be positive")
                     continue
+                if self.max_prompt_tokens and ctx > self.max_prompt_tokens:
+                    self.dropped += 1
+                    continue
+                if self.max_output_tokens and gen > self.max_output_tokens:
+                    gen = self.max_output_tokens
                 if self.rate:
                     t += self.rng.expovariate(self.rate)
                 else:

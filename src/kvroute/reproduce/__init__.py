@@ -1,0 +1,45 @@
+"""`kvroute reproduce PAPER`: each paper's headline claims beside kvroute's simulated numbers.
+
+What each paper reports and the setups come from ``shared/design/reproduction.md``; the
+setups are readable scenario files under ``scenarios/reproduce/``. Output rows: claim | paper |
+kvroute | agrees? | why not.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from kvroute.reproduce import cascadeinfer, gorgo, lmetric, skywalker
+from kvroute.reproduce.common import Lab, Row
+
+PAPERS: dict[str, tuple[str, Callable[[Lab], list[Row]]]] = {
+    "skywalker": ("SkyWalker (EuroSys '26), 000_6f99922b2639b957.txt", skywalker.rows),
+    "gorgo-v1": ("GORGO v1, 001_55e1ee0b5e0d1fc8.txt", gorgo.rows_v1),
+    "gorgo-v2": ("GORGO v2 (online tuning), 003_d2195008674d8fa4.txt", gorgo.rows_v2),
+    "lmetric": ("LMetric, 002_8c097f52e4fa5054.txt", lmetric.rows),
+    "cascadeinfer": ("CascadeInfer, 004_131677394a4b07f8.txt", cascadeinfer.rows),
+}
+
+
+def reproduce(paper: str, quick: bool = False, progress: Callable[[str], None] | None = None) -> dict:
+    """Run one paper's reproduction; returns rows plus what ran (scenario, requests, wall time)."""
+    title, fn = PAPERS[paper]
+    lab = Lab(quick=quick, progress=progress)
+    t0 = time.perf_counter()
+    rows = fn(lab)
+    return {"paper": paper, "title": title, "quick": quick, "wall_s": round(time.perf_counter() - t0, 1),
+            "rows": [r.as_dict() for r in rows], "runs": lab.meta}
+
+
+def markdown(result: dict) -> str:
+    """The rows as a Markdown table."""
+    lines = [f"### {result['title']}" + (" (--quick)" if result["quick"] else ""), "",
+             "| claim | paper | kvroute | agrees? | why not |", "|---|---|---|---|---|"]
+    for r in result["rows"]:
+        cells = [r["claim"], r["paper"], r["kvroute"], r["agrees"], r["why_not"]]
+        lines.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
+    scenarios = sorted({m["scenario"] for m in result["runs"].values()})
+    lines += ["", f"Scenarios: {', '.join(f'`{x}`' for x in scenarios) or '–'}; {result['wall_s']} s wall "
+                  "on this machine."]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,122 @@
+"""Shared machinery of `kvroute reproduce`: rows, scenario runs, agreement rules.
+
+A row states one claim of a paper, the paper's number, kvroute's number from the closest
+simulated setup, whether they agree, and — when they do not — why (setup, model limit, missing
+data). The setups are the scenario files under ``scenarios/reproduce/``; anyone can rerun one
+with ``kvroute simulate scenarios/reproduce/NAME.yaml``. Agreement is judged on direction first,
+then rough size; no model constant is ever adjusted to make a row agree (reproduction.md).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+from kvroute.sim.runner import run_scenario
+from kvroute.sim.scenario import SCENARIO_DIR, load_scenario, parse_scenario
+
+QUICK_FRACTION = 0.4  # --quick runs this share of each scenario's requests
+QUICK_MIN_REQUESTS = 300
+
+YES, DIRECTION, NO, NOT_IMPLEMENTED, NOT_MODELLED = (
+    "yes", "direction only", "no", "not implemented", "n/a")
+
+
+@dataclass
+class Row:
+    """One claim: paper vs kvroute."""
+
+    claim: str
+    paper: str
+    kvroute: str
+    agrees: str
+    why_not: str = ""
+    experiment: str = ""
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class Lab:
+    """Runs the reproduction scenarios (each at most once per set of overrides) and keeps what ran."""
+
+    quick: bool = False
+    progress: Callable[[str], None] | None = None
+    runs: dict = field(default_factory=dict)  # experiment key → {label: result}
+    meta: dict = field(default_factory=dict)  # experiment key → scenario file, requests, wall time
+
+    def scenario(self, name: str, overrides: dict | None = None, requests: int | None = None):
+        sc = load_scenario(str(SCENARIO_DIR / "reproduce" / f"{name}.yaml"))
+        data = sc.model_dump(exclude_none=True)
+        for key, value in (overrides or {}).items():
+            if isinstance(value, dict) and isinstance(data.get(key), dict):
+                data[key] = {**data[key], **value}
+            else:
+                data[key] = value
+        n = requests or data.get("limits", {}).get("max_requests")
+        if n and self.quick:
+            n = max(QUICK_MIN_REQUESTS, int(n * QUICK_FRACTION))
+        if n:
+            data.setdefault("limits", {})["max_requests"] = n
+        return parse_scenario(data, f"scenarios/reproduce/{name}.yaml")
+
+    def run(self, name: str, key: str | None = None, overrides: dict | None = None,
+            requests: int | None = None) -> dict:
+        key = key or name
+        if key in self.runs:
+            return self.runs[key]
+        sc = self.scenario(name, overrides, requests)
+        if self.progress:
+            self.progress(f"running {key} ({sc.limits.max_requests or 'all'} requests, "
+                          f"{len(sc.policies)} policies)")
+        t0 = time.perf_counter()
+        results = {r.label: r.result for r in run_scenario(sc)}
+        self.runs[key] = results
+        self.meta[key] = {"scenario": f"scenarios/reproduce/{name}.yaml", "overrides": overrides or {},
+                          "requests": sc.limits.max_requests, "wall_s": round(time.perf_counter() - t0, 2),
+                          "unstable": [lbl for lbl, r in results.items() if not r["load"]["stable"]]}
+        return results
+
+
+# -- agreement rules ------------------------------------------------------------------------------
+
+def ratio_agreement(values: list[float], lo: float, hi: float) -> str:
+    """Claims of the form "X is lo–hi times Y" (values are kvroute's X/Y ratios).
+
+    yes: every ratio on the paper's side of 1 and within a factor of two of the paper's effect
+    (log-ratio between half the low end's and twice the high end's); direction only: on the
+    right side of 1; no: otherwise.
+    """
+    if not values:
+        return NO
+    up = hi >= 1 and lo >= 1
+    side = all((v > 1) if up else (v < 1) for v in values)
+    if not side:
+        return NO
+    e = [abs(math.log(v)) for v in values]
+    elo, ehi = sorted((abs(math.log(lo)), abs(math.log(hi))))
+    return YES if all(0.5 * elo <= x <= 2 * ehi for x in e) else DIRECTION
+
+
+def similar(value: float, tolerance: float = 0.10) -> str:
+    """Claims of the form "X ≈ Y": yes within ±10 %, else no."""
+    return YES if abs(value - 1) <= tolerance else NO
+
+
+def fmt_range(values: list[float], fmt: str = "{:.2f}×") -> str:
+    if not values:
+        return "–"
+    lo, hi = min(values), max(values)
+    return fmt.format(lo) if math.isclose(lo, hi, rel_tol=1e-3) else f"{fmt.format(lo)}–{fmt.format(hi)}"
+
+
+def pct(x: float) -> str:
+    return f"{x * 100:.1f} %"
+
+
+def unstable_note(lab: Lab, key: str) -> str:
+    bad = lab.meta.get(key, {}).get("unstable") or []
+    return f" (UNSTABLE runs: {', '.join(bad)}; their latencies measure a queue)" if bad else ""

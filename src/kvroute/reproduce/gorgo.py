@@ -1,0 +1,95 @@
+"""GORGO v1 (001_55e1ee0b5e0d1fc8.txt) and v2 (003_d2195008674d8fa4.txt) against the simulator.
+
+Setups: ``scenarios/reproduce/gorgo-v1.yaml`` (three regions, one A100/Mistral-7B each, 10 chat
+clients; distributed LBs vs one central proxy) and ``gorgo-v2.yaml`` (one proxy in Ashburn,
+three single-engine regions, a Mooncake-format trace; GORGO with the paper's learned weights vs
+session affinity). GORGO v2's online tuner is not built: its rows say so.
+"""
+
+from __future__ import annotations
+
+from kvroute.reproduce.common import (
+    DIRECTION, NO, NOT_IMPLEMENTED, YES, Lab, Row, fmt_range, ratio_agreement, unstable_note)
+
+V1 = "gorgo(t_p=0.094,w_queue=0.094,w_rtt=1.0)"
+LEARNED = "gorgo(w_queue=0.5,w_rtt=0.276)"
+HACKED = "gorgo(w_queue=0.0)"
+
+
+def rows_v1(lab: Lab) -> list[Row]:
+    r = lab.run("gorgo-v1")
+    proxy = r[f"{V1}@global"]
+    others = {"least-load": r["least_load@distributed"], "prefix-trie": r["sglang_cache_aware@distributed"],
+              "distributed GORGO": r[f"{V1}@distributed"]}
+    note = unstable_note(lab, "gorgo-v1")
+    ratios = [o["ttft_s"]["p50"] / proxy["ttft_s"]["p50"] for o in others.values()]
+    agree = ratio_agreement(ratios, 2.4, 2.5)
+    text = (f"{proxy['ttft_s']['p50'] * 1000:.0f} vs "
+            + " / ".join(f"{o['ttft_s']['p50'] * 1000:.0f}" for o in others.values())
+            + f" ms ({fmt_range(ratios)})" + note)
+    out = [Row("median TTFT: central GORGO proxy vs least-load / prefix-trie / distributed GORGO",
+               "225 vs 568 / 565 / 539 ms (2.5×)", text, agree,
+               "" if agree == YES else "model limit: the paper attributes the proxy's win to LB "
+               "synchronisation and per-hop overhead between distributed LBs; kvroute's distributed LBs "
+               "have neither (each keeps exact local accounting, a hop costs only its RTT), so the "
+               "proxy only adds the RTT from Germany/Israel clients to the US and loses", "gorgo-v1")]
+    d = others["distributed GORGO"]["ttft_s"]["p99"]
+    base = [others["least-load"]["ttft_s"]["p99"], others["prefix-trie"]["ttft_s"]["p99"]]
+    ratios = [b / d for b in base]
+    agree = ratio_agreement(ratios, 15.1, 17.2)
+    out.append(Row("P99 TTFT: distributed GORGO vs least-load / prefix-trie", "1.2 s vs 18.1 / 20.6 s",
+                   f"{d:.2f} s vs {base[0]:.2f} / {base[1]:.2f} s ({fmt_range(ratios)})" + note, agree,
+                   "" if agree == YES else "setup/model: the paper's 18–21 s tails come from requests queued "
+                   "behind bursts at one SGLang server under its GuideLLM load; kvroute's 10 closed-loop "
+                   "clients never build such queues on three simulated A100s (every run is stable), so "
+                   "the baselines' tails stay near the prefill time", "gorgo-v1"))
+    return out
+
+
+def rows_v2(lab: Lab) -> list[Row]:
+    r = lab.run("gorgo-v2")
+    sa, learned, start, hacked = r["consistent_hash"], r[LEARNED], r["gorgo"], r[HACKED]
+    note = unstable_note(lab, "gorgo-v2")
+    out = [Row("learned weights (1+1)-ES on rolling p95 TTFT", "w_rtt 0.276, w_queue 0.5 after 672 samples",
+               "–", NOT_IMPLEMENTED, "GORGO v2's online tuner is not built yet (a later issue); the rows "
+               "below use the paper's learned weights as fixed constants", "gorgo-v2")]
+    d_ttft = learned["ttft_s"]["p95"] / sa["ttft_s"]["p95"] - 1
+    agree = YES if -0.31 <= d_ttft <= -0.035 else DIRECTION if d_ttft < 0 else NO
+    out.append(Row("p95 TTFT vs session affinity (fixed learned weights)", "−6.9 to −15.5 %",
+                   f"{d_ttft * 100:+.1f} %" + note, agree,
+                   "" if agree == YES else "setup: Mooncake conversation trace and the H20/Qwen3-30B-A3B "
+                   "profile stand in for ART-Chat on L40S/Qwen3.5; the held-out windows are not "
+                   "reproducible", "gorgo-v2"))
+    d_e2e = learned["e2e_s"]["p95"] / sa["e2e_s"]["p95"] - 1
+    agree = YES if -0.62 <= d_e2e <= -0.07 else DIRECTION if d_e2e < 0 else NO
+    out.append(Row("p95 E2E vs session affinity (fixed learned weights)", "−14.3 to −30.9 %",
+                   f"{d_e2e * 100:+.1f} %" + note, agree,
+                   "" if agree == YES else "setup: as above; output capped at 128 tokens makes E2E mostly "
+                   "TTFT plus a short decode", "gorgo-v2"))
+    heavy = lab.run("gorgo-v2", key="gorgo-v2-ts1", overrides={"workload": {"time_scale": 1.0},
+                                                               "policies": [{"preset": "gorgo", "params":
+                                                                             {"w_rtt": 0.276, "w_queue": 0.5}}]})
+    h = heavy[LEARNED]
+    gain = h["ttft_s"]["p95"] / learned["ttft_s"]["p95"]
+    agree = YES if gain > 3 else DIRECTION if gain > 1 else NO
+    stable = "stable" if h["load"]["stable"] else "UNSTABLE"
+    out.append(Row("load sweep: p95 TTFT improves > 3× from time_scale 1.0 to ≥ 3.0", "> 3×",
+                   f"{gain:.2f}× (time_scale 1.0 run {stable}, {h['load']['offered_rps']:.2f} req/s offered)",
+                   agree, "" if agree == YES else "setup: at time_scale 1.0 the paper's three L40S engines "
+                   "saturate; kvroute's three simulated H20s serve the capped (128-token) trace at that rate "
+                   "without a growing queue, so there is less to recover", "gorgo-v2"))
+    near = hacked.get("by_path", {}).get("local", {}).get("requests", 0) / max(1, hacked["requests"])
+    worse_e2e = hacked["e2e_s"]["p95"] > learned["e2e_s"]["p95"]
+    best_ttft = hacked["ttft_s"]["p50"] <= min(learned["ttft_s"]["p50"], start["ttft_s"]["p50"])
+    agree = YES if near > 0.95 and worse_e2e and best_ttft else DIRECTION if near > 0.5 and worse_e2e else NO
+    out.append(Row("reward hacking, w_queue = 0: all traffic to the nearest replica, best TTFT, worst E2E",
+                   "100 % nearest; best TTFT; worst E2E",
+                   f"{near * 100:.0f} % nearest; TTFT p50 {hacked['ttft_s']['p50']:.2f} vs "
+                   f"{learned['ttft_s']['p50']:.2f} s (learned); E2E p95 {hacked['e2e_s']['p95']:.2f} vs "
+                   f"{learned['e2e_s']['p95']:.2f} s" + note, agree,
+                   "" if agree == YES else "model: with queue weight 0 the cost is RTT + uncached prefill; "
+                   "kvroute's requests mostly miss the cache (hit < 10 %), so prefill differences still "
+                   "spread some traffic, and the nearest replica's queue makes TTFT worse, not better: the "
+                   "paper's 'best TTFT' needs a replica whose prefill stays short under all the load",
+                   "gorgo-v2"))
+    return out

@@ -1,0 +1,146 @@
+"""SkyWalker (EuroSys '26; 000_6f99922b2639b957.txt): the claims of §5 against kvroute's simulator.
+
+Setups: ``scenarios/reproduce/skywalker-{chat,tot,mixed,fig9,fig10}.yaml``. Baselines run
+behind ONE load balancer in the US managing every replica (Fig. 8); SkyWalker runs one LB per
+region with forwarding.
+"""
+
+from __future__ import annotations
+
+from kvroute.reproduce.common import (
+    DIRECTION, NO, NOT_MODELLED, YES, Lab, Row, fmt_range, pct, ratio_agreement, similar, unstable_note)
+
+BASELINES = ("round_robin@global", "least_request@global", "consistent_hash@global",
+             "sglang_cache_aware(miss=smallest_tree)@global")
+SHORT = {"round_robin@global": "RR", "least_request@global": "LL", "consistent_hash@global": "CH",
+         "sglang_cache_aware(miss=smallest_tree)@global": "SGLang"}
+
+WHY_CHAT = ("model/setup: in kvroute the US LB serves 120 clients with 4 local replicas and forwards "
+            "a third of its requests; a forwarded turn lands on a replica without the conversation's "
+            "prefix, and the next turn returns to a local replica whenever one is free (SkyWalker's "
+            "local-first rule), so SkyWalker's hit rate falls below the global cache-aware baseline's; "
+            "synthetic chat stands in for Arena/WildChat")
+
+
+def rows(lab: Lab) -> list[Row]:
+    out: list[Row] = []
+    chat = lab.run("skywalker-chat")
+    sw, ch = chat["skywalker"], chat["skywalker_ch"]
+    base = {b: chat[b] for b in BASELINES}
+    note = unstable_note(lab, "skywalker-chat")
+
+    tput = {SHORT[b]: sw["throughput_rps"] / r["throughput_rps"] for b, r in base.items()}
+    agree = ratio_agreement(list(tput.values()), 1.12, 1.2)
+    out.append(Row("throughput vs single-LB baselines, chat", "1.12–1.2×",
+                   ", ".join(f"{k} {v:.2f}×" for k, v in tput.items()) + note, agree,
+                   "" if agree == YES else WHY_CHAT, "skywalker-chat"))
+    out.append(Row("throughput vs GKE Gateway", "1.43–2.06×", "–", NOT_MODELLED,
+                   "missing baseline: GKE Gateway's routing is not implemented in kvroute", "skywalker-chat"))
+
+    hits = (base["round_robin@global"]["prefix_hit_rate"], base["least_request@global"]["prefix_hit_rate"],
+            sw["prefix_hit_rate"])
+    order = hits[0] < hits[1] < hits[2]
+    inside = 0.108 - 0.05 <= hits[0] <= 0.166 + 0.05 and 0.283 - 0.05 <= hits[1] <= 0.311 + 0.05 \
+        and 0.37 - 0.05 <= hits[2] <= 0.466 + 0.05
+    agree = YES if order and inside else DIRECTION if order else NO
+    out.append(Row("prefix hit: round robin / least load / SkyWalker", "10.8–16.6 / 28.3–31.1 / 37.0–46.6 %",
+                   " / ".join(pct(h) for h in hits) + note, agree, "" if agree == YES else WHY_CHAT,
+                   "skywalker-chat"))
+
+    for q, paper, lo, hi in (("p50", "15.9–57.6 %", 0.159, 0.576), ("p90", "10.1–23.4 %", 0.101, 0.234)):
+        shares = [sw["ttft_s"][q] / r["ttft_s"][q] for r in base.values()]
+        agree = ratio_agreement(shares, lo, hi)
+        out.append(Row(f"TTFT {q}, SkyWalker as share of baselines", paper,
+                       fmt_range(shares, "{:.0%}") + note, agree,
+                       "" if agree == YES else "model/setup: see the throughput row; kvroute's replicas queue "
+                       "less behind one global LB than the paper's baselines did", "skywalker-chat"))
+    e2e = [r["e2e_s"]["p50"] / sw["e2e_s"]["p50"] for r in base.values()]
+    agree = ratio_agreement(e2e, 1.05, 2.14)
+    out.append(Row("E2E p50 improvement over baselines", "1.05–2.14×", fmt_range(e2e) + note, agree,
+                   "" if agree == YES else WHY_CHAT, "skywalker-chat"))
+    r = sw["throughput_rps"] / ch["throughput_rps"]
+    agree = ratio_agreement([r], 1.0134, 1.0821)
+    out.append(Row("SkyWalker vs SkyWalker-CH throughput", "+1.34–8.21 %", f"{(r - 1) * 100:+.2f} %" + note,
+                   agree, "" if agree == YES else "model: both share the pending gate and forwarding; with "
+                   "forwarded turns losing their prefix (see above) the prefix trie's advantage over "
+                   "session hashing shrinks", "skywalker-chat"))
+
+    tot = lab.run("skywalker-tot")
+    t_sw, t_ch = tot["skywalker"], tot["consistent_hash@global"]
+    t_ll, t_rr = tot["least_request@global"], tot["round_robin@global"]
+    ch_sw = t_ch["throughput_rps"] / t_sw["throughput_rps"]
+    ch_ll = t_ch["throughput_rps"] / t_ll["throughput_rps"]
+    agree_sim = similar(ch_sw)
+    agree_ll = ratio_agreement([ch_ll], 1.4, 1.4)
+    agree = YES if agree_sim == YES and agree_ll == YES else DIRECTION if ch_ll > 1 else NO
+    out.append(Row("tree of thought: CH ≈ SkyWalker, CH ≈ 1.4× least load (throughput)",
+                   "CH/SkyWalker 1.02, CH/LL 1.4", f"CH/SkyWalker {ch_sw:.2f}, CH/LL {ch_ll:.2f}"
+                   + unstable_note(lab, "skywalker-tot"), agree,
+                   "" if agree == YES else "model: kvroute's L4 profile makes prefill a smaller share of a "
+                   "tree node's time than the paper's testbed, so a cache hit buys less throughput",
+                   "skywalker-tot"))
+    hits = ((t_rr["prefix_hit_rate"] + t_ll["prefix_hit_rate"]) / 2, t_sw["prefix_hit_rate"])
+    agree = YES if abs(hits[0] - 0.59) <= 0.1 and abs(hits[1] - 0.90) <= 0.1 else \
+        DIRECTION if hits[1] > hits[0] else NO
+    out.append(Row("tree of thought: prefix hit, RR/LL vs SkyWalker", "≈ 59 % vs ≈ 90 %",
+                   f"{pct(hits[0])} vs {pct(hits[1])}", agree,
+                   "" if agree == YES else "setup: tree prompt lengths are kvroute's synthetic ones; the "
+                   "shared part of a tree is a smaller share of each prompt than in the paper's ToT",
+                   "skywalker-tot"))
+
+    mixed = lab.run("skywalker-mixed")
+    m_sw, m_ch = mixed["skywalker"], mixed["consistent_hash@global"]
+    win = m_sw["throughput_rps"] / m_ch["throughput_rps"]
+    var = (m_ch["imbalance_cv"] ** 2) / max(1e-9, m_sw["imbalance_cv"] ** 2)
+    agree = YES if win > 1 and var > 2 else DIRECTION if win > 1 or var > 1 else NO
+    out.append(Row("mixed tree: SkyWalker wins; CH overloads a replica", "SkyWalker > CH; CH 3.36× load variance",
+                   f"SkyWalker/CH throughput {win:.2f}×; CH/SkyWalker load variance {var:.2f}×"
+                   + unstable_note(lab, "skywalker-mixed"), agree,
+                   "" if agree == YES else "setup: the paper's per-region shapes are not published (assumed "
+                   "here); kvroute's pending gate keeps SkyWalker's replicas busy but unevenly loaded (CV), "
+                   "and CH's session keys spread well over 12 replicas", "skywalker-mixed"))
+
+    f9 = lab.run("skywalker-fig9")
+    bp = f9["sglang_cache_aware(admission=blind,miss=smallest_tree)"]
+    spo = f9["sglang_cache_aware(admission=outstanding,max_outstanding=16,miss=smallest_tree)"]
+    spp = f9["sglang_cache_aware(admission=pending,miss=smallest_tree)"]
+    t_ratio = spp["throughput_rps"] / bp["throughput_rps"]
+    p90 = bp["ttft_s"]["p90"] / spp["ttft_s"]["p90"]
+    agree_t, agree_p = ratio_agreement([t_ratio], 1.27, 1.27), ratio_agreement([p90], 18.47, 18.47)
+    agree = YES if YES == agree_t == agree_p else DIRECTION if t_ratio > 1 and p90 > 1 else NO
+    out.append(Row("Fig. 9: SP-P vs blind pushing (1 region, 4 replicas, 30 clients, ToT)",
+                   "1.27× throughput, 18.47× lower P90 TTFT, hit 89.9 vs 68.9 %",
+                   f"{t_ratio:.2f}× throughput, {p90:.2f}× P90 TTFT, hit {pct(spp['prefix_hit_rate'])} vs "
+                   f"{pct(bp['prefix_hit_rate'])}" + unstable_note(lab, "skywalker-fig9"), agree,
+                   "" if agree == YES else "model: kvroute's engine queues admitted requests FCFS and keeps "
+                   "cache blocks until memory runs out, so blind pushing loses little: the paper's BP "
+                   "collapse (queues that thrash the prefix cache) does not occur at 30 clients on 4 "
+                   "simulated L4s; SP-P's gain needs a backlog that evicts shared prefixes", "skywalker-fig9"))
+    tt = spp["throughput_rps"] / spo["throughput_rps"]
+    ttft = spp["ttft_s"]["p90"] / spo["ttft_s"]["p90"]
+    agree = YES if ratio_agreement([tt], 1.4, 1.4) == YES and similar(ttft, 0.25) == YES else \
+        DIRECTION if tt > 1 else NO
+    out.append(Row("Fig. 9: SP-P vs SP-O (fixed outstanding limit)", "similar TTFT, 1.4× throughput",
+                   f"P90 TTFT ratio {ttft:.2f}, {tt:.2f}× throughput", agree,
+                   "" if agree == YES else "setup: the paper's SP-O limit is not published (16 assumed); "
+                   "with 16 per replica SP-O holds requests the engine could batch, so its TTFT is far "
+                   "higher than SP-P's rather than similar", "skywalker-fig9"))
+
+    f10 = lab.run("skywalker-fig10")
+    cross = f10["skywalker"]["throughput_rps"] / f10["skywalker@regional"]["throughput_rps"]
+    agree = ratio_agreement([cross], 1.07, 1.18)
+    nine = lab.run("skywalker-fig10", key="skywalker-fig10-9v12",
+                   overrides={"replicas": [{"region": r, "count": 3, "profile": "l4-llama3.1-8b"}
+                                           for r in ("us", "eu", "asia")],
+                              "policies": ["skywalker"]})
+    nine_ratio = nine["skywalker"]["throughput_rps"] / f10["skywalker@regional"]["throughput_rps"]
+    agree9 = similar(nine_ratio)
+    both = YES if agree == YES and agree9 == YES else DIRECTION if cross > 1 else NO
+    out.append(Row("Fig. 10: cross-region vs region-local (equal replicas); 9 cross-region ≈ 12 local",
+                   "1.07–1.18×; 9 ≈ 12 (25 % cost cut)",
+                   f"{cross:.2f}×; 9 cross-region / 12 local = {nine_ratio:.2f}" + unstable_note(lab, "skywalker-fig10"),
+                   both, "" if both == YES else "model: closed-loop throughput is clients ÷ latency; kvroute's "
+                   "region-local US replicas saturate but EU/Asia clients run fast, and forwarding trades "
+                   "US queueing for lost prefix hits (see the chat rows), so total throughput barely "
+                   "moves while the US tail TTFT drops", "skywalker-fig10"))
+    return out

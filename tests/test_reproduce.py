@@ -1,0 +1,87 @@
+"""`kvroute reproduce`: every row filled, and the directions the model supports (never exact numbers)."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvroute.cli import main
+from kvroute.reproduce import PAPERS, markdown, reproduce
+from kvroute.reproduce.common import NOT_IMPLEMENTED, YES, Lab, ratio_agreement, similar
+from kvroute.reproduce.lmetric import capacity
+
+TRACE = Path(__file__).resolve().parents[2] / "shared/data/traces/mooncake/conversation_trace.jsonl"
+needs_trace = pytest.mark.skipif(not TRACE.exists(), reason="shared/ traces are not beside this checkout")
+
+
+def test_agreement_rules():
+    assert ratio_agreement([1.15], 1.12, 1.2) == YES
+    assert ratio_agreement([1.02], 1.12, 1.2) == "direction only"
+    assert ratio_agreement([0.9], 1.12, 1.2) == "no"
+    assert ratio_agreement([0.5], 0.3, 0.6) == YES  # "lower" claims are ratios below 1
+    assert similar(1.05) == YES and similar(1.3) == "no"
+
+
+def test_cascadeinfer_says_not_implemented_in_every_row():
+    result = reproduce("cascadeinfer")
+    assert result["rows"] and all(r["agrees"] == NOT_IMPLEMENTED and r["why_not"] for r in result["rows"])
+
+
+def _filled(result: dict) -> None:
+    for r in result["rows"]:
+        assert r["claim"] and r["paper"] and r["kvroute"] and r["agrees"]
+        if r["agrees"] != YES:
+            assert r["why_not"], r["claim"]
+
+
+def test_cli_reproduce_writes_json_and_markdown(tmp_path):
+    rc = main(["reproduce", "gorgo-v1", "--quick", "--json", str(tmp_path / "g.json"), "--md", str(tmp_path / "g.md")])
+    assert rc == 0
+    result = json.loads((tmp_path / "g.json").read_text())
+    _filled(result)
+    md = (tmp_path / "g.md").read_text()
+    assert md.count("\n|") >= len(result["rows"]) + 1 and "scenarios/reproduce/gorgo-v1.yaml" in md
+    assert markdown(result) == md
+
+
+def test_every_paper_has_a_scenario_file_a_user_can_rerun():
+    scen = Path(__file__).resolve().parents[1] / "scenarios" / "reproduce"
+    for paper in PAPERS:
+        if paper != "cascadeinfer":
+            assert any(p.name.startswith(paper.split("-")[0]) for p in scen.glob("*.yaml")), paper
+
+
+def test_pending_gate_beats_a_fixed_outstanding_limit_on_tail_ttft():
+    """SkyWalker Fig. 9: SP-P's P90 TTFT is far below SP-O's; SP-P does not lose throughput to BP."""
+    lab = Lab()
+    r = lab.run("skywalker-fig9", requests=600)
+    pick = lambda mode: next(v for k, v in r.items() if f"admission={mode}" in k)  # noqa: E731
+    bp, spo, spp = pick("blind"), pick("outstanding"), pick("pending")
+    assert spp["ttft_s"]["p90"] < 0.5 * spo["ttft_s"]["p90"]
+    assert spp["throughput_rps"] >= 0.95 * bp["throughput_rps"]
+
+
+@needs_trace
+def test_lmetric_beats_vllm_jsq_mean_ttft_at_half_capacity():
+    lab = Lab()
+    lab.run("lmetric", key="lmetric-saturated", requests=1500,  # capacity() reuses this run
+            overrides={"workload": {"time_scale": 0.02}, "policies": ["round_robin"]})
+    cap, rate = capacity(lab)
+    r = lab.run("lmetric", key="half", requests=1500,
+                overrides={"workload": {"time_scale": rate / (0.5 * cap)}, "policies": ["vllm_jsq", "lmetric"]})
+    assert r["lmetric"]["load"]["stable"] and r["vllm_jsq"]["load"]["stable"]
+    assert r["lmetric"]["ttft_s"]["mean"] < r["vllm_jsq"]["ttft_s"]["mean"]
+
+
+@needs_trace
+def test_gorgo_without_queue_weight_sends_everything_to_the_nearest_replica():
+    lab = Lab()
+    r = lab.run("gorgo-v2", requests=400)
+    hacked = r["gorgo(w_queue=0.0)"]
+    assert hacked["by_path"]["local"]["requests"] == hacked["requests"]
+    assert hacked["e2e_s"]["p95"] > r["gorgo(w_queue=0.5,w_rtt=0.276)"]["e2e_s"]["p95"]
+
+
+@needs_trace
+def test_gorgo_v2_rows_are_filled_quickly():
+    _filled(reproduce("gorgo-v2", quick=True))
