@@ -85,7 +85,10 @@ async def main():
         finally:
             r.release()
     for _ in range(50):  # warm the connections
-        await one(pools[0])
+        try:
+            await one(pools[0])
+        except UpstreamError:
+            pass
     deadline = time.perf_counter() + limit_s
     async def worker():
         nonlocal remaining, errors

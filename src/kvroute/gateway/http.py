@@ -29,8 +29,9 @@ import logging
 import math
 import socket
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
+from typing import cast
 
 import httptools
 
@@ -100,7 +101,8 @@ class Responder:
         self.finished = False
         self.extra_headers: list[tuple[str, str]] = []
 
-    def _head(self, status: int, headers, content_type: str | None, length: int | None) -> bytes:
+    def _head(self, status: int, headers: Iterable[tuple[str, str]], content_type: str | None,
+              length: int | None) -> bytes:
         lines = [f"HTTP/1.1 {status} {REASONS.get(status, 'Status')}"]
         if content_type:
             lines.append(f"Content-Type: {content_type}")
@@ -111,7 +113,8 @@ class Responder:
             lines.append("Connection: close")
         return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
 
-    def send(self, status: int, body: bytes, headers=(), content_type: str | None = "application/json") -> None:
+    def send(self, status: int, body: bytes, headers: Iterable[tuple[str, str]] = (),
+             content_type: str | None = "application/json") -> None:
         """The whole response at once."""
         if self.started:
             raise RuntimeError("response already started")
@@ -119,11 +122,12 @@ class Responder:
         self._conn.write(self._head(status, headers, content_type, len(body)) + body)
 
     def send_error(self, status: int, message: str, type_: str = "invalid_request_error",
-                   param: str | None = None, code: str | None = None, headers=()) -> None:
+                   param: str | None = None, code: str | None = None,
+                   headers: Iterable[tuple[str, str]] = ()) -> None:
         """An OpenAI-style error response."""
         self.send(status, error_body(message, type_, param, code), headers)
 
-    def start(self, status: int, headers=(), content_type: str | None = None) -> None:
+    def start(self, status: int, headers: Iterable[tuple[str, str]] = (), content_type: str | None = None) -> None:
         """Begin a chunked response."""
         self.status, self.started = status, True
         self._conn.write(self._head(status, headers, content_type, None))
@@ -153,17 +157,18 @@ class _Connection(asyncio.Protocol):
     """One client connection: llhttp callbacks build requests; handlers run one at a time, in
     order (pipelining); deadlines are set per phase and enforced by ``HTTPServer._sweep``."""
 
+    transport: asyncio.Transport  # set by connection_made
+
     def __init__(self, server: "HTTPServer"):
         self.server = server
         self.limits = server.limits
         self.parser = httptools.HttpRequestParser(self)
-        self.transport: asyncio.Transport | None = None
         self.pending: deque[Request] = deque()
-        self.task: asyncio.Task | None = None
+        self.task: asyncio.Task[None] | None = None
         self.closed = False
         self.paused = False
         self.reading = True
-        self._drain: asyncio.Future | None = None
+        self._drain: asyncio.Future[None] | None = None
         self.phase = _IDLE
         self.deadline = math.inf
         self.rejection: BadRequest | None = None  # answered once the requests before it are
@@ -180,8 +185,8 @@ class _Connection(asyncio.Protocol):
         self._req: Request | None = None
 
     # -- transport events ---------------------------------------------------------------------
-    def connection_made(self, transport) -> None:
-        self.transport = transport
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's transports are not subclasses
         server = self.server
         if len(server.connections) >= self.limits.max_connections:
             server.refused += 1
@@ -197,7 +202,7 @@ class _Connection(asyncio.Protocol):
         server.connections.add(self)
         self._idle()
 
-    def connection_lost(self, exc) -> None:
+    def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self.server.connections.discard(self)
         if self.task is not None and not self.task.done():
@@ -315,6 +320,7 @@ class _Connection(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         req = self._req
+        assert req is not None  # llhttp completes only messages whose head it reported
         self._req = None
         req.body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
         self._body = []
@@ -429,10 +435,10 @@ class HTTPServer:
         self.refused = 0  # connections turned away at max_connections
         self.timed_out = 0  # half-sent requests answered 408
         self.errors = 0  # handler exceptions answered 500
-        self.idle_waiter: asyncio.Future | None = None
+        self.idle_waiter: asyncio.Future[None] | None = None
         self.now = 0.0  # the loop's clock as of the last sweep: deadlines need no finer grain
         self._server: asyncio.base_events.Server | None = None
-        self._sweeper: asyncio.Task | None = None
+        self._sweeper: asyncio.Task[None] | None = None
 
     async def start(self, host: str, port: int) -> int:
         """Listen; returns the bound port."""
@@ -441,7 +447,8 @@ class HTTPServer:
         self._server = await loop.create_server(lambda: _Connection(self), host, port, reuse_address=True,
                                                 backlog=1024)
         self._sweeper = loop.create_task(self._sweep())
-        return self._server.sockets[0].getsockname()[1]
+        bound: int = self._server.sockets[0].getsockname()[1]
+        return bound
 
     async def _sweep(self) -> None:
         """Close connections whose deadline passed; granularity is a quarter of the shortest

@@ -17,6 +17,7 @@ import aiohttp
 
 from kvroute.gateway.breaker import CircuitBreaker
 from kvroute.gateway.config import GatewayConfig, ReplicaConfig
+from kvroute.gateway.metrics import GatewayMetrics
 from kvroute.gateway.probes import ProbeError, parse_prometheus, read_indicators
 from kvroute.gateway.upstream import UpstreamPool
 from kvroute.model import Decision, DecisionKind, Endpoint, Request
@@ -65,7 +66,7 @@ class Outcome(Enum):
 
 
 class Runtime:
-    def __init__(self, config: GatewayConfig, metrics_factory=None):
+    def __init__(self, config: GatewayConfig):
         self.config = config
         self.policy_name = self._policy_label(config)
         self.router = Router(config.build_policy(), index_block_tokens=config.block_tokens,
@@ -77,7 +78,7 @@ class Runtime:
         self.prompt_tokens_routed = 0
         self.hit_tokens_routed = 0
         self.draining = False
-        self.metrics = metrics_factory(self) if metrics_factory else None
+        self.metrics = GatewayMetrics(self)
         self._probe_task: asyncio.Task | None = None
         self.session: aiohttp.ClientSession | None = None
 
@@ -165,7 +166,7 @@ class Runtime:
             log.exception("routing %s raised", req.id)
             raise self._policy_failed() from exc
         if d.kind is DecisionKind.DISPATCH:
-            up = self.upstreams.get(d.target)
+            up = self.upstreams.get(d.target or "")
             if up is not None:
                 up.breaker.dispatched()
                 up.endpoint.circuit_open = not up.breaker.allows
@@ -175,8 +176,7 @@ class Runtime:
         return d
 
     def _policy_failed(self) -> PolicyError:
-        if self.metrics is not None:
-            self.metrics.policy_errors.inc()
+        self.metrics.policy_errors.inc()
         return PolicyError(f"policy {self.policy_name} failed")
 
     def drain_queue(self) -> None:
@@ -196,8 +196,7 @@ class Runtime:
             if d.kind is DecisionKind.HOLD:
                 return
             queue.popleft()
-            if self.metrics is not None:
-                self.metrics.queue_wait.observe(time.monotonic() - w.enqueued)
+            self.metrics.queue_wait.observe(time.monotonic() - w.enqueued)
             w.future.set_result(d)
 
     def dispatched(self, req: Request, d: Decision) -> None:
@@ -272,6 +271,7 @@ class Runtime:
         t0 = time.monotonic()
         try:
             timeout = aiohttp.ClientTimeout(total=pc.timeout_s)
+            assert self.session is not None, "probing before start()"
             async with self.session.get(f"{up.config.url}/metrics", timeout=timeout) as resp:
                 if resp.status != 200:
                     raise ProbeError(f"/metrics answered {resp.status}")
@@ -280,8 +280,7 @@ class Runtime:
         except (aiohttp.ClientError, asyncio.TimeoutError, ProbeError, UnicodeDecodeError) as exc:
             up.probe_ok_streak = 0
             up.probe_fail_streak += 1
-            if self.metrics is not None:
-                self.metrics.probe_failures.labels(ep.id).inc()
+            self.metrics.probe_failures.labels(ep.id).inc()
             if ep.healthy and up.probe_fail_streak >= pc.unhealthy_after:
                 ep.healthy = False
                 log.warning("replica %s ejected after %d failed probes: %s", ep.id, up.probe_fail_streak,

@@ -35,7 +35,6 @@ import aiohttp
 from kvroute.gateway.breaker import CircuitState
 from kvroute.gateway.config import GatewayConfig, load_config
 from kvroute.gateway.http import HTTPServer, Request as HTTPRequest, Responder
-from kvroute.gateway.metrics import GatewayMetrics
 from kvroute.gateway.runtime import Outcome, PolicyError, QueueFull, QueueTimeout, Runtime
 from kvroute.gateway.upstream import (UpstreamConnectError, UpstreamError, UpstreamProtocolError, UpstreamResponse,
                                       UpstreamTimeout)
@@ -220,6 +219,7 @@ class Proxy:
                                 code=decision.branch)
                 return
             target = decision.target
+            assert target is not None  # a dispatch names its target
             served["replica"], served["branch"] = target, decision.branch
             rt.dispatched(req, decision)
             rt.metrics.count_branch(rt.policy_name, decision.branch)
@@ -272,18 +272,19 @@ class Proxy:
                     return Failure(RetryReason.STATUS, f"upstream {target} answered {status}",
                                    429 if status == 429 else 502, "upstream_overloaded" if status == 429
                                    else "upstream_error")
+                first: bytes | None = None
+                payload = b""
                 if stream and status == 200:
                     first = await upstream.next_chunk(budget)  # hold the head until a byte of body
                     if first is None:
                         raise UpstreamProtocolError("upstream ended the stream before sending anything")
-                    payload = None
                 else:
                     payload = await upstream.read(budget)
             except UpstreamError as exc:  # nothing has reached the client yet: retryable
                 outcome = Outcome.FAILED
                 log.warning("upstream %s failed before responding: %s", target, exc)
                 return _failure_of(exc, target)
-            if payload is None:
+            if first is not None:
                 outcome = await self._stream(resp, upstream, first, req, target, t0)
                 return None
             rt.first_token(req.id)
@@ -333,7 +334,7 @@ class Gateway:
     def __init__(self, config: GatewayConfig, config_path: str | None = None):
         self.config = config
         self.config_path = config_path
-        self.runtime = Runtime(config, GatewayMetrics)
+        self.runtime = Runtime(config)
         self.proxy = Proxy(self.runtime)
         self.http = HTTPServer(self.dispatch, config.http_limits())
         self.port = config.port
@@ -369,6 +370,7 @@ class Gateway:
         for up in rt.upstreams.values():
             if up.endpoint.routable:
                 try:
+                    assert rt.session is not None
                     async with rt.session.get(f"{up.config.url}/v1/models",
                                               timeout=aiohttp.ClientTimeout(total=2)) as r:
                         if r.status == 200:

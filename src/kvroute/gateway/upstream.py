@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import socket
 from collections import deque
+from typing import Any, TypeVar, cast
 from urllib.parse import urlsplit
 
 import httptools
@@ -58,12 +59,16 @@ _EOF = object()
 _IDLE, _WAIT_HEAD, _BODY, _DONE, _BROKEN = range(5)
 
 
-def _expire(fut: asyncio.Future, message: str) -> None:
+T = TypeVar("T")
+Headers = list[tuple[str, str]]
+
+
+def _expire(fut: "asyncio.Future[Any]", message: str) -> None:
     if not fut.done():
         fut.set_exception(UpstreamTimeout(message))
 
 
-async def _within(fut: asyncio.Future, seconds: float, message: str):
+async def _within(fut: "asyncio.Future[T]", seconds: float, message: str) -> T:
     """``await fut`` with a deadline; a timer handle is far cheaper than ``asyncio.wait_for``."""
     timer = asyncio.get_running_loop().call_later(seconds, _expire, fut, message)
     try:
@@ -78,13 +83,14 @@ class _Conn(asyncio.Protocol):
     __slots__ = ("pool", "parser", "transport", "head", "chunks", "wakeup", "state", "closed", "reused",
                  "got_bytes", "keep_alive", "until_close", "interim", "_headers")
 
+    transport: asyncio.Transport  # set by connection_made
+    head: "asyncio.Future[tuple[int, Headers]]"  # set by begin
+
     def __init__(self, pool: "UpstreamPool"):
         self.pool = pool
         self.parser = httptools.HttpResponseParser(self)
-        self.transport: asyncio.Transport | None = None
-        self.head: asyncio.Future | None = None
-        self.chunks: deque = deque()
-        self.wakeup: asyncio.Future | None = None
+        self.chunks: deque[bytes | object] = deque()
+        self.wakeup: asyncio.Future[None] | None = None
         self.state = _IDLE
         self.closed = False
         self.reused = False
@@ -92,9 +98,9 @@ class _Conn(asyncio.Protocol):
         self.keep_alive = True
         self.until_close = False
         self.interim = False
-        self._headers: list[tuple[str, str]] = []
+        self._headers: Headers = []
 
-    def begin(self, reused: bool) -> asyncio.Future:
+    def begin(self, reused: bool) -> "asyncio.Future[tuple[int, Headers]]":
         """Prepare for the next response; returns the future of its head."""
         self.state, self.reused, self.got_bytes, self.interim = _WAIT_HEAD, reused, False, False
         self.chunks.clear()
@@ -102,13 +108,13 @@ class _Conn(asyncio.Protocol):
         return self.head
 
     # -- asyncio.Protocol -------------------------------------------------------------------------
-    def connection_made(self, transport) -> None:
-        self.transport = transport
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's transports are not subclasses
         sock = transport.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
-    def connection_lost(self, exc) -> None:
+    def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         state = self.state
         if state == _WAIT_HEAD:
@@ -170,7 +176,7 @@ class _Conn(asyncio.Protocol):
         self._deliver(_EOF)
 
     # -- delivery -----------------------------------------------------------------------------------
-    def _deliver(self, item) -> None:
+    def _deliver(self, item: bytes | object) -> None:
         self.chunks.append(item)
         w = self.wakeup
         if w is not None and not w.done():
@@ -182,8 +188,9 @@ class _Conn(asyncio.Protocol):
         self.state, self.keep_alive = _BROKEN, False
         if not self.closed:
             self.transport.close()
-        if self.head is not None and not self.head.done():
-            self.head.set_exception(err)
+        head = getattr(self, "head", None)  # unset until the first request
+        if head is not None and not head.done():
+            head.set_exception(err)
         elif was == _BODY:
             self._deliver(err)
 
@@ -191,8 +198,8 @@ class _Conn(asyncio.Protocol):
 class UpstreamResponse:
     """The status and headers of an upstream response; the body is read with ``next_chunk``."""
 
-    def __init__(self, conn: _Conn, status: int, headers: list[tuple[str, str]], idle_s: float):
-        self._conn = conn
+    def __init__(self, conn: _Conn, status: int, headers: Headers, idle_s: float):
+        self._conn: _Conn | None = conn
         self.status = status
         self.headers = headers
         self._idle_s = idle_s
@@ -202,6 +209,7 @@ class UpstreamResponse:
         """The next piece of body as it arrives (all pieces already received, joined); None at
         the end. Waits at most ``timeout_s`` (default: the idle timeout)."""
         conn = self._conn
+        assert conn is not None, "response already released"
         while not conn.chunks:
             wait = self._idle_s if timeout_s is None else timeout_s
             conn.wakeup = asyncio.get_running_loop().create_future()
@@ -216,10 +224,11 @@ class UpstreamResponse:
             return None
         if isinstance(item, Exception):
             raise item
+        assert isinstance(item, bytes)
         if chunks and chunks[0].__class__ is bytes:  # pass on, in one write, what already arrived
             parts = [item]
             while chunks and chunks[0].__class__ is bytes:
-                parts.append(chunks.popleft())
+                parts.append(chunks.popleft())  # type: ignore[arg-type]  # checked just above
             item = b"".join(parts)
         return item
 
@@ -280,7 +289,7 @@ class UpstreamPool:
             raise UpstreamConnectError(f"connect to {self.host}:{self.port} failed: {exc.strerror or exc}") from None
         return conn
 
-    async def post(self, path: str, body: bytes, headers: list[tuple[str, str]], *, connect_s: float,
+    async def post(self, path: str, body: bytes, headers: Headers, *, connect_s: float,
                    first_byte_s: float, idle_s: float) -> UpstreamResponse:
         """Send the request; returns once the response head arrived (within ``first_byte_s``)."""
         head = [b"POST ", path.encode(), b" HTTP/1.1\r\nHost: ", self.authority,

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvroute.model.endpoint import Endpoint
 
 
 class DecisionKind(str, Enum):
@@ -21,7 +26,7 @@ class Decision:
     matched_blocks: int = 0  # prefix blocks believed cached on the target
     # per-endpoint scores for explanation: kept as (endpoints, values) and turned into a dict
     # only when someone asks, since the hot path never does
-    _explain: tuple | None = field(default=None, repr=False)
+    _explain: tuple[Sequence[Endpoint], Sequence[float]] | None = field(default=None, repr=False)
 
     @property
     def dispatched(self) -> bool:
@@ -35,7 +40,7 @@ class Decision:
         return {e.id: v for e, v in zip(eps, values)}
 
     @classmethod
-    def dispatch(cls, target: str, branch: str, matched_blocks: int = 0, scores: tuple | None = None) -> "Decision":
+    def dispatch(cls, target: str, branch: str, matched_blocks: int = 0, scores: tuple[Sequence[Endpoint], Sequence[float]] | None = None) -> "Decision":
         return cls(DecisionKind.DISPATCH, target, branch, "", matched_blocks, scores)
 
     @classmethod

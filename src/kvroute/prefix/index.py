@@ -25,11 +25,11 @@ below it for long prompts.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Container, Iterable, Sequence
 from itertools import compress
 
 
-def cached_prefix(hashes: Sequence[int], table) -> int:
+def cached_prefix(hashes: Sequence[int], table: Container[int]) -> int:
     """Leading blocks of the chain ``hashes`` present in ``table``, which must be prefix-closed
     on every chain (true of this index and of the simulated engines' caches): a binary search."""
     n = len(hashes)
@@ -40,7 +40,7 @@ def cached_prefix(hashes: Sequence[int], table) -> int:
     return _bisect(hashes, table, 1, n - 1)
 
 
-def _bisect(hashes: Sequence[int], table, lo: int, hi: int) -> int:
+def _bisect(hashes: Sequence[int], table: Container[int], lo: int, hi: int) -> int:
     """First index in [lo, hi] not in ``table``, given hashes[lo-1] held and hashes[hi] not."""
     while lo < hi:
         mid = (lo + hi) >> 1
@@ -154,6 +154,7 @@ class PrefixIndex:
         if self.max_blocks and len(hashes) > self.max_blocks:
             hashes = hashes[: self.max_blocks]
         first, last, n = hashes[0], hashes[-1], len(hashes)
+        tables: Iterable[tuple[str, dict[int, int]]]
         if endpoint_ids is None:
             tables = self._blocks.items()
         else:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import heapq
 from bisect import bisect_right
-from collections.abc import Container, Iterable
+from collections.abc import Container, Iterable, Iterator
 
 import xxhash
 
@@ -88,7 +88,7 @@ class HashRing:
                     return None
         return None
 
-    def successors(self, key: str | bytes | int):
+    def successors(self, key: str | bytes | int) -> Iterator[str]:
         """Distinct owners clockwise from ``hash(key)``: the order bounded-load hashing walks."""
         n = len(self._points)
         if not n:
