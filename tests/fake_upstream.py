@@ -52,6 +52,7 @@ class ScriptedUpstream:
 
     def __init__(self, script: Script):
         self.script = script
+        self.metrics = METRICS  # what GET /metrics answers; a test may change it
         self.heads: list[bytes] = []
         self.bodies: list[bytes] = []
         self.connections = 0
@@ -74,7 +75,7 @@ class ScriptedUpstream:
                         length = int(value)
                 body = await r.readexactly(length) if length else b""
                 if head.startswith(b"GET /metrics"):
-                    w.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%b" % (len(METRICS), METRICS))
+                    w.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%b" % (len(self.metrics), self.metrics))
                     await w.drain()
                     continue
                 self.heads.append(head)

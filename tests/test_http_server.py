@@ -38,7 +38,7 @@ def exchange(dep, payload: bytes, timeout: float = 5.0, pause: float = 0.0) -> t
         while True:
             try:
                 data = s.recv(65536)
-            except socket.timeout:
+            except TimeoutError:
                 break
             except ConnectionResetError:
                 closed = True

@@ -8,8 +8,7 @@ import pytest
 
 from kvroute.gateway.breaker import CircuitBreaker, CircuitState
 from kvroute.gateway.http import HTTPLimits, HTTPServer, _Connection
-from kvroute.gateway.upstream import (UpstreamPool, UpstreamProtocolError, UpstreamResponse, _Conn,
-                                      _StaleConnection)
+from kvroute.gateway.upstream import UpstreamPool, UpstreamProtocolError, UpstreamResponse, _Conn, _StaleConnection
 
 
 class FakeTransport(asyncio.Transport):

@@ -10,9 +10,17 @@ import httpx
 import pytest
 
 from kvroute.gateway.breaker import CircuitState
-
-from tests.fake_upstream import (OK_JSON, SSE_EVENT, SSE_HEAD, SSE_OK, FaultyDeployment, chunk, http_response,
-                                 replies)
+from tests.fake_upstream import (
+    METRICS,
+    OK_JSON,
+    SSE_EVENT,
+    SSE_HEAD,
+    SSE_OK,
+    FaultyDeployment,
+    chunk,
+    http_response,
+    replies,
+)
 
 COMPLETION = {"model": "m", "prompt": "hello there", "max_tokens": 4}
 
@@ -54,7 +62,8 @@ GOOD = replies(http_response())
 BROKEN = {
     "malformed status line": http_response().replace(b"HTTP/1.1 200 X", b"HTTP/1.1 2x0 X"),
     "not HTTP": b"hello, this is not http\r\n\r\n",
-    "CL and TE": b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n" + chunk(b"x") + b"0\r\n\r\n",
+    "CL and TE": b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n"
+                 + chunk(b"x") + b"0\r\n\r\n",
     "negative CL": b"HTTP/1.1 200 OK\r\nContent-Length: -3\r\n\r\n" + OK_JSON,
     "non-numeric CL": b"HTTP/1.1 200 OK\r\nContent-Length: 12a\r\n\r\n" + OK_JSON,
     "truncated body": b"HTTP/1.1 200 OK\r\nContent-Length: 500\r\n\r\n" + OK_JSON,
@@ -230,3 +239,26 @@ def test_half_open_breaker_admits_one_trial_at_a_time_and_closes_after_n_success
         assert post(dep).status_code == 200
     dep.settle()  # the client can read the answer before the loop thread has booked the outcome
     assert up.breaker.state is CircuitState.CLOSED
+
+
+def test_queued_requests_leave_one_per_tick_when_a_replica_frees_up(deploy):
+    arrivals = []
+
+    async def record(head, body, w):
+        arrivals.append(time.monotonic())
+        w.write(http_response())
+        await w.drain()
+        return True
+    dep = deploy(record, policy="skywalker", queue={"max_len": 64, "max_wait_s": 10, "dispatch_tick_s": 0.05})
+    up = dep.upstreams[0]
+    busy = b"vllm:num_requests_running 4\nvllm:num_requests_waiting 3\nvllm:kv_cache_usage_perc 0.5\n"
+    up.metrics = busy
+    time.sleep(0.3)  # a probe has seen it busy: the pending gate holds everything
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        futures = [pool.submit(post, dep) for _ in range(6)]
+        time.sleep(0.3)
+        assert arrivals == [] and len(dep.runtime.queue) == 6
+        up.metrics = METRICS  # free again: the queue drains, paced
+        assert [f.result().status_code for f in futures] == [200] * 6
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
+    assert len(arrivals) == 6 and min(gaps) >= 0.045, gaps

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from kvroute import yamlconf
 from kvroute.gateway.http import HTTPLimits
-from kvroute.policy import ConfigError, policy_from_config
+from kvroute.policy import DEFAULT_TICK_S, ConfigError, policy_from_config
 
 
 class _Strict(BaseModel):
@@ -59,6 +59,8 @@ class ProbeConfig(_Strict):
 class QueueConfig(_Strict):
     max_len: int = Field(1024, ge=0)  # beyond this: 429
     max_wait_s: float = Field(30.0, gt=0)  # waited longer: 503
+    # at most one request leaves the queue per tick (SkyWalker's 10 ms queue processor); 0: no pacing
+    dispatch_tick_s: float = Field(DEFAULT_TICK_S, ge=0)
 
 
 class RetryConfig(_Strict):
@@ -125,7 +127,7 @@ class GatewayConfig(_Strict):
         return v
 
     @model_validator(mode="after")
-    def _unique(self) -> "GatewayConfig":
+    def _unique(self) -> GatewayConfig:
         names = [r.name for r in self.replicas]
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:

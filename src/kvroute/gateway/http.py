@@ -93,7 +93,7 @@ class Responder:
 
     __slots__ = ("_conn", "keep_alive", "status", "started", "finished", "extra_headers")
 
-    def __init__(self, conn: "_Connection", keep_alive: bool):
+    def __init__(self, conn: _Connection, keep_alive: bool):
         self._conn = conn
         self.keep_alive = keep_alive
         self.status = 0
@@ -159,7 +159,7 @@ class _Connection(asyncio.Protocol):
 
     transport: asyncio.Transport  # set by connection_made
 
-    def __init__(self, server: "HTTPServer"):
+    def __init__(self, server: HTTPServer):
         self.server = server
         self.limits = server.limits
         self.parser = httptools.HttpRequestParser(self)
@@ -186,7 +186,7 @@ class _Connection(asyncio.Protocol):
 
     # -- transport events ---------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = cast(asyncio.Transport, transport)  # uvloop's transports are not subclasses
+        self.transport = transport = cast(asyncio.Transport, transport)  # uvloop's are not subclasses
         server = self.server
         if len(server.connections) >= self.limits.max_connections:
             server.refused += 1
@@ -475,7 +475,7 @@ class HTTPServer:
             self.idle_waiter = asyncio.get_running_loop().create_future()
             try:
                 await asyncio.wait_for(self.idle_waiter, timeout)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 log.warning("drain timed out with %d request(s) still running", self.active)
 
     async def close(self) -> None:

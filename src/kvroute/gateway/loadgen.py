@@ -94,7 +94,7 @@ async def run_chat_load(base_url: str, clients: int = 16, max_requests: int = 40
                             for ch in event.get("choices", []):
                                 answer.append(ch.get("delta", {}).get("content") or "")
                             usage = event.get("usage") or usage
-                except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                except (TimeoutError, aiohttp.ClientError) as exc:
                     key = exc.__class__.__name__
                     result.errors[key] = result.errors.get(key, 0) + 1
                     continue

@@ -1,10 +1,10 @@
 """Probing engines: parse Prometheus text, map each engine's metric names to indicators.
 
-| engine   | running                     | waiting (pending)           | KV usage                                  |
-|----------|-----------------------------|-----------------------------|-------------------------------------------|
-| vLLM     | vllm:num_requests_running   | vllm:num_requests_waiting   | vllm:kv_cache_usage_perc / gpu_cache_usage_perc |
-| SGLang   | sglang:num_running_reqs     | sglang:num_queue_reqs       | sglang:token_usage                        |
-| llama.cpp| llamacpp:requests_processing| llamacpp:requests_deferred  | llamacpp:kv_cache_usage_ratio (if any)    |
+| engine    | running                      | waiting (pending)          | KV usage                               |
+|-----------|------------------------------|----------------------------|----------------------------------------|
+| vLLM      | vllm:num_requests_running    | vllm:num_requests_waiting  | vllm:kv_cache_usage_perc (or gpu_...)  |
+| SGLang    | sglang:num_running_reqs      | sglang:num_queue_reqs      | sglang:token_usage                     |
+| llama.cpp | llamacpp:requests_processing | llamacpp:requests_deferred | llamacpp:kv_cache_usage_ratio (if any) |
 
 The engine type can be configured or detected from which names a scrape contains.
 """

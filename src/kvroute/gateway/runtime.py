@@ -21,7 +21,7 @@ from kvroute.gateway.metrics import GatewayMetrics
 from kvroute.gateway.probes import ProbeError, parse_prometheus, read_indicators
 from kvroute.gateway.upstream import UpstreamPool
 from kvroute.model import Decision, DecisionKind, Endpoint, Request
-from kvroute.policy import Router
+from kvroute.policy import DispatchPacer, Router
 
 log = logging.getLogger("kvroute.gateway")
 
@@ -75,12 +75,19 @@ class Runtime:
         for rc in config.replicas:
             self._add(rc)
         self.queue: deque[Waiter] = deque()
+        self.pacer = self._pacer(config)
+        self._wake: asyncio.TimerHandle | None = None  # a paced drain already scheduled
         self.prompt_tokens_routed = 0
         self.hit_tokens_routed = 0
         self.draining = False
         self.metrics = GatewayMetrics(self)
         self._probe_task: asyncio.Task | None = None
         self.session: aiohttp.ClientSession | None = None
+
+    def _pacer(self, config: GatewayConfig) -> DispatchPacer | None:
+        """Pace the queue only for policies that can hold requests in it (selective pushing)."""
+        tick = config.queue.dispatch_tick_s
+        return DispatchPacer(tick) if tick > 0 and self.router.policy.admission.holds else None
 
     @staticmethod
     def _policy_label(config: GatewayConfig) -> str:
@@ -124,6 +131,7 @@ class Runtime:
             self.policy_name = self._policy_label(new)
             changes.append(f"policy {self.policy_name}")
         self.config = new
+        self.pacer = self._pacer(new)
         self.drain_queue()
         return changes
 
@@ -142,7 +150,7 @@ class Runtime:
         self.drain_queue()
         try:
             return await asyncio.wait_for(waiter.future, qc.max_wait_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             self._abandon(waiter)
             raise QueueTimeout(f"no replica could take the request within {qc.max_wait_s:g} s") from None
         except asyncio.CancelledError:  # the client went away while queued
@@ -180,13 +188,21 @@ class Runtime:
         return PolicyError(f"policy {self.policy_name} failed")
 
     def drain_queue(self) -> None:
-        """Dispatch queued requests, oldest first, while the policy admits them."""
-        queue = self.queue
+        """Dispatch queued requests, oldest first, while the policy admits them — at most one
+        per pacer tick, so a replica that looked free at the last probe is not handed the whole
+        queue at once (SkyWalker's LB pops one request per 10 ms). Requests that arrive to an
+        empty queue route at once; the admission gate counts them against the probed room."""
+        queue, pacer = self.queue, self.pacer
         while queue:
             w = queue[0]
             if w.future.done():
                 queue.popleft()
                 continue
+            if pacer is not None:
+                now = time.monotonic()
+                if not pacer.ready(now):
+                    self._wake_later(pacer.wait_s(now))
+                    return
             try:
                 d = self._route(w.request)
             except PolicyError as exc:
@@ -196,8 +212,18 @@ class Runtime:
             if d.kind is DecisionKind.HOLD:
                 return
             queue.popleft()
+            if pacer is not None and d.kind is DecisionKind.DISPATCH:
+                pacer.dispatched(time.monotonic())
             self.metrics.queue_wait.observe(time.monotonic() - w.enqueued)
             w.future.set_result(d)
+
+    def _wake_later(self, delay_s: float) -> None:
+        if self._wake is None:
+            self._wake = asyncio.get_running_loop().call_later(delay_s, self._paced_drain)
+
+    def _paced_drain(self) -> None:
+        self._wake = None
+        self.drain_queue()
 
     def dispatched(self, req: Request, d: Decision) -> None:
         self.prompt_tokens_routed += req.prompt_tokens
@@ -236,6 +262,8 @@ class Runtime:
         self._probe_task = asyncio.create_task(self._probe_loop())
 
     async def stop(self) -> None:
+        if self._wake is not None:
+            self._wake.cancel()
         if self._probe_task:
             self._probe_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -277,7 +305,7 @@ class Runtime:
                     raise ProbeError(f"/metrics answered {resp.status}")
                 text = await resp.text()
             reading = read_indicators(parse_prometheus(text), up.engine)
-        except (aiohttp.ClientError, asyncio.TimeoutError, ProbeError, UnicodeDecodeError) as exc:
+        except (TimeoutError, aiohttp.ClientError, ProbeError, UnicodeDecodeError) as exc:
             up.probe_ok_streak = 0
             up.probe_fail_streak += 1
             self.metrics.probe_failures.labels(ep.id).inc()

@@ -34,10 +34,16 @@ import aiohttp
 
 from kvroute.gateway.breaker import CircuitState
 from kvroute.gateway.config import GatewayConfig, load_config
-from kvroute.gateway.http import HTTPServer, Request as HTTPRequest, Responder
+from kvroute.gateway.http import HTTPServer, Responder
+from kvroute.gateway.http import Request as HTTPRequest
 from kvroute.gateway.runtime import Outcome, PolicyError, QueueFull, QueueTimeout, Runtime
-from kvroute.gateway.upstream import (UpstreamConnectError, UpstreamError, UpstreamProtocolError, UpstreamResponse,
-                                      UpstreamTimeout)
+from kvroute.gateway.upstream import (
+    UpstreamConnectError,
+    UpstreamError,
+    UpstreamProtocolError,
+    UpstreamResponse,
+    UpstreamTimeout,
+)
 from kvroute.model import DecisionKind, Request
 from kvroute.prefix import BlockHasher, PromptError, chat_key, completion_key
 
@@ -321,7 +327,8 @@ class Proxy:
             log.warning("upstream %s failed mid-stream: %s", target, exc)
             event = {"error": {"message": f"upstream {target} failed mid-stream: {exc}",
                                "type": "server_error", "param": None, "code": "upstream_stream_error"}}
-            sep = b"" if tail.endswith((b"\n\n", b"\r\n\r\n")) or not tail else b"\n\n"  # never glue onto a partial event
+            # never glue the error onto a partial event
+            sep = b"" if tail.endswith((b"\n\n", b"\r\n\r\n")) or not tail else b"\n\n"
             await resp.write(sep + f"data: {json.dumps(event)}\n\ndata: [DONE]\n\n".encode())
         await resp.end()
         rt.metrics.e2e.observe(time.monotonic() - t0)
@@ -359,7 +366,8 @@ class Gateway:
 
     def _health(self, resp: Responder) -> None:
         rt = self.runtime
-        healthy = sum(1 for u in rt.upstreams.values() if u.endpoint.healthy and u.breaker.state is not CircuitState.OPEN)
+        healthy = sum(1 for u in rt.upstreams.values()
+                      if u.endpoint.healthy and u.breaker.state is not CircuitState.OPEN)
         ok = healthy and not rt.draining
         body = {"status": "ok" if ok else "unavailable", "replicas": len(rt.upstreams), "healthy": healthy,
                 "queue": len(rt.queue), "policy": rt.policy_name}
@@ -376,7 +384,7 @@ class Gateway:
                         if r.status == 200:
                             resp.send(200, await r.read())
                             return
-                except (aiohttp.ClientError, asyncio.TimeoutError):
+                except (TimeoutError, aiohttp.ClientError):
                     continue
         resp.send(200, b'{"object": "list", "data": []}')
 

@@ -63,12 +63,12 @@ T = TypeVar("T")
 Headers = list[tuple[str, str]]
 
 
-def _expire(fut: "asyncio.Future[Any]", message: str) -> None:
+def _expire(fut: asyncio.Future[Any], message: str) -> None:
     if not fut.done():
         fut.set_exception(UpstreamTimeout(message))
 
 
-async def _within(fut: "asyncio.Future[T]", seconds: float, message: str) -> T:
+async def _within(fut: asyncio.Future[T], seconds: float, message: str) -> T:
     """``await fut`` with a deadline; a timer handle is far cheaper than ``asyncio.wait_for``."""
     timer = asyncio.get_running_loop().call_later(seconds, _expire, fut, message)
     try:
@@ -84,9 +84,9 @@ class _Conn(asyncio.Protocol):
                  "got_bytes", "keep_alive", "until_close", "interim", "_headers")
 
     transport: asyncio.Transport  # set by connection_made
-    head: "asyncio.Future[tuple[int, Headers]]"  # set by begin
+    head: asyncio.Future[tuple[int, Headers]]  # set by begin
 
-    def __init__(self, pool: "UpstreamPool"):
+    def __init__(self, pool: UpstreamPool):
         self.pool = pool
         self.parser = httptools.HttpResponseParser(self)
         self.chunks: deque[bytes | object] = deque()
@@ -100,7 +100,7 @@ class _Conn(asyncio.Protocol):
         self.interim = False
         self._headers: Headers = []
 
-    def begin(self, reused: bool) -> "asyncio.Future[tuple[int, Headers]]":
+    def begin(self, reused: bool) -> asyncio.Future[tuple[int, Headers]]:
         """Prepare for the next response; returns the future of its head."""
         self.state, self.reused, self.got_bytes, self.interim = _WAIT_HEAD, reused, False, False
         self.chunks.clear()
@@ -283,7 +283,7 @@ class UpstreamPool:
         try:
             _, conn = await asyncio.wait_for(loop.create_connection(lambda: _Conn(self), self.host, self.port),
                                              timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise UpstreamTimeout(f"connect to {self.host}:{self.port} timed out") from None
         except OSError as exc:
             raise UpstreamConnectError(f"connect to {self.host}:{self.port} failed: {exc.strerror or exc}") from None
