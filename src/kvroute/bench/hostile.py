@@ -111,7 +111,7 @@ class Attack:
             w.write(one)
             try:
                 await asyncio.wait_for(w.drain(), 2.0)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 break
             sent += 1
         self.observed["requests_sent"] = sent
@@ -121,7 +121,7 @@ class Attack:
             if self.name == "tiny-chunks-80057" and not t.done():
                 try:
                     await asyncio.wait_for(asyncio.shield(t), 120)  # its answer is the result
-                except (asyncio.TimeoutError, ConnectionError):
+                except (TimeoutError, ConnectionError):
                     self.observed.setdefault("answered", "no answer within 120 s")
             t.cancel()
         if self.name == "tiny-chunks-80057" and self.tasks and self.tasks[0].done() \
