@@ -45,7 +45,8 @@ class PendingGate(Admission):
     def ready(self, eps: list[Endpoint], local_queue: int = 0) -> list[Endpoint]:
         if eps[0].kind is EndpointKind.PEER:  # a router's pool is all peers or all replicas
             return [e for e in eps if peer_available(e, local_queue)]
-        return [e for e in eps if replica_available(e)]
+        # replica_available, inlined: this runs for every endpoint of every decision
+        return [e for e in eps if not e.waiting and e.dispatched_since_probe < e.max_running - e.running]
 
 
 class OutstandingGate(Admission):

@@ -179,10 +179,13 @@ class Engine:
         for h in guarded:  # about to be referenced: keep them out of the eviction order
             del evictable[h]
         refcnt, bt = self.refcnt, self.cache_bt
-        while need > self.capacity - self.used:
-            h, _ = evictable.popitem(last=False)
-            del refcnt[h]
-            self.used -= bt
+        short = need - (self.capacity - self.used)
+        if short > 0:  # evict exactly the blocks that cover the shortfall, LRU first
+            pop = evictable.popitem
+            k = -(-short // bt)
+            for _ in range(k):
+                del refcnt[pop(last=False)[0]]
+            self.used -= k * bt
         for h in guarded:
             evictable[h] = None
         return True

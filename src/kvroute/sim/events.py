@@ -23,16 +23,19 @@ class EventLoop:
 
     def run(self, until: float = float("inf"), stop: Callable[[], bool] | None = None) -> None:
         heap, pop = self._heap, heapq.heappop
-        while heap:
-            t, _, fn, arg = heap[0]
-            if t > until:
-                break
-            pop(heap)
-            self.now = t
-            self.events += 1
-            fn(arg)
-            if stop is not None and stop():
-                break
+        n = 0
+        try:
+            while heap:
+                if heap[0][0] > until:
+                    break
+                t, _, fn, arg = pop(heap)
+                self.now = t
+                n += 1
+                fn(arg)
+                if stop is not None and stop():
+                    break
+        finally:
+            self.events += n
 
     def __len__(self) -> int:
         return len(self._heap)

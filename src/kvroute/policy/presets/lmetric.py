@@ -22,7 +22,8 @@ class LMetric(Policy):
         matches = view.prefix.match(req.block_hashes)
         p, bt = req.prompt_tokens, req.block_tokens
         get = matches.get
+        # (e.batch_size inlined: this line runs per endpoint per decision)
         scores = [(e.queued_prefill_tokens + (p if (m := get(e.id)) is None else max(0, p - bt * m)))
-                  * (e.batch_size + 1) for e in eps]
+                  * (e.running + e.waiting + e.dispatched_since_probe + 1) for e in eps]
         ep = argmin(eps, scores, self.rng)
         return Decision.dispatch(ep.id, "min-score", matches.get(ep.id, 0), explain(eps, scores))
