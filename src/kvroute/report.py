@@ -178,7 +178,7 @@ def run_sweep(sc, json_path: str | None = None, plots: str | None = None) -> dic
 
     checks = preflight(sc)
     for line in checks["messages"]:
-        if "never run" in line:
+        if "never run" in line or "idle replica" in line:
             warn(line)
     result = sweep(sc, progress=lambda m: err.print(f"[dim]{m}[/dim]", highlight=False))
     for t in sweep_tables(sc, result):

@@ -34,6 +34,13 @@ def request_seconds(p: HardwareProfile, prompt: int, output: int, batch: float) 
     return prefill + output * step / batch
 
 
+def idle_prefill_s(p: HardwareProfile, prompt: int) -> float:
+    """Prefill time of one prompt on an idle replica: full chunks, quadratic attention."""
+    chunks = -(-prompt // p.max_batched_tokens)
+    return (p.ttft_overhead_s + p.c0_s * chunks + p.c_prefill_s * prompt
+            + p.c_prefill_attn_s * prompt * prompt / 2)
+
+
 def decode_batch(p: HardwareProfile, prompt: float, output: float) -> float:
     """Sequences a replica keeps decoding at once: slots, or KV memory, whichever binds first."""
     return max(1.0, min(float(p.max_running), p.kv_tokens / max(1.0, prompt + output / 2)))
@@ -54,7 +61,9 @@ def preflight(sc) -> dict:
     if wl.closed_loop:
         out["closed_loop"] = True
         return out
-    n = never = 0
+    fastest = min(profiles, key=lambda p: idle_prefill_s(p, 8192))
+    slo_ttft = sc.slo.ttft_s
+    n = never = too_slow = 0
     first = last = None
     prompt_sum = output_sum = 0
     fitting: list[tuple[int, int]] = []
@@ -65,14 +74,20 @@ def preflight(sc) -> dict:
         n += 1
         prompt_sum += s.req.prompt_tokens
         output_sum += s.output_tokens
+        if idle_prefill_s(fastest, s.req.prompt_tokens) > slo_ttft:
+            too_slow += 1
         if s.req.prompt_tokens + s.output_tokens > kv:
             never += 1
         else:
             fitting.append((s.req.prompt_tokens, s.output_tokens))
         if n >= PREFLIGHT_SCAN:
             break
-    out.update(requests=n, never_fit=never, closed_loop=False)
+    out.update(requests=n, never_fit=never, slo_ttft_unreachable=too_slow, closed_loop=False)
     msgs = out["messages"]
+    if too_slow:
+        msgs.append(f"{too_slow:,} of {n:,} requests ({too_slow / n:.0%}) cannot meet TTFT ≤ {slo_ttft:g} s even "
+                    f"on an idle replica (their prefill alone takes longer on {fastest.name}), so goodput is "
+                    f"capped at {1 - too_slow / n:.0%} of requests. Relax --slo-ttft or use faster hardware.")
     if never:
         msgs.append(f"{never:,} of {n:,} requests can never run: prompt + output exceed the largest "
                     f"replica's KV cache ({kv:,} tokens, profile {profiles[0].name}); they will fail as "
