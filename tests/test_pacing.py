@@ -3,6 +3,7 @@
 from pathlib import Path
 
 import pytest
+from conftest import make_request
 
 from kvroute.model import Endpoint, EndpointKind
 from kvroute.policy import DispatchPacer, Router, build_policy
@@ -10,8 +11,6 @@ from kvroute.policy.admission import PEER_QUEUE_LIMIT, peer_available, replica_a
 from kvroute.sim.runner import run_scenario
 from kvroute.sim.scenario import parse_scenario
 from kvroute.sim.simulation import Simulation
-
-from conftest import make_request
 
 MOONCAKE = Path(__file__).resolve().parents[2] / "shared/data/traces/mooncake/conversation_trace.jsonl"
 needs_trace = pytest.mark.skipif(not MOONCAKE.exists(), reason="shared/ traces are not beside this checkout")
@@ -34,8 +33,10 @@ def test_pending_gate_counts_dispatches_since_probe_against_free_slots():
     ep = Endpoint("r0", max_running=4)
     ep.apply_probe(running=2, waiting=0)
     assert replica_available(ep)
-    ep.dispatched_since_probe = 2  # two sent since the probe fill the two free slots
+    ep.dispatched_since_probe = ep.inflight = 2  # two sent since the probe fill the two free slots
     assert not replica_available(ep)
+    ep.inflight = 1  # one of them already finished: its slot is free again
+    assert replica_available(ep)
     ep.apply_probe(running=2, waiting=0)
     assert replica_available(ep)
     ep.apply_probe(running=1, waiting=1)

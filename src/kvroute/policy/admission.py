@@ -46,7 +46,8 @@ class PendingGate(Admission):
         if eps[0].kind is EndpointKind.PEER:  # a router's pool is all peers or all replicas
             return [e for e in eps if peer_available(e, local_queue)]
         # replica_available, inlined: this runs for every endpoint of every decision
-        return [e for e in eps if not e.waiting and e.dispatched_since_probe < e.max_running - e.running]
+        return [e for e in eps if not e.waiting
+                and min(e.dispatched_since_probe, e.inflight) < e.max_running - e.running]
 
 
 class OutstandingGate(Admission):
@@ -63,8 +64,10 @@ class OutstandingGate(Admission):
 
 
 def replica_available(e: Endpoint) -> bool:
-    """No waiting request at the last probe, and the dispatches since then fit its free slots."""
-    return not e.waiting and e.dispatched_since_probe < e.max_running - e.running
+    """No waiting request at the last probe, and the requests sent since then that are still in
+    flight fit its free slots. (Counting every dispatch since the probe, finished or not, would
+    cap a fast replica at ``max_running`` requests per probe interval: 2,560 req/s at 100 ms.)"""
+    return not e.waiting and min(e.dispatched_since_probe, e.inflight) < e.max_running - e.running
 
 
 def peer_available(e: Endpoint, local_queue: int) -> bool:
@@ -73,7 +76,7 @@ def peer_available(e: Endpoint, local_queue: int) -> bool:
             and e.peer_queue <= PEER_QUEUE_LIMIT)
 
 
-def make_admission(params: "PolicyParams") -> Admission:
+def make_admission(params: PolicyParams) -> Admission:
     if params.admission == "pending":
         return PendingGate()
     if params.admission == "outstanding":
