@@ -36,10 +36,19 @@ def deploy():
     yield make
     for dep in made:
         counters = dep.settle()
+        exported = inflight_gauges(dep)
         errors = dep.gateway.http.errors
         dep.close()
         assert counters == (0, 0, 0), f"in-flight / queue / tickets not back to zero: {counters}"
+        assert all(v == 0 for v in exported.values()), f"kvroute_inflight in /metrics: {exported}"
         assert errors == 0, "a handler raised (traceback in the log)"
+
+
+def inflight_gauges(dep) -> dict[str, float]:
+    """The per-replica ``kvroute_inflight`` gauges as /metrics exports them."""
+    text = httpx.get(f"{dep.url}/metrics").text
+    return {line.split('"')[1]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line.startswith("kvroute_inflight{")}
 
 
 def post(dep, body=COMPLETION, timeout=10.0) -> httpx.Response:
