@@ -5,13 +5,12 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import make_request
 
 from kvroute.model import Endpoint
 from kvroute.policy import Router, build_policy
 from kvroute.sim.runner import run_scenario
 from kvroute.sim.scenario import parse_scenario
-
-from conftest import make_request
 
 MOONCAKE = Path(__file__).resolve().parents[2] / "shared/data/traces/mooncake/conversation_trace.jsonl"
 needs_trace = pytest.mark.skipif(not MOONCAKE.exists(), reason="shared/ traces are not beside this checkout")

@@ -62,7 +62,8 @@ def test_preflight_counts_requests_that_never_fit_and_names_the_fix():
     assert 0 < pf["slo_ttft_unreachable"] < pf["requests"]  # long prompts outlast a 5 s TTFT on an L4
     text = " ".join(pf["messages"])
     assert "can never run" in text and "--time-scale" in text and "idle replica" in text
-    roomy = parse_scenario(sc.model_dump() | {"replicas": [{"region": "us", "count": 16, "profile": "h20-qwen3-30b-a3b"}],
+    roomy = parse_scenario(sc.model_dump() | {"replicas": [{"region": "us", "count": 16,
+                                                            "profile": "h20-qwen3-30b-a3b"}],
                                               "workload": sc.model_dump()["workload"] | {"time_scale": 4.0},
                                               "slo": {"ttft_s": 60}})
     assert preflight(roomy)["messages"] == []

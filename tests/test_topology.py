@@ -63,7 +63,8 @@ def test_per_region_shapes():
     tree = wl.new_program("us", 1)
     assert len(tree.start()) == 1 and tree.depth == 2
     with pytest.raises(ScenarioError, match="shapes.mars"):
-        three_regions(workload={"kind": "chat", "clients": {"us": 2}, "shapes": {"mars": {"kind": "tot"}}}).make_workload()
+        three_regions(workload={"kind": "chat", "clients": {"us": 2},
+                                "shapes": {"mars": {"kind": "tot"}}}).make_workload()
 
 
 def test_bad_topology_input_is_one_line_and_exit_code_2(tmp_path, capsys):

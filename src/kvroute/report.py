@@ -100,9 +100,8 @@ def run_simulation(sc, json_path: str | None = None, plots: str | None = None) -
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from kvroute.sim.runner import report, run_scenario
-
     from kvroute.sim.overload import preflight, topology_warnings, warnings
+    from kvroute.sim.runner import report, run_scenario
 
     checks = preflight(sc)
     checks["messages"] += topology_warnings(sc)

@@ -9,7 +9,16 @@ session affinity). GORGO v2's online tuner is not built: its rows say so.
 from __future__ import annotations
 
 from kvroute.reproduce.common import (
-    DIRECTION, NO, NOT_IMPLEMENTED, YES, Lab, Row, fmt_range, ratio_agreement, unstable_note)
+    DIRECTION,
+    NO,
+    NOT_IMPLEMENTED,
+    YES,
+    Lab,
+    Row,
+    fmt_range,
+    ratio_agreement,
+    unstable_note,
+)
 
 V1 = "gorgo(t_p=0.094,w_queue=0.094,w_rtt=1.0)"
 LEARNED = "gorgo(w_queue=0.5,w_rtt=0.276)"

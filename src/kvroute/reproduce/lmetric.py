@@ -10,7 +10,15 @@ claim.
 from __future__ import annotations
 
 from kvroute.reproduce.common import (
-    DIRECTION, NO, NOT_IMPLEMENTED, NOT_MODELLED, YES, Lab, Row, ratio_agreement, unstable_note)
+    DIRECTION,
+    NO,
+    NOT_IMPLEMENTED,
+    NOT_MODELLED,
+    YES,
+    Lab,
+    Row,
+    unstable_note,
+)
 
 BASELINES = ("vllm_jsq", "bailian_linear", "dynamo_kv", "aibrix_prefix_cache", "llm_d")
 SWEEP = (0.3, 0.5, 0.7, 0.9)
@@ -27,13 +35,8 @@ def capacity(lab: Lab) -> tuple[float, float]:
     sat = lab.run("lmetric", key="lmetric-saturated", overrides={"workload": {"time_scale": 0.02},
                                                                   "policies": ["round_robin"]})["round_robin"]
     sc = lab.scenario("lmetric")
-    first = last = None
-    n = 0
-    for s in sc.make_workload().arrivals():
-        t = s.req.arrival_s / sc.workload.time_scale
-        first = t if first is None else first
-        last, n = t, n + 1
-    return sat["throughput_rps"], n / (last - first)
+    times = [s.req.arrival_s / sc.workload.time_scale for s in sc.make_workload().arrivals()]
+    return sat["throughput_rps"], len(times) / (times[-1] - times[0])
 
 
 def rows(lab: Lab) -> list[Row]:
@@ -68,7 +71,7 @@ def rows(lab: Lab) -> list[Row]:
         res = half if level == 0.5 else lab.run(
             "lmetric", key=key, overrides={"workload": {"time_scale": trace_rate / (level * cap)}})
         means = {lbl: r["ttft_s"]["mean"] for lbl, r in res.items()}
-        best_at.append((level, min(means, key=means.get)))
+        best_at.append((level, min(means, key=lambda lbl: means[lbl])))
     wins = sum(1 for _, b in best_at if b == "lmetric")
     agree = YES if wins == len(SWEEP) else DIRECTION if wins >= len(SWEEP) / 2 else NO
     out.append(Row("best mean TTFT of all baselines at every rate", "yes (one exception: ToolAgent vs llm-d)",

@@ -7,9 +7,20 @@ region with forwarding.
 
 from __future__ import annotations
 
-from kvroute.sim.sweep import find_knee
 from kvroute.reproduce.common import (
-    DIRECTION, NO, NOT_MODELLED, YES, Lab, Row, fmt_range, pct, ratio_agreement, similar, unstable_note)
+    DIRECTION,
+    NO,
+    NOT_MODELLED,
+    YES,
+    Lab,
+    Row,
+    fmt_range,
+    pct,
+    ratio_agreement,
+    similar,
+    unstable_note,
+)
+from kvroute.sim.sweep import find_knee
 
 BASELINES = ("round_robin@global", "least_request@global", "consistent_hash@global",
              "sglang_cache_aware(miss=smallest_tree)@global")
@@ -180,7 +191,8 @@ def rows(lab: Lab) -> list[Row]:
     both = YES if agree == YES and agree9 == YES else DIRECTION if cross > 1 else NO
     out.append(Row("Fig. 10: cross-region vs region-local (equal replicas); 9 cross-region ≈ 12 local",
                    "1.07–1.18×; 9 ≈ 12 (25 % cost cut)",
-                   f"{cross:.2f}×; 9 cross-region / 12 local = {nine_ratio:.2f}" + unstable_note(lab, "skywalker-fig10"),
+                   f"{cross:.2f}×; 9 cross-region / 12 local = {nine_ratio:.2f}"
+                   + unstable_note(lab, "skywalker-fig10"),
                    both, "" if both == YES else f"model: forwarding cuts the P90 TTFT from "
                    f"{f10['skywalker@regional']['ttft_s']['p90']:.1f} s (region-local) to "
                    f"{f10['skywalker']['ttft_s']['p90']:.1f} s, but the hit rate falls from "

@@ -5,7 +5,8 @@ plus its own in-flight accounting — exactly what the live gateway sees. Reques
 holds wait in a FIFO queue (selective pushing) and are retried on every probe and every
 completion. When the policy can hold (admission pending or outstanding) the balancer pushes at
 most one request per dispatch tick (10 ms, SkyWalker's queue processor), new arrivals
-included, through a :class:`~kvroute.policy.pacing.DispatchPacer`. With ``forward`` on, a request that finds no local replica available may go to a
+included, through a :class:`~kvroute.policy.pacing.DispatchPacer`.
+With ``forward`` on, a request that finds no local replica available may go to a
 peer load balancer chosen by the same policy over the peers (SkyWalker's two-layer routing,
 with the regional snapshot as the peer router's prefix index); a forwarded request is never
 forwarded again.
@@ -17,15 +18,15 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 from kvroute.model import DecisionKind, Endpoint, EndpointKind
-from kvroute.policy.admission import replica_available
 from kvroute.policy import DEFAULT_TICK_S, DispatchPacer, Router, build_policy
+from kvroute.policy.admission import replica_available
 
 if TYPE_CHECKING:
     from kvroute.sim.simulation import Flight, Simulation
 
 
 class SimBalancer:
-    def __init__(self, sim: "Simulation", lb_id: str, region: str, replica_ids: list[str],
+    def __init__(self, sim: Simulation, lb_id: str, region: str, replica_ids: list[str],
                  preset: str, params: dict | None, probe_interval_s: float, forward: bool,
                  index_block_tokens: int, dispatch_tick_s: float = DEFAULT_TICK_S):
         self.sim = sim
@@ -52,7 +53,7 @@ class SimBalancer:
         self.pacer = DispatchPacer(dispatch_tick_s) if holds and dispatch_tick_s > 0 else None
         self._wake_at = -1.0  # a paced drain already scheduled for this time
 
-    def connect_peers(self, peers: list["SimBalancer"]) -> None:
+    def connect_peers(self, peers: list[SimBalancer]) -> None:
         if not self.forward or not peers:
             return
         eps = [Endpoint(p.id, region=p.region, kind=EndpointKind.PEER,
@@ -62,7 +63,7 @@ class SimBalancer:
         self.peer_lbs = {p.id: p for p in peers}
 
     # -- requests ------------------------------------------------------------------------------
-    def arrive(self, flight: "Flight") -> None:
+    def arrive(self, flight: Flight) -> None:
         if flight.reached_lb < 0:
             flight.reached_lb = self.sim.loop.now
         self.queue.append(flight)

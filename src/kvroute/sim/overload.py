@@ -92,7 +92,7 @@ def preflight(sc) -> dict:
         msgs.append(f"{never:,} of {n:,} requests can never run: prompt + output exceed the largest "
                     f"replica's KV cache ({kv:,} tokens, profile {profiles[0].name}); they will fail as "
                     "'rejected'. Use a profile with more KV memory (--profile), or drop them from the trace.")
-    window = (last - first) if n > 1 else 0.0
+    window = (last - first) if n > 1 and first is not None and last is not None else 0.0
     if window <= 0 or not fitting:
         return out
     offered = n / window

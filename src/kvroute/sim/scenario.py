@@ -22,7 +22,6 @@ from typing import Any, Literal, NamedTuple
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from kvroute import yamlconf
-
 from kvroute.policy import ConfigError, policy_from_config
 from kvroute.sim.network import Network
 from kvroute.sim.profile import ProfileError, load_profile

@@ -246,7 +246,7 @@ class Simulation:
     def _first_token(self, seq: Seq, t: float) -> None:
         flight = seq.payload
         flight.first = t + flight.back_s
-        for router, lb, delay in flight.notify:
+        for router, _lb, delay in flight.notify:
             self.loop.at(t + delay, self._lb_first_token, (router, seq.rid))
 
     @staticmethod

@@ -65,6 +65,8 @@ def find_knee(sc: Scenario, entry, preset: str, params, bisect_steps: int = 4, m
         return r["slo"]["attainment"] >= target
 
     f = 1.0
+    lo: float | None
+    hi: float | None
     if ok(f):
         lo, hi = f, None
         for _ in range(max_doublings):
@@ -87,6 +89,7 @@ def find_knee(sc: Scenario, entry, preset: str, params, bisect_steps: int = 4, m
             best = max(points, key=lambda p: p["attainment"])
             return _knee(None, points, f"SLO target not met even at x{f:.3g} of the load "
                                        f"(best {best['attainment']:.0%}): relax --slo-ttft/--slo-tpot")
+    assert lo is not None and hi is not None  # bracketed above
     for _ in range(bisect_steps):
         mid = math.sqrt(lo * hi)
         if ok(mid):
@@ -112,7 +115,7 @@ def sweep(sc: Scenario, progress: Callable[[str], None] | None = None) -> dict:
             progress(f"knee of {label}")
         knees[label] = find_knee(sc, entry, preset, params, progress=progress, topology=topo)
     found = [k["factor"] for k in knees.values() if k["factor"] is not None]
-    out = {"slo": sc.slo.model_dump(), "knees": knees, "compare": {}}
+    out: dict = {"slo": sc.slo.model_dump(), "knees": knees, "compare": {}}
     if not found:
         out["reference"] = None
         return out
