@@ -85,3 +85,16 @@ def test_bench_gateway_never_reports_a_negative_overhead():
     assert added_text(row, "p50").startswith("< noise")
     assert row["added_p99_resolved"] and row["added_p99_ms"] == 0.5
     assert row["rps_ratio_spread"][0] <= row["rps_ratio"] <= row["rps_ratio_spread"][1] < 1
+
+
+def test_skipping_first_token_events_changes_nothing_for_policies_that_do_not_read_them(monkeypatch):
+    from kvroute.policy import Policy, build_policy
+
+    assert build_policy("lmetric").reads_prefill_backlog and not build_policy("skywalker").reads_prefill_backlog
+    sc = parse_scenario({"replicas": [{"region": "us", "count": 3}],
+                         "workload": {"kind": "chat", "clients": {"us": 12}},
+                         "policies": ["skywalker", "sglang_cache_aware"], "limits": {"max_requests": 300}, "seed": 2})
+    skipped = [r.result for r in run_scenario(sc)]
+    monkeypatch.setattr(Policy, "reads_prefill_backlog", property(lambda self: True))
+    delivered = [r.result for r in run_scenario(sc)]
+    assert json.dumps(skipped, sort_keys=True) == json.dumps(delivered, sort_keys=True)

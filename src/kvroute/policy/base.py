@@ -54,6 +54,12 @@ class Policy(ABC):
         """Whether scoring reads ``Endpoint.kv_usage`` (lets a simulated probe skip it)."""
         return False
 
+    @property
+    def reads_prefill_backlog(self) -> bool:
+        """Whether scoring reads ``Endpoint.queued_prefill_tokens``, the only counter that
+        ``Router.on_first_token`` changes (lets the simulator skip that event for the others)."""
+        return False
+
     def __init__(self, params: PolicyParams | None = None, seed: int = 0):
         self.params = params if params is not None else self.Params()
         self.rng = random.Random(seed)

@@ -247,7 +247,8 @@ class Simulation:
         flight = seq.payload
         flight.first = t + flight.back_s
         for router, _lb, delay in flight.notify:
-            self.loop.at(t + delay, self._lb_first_token, (router, seq.rid))
+            if router.policy.reads_prefill_backlog:  # nothing else reads what on_first_token changes
+                self.loop.at(t + delay, self._lb_first_token, (router, seq.rid))
 
     @staticmethod
     def _lb_first_token(arg: tuple[Router, str]) -> None:

@@ -26,6 +26,10 @@ class DynamoKV(Policy):
     source = "NVIDIA Dynamo KV router (overlap_weight 1.0, temperature 0)"
     Params = DynamoParams
 
+    @property
+    def reads_prefill_backlog(self) -> bool:
+        return True
+
     def choose(self, req: Request, eps: list[Endpoint], view: View) -> Decision:
         bt = req.block_tokens
         w = self.params.overlap_weight

@@ -18,6 +18,10 @@ class LMetric(Policy):
     name = "lmetric"
     source = "LMetric §4 (P-tokens × BS); blitz-serving/blitz-router policies/lmetric.rs"
 
+    @property
+    def reads_prefill_backlog(self) -> bool:
+        return True
+
     def choose(self, req: Request, eps: list[Endpoint], view: View) -> Decision:
         matches = view.prefix.match(req.block_hashes)
         p, bt = req.prompt_tokens, req.block_tokens

@@ -75,6 +75,10 @@ class Weighted(Policy):
     def reads_kv_usage(self) -> bool:
         return "kv_cache_util" in self.params.scorers
 
+    @property
+    def reads_prefill_backlog(self) -> bool:
+        return "new_prefill" in self.params.scorers
+
     def choose(self, req: Request, eps: list[Endpoint], view: View) -> Decision:
         matches = view.prefix.match(req.block_hashes)
         total = None
