@@ -40,13 +40,14 @@ class Decision:
         return {e.id: v for e, v in zip(eps, values)}
 
     @classmethod
-    def dispatch(cls, target: str, branch: str, matched_blocks: int = 0, scores: tuple[Sequence[Endpoint], Sequence[float]] | None = None) -> "Decision":
+    def dispatch(cls, target: str, branch: str, matched_blocks: int = 0,
+                 scores: tuple[Sequence[Endpoint], Sequence[float]] | None = None) -> Decision:
         return cls(DecisionKind.DISPATCH, target, branch, "", matched_blocks, scores)
 
     @classmethod
-    def hold(cls, reason: str) -> "Decision":
+    def hold(cls, reason: str) -> Decision:
         return cls(DecisionKind.HOLD, None, "hold", reason)
 
     @classmethod
-    def none(cls, reason: str, branch: str = "no-endpoint") -> "Decision":
+    def none(cls, reason: str, branch: str = "no-endpoint") -> Decision:
         return cls(DecisionKind.NONE, None, branch, reason)
