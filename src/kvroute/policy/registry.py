@@ -14,7 +14,6 @@ from typing import Any
 from pydantic import ValidationError
 
 from kvroute import yamlconf
-
 from kvroute.policy.base import Policy
 from kvroute.policy.presets.aibrix import AIBrixPrefixCache
 from kvroute.policy.presets.basic import LeastLoad, LeastRequest, PowerOfTwo, RandomPolicy, RoundRobin

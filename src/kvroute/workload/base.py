@@ -19,7 +19,7 @@ from kvroute.model import Request
 class SimRequest:
     req: Request
     output_tokens: int  # what the engine will generate; the router never sees it
-    program: "Program | None" = None
+    program: Program | None = None
 
 
 class Program(ABC):

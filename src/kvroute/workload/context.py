@@ -27,7 +27,7 @@ class Context:
         self.tokens = tokens
         self.tail = tail  # pieces (segment id, start, length) of the unfinished last block
 
-    def extend(self, segment: int, n: int) -> "Context":
+    def extend(self, segment: int, n: int) -> Context:
         """A new context: this one followed by ``n`` tokens of ``segment``."""
         if n <= 0:
             return self
