@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
@@ -100,20 +101,20 @@ class Policy(ABC):
 
 # -- pickers ------------------------------------------------------------------------------------
 
-def argmin(eps: list[Endpoint], values: list[float], rng: random.Random) -> Endpoint:
+def argmin(eps: list[Endpoint], values: Sequence[float], rng: random.Random) -> Endpoint:
     """Endpoint with the smallest value; ties broken at random (never "first wins")."""
     best = min(values)
     ties = [e for e, v in zip(eps, values) if v == best]
     return ties[0] if len(ties) == 1 else rng.choice(ties)
 
 
-def argmax(eps: list[Endpoint], values: list[float], rng: random.Random) -> Endpoint:
+def argmax(eps: list[Endpoint], values: Sequence[float], rng: random.Random) -> Endpoint:
     best = max(values)
     ties = [e for e, v in zip(eps, values) if v == best]
     return ties[0] if len(ties) == 1 else rng.choice(ties)
 
 
-def softmax_pick(eps: list[Endpoint], logits: list[float], temperature: float,
+def softmax_pick(eps: list[Endpoint], logits: Sequence[float], temperature: float,
                  rng: random.Random) -> Endpoint:
     """Sample with probability ∝ exp(logit / T) (higher logit = better)."""
     import math
@@ -123,6 +124,6 @@ def softmax_pick(eps: list[Endpoint], logits: list[float], temperature: float,
     return rng.choices(eps, weights=weights, k=1)[0]
 
 
-def explain(eps: list[Endpoint], values: list[float]) -> tuple:
+def explain(eps: Sequence[Endpoint], values: Sequence[float]) -> tuple[Sequence[Endpoint], Sequence[float]]:
     """Per-endpoint scores for the decision record; ``Decision.scores`` builds the dict on demand."""
     return (eps, values)

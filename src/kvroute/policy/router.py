@@ -8,6 +8,7 @@ cancel, retry elsewhere); it is idempotent, so counters never drift or go negati
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from kvroute.model import Decision, Endpoint, Request
@@ -26,7 +27,7 @@ class Ticket:
 
 
 class Router:
-    def __init__(self, policy: Policy, endpoints: list[Endpoint] = (), *,
+    def __init__(self, policy: Policy, endpoints: Iterable[Endpoint] = (), *,
                  index_capacity_blocks: int | None = None,
                  index_block_tokens: int = DEFAULT_BLOCK_TOKENS,
                  max_prefix_blocks: int = DEFAULT_MAX_BLOCKS,
@@ -82,7 +83,7 @@ class Router:
 
     def route(self, req: Request) -> Decision:
         decision = self.policy.decide(req, self.view)
-        if decision.dispatched:
+        if decision.dispatched and decision.target is not None:  # a dispatch always has a target
             self.commit(req, decision.target, decision.matched_blocks)
         return decision
 

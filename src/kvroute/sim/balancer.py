@@ -84,7 +84,7 @@ class SimBalancer:
             flight = queue[0]
             req = flight.sreq.req
             d = router.route(req)
-            if d.kind is DecisionKind.DISPATCH:
+            if d.kind is DecisionKind.DISPATCH and d.target is not None:  # a dispatch has a target
                 queue.popleft()
                 if pacer is not None:
                     pacer.dispatched(now)
@@ -93,11 +93,11 @@ class SimBalancer:
             if d.kind is DecisionKind.HOLD and self.peers is not None and not req.from_peer:
                 self.peers.view.local_queue = len(queue) - 1  # the rest of the queue behind it
                 pd = self.peers.route(req)
-                if pd.dispatched:
+                if pd.dispatched and pd.target is not None:
                     queue.popleft()
                     if pacer is not None:
                         pacer.dispatched(now)
-                    self.sim.forward(flight, self, self.peer_lbs[pd.target])
+                    self.sim.forward(flight, self, self.peers, self.peer_lbs[pd.target])
                     continue
             if d.kind is DecisionKind.NONE:
                 queue.popleft()

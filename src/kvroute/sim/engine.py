@@ -32,6 +32,8 @@ from kvroute.sim.profile import HardwareProfile
 
 WAITING, PREFILL, DECODE, DONE = 0, 1, 2, 3
 
+Jump = tuple[float, int, float, float, int]  # (start, K, alpha, beta, D) of an analytic decode jump
+
 
 class Seq:
     """One request inside an engine."""
@@ -93,7 +95,7 @@ class Engine:
         self._version = 0
         # the step or jump in progress
         self._chunks: list[tuple[Seq, int]] = []
-        self._jump = None  # (start, K, alpha, beta, D) while decoding analytically
+        self._jump: Jump | None = None  # while decoding analytically
         # counters
         self.prompt_tokens = 0
         self.hit_tokens = 0
@@ -107,8 +109,9 @@ class Engine:
 
     def kv_usage(self, now: float) -> float:
         used = self.used
-        if self._jump is not None:
-            used += self._jump[4] * self._steps_done(now - self._jump[0])
+        jump = self._jump
+        if jump is not None:
+            used += jump[4] * self._steps_done(jump, now - jump[0])
         return min(1.0, used / self.capacity)
 
     # -- arrivals --------------------------------------------------------------------------------
@@ -133,7 +136,7 @@ class Engine:
         if not self._busy:
             self._plan()
         elif self._jump is not None:
-            self._interrupt()
+            self._interrupt(self._jump)
 
     # -- the scheduler ---------------------------------------------------------------------------
     def _admit(self) -> None:
@@ -262,8 +265,9 @@ class Engine:
         self._preempt(newest)
         return False
 
-    def _steps_done(self, elapsed: float) -> int:
-        _, K, alpha, beta, _ = self._jump
+    @staticmethod
+    def _steps_done(jump: Jump, elapsed: float) -> int:
+        _, K, alpha, beta, _ = jump
         if beta <= 0:
             k = int(elapsed / alpha) if alpha > 0 else K
         else:  # largest k with k·α + β·k(k−1)/2 ≤ elapsed
@@ -271,9 +275,9 @@ class Engine:
             k = int((-b + math.sqrt(b * b + 2 * beta * elapsed)) / beta)
         return min(max(k, 0), K)
 
-    def _interrupt(self) -> None:
-        start, K, alpha, beta, n_dec = self._jump
-        k = self._steps_done(self.loop.now - start) + 1
+    def _interrupt(self, jump: Jump) -> None:
+        start, K, alpha, beta, n_dec = jump
+        k = self._steps_done(jump, self.loop.now - start) + 1
         if k >= K:
             return
         old = K * alpha + beta * K * (K - 1) / 2
@@ -289,7 +293,8 @@ class Engine:
             return  # superseded by an interrupt
         now = self.loop.now
         n_dec = len(self.decoding)
-        advanced = list(self.decoding.values()) if self.on_step is not None and n_dec else None
+        on_step = self.on_step
+        advanced = list(self.decoding.values()) if on_step is not None and n_dec else None
         if n_dec:
             self.steps += k
             self.used += n_dec * k
@@ -311,8 +316,8 @@ class Engine:
             at, _, seq = heapq.heappop(finishes)
             if seq.state == DECODE and seq.finish_at == at:
                 self._finish(seq, now)
-        if advanced:
-            self.on_step(advanced)
+        if advanced and on_step is not None:
+            on_step(advanced)
         self._plan()
 
     def _prefill_done(self, seq: Seq, now: float) -> None:

@@ -10,7 +10,7 @@ gets its ``on_first_token`` / ``on_finish`` when they pass, which is when the li
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from kvroute.metrics import Recorder
@@ -111,7 +111,7 @@ class Simulation:
         self._starts_pending = 0  # client slots scheduled to start and not started yet
         self.first_issue = -1.0
         self.last_issue = 0.0
-        self._arrivals = None
+        self._arrivals: Iterator[SimRequest] = iter(())
 
     # -- topology ---------------------------------------------------------------------------
     def lb_for(self, region: str) -> SimBalancer:
@@ -181,6 +181,8 @@ class Simulation:
 
     def _continue(self, sreq: SimRequest) -> None:
         program = sreq.program
+        if program is None:  # only closed-loop requests are scheduled here
+            return
         self._live[id(program)][2] -= 1
         if self._may_issue():
             for nxt in program.on_complete(sreq):
@@ -200,10 +202,11 @@ class Simulation:
         delay = self.network.one_way(lb.region, rep.region) + rep.engine.p.ttft_overhead_s
         self.loop.at(self.loop.now + delay, self._arrive_replica, flight)
 
-    def forward(self, flight: Flight, src: SimBalancer, dst: SimBalancer) -> None:
+    def forward(self, flight: Flight, src: SimBalancer, via: Router, dst: SimBalancer) -> None:
+        """``src`` sends ``flight`` on to its peer ``dst``, chosen by ``via`` (``src.peers``)."""
         self.recorder.forwarded += 1
         flight.sreq.req.from_peer = True
-        flight.notify.append((src.peers, src, 0.0))
+        flight.notify.append((via, src, 0.0))
         hop = self.network.one_way(src.region, dst.region)
         flight.net_s += hop
         self.loop.at(self.loop.now + hop, dst.arrive, flight)

@@ -42,8 +42,8 @@ class Workload:
     clients: dict[str, int] = {}
     think_time_s: float = 0.0
 
-    def arrivals(self) -> Iterator[SimRequest] | None:
-        return None
+    def arrivals(self) -> Iterator[SimRequest]:
+        return iter(())
 
     def new_program(self, region: str, slot: int) -> Program | None:
         return None

@@ -26,6 +26,7 @@ class AIBrixPrefixCache(Policy):
     name = "aibrix_prefix_cache"
     source = "AIBrix gateway prefix-cache router (pkg/plugins/gateway/algorithms/prefix_cache.go)"
     Params = AIBrixParams
+    params: AIBrixParams  # narrows Policy.params: always an instance of Params
 
     def choose(self, req: Request, eps: list[Endpoint], view: View) -> Decision:
         loads = [e.batch_size for e in eps]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from abc import abstractmethod
 
 from kvroute.model import Decision, Endpoint, Request
-from kvroute.policy.base import Policy, View, argmin, explain
+from kvroute.policy.base import Policy, PolicyParams, View, argmin, explain
 
 
 class RoundRobin(Policy):
@@ -14,7 +14,7 @@ class RoundRobin(Policy):
     name = "round_robin"
     source = "SGLang router `round_robin`; vLLM production-stack `roundrobin`"
 
-    def __init__(self, params=None, seed: int = 0):
+    def __init__(self, params: PolicyParams | None = None, seed: int = 0) -> None:
         super().__init__(params, seed)
         self._next = 0
 

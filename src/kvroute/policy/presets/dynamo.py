@@ -25,6 +25,7 @@ class DynamoKV(Policy):
     name = "dynamo_kv"
     source = "NVIDIA Dynamo KV router (overlap_weight 1.0, temperature 0)"
     Params = DynamoParams
+    params: DynamoParams  # narrows Policy.params: always an instance of Params
 
     @property
     def reads_prefill_backlog(self) -> bool:

@@ -27,6 +27,7 @@ class Gorgo(Policy):
     name = "gorgo"
     source = "GORGO v1 §3 cost; GORGO v2 gorgo/policy/gorgo.py (rtt 0.5, queue 0.1, prefill 1.0)"
     Params = GorgoParams
+    params: GorgoParams  # narrows Policy.params: always an instance of Params
 
     def choose(self, req: Request, eps: list[Endpoint], view: View) -> Decision:
         p = self.params

@@ -34,6 +34,7 @@ class SGLangCacheAware(Policy):
     name = "sglang_cache_aware"
     source = "SGLang router cache_aware (py CLI defaults: threshold 0.5, abs 32, rel 1.0001)"
     Params = CacheAwareParams
+    params: CacheAwareParams  # narrows Policy.params: always an instance of Params
 
     def choose(self, req: Request, eps: list[Endpoint], view: View) -> Decision:
         p = self.params

@@ -30,6 +30,7 @@ class SkyWalker(Policy):
     name = "skywalker"
     source = "SkyWalker §3.2–3.3, Listing 1; skypilot serve-multi-region-lb prefix_tree policy"
     Params = SkyWalkerParams
+    params: SkyWalkerParams  # narrows Policy.params: always an instance of Params
 
     def choose(self, req: Request, eps: list[Endpoint], view: View) -> Decision:
         matches = view.prefix.match(req.block_hashes)

@@ -31,6 +31,7 @@ class BailianLinear(Policy):
     name = "bailian_linear"
     source = "LMetric §3, Figure 6(b): Bailian's KV-aware retrofit of vLLM (λ tuned 0.55–0.7)"
     Params = BailianParams
+    params: BailianParams  # narrows Policy.params: always an instance of Params
 
     def choose(self, req: Request, eps: list[Endpoint], view: View) -> Decision:
         lam = self.params.lam

@@ -70,6 +70,7 @@ class Weighted(Policy):
     name = "weighted"
     source = "llm-d inference scheduler: filter → weighted scorers → picker"
     Params = WeightedParams
+    params: WeightedParams  # narrows Policy.params: always an instance of Params
 
     @property
     def reads_kv_usage(self) -> bool:
@@ -81,11 +82,11 @@ class Weighted(Policy):
 
     def choose(self, req: Request, eps: list[Endpoint], view: View) -> Decision:
         matches = view.prefix.match(req.block_hashes)
-        total = None
-        for name, weight in self.params.scorers.items():
-            scores = SCORERS[name](req, eps, matches)
-            total = ([weight * s for s in scores] if total is None
-                     else [t + weight * s for t, s in zip(total, scores)])
+        scorers = iter(self.params.scorers.items())
+        name, weight = next(scorers)  # the validator requires at least one scorer
+        total = [weight * s for s in SCORERS[name](req, eps, matches)]
+        for name, weight in scorers:
+            total = [t + weight * s for t, s in zip(total, SCORERS[name](req, eps, matches))]
         if self.params.picker == "softmax":
             ep = softmax_pick(eps, total, self.params.temperature, self.rng)
         else:
