@@ -77,7 +77,7 @@ def test_bounded_under_long_churn():
     rng = random.Random(1)
     index = PrefixIndex(capacity_blocks=1000)
     hot = tuple(rng.getrandbits(64) for _ in range(50))
-    for i in range(3000):
+    for _ in range(3000):
         index.insert("e", hot)  # refreshing hot blocks must not grow the log without bound
         index.insert("e", tuple(rng.getrandbits(64) for _ in range(20)))
         assert index.blocks("e") <= 1000

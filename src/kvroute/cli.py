@@ -16,7 +16,7 @@ def cmd_policies(args: argparse.Namespace) -> int:
 
     if args.json:
         out = {name: {"description": cls.summary(), "source": cls.source,
-                      "params": {k: f.default if not callable(f.default_factory) else f.default_factory()
+                      "params": {k: f.get_default(call_default_factory=True)
                                  for k, f in cls.Params.model_fields.items()}}
                for name, cls in PRESETS.items()}
         print(json.dumps(out, indent=2, default=str))
@@ -208,7 +208,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         async def main() -> None:
             await serve(config, args.config,
                         on_ready=lambda gw: err.print(f"kvroute gateway on http://{config.host}:{gw.port} "
-                                                      f"({len(config.replicas)} replicas, policy {gw.runtime.policy_name})"))
+                                                      f"({len(config.replicas)} replicas, "
+                                                      f"policy {gw.runtime.policy_name})"))
         _run_async(main())
         return 0
 

@@ -61,7 +61,7 @@ def walk(preset: str, reqs: list[Request]) -> WalkResult:
         cached = router.prefix.match(req.block_hashes)  # what each replica holds before routing
         d = router.route(req)
         routes.append((req.id, d.target or "-", d.branch))
-        if d.dispatched:
+        if d.dispatched and d.target is not None:
             hit += req.prompt_tokens - req.new_prefill_tokens(cached.get(d.target, 0))
             total += req.prompt_tokens
             served[d.target] += 1

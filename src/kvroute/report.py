@@ -98,7 +98,7 @@ def warn(line: str) -> None:
 def run_simulation(sc, json_path: str | None = None, plots: str | None = None) -> dict:
     import time
 
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
     from kvroute.sim.overload import preflight, topology_warnings, warnings
     from kvroute.sim.runner import report, run_scenario
@@ -108,7 +108,7 @@ def run_simulation(sc, json_path: str | None = None, plots: str | None = None) -
     for line in checks["messages"]:
         warn(line)
     total = sc.limits.max_requests
-    tasks: dict[str, int] = {}
+    tasks: dict[str, TaskID] = {}
     t0 = time.perf_counter()
     with Progress(TextColumn("{task.description:<28}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=err, transient=False) as progress:

@@ -5,9 +5,10 @@ Set-up (the issue's): 64 endpoints with varied indicators, a prefix index holdin
 tokens of which half extend a cached chain. One measured decision is ``route`` (filters,
 admission, scoring, pick, commit into the index and counters) plus the matching ``on_finish``
 — what the gateway pays per request. Each preset decides on its own freshly built copy of the
-same index, endpoints and requests, so no preset measures the churn another one caused. Tokenization is excluded: requests arrive hashed, as the
-gateway hashes once on parse. ``chat_220kb_ms`` times the whole front half for a 220 KB chat
-body: JSON parse, canonical key, block hashing, routing.
+same index, endpoints and requests, so no preset measures the churn another one caused.
+Tokenization is excluded: requests arrive hashed, as the gateway hashes once on parse.
+``chat_220kb_ms`` times the whole front half for a 220 KB chat body: JSON parse, canonical key,
+block hashing, routing.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def _chain(rng: random.Random, n: int, prefix: tuple[int, ...] = ()) -> tuple[in
 
 def populate(index: PrefixIndex, endpoint_ids: list[str], blocks: int, rng: random.Random) -> list[tuple[int, ...]]:
     """Fill ``index`` with about ``blocks`` blocks; returns the chains inserted."""
-    chains = []
+    chains: list[tuple[int, ...]] = []
     total = 0
     while total < blocks:
         c = _chain(rng, CHAIN_BLOCKS)
@@ -150,7 +151,8 @@ def run(decisions: int = 2000, seed: int = 0, progress=None) -> dict:
         router.prefix = router.view.prefix = index
         gc.collect()
         gc.freeze()  # long-lived state leaves the GC's scans, as a serving process would do
-        s8, s32 = [], []
+        s8: list[float] = []
+        s32: list[float] = []
         time_decisions(router, reqs8, s8)
         time_decisions(router, reqs32, s32)
         gc.unfreeze()

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvroute.prefix.index import cached_prefix
-from kvroute.sim.events import EventLoop
+from kvroute.sim.events import Scheduler
 from kvroute.sim.profile import HardwareProfile
 
 WAITING, PREFILL, DECODE, DONE = 0, 1, 2, 3
@@ -63,7 +63,7 @@ class Seq:
 
 
 class Engine:
-    def __init__(self, eid: str, profile: HardwareProfile, loop: EventLoop,
+    def __init__(self, eid: str, profile: HardwareProfile, loop: Scheduler,
                  on_first_token: Callable[[Seq, float], None],
                  on_finish: Callable[[Seq, float], None],
                  on_step: Callable[[list[Seq]], None] | None = None,

@@ -4,7 +4,17 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
+
+
+class Scheduler(Protocol):
+    """What the engine model asks of its loop: the time, and running a callback later. The
+    simulator's :class:`EventLoop` and the emulator's real-time loop both provide it."""
+
+    @property
+    def now(self) -> float: ...
+
+    def at(self, t: float, fn: Callable[[Any], None], arg: Any = None) -> None: ...
 
 
 class EventLoop:

@@ -47,7 +47,7 @@ class _Strict(BaseModel):
 
 
 class NetworkSpec(_Strict):
-    rtt_ms: dict[str, float] = Field(default_factory=lambda: {"us-eu": 80, "us-asia": 150, "eu-asia": 200})
+    rtt_ms: dict[str, float] = Field(default_factory=lambda: {"us-eu": 80.0, "us-asia": 150.0, "eu-asia": 200.0})
     in_region_ms: float = Field(2.0, ge=0)
 
     @field_validator("rtt_ms")
@@ -57,6 +57,12 @@ class NetworkSpec(_Strict):
             if k.count("-") != 1 or ms < 0:
                 raise ValueError(f"rtt_ms keys are 'regionA-regionB' with a non-negative value; got {k!r}: {ms}")
         return v
+
+
+def _region_pair(key: str) -> tuple[str, str]:
+    """``"us-eu"`` → ``("us", "eu")`` (``NetworkSpec`` checks there is exactly one dash)."""
+    a, _, b = key.partition("-")
+    return a, b
 
 
 class ReplicaGroup(_Strict):
@@ -144,6 +150,9 @@ class PolicyEntry(NamedTuple):
     topology: str | None  # overrides the scenario's topology for this policy
 
 
+_DEFAULT_POLICIES: list[str | dict[str, Any]] = ["round_robin", "skywalker"]
+
+
 class Scenario(_Strict):
     name: str = "scenario"
     seed: int = 0
@@ -152,7 +161,7 @@ class Scenario(_Strict):
     balancers: list[BalancerGroup] | None = None
     topology: TopologySpec | None = None
     workload: WorkloadSpec = Field(default_factory=WorkloadSpec)
-    policies: list[str | dict[str, Any]] = Field(default_factory=lambda: ["round_robin", "skywalker"])
+    policies: list[str | dict[str, Any]] = Field(default_factory=lambda: _DEFAULT_POLICIES.copy())
     limits: LimitSpec = Field(default_factory=LimitSpec)
     sample_interval_s: float = Field(1.0, gt=0)
     index_block_tokens: int | None = Field(None, gt=0)
@@ -214,7 +223,7 @@ class Scenario(_Strict):
         return [BalancerGroup(region=r, forward=kind == "two-layer", **common) for r in self.regions()]
 
     def setup(self, topology: str | None = None) -> Setup:
-        replicas = []
+        replicas: list[ReplicaSpec] = []
         for g in self.replicas:
             try:
                 prof = load_profile(g.profile)
@@ -233,7 +242,7 @@ class Scenario(_Strict):
             ids = [r.id for r in replicas if r.region in manages]
             balancers.append(BalancerSpec(f"lb-{b.region}", b.region, ids, b.probe_interval_s, b.forward,
                                           b.dispatch_tick_s))
-        rtt = {tuple(k.split("-")): v for k, v in self.network.rtt_ms.items()}
+        rtt = {_region_pair(k): v for k, v in self.network.rtt_ms.items()}
         bt = self.index_block_tokens or (512 if self.workload.kind == "mooncake" else 64)
         return Setup(replicas, balancers, Network(rtt, self.network.in_region_ms),
                      Limits(self.limits.max_requests, self.limits.max_sim_s, self.limits.drain_s),

@@ -9,7 +9,7 @@ from __future__ import annotations
 import csv
 import json
 import random
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from datetime import datetime
 from pathlib import Path
 
@@ -99,7 +99,7 @@ def _int_field(obj: dict, field: str, where: str, minimum: int = 0) -> int:
 class _Regions:
     """Assigns trace requests (which carry no region) to regions by weight, deterministically."""
 
-    def __init__(self, weights: dict[str, float], seed: int):
+    def __init__(self, weights: Mapping[str, float], seed: int):
         self.regions = list(weights) or ["local"]
         self.weights = [weights[r] for r in self.regions] if weights else [1.0]
         self.rng = random.Random(seed)
@@ -123,7 +123,7 @@ class MooncakeTrace(Workload):
     name = "mooncake"
 
     def __init__(self, path: str | Path, time_scale: float = 1.0, rate: float | None = None,
-                 regions: dict[str, float] | None = None, seed: int = 0, skip_bad: bool = False,
+                 regions: Mapping[str, float] | None = None, seed: int = 0, skip_bad: bool = False,
                  max_requests: int | None = None, max_prompt_tokens: int | None = None,
                  max_output_tokens: int | None = None):
         """``max_prompt_tokens`` drops longer requests (counted in ``dropped``); ``max_output_tokens``
