@@ -6,7 +6,12 @@ STAMP   := $(VENV)/.installed
 DEVSTAMP:= $(VENV)/.installed-dev
 OUT     ?= out
 
-.PHONY: install install-dev demo test bench clean
+.PHONY: install install-dev demo lint test bench clean
+
+# held to mypy --strict: the pure layers and the gateway's protocols
+STRICT  := src/kvroute/model src/kvroute/prefix src/kvroute/policy src/kvroute/gateway/breaker.py \
+           src/kvroute/gateway/http.py src/kvroute/gateway/upstream.py
+COV_MIN ?= 75
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -27,14 +32,20 @@ install-dev: $(DEVSTAMP)
 demo: $(STAMP)
 	$(BIN)/kvroute demo --out $(OUT)
 
-test: $(DEVSTAMP)
-	$(BIN)/python -m pytest
+lint: $(DEVSTAMP)
+	$(BIN)/ruff check src tests
+	$(BIN)/mypy
+	$(BIN)/mypy --strict --follow-imports=silent $(STRICT)
+
+test: lint
+	$(BIN)/python -m pytest --cov --cov-report=term:skip-covered --cov-fail-under=$(COV_MIN)
 
 bench: $(STAMP)
 	mkdir -p $(OUT)
 	$(BIN)/kvroute bench routing --json $(OUT)/bench-routing.json
 	$(BIN)/kvroute bench sim-speed --json $(OUT)/bench-sim-speed.json
 	$(BIN)/kvroute bench gateway --json $(OUT)/bench-gateway.json
+	$(BIN)/kvroute bench hostile --json $(OUT)/bench-hostile.json
 
 clean:
 	rm -rf $(VENV) $(OUT) .pytest_cache

@@ -86,7 +86,7 @@ def _raw(port: int, payload: bytes, read_until: bytes = b"\r\n0\r\n\r\n", timeou
         while True:
             try:
                 data = s.recv(65536)
-            except socket.timeout:
+            except TimeoutError:
                 break
             if not data:
                 break

@@ -83,13 +83,15 @@ def cmd_bench_gateway(args: argparse.Namespace) -> int:
             table = Table(title=f"{label} vs direct, {mode} ({args.requests} requests × {args.repeats}, "
                                 f"concurrency {args.concurrency}, upstream delay {args.upstream_delay_ms:g} ms, "
                                 f"medians)")
-            for col in ("preset", "via req/s", "direct req/s", "ratio (spread)", "added p50 (spread)",
-                        "added p99 (spread)"):
+            for col in ("preset", "via req/s", "direct req/s", "ratio (spread)", "gateway CPU µs/req (spread)",
+                        "added p50 (spread)", "added p99 (spread)"):
                 table.add_column(col, justify="left" if col == "preset" else "right")
             for name, r in rows[mode].items():
                 lo, hi = r["rps_ratio_spread"]
+                clo, chi = r["gateway_cpu_us_per_req_spread"]
                 table.add_row(name, f"{r['gateway_rps']:,.0f}", f"{r['direct_rps']:,.0f}",
                               f"{r['rps_ratio']:.2f}x ({lo:.2f}–{hi:.2f})",
+                              f"{r['gateway_cpu_us_per_req']:.0f} ({clo:.0f}–{chi:.0f})",
                               gateway.added_text(r, "p50"), gateway.added_text(r, "p99"))
             console.print(table)
     write_json(args.json, result)

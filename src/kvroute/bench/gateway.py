@@ -69,7 +69,8 @@ import uvloop; uvloop.run(main())
 CLIENT = r'''
 import asyncio, itertools, json, sys, time
 from kvroute.gateway.upstream import UpstreamError, UpstreamPool
-urls, n, conc, stream, limit_s = sys.argv[1].split(","), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1", float(sys.argv[5])
+urls, n, conc = sys.argv[1].split(","), int(sys.argv[2]), int(sys.argv[3])
+stream, limit_s = sys.argv[4] == "1", float(sys.argv[5])
 body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "Say ok. " * 8}], "max_tokens": 16,
                    "stream": stream}).encode()
 headers = [("Content-Type", "application/json")]
@@ -154,6 +155,25 @@ def _load(urls: list[str], n: int, conc: int, stream: bool, limit_s: float) -> d
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def _proc_stats(pid: int) -> tuple[float, float]:
+    """(resident MB, CPU seconds) of a process, from /proc."""
+    with open(f"/proc/{pid}/status") as f:
+        rss_kb = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    ticks = os.sysconf("SC_CLK_TCK")
+    return rss_kb / 1024, (int(fields[11]) + int(fields[12])) / ticks
+
+
+def _load_via(pid: int, port: int, n: int, conc: int, stream: bool, limit_s: float) -> dict:
+    """A load through one gateway, with the gateway process's CPU time per completed request:
+    unlike throughput, that does not depend on what else the shared cores are doing."""
+    cpu0 = _proc_stats(pid)[1]
+    out = _load([f"http://127.0.0.1:{port}"], n, conc, stream, limit_s)
+    out["cpu_us_per_req"] = (_proc_stats(pid)[1] - cpu0) * 1e6 / max(1, out["ok"] + out["errors"])
+    return out
+
+
 def _compare(direct: list[dict], via: list[dict]) -> dict:
     """Gateway vs direct from paired repeats (repeat i of each ran back to back).
 
@@ -166,6 +186,10 @@ def _compare(direct: list[dict], via: list[dict]) -> dict:
     row = {"gateway_rps": round(med(r["rps"] for r in via), 1),
            "direct_rps": round(med(r["rps"] for r in direct), 1),
            "errors": sum(r["errors"] for r in via)}
+    cpu = [r["cpu_us_per_req"] for r in via if "cpu_us_per_req" in r]
+    if cpu:
+        row["gateway_cpu_us_per_req"] = round(med(cpu), 1)
+        row["gateway_cpu_us_per_req_spread"] = [round(min(cpu), 1), round(max(cpu), 1)]
     ratios = [v["rps"] / d["rps"] for d, v in zip(direct, via) if d["rps"] > 0]
     row["rps_ratio"] = round(med(ratios), 3) if ratios else 0.0
     row["rps_ratio_spread"] = [round(min(ratios), 3), round(max(ratios), 3)] if ratios else [0.0, 0.0]
@@ -235,20 +259,20 @@ def run(requests: int = 20000, concurrency: int = 32, repeats: int = 3, limit_s:
                         via: dict[str, list[dict]] = {name: [] for name in gateways}
                         for _ in range(repeats):  # interleaved so drift hits every variant alike
                             direct.append(_load(direct_urls, requests, concurrency, stream, limit_s))
-                            for name, (_, port) in gateways.items():
-                                via[name].append(_load([f"http://127.0.0.1:{port}"], requests, concurrency,
-                                                       stream, limit_s))
+                            for name, (proc, port) in gateways.items():
+                                via[name].append(_load_via(proc.pid, port, requests, concurrency, stream, limit_s))
                         for name, runs in via.items():
                             row = _compare(direct, runs)
                             (result if name == "gateway" else result["baseline"])[mode][preset] = row
                             progress(f"{preset} {mode} ({name}): {row['gateway_rps']:.0f} vs "
-                                     f"{row['direct_rps']:.0f} req/s ({row['rps_ratio']:.2f}x), added p50 "
+                                     f"{row['direct_rps']:.0f} req/s ({row['rps_ratio']:.2f}x), "
+                                     f"{row['gateway_cpu_us_per_req']:.0f} µs CPU/request, added p50 "
                                      f"{added_text(row, 'p50')}, p99 {added_text(row, 'p99')}")
                 finally:
                     for proc, _ in gateways.values():
                         _stop(proc)
                         procs.remove(proc)
     finally:
-        for p in procs:
-            _stop(p)
+        for proc in procs:
+            _stop(proc)
     return result

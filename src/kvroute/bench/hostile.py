@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -21,20 +20,10 @@ import threading
 import time
 from pathlib import Path
 
-from kvroute.bench.gateway import UPSTREAM, _free_ports, _gateway, _load, _stop, _wait_port
+from kvroute.bench.gateway import UPSTREAM, _free_ports, _gateway, _load, _proc_stats, _stop, _wait_port
 
 ATTACKS = ("idle-2000", "slow-headers-200", "tiny-chunks-80057", "pipelined-200x1MiB")
 HEAD = b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
-
-
-def _proc_stats(pid: int) -> tuple[float, float]:
-    """(resident MB, CPU seconds) of a process, from /proc."""
-    with open(f"/proc/{pid}/status") as f:
-        rss_kb = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    ticks = os.sysconf("SC_CLK_TCK")
-    return rss_kb / 1024, (int(fields[11]) + int(fields[12])) / ticks
 
 
 def _chat(text: str) -> bytes:
@@ -180,6 +169,6 @@ def run(requests: int = 2000, concurrency: int = 8, limit_s: float = 60.0, attac
                         _stop(gw)
                         procs.remove(gw)
     finally:
-        for p in procs:
-            _stop(p)
+        for proc in procs:
+            _stop(proc)
     return result

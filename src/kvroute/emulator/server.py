@@ -213,7 +213,8 @@ def build_app(emu: Emulator) -> web.Application:
         i = 0
         async for _ in gen:
             if f.close_after_tokens is not None and i >= f.close_after_tokens:
-                request.transport.close()  # abrupt: no terminating chunk
+                if request.transport is not None:
+                    request.transport.close()  # abrupt: no terminating chunk
                 await gen.aclose()
                 return resp
             delta = ({"index": 0, "delta": ({"role": "assistant", "content": f"t{i} "} if i == 0
@@ -286,5 +287,5 @@ async def start_emulator(host: str, port: int, profile: str | HardwareProfile = 
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()
-    bound = site._server.sockets[0].getsockname()[1]
+    bound: int = runner.addresses[0][1]
     return runner, emu, bound
