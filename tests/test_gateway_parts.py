@@ -7,24 +7,37 @@ import pytest
 
 from kvroute import yamlconf
 from kvroute.gateway.config import GatewayConfig, load_config
-from kvroute.gateway.probes import ProbeError, parse_prometheus, read_indicators
+from kvroute.gateway.probes import ProbeError, parse_prometheus, read_indicators, restarted
 from tests.gateway_harness import LiveDeployment
 
 
-def test_parse_prometheus_takes_first_sample_and_ignores_labels_and_comments():
+def test_probe_sums_label_sets_averages_kv_and_ignores_other_metrics():
+    # two data-parallel ranks: the replica runs 1 + 7 requests, not the first rank's 1
     text = ('# HELP vllm:num_requests_running x\n# TYPE vllm:num_requests_running gauge\n'
-            'vllm:num_requests_running{model_name="a",engine="0"} 3\n'
-            'vllm:num_requests_running{model_name="b"} 9\n'
-            'vllm:num_requests_waiting 2.0\nvllm:kv_cache_usage_perc{x="y z"} 0.25\nbroken line here\n')
-    s = parse_prometheus(text)
-    assert s["vllm:num_requests_running"] == 3 and s["vllm:num_requests_waiting"] == 2
-    assert s["vllm:kv_cache_usage_perc"] == 0.25
+            'vllm:num_requests_running{model_name="a",engine="0"} 1\n'
+            'vllm:num_requests_running{model_name="a",engine="1"} 7\n'
+            'vllm:num_requests_waiting 2.0\nvllm:kv_cache_usage_perc{engine="0"} 0.2\n'
+            'vllm:kv_cache_usage_perc{engine="1"} 0.4\nvllm:num_requests_running_other 99\n'
+            'vllm:prompt_tokens_total 1234\nprocess_start_time_seconds 1.7e9\nbroken line here\n')
+    r = read_indicators(parse_prometheus(text))
+    assert (r.engine, r.running, r.waiting) == ("vllm", 8, 2)
+    assert r.kv_usage == pytest.approx(0.3) and r.prompt_tokens_total == 1234 and r.start_time == 1.7e9
+
+
+def test_restarts_are_recognised_by_start_time_or_a_counter_going_back():
+    def reading(total, start=None):
+        text = f"vllm:num_requests_running 0\nvllm:prompt_tokens_total {total}\n"
+        return read_indicators(parse_prometheus(text + (f"process_start_time_seconds {start}\n" if start else "")))
+    assert not restarted(None, reading(5))
+    assert not restarted(reading(5), reading(9))
+    assert restarted(reading(5000), reading(12))  # counters reset (llama.cpp exports no start time)
+    assert restarted(reading(5, start=100.0), reading(9, start=160.0))
 
 
 @pytest.mark.parametrize("engine, text", [
     ("vllm", "vllm:num_requests_running 4\nvllm:num_requests_waiting 1\nvllm:gpu_cache_usage_perc 0.5\n"),
     ("sglang", "sglang:num_running_reqs 4\nsglang:num_queue_reqs 1\nsglang:token_usage 0.5\n"),
-    ("llamacpp", "llamacpp:requests_processing 4\nllamacpp:requests_deferred 1\n"),
+    ("llamacpp", "llamacpp:requests_processing 4\nllamacpp:requests_deferred 1\n"),  # no KV usage
 ])
 def test_each_engine_is_detected_and_read(engine, text):
     r = read_indicators(parse_prometheus(text))

@@ -248,8 +248,14 @@ def cmd_emulate(args: argparse.Namespace) -> int:
     except ProfileError as exc:
         err.print(f"[red]error:[/red] {exc}", highlight=False)
         return 2
-    faults = Faults(fail_rate=args.fail_rate, hang=args.hang, close_after_tokens=args.close_after_tokens,
-                    slowdown=args.slowdown)
+    faults = Faults()
+    try:
+        faults.update({"fail_rate": args.fail_rate, "hang": args.hang, "close_after_tokens": args.close_after_tokens,
+                       "slowdown": args.slowdown, "close_after_stream": args.close_after_stream,
+                       "ignore_disconnect": args.ignore_disconnect})
+    except ValueError as exc:
+        err.print(f"[red]error:[/red] {exc}", highlight=False)
+        return 2
 
     async def main() -> None:
         import asyncio
@@ -370,6 +376,10 @@ def build_parser() -> argparse.ArgumentParser:
     em.add_argument("--close-after-tokens", type=int, dest="close_after_tokens",
                     help="drop streams after this many tokens")
     em.add_argument("--slowdown", type=float, default=1.0, help="model time runs this many times slower")
+    em.add_argument("--close-after-stream", action="store_true", dest="close_after_stream",
+                    help="close the connection after every stream while advertising Keep-Alive (llama-server)")
+    em.add_argument("--ignore-disconnect", action="store_true", dest="ignore_disconnect",
+                    help="non-stream requests run to the end after the client left (llama-server)")
     em.set_defaults(func=cmd_emulate)
 
     bg = bench.add_parser("gateway", help="gateway vs direct throughput and added latency")

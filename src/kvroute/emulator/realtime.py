@@ -16,14 +16,27 @@ class RealtimeLoop:
 
     def __init__(self, loop: asyncio.AbstractEventLoop | None = None, slowdown: float = 1.0):
         self._loop = loop
-        self._t0 = time.monotonic()
-        self.slowdown = slowdown
+        self._wall0 = time.monotonic()  # model time ``_model0`` was reached at wall time ``_wall0``
+        self._model0 = 0.0
+        self._slowdown = slowdown
+
+    @property
+    def slowdown(self) -> float:
+        return self._slowdown
+
+    @slowdown.setter
+    def slowdown(self, value: float) -> None:
+        """Change the pace from now on; model time never jumps (nor runs backwards)."""
+        if value <= 0:
+            raise ValueError(f"slowdown must be > 0, got {value}")
+        self._model0, self._wall0 = self.now, time.monotonic()
+        self._slowdown = value
 
     @property
     def now(self) -> float:
-        return (time.monotonic() - self._t0) / self.slowdown
+        return self._model0 + (time.monotonic() - self._wall0) / self._slowdown
 
     def at(self, t: float, fn: Callable[[Any], None], arg: Any = None) -> None:
         loop = self._loop or asyncio.get_running_loop()
-        delay = max(0.0, (t - self.now) * self.slowdown)
+        delay = max(0.0, (t - self.now) * self._slowdown)
         loop.call_later(delay, fn, arg)

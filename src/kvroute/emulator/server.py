@@ -34,11 +34,42 @@ DEFAULT_MAX_TOKENS = 16
 
 @dataclass
 class Faults:
-    fail_rate: float = 0.0
-    hang: bool = False
-    close_after_tokens: int | None = None
-    slowdown: float = 1.0
-    probe_hang: bool = False
+    """Fault and behaviour knobs, settable at start (flags) or at run time (``POST /_fault``)."""
+
+    fail_rate: float = 0.0  # share of requests answered 500
+    hang: bool = False  # accept requests and never answer
+    close_after_tokens: int | None = None  # cut every stream after this many tokens
+    slowdown: float = 1.0  # model time runs this many times slower
+    probe_hang: bool = False  # /metrics and /health never answer
+    # what llama-server (llama-cpp-python 0.3.36) does, see shared/design/facts.md:
+    close_after_stream: bool = False  # close the connection after each stream despite Keep-Alive
+    ignore_disconnect: bool = False  # a non-stream request runs on after its client left
+
+    def update(self, changes: dict[str, object]) -> None:
+        """Apply run-time changes, all or none; a bad name or value raises ValueError naming it."""
+        allowed = set(self.__dataclass_fields__)
+        unknown = sorted(set(changes) - allowed)
+        if unknown:
+            raise ValueError(f"unknown fault(s) {', '.join(unknown)}; allowed: {', '.join(sorted(allowed))}")
+        checked = {name: _check_fault(name, value) for name, value in changes.items()}
+        for name, value in checked.items():
+            setattr(self, name, value)
+
+
+def _check_fault(name: str, value: object) -> object:
+    if name in ("hang", "probe_hang", "close_after_stream", "ignore_disconnect"):
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} must be true or false, got {value!r}")
+    elif name == "fail_rate":
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
+            raise ValueError(f"fail_rate must be a number from 0 to 1, got {value!r}")
+    elif name == "slowdown":
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 1000:
+            raise ValueError(f"slowdown must be a number > 0 and <= 1000, got {value!r}")
+    elif name == "close_after_tokens":
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise ValueError(f"close_after_tokens must be null or an integer >= 0, got {value!r}")
+    return value
 
 
 @dataclass
@@ -60,9 +91,18 @@ class Emulator:
         self.rng = random.Random(seed)
         self.hasher = BlockHasher(block_tokens)
         self.clock = RealtimeLoop(slowdown=self.faults.slowdown)
-        self.engine = Engine("emulated", profile, self.clock, self._first_token, self._finished,
-                             on_step=self._stepped, max_jump_steps=1)
         self.streams: dict[str, _Stream] = {}
+        self.restart()
+
+    def restart(self) -> None:
+        """A fast engine restart: empty cache, counters from zero, a new process start time;
+        requests in flight are cut."""
+        for st in self.streams.values():
+            st.queue.put_nowait(None)
+        self.streams.clear()
+        self.engine = Engine("emulated", self.profile, self.clock, self._first_token, self._finished,
+                             on_step=self._stepped, max_jump_steps=1)
+        self.started_at = time.time()
         self.requests_total = 0
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
@@ -133,23 +173,26 @@ class Emulator:
             lines.extend([f"# HELP {name} {help_}", f"# TYPE {name} gauge",
                           f'{name}{{model_name="{self.model}"}} {value}'])
 
+        def counter(name: str, value: float, help_: str) -> None:
+            lines.extend([f"# HELP {name} {help_}", f"# TYPE {name} counter", f"{name} {value}"])
+
         if self.engine_type == "vllm":
             gauge("vllm:num_requests_running", running, "Requests in the running batch.")
             gauge("vllm:num_requests_waiting", waiting, "Requests waiting to be scheduled.")
-            gauge("vllm:gpu_cache_usage_perc", usage, "KV-cache usage, 0..1 (vLLM v0 name).")
-            gauge("vllm:kv_cache_usage_perc", usage, "KV-cache usage, 0..1.")
+            gauge("vllm:kv_cache_usage_perc", usage, "KV-cache usage, 0..1 (blocks held by requests).")
+            counter("vllm:prompt_tokens_total", self.prompt_tokens_total, "Prefill tokens processed.")
+            counter("process_start_time_seconds", self.started_at, "Start time of the process.")
         elif self.engine_type == "sglang":
             gauge("sglang:num_running_reqs", running, "Running requests.")
             gauge("sglang:num_queue_reqs", waiting, "Queued requests.")
             gauge("sglang:token_usage", usage, "KV token usage, 0..1.")
-        else:
+            counter("sglang:prompt_tokens_total", self.prompt_tokens_total, "Prefill tokens processed.")
+            counter("process_start_time_seconds", self.started_at, "Start time of the process.")
+        else:  # llama-server's set: no KV-usage gauge, no process metrics
             gauge("llamacpp:requests_processing", running, "Requests being processed.")
             gauge("llamacpp:requests_deferred", waiting, "Requests deferred (queued).")
-            gauge("llamacpp:kv_cache_usage_ratio", usage, "KV-cache usage, 0..1.")
-            lines += ["# TYPE llamacpp:prompt_tokens_total counter",
-                      f"llamacpp:prompt_tokens_total {self.prompt_tokens_total}",
-                      "# TYPE llamacpp:tokens_predicted_total counter",
-                      f"llamacpp:tokens_predicted_total {self.generation_tokens_total}"]
+            counter("llamacpp:prompt_tokens_total", self.prompt_tokens_total, "Prompt tokens processed.")
+            counter("llamacpp:tokens_predicted_total", self.generation_tokens_total, "Tokens generated.")
         return "\n".join(lines) + "\n"
 
 
@@ -199,15 +242,23 @@ def build_app(emu: Emulator) -> web.Application:
         usage: dict = {}
         gen = emu.generate(key, max_tokens, usage)
         if not stream:
-            n = 0
-            async for _ in gen:
-                n += 1
+            async def run_to_end() -> int:
+                n = 0
+                async for _ in gen:
+                    n += 1
+                return n
+            work = asyncio.ensure_future(run_to_end())
+            # llama-server keeps generating a non-stream answer after its client left
+            n = await (asyncio.shield(work) if f.ignore_disconnect else work)
             text = " ".join(f"t{i}" for i in range(n))
             choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}
                       if chat else {"index": 0, "text": text, "finish_reason": "length", "logprobs": None})
             return web.json_response({"id": cid, "object": obj, "created": created, "model": emu.model,
                                       "choices": [choice], "usage": usage})
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        if f.close_after_stream:
+            headers["Keep-Alive"] = "timeout=5, max=100"  # advertised, and then not honoured
+        resp = web.StreamResponse(headers=headers)
         await resp.prepare(request)
         chunk_obj = "chat.completion.chunk" if chat else "text_completion"
         i = 0
@@ -229,6 +280,8 @@ def build_app(emu: Emulator) -> web.Application:
                 "usage": usage}
         await resp.write(f"data: {json.dumps(tail)}\n\ndata: [DONE]\n\n".encode())
         await resp.write_eof()
+        if f.close_after_stream and request.transport is not None:
+            request.transport.close()  # after the last chunk is flushed, like llama-server
         return resp
 
     async def chat(request):
@@ -259,14 +312,16 @@ def build_app(emu: Emulator) -> web.Application:
 
     async def fault(request):
         body = await _read_json(request)
-        allowed = set(Faults.__dataclass_fields__)
-        unknown = sorted(set(body) - allowed)
-        if unknown:
-            return _error(400, f"unknown fault(s) {', '.join(unknown)}; allowed: {', '.join(sorted(allowed))}")
-        for k, v in body.items():
-            setattr(emu.faults, k, v)
-        emu.clock.slowdown = emu.faults.slowdown
+        try:
+            emu.faults.update(body)
+            emu.clock.slowdown = emu.faults.slowdown
+        except ValueError as exc:
+            return _error(400, str(exc))
         return web.json_response({"faults": emu.faults.__dict__})
+
+    async def restart(request):
+        emu.restart()
+        return web.json_response({"restarted_at": emu.started_at})
 
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_post("/v1/completions", complete)
@@ -275,6 +330,7 @@ def build_app(emu: Emulator) -> web.Application:
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/get_load", get_load)
     app.router.add_post("/_fault", fault)
+    app.router.add_post("/_restart", restart)
     return app
 
 

@@ -65,12 +65,33 @@ class _LiveCollector:
         inflight = GaugeMetricFamily("kvroute_inflight", "Router-side in-flight requests", labels=["replica"])
         circuit = GaugeMetricFamily("kvroute_circuit_state", "0 closed, 1 open, 2 half-open", labels=["replica"])
         healthy = GaugeMetricFamily("kvroute_replica_healthy", "1 if the replica passes probes", labels=["replica"])
+        running = GaugeMetricFamily("kvroute_replica_running", "Running requests at the last probe",
+                                    labels=["replica"])
+        waiting = GaugeMetricFamily("kvroute_replica_waiting", "Waiting requests at the last probe",
+                                    labels=["replica"])
+        kv = GaugeMetricFamily("kvroute_replica_kv_usage", "KV-cache usage at the last probe, 0..1 "
+                               "(absent when the engine does not export it)", labels=["replica"])
+        rtt = GaugeMetricFamily("kvroute_replica_probe_rtt_seconds", "Probe round trip, EWMA", labels=["replica"])
+        engine = GaugeMetricFamily("kvroute_replica_engine", "1 for the engine type probes detected",
+                                   labels=["replica", "engine"])
+        restarts = CounterMetricFamily("kvroute_replica_restarts", "Engine restarts detected by probes",
+                                       labels=["replica"])
         ratio = GaugeMetricFamily("kvroute_prefix_hit_ratio", "Expected cached share of routed prompt tokens")
         for ep in rt.router.endpoints:
             up = rt.upstreams[ep.id]
             inflight.add_metric([ep.id], ep.inflight)
             circuit.add_metric([ep.id], int(up.breaker.state))
             healthy.add_metric([ep.id], 1 if ep.healthy else 0)
+            restarts.add_metric([ep.id], up.restarts)
+            reading = up.reading
+            if reading is not None:
+                running.add_metric([ep.id], reading.running)
+                waiting.add_metric([ep.id], reading.waiting)
+                engine.add_metric([ep.id, reading.engine], 1)
+                if reading.kv_usage is not None:
+                    kv.add_metric([ep.id], reading.kv_usage)
+            if up.rtt_ewma_s is not None:
+                rtt.add_metric([ep.id], up.rtt_ewma_s)
         total = rt.prompt_tokens_routed
         ratio.add_metric([], rt.hit_tokens_routed / total if total else 0.0)
         prompt = CounterMetricFamily("kvroute_prompt_tokens", "Estimated prompt tokens routed")
@@ -80,7 +101,4 @@ class _LiveCollector:
         hits.add_metric([], rt.hit_tokens_routed)
         yield prompt
         yield hits
-        yield inflight
-        yield circuit
-        yield healthy
-        yield ratio
+        yield from (inflight, circuit, healthy, running, waiting, kv, rtt, engine, restarts, ratio)

@@ -1,61 +1,72 @@
-"""Probing engines: parse Prometheus text, map each engine's metric names to indicators.
+"""Probing engines: read the load metrics each engine exports in Prometheus text.
 
 | engine    | running                      | waiting (pending)          | KV usage                               |
 |-----------|------------------------------|----------------------------|----------------------------------------|
 | vLLM      | vllm:num_requests_running    | vllm:num_requests_waiting  | vllm:kv_cache_usage_perc (or gpu_...)  |
 | SGLang    | sglang:num_running_reqs      | sglang:num_queue_reqs      | sglang:token_usage                     |
-| llama.cpp | llamacpp:requests_processing | llamacpp:requests_deferred | llamacpp:kv_cache_usage_ratio (if any) |
+| llama.cpp | llamacpp:requests_processing | llamacpp:requests_deferred | none exported (llama-server 0.3.36)    |
 
-The engine type can be configured or detected from which names a scrape contains.
+The engine type can be configured or detected from which names a scrape contains. An engine with
+several label sets for one metric (data-parallel ranks, several models) is read as the sum of its
+counts and the mean of its KV usage. A restart is recognised when the process start time changes
+or the engine's prompt-token counter goes backwards; the gateway then forgets what the replica's
+cache held.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-ENGINE_METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
+ENGINE_METRICS: dict[str, tuple[str, str, tuple[str, ...], str]] = {
+    # engine: (running, waiting, KV-usage names, a counter that only grows while the process lives)
     "vllm": ("vllm:num_requests_running", "vllm:num_requests_waiting",
-             ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")),
-    "sglang": ("sglang:num_running_reqs", "sglang:num_queue_reqs", ("sglang:token_usage",)),
+             ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"), "vllm:prompt_tokens_total"),
+    "sglang": ("sglang:num_running_reqs", "sglang:num_queue_reqs", ("sglang:token_usage",),
+               "sglang:prompt_tokens_total"),
     "llamacpp": ("llamacpp:requests_processing", "llamacpp:requests_deferred",
-                 ("llamacpp:kv_cache_usage_ratio",)),
+                 ("llamacpp:kv_cache_usage_ratio",), "llamacpp:prompt_tokens_total"),
 }
+START_TIME = "process_start_time_seconds"
+WANTED = tuple(sorted({START_TIME, *(n for names in ENGINE_METRICS.values()
+                                      for n in (names[0], names[1], *names[2], names[3]))}))
 
 
 class ProbeError(Exception):
     """A scrape answered, but without usable load metrics."""
 
 
-def parse_prometheus(text: str) -> dict[str, float]:
-    """First sample of every metric in a Prometheus text exposition (labels ignored)."""
-    out: dict[str, float] = {}
+def parse_prometheus(text: str, wanted: tuple[str, ...] = WANTED) -> dict[str, list[float]]:
+    """Every sample of the ``wanted`` metrics in a Prometheus text exposition, one value per
+    label set. Lines of other metrics are skipped with one ``startswith`` each, so a large
+    exposition (histograms of every engine stage) stays cheap to read every 100 ms."""
+    out: dict[str, list[float]] = {}
     for line in text.splitlines():
-        if not line or line[0] == "#":
+        if not line.startswith(wanted):
             continue
-        name_end = len(line)
-        for i, ch in enumerate(line):
-            if ch in "{ ":
-                name_end = i
-                break
-        name = line[:name_end]
-        if name in out:
+        cut = len(line)
+        for sep in ("{", " "):
+            at = line.find(sep)
+            if 0 <= at < cut:
+                cut = at
+        name = line[:cut]
+        if name not in wanted:  # a longer name sharing a wanted prefix (…_total_created)
             continue
-        rest = line[name_end:]
+        rest = line[cut:]
         if rest.startswith("{"):
-            close = rest.rfind("}")
-            rest = rest[close + 1:]
+            rest = rest[rest.rfind("}") + 1:]
         fields = rest.split()
         if not fields:
             continue
         try:
-            out[name] = float(fields[0])
+            out.setdefault(name, []).append(float(fields[0]))
         except ValueError:
             continue
     return out
 
 
-def detect_engine(samples: dict[str, float]) -> str | None:
-    for engine, (running, waiting, _) in ENGINE_METRICS.items():
+def detect_engine(samples: dict[str, list[float]]) -> str | None:
+    """Which engine's metric names a scrape carries."""
+    for engine, (running, waiting, _, _) in ENGINE_METRICS.items():
         if running in samples or waiting in samples:
             return engine
     return None
@@ -63,20 +74,39 @@ def detect_engine(samples: dict[str, float]) -> str | None:
 
 @dataclass(slots=True)
 class Reading:
+    """What one probe learned about a replica."""
+
     engine: str
     running: int
     waiting: int
-    kv_usage: float | None
+    kv_usage: float | None  # None: the engine does not export it
+    prompt_tokens_total: float | None  # for restart detection
+    start_time: float | None
 
 
-def read_indicators(samples: dict[str, float], engine: str = "auto") -> Reading:
+def read_indicators(samples: dict[str, list[float]], engine: str = "auto") -> Reading:
+    """The load indicators of ``engine`` (or the detected one) from parsed samples."""
     if engine == "auto":
         detected = detect_engine(samples)
         if detected is None:
             raise ProbeError("no vLLM, SGLang or llama.cpp load metrics in /metrics")
         engine = detected
-    running_name, waiting_name, kv_names = ENGINE_METRICS[engine]
+    running_name, waiting_name, kv_names, counter = ENGINE_METRICS[engine]
     if running_name not in samples and waiting_name not in samples:
         raise ProbeError(f"/metrics has neither {running_name} nor {waiting_name}")
     kv = next((samples[n] for n in kv_names if n in samples), None)
-    return Reading(engine, int(samples.get(running_name, 0)), int(samples.get(waiting_name, 0)), kv)
+    start = samples.get(START_TIME)
+    total = samples.get(counter)
+    return Reading(engine, int(sum(samples.get(running_name, ()))), int(sum(samples.get(waiting_name, ()))),
+                   sum(kv) / len(kv) if kv else None, sum(total) if total else None,
+                   min(start) if start else None)
+
+
+def restarted(before: Reading | None, now: Reading) -> bool:
+    """Whether the engine process restarted between two readings (and lost its cache)."""
+    if before is None:
+        return False
+    if before.start_time is not None and now.start_time is not None and now.start_time != before.start_time:
+        return True
+    return (before.prompt_tokens_total is not None and now.prompt_tokens_total is not None
+            and now.prompt_tokens_total < before.prompt_tokens_total)

@@ -18,7 +18,7 @@ import aiohttp
 from kvroute.gateway.breaker import CircuitBreaker
 from kvroute.gateway.config import GatewayConfig, ReplicaConfig
 from kvroute.gateway.metrics import GatewayMetrics
-from kvroute.gateway.probes import ProbeError, parse_prometheus, read_indicators
+from kvroute.gateway.probes import ProbeError, Reading, parse_prometheus, read_indicators, restarted
 from kvroute.gateway.upstream import UpstreamPool
 from kvroute.model import Decision, DecisionKind, Endpoint, Request
 from kvroute.policy import DispatchPacer, Router
@@ -36,6 +36,8 @@ class Upstream:
     probe_fail_streak: int = 0
     probe_ok_streak: int = 0
     rtt_ewma_s: float | None = None
+    reading: Reading | None = None  # the last successful probe
+    restarts: int = 0
 
 
 @dataclass
@@ -319,6 +321,15 @@ class Runtime:
         ep.rtt_s = up.rtt_ewma_s
         if up.engine == "auto":
             up.engine = reading.engine
+        if restarted(up.reading, reading):  # a restart faster than ejection: the cache is gone
+            up.restarts += 1
+            self.router.prefix.clear(ep.id)
+            log.warning("replica %s restarted (process start time or counters reset); its cache entries "
+                        "are forgotten", ep.id)
+        elif up.reading is None and reading.kv_usage is None:
+            log.info("replica %s (%s) exports no KV-cache usage; KV-aware scores treat it as empty",
+                     ep.id, reading.engine)
+        up.reading = reading
         ep.apply_probe(reading.running, reading.waiting, reading.kv_usage)
         up.probe_fail_streak = 0
         up.probe_ok_streak += 1

@@ -108,7 +108,9 @@ class Engine:
         return len(self.prefilling) + len(self.decoding)
 
     def kv_usage(self, now: float) -> float:
-        used = self.used
+        """Share of KV capacity held by requests, as vLLM v1 reports it: cached blocks that no
+        request references are free (evictable), not used."""
+        used = self.used - len(self.evictable) * self.cache_bt
         jump = self._jump
         if jump is not None:
             used += jump[4] * self._steps_done(jump, now - jump[0])
