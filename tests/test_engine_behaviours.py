@@ -114,3 +114,33 @@ def test_emulator_clock_never_runs_backwards_when_the_pace_changes():
     assert clock.now >= before
     with pytest.raises(ValueError, match="slowdown"):
         Faults().update({"slowdown": 0})
+
+
+def prefix_hit_ratio(dep) -> float:
+    line = next(x for x in httpx.get(f"{dep.url}/metrics").text.splitlines()
+                if x.startswith("kvroute_prefix_hit_ratio "))
+    return float(line.split()[1])
+
+
+def test_hit_ratio_is_counted_for_presets_that_do_not_match_prefixes():
+    dep = LiveDeployment(replicas=2, policy="round_robin")
+    try:
+        for turn in range(4):  # round robin: the 3rd and 4th land where the 1st and 2nd warmed the cache
+            chat(dep, 0)
+        assert 0.4 < prefix_hit_ratio(dep) < 0.6
+    finally:
+        dep.settle()
+        dep.close()
+
+
+def test_a_request_the_engine_refused_is_neither_indexed_nor_counted(live):
+    c = openai.OpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0, timeout=20)
+    with pytest.raises(openai.BadRequestError, match="exceed"):
+        c.completions.create(model="emulated", prompt=SYSTEM, max_tokens=2_000_000_000)
+    rt = live.runtime
+
+    async def indexed():
+        hashes, _ = live.dep.gateway.proxy.hasher(SYSTEM)
+        return rt.router.prefix.match(hashes), rt.prompt_tokens_routed
+    matches, routed = live.call(indexed())
+    assert matches == {} and routed == 0

@@ -109,3 +109,16 @@ def test_hit_ratio_counts_tokens_so_a_bounded_index_does_not_overstate_it():
     req = Request("r", block_hashes=tuple(range(512)), block_tokens=64, prompt_tokens=32768)
     assert req.hit_ratio(256) == 0.5  # the indexed head of a 32K prompt is half of it
     assert req.new_prefill_tokens(256) == 16384
+
+
+def test_forget_undoes_only_the_blocks_an_insert_added_and_no_one_reused():
+    idx = PrefixIndex(capacity_blocks=100)
+    shared = [1, 2, 3]
+    idx.insert("e", shared)
+    tick = idx.insert("e", shared + [4, 5])  # a request that added blocks 4 and 5 to what was cached
+    idx.forget("e", shared + [4, 5], 3, tick)  # it failed: the engine never held 4, 5
+    assert idx.match([1, 2, 3, 4, 5])["e"] == 3 and idx.blocks("e") == 3
+    tick = idx.insert("e", shared + [6, 7])
+    idx.insert("e", shared + [6, 7, 8])  # a later request went through 6, 7: they stay
+    idx.forget("e", shared + [6, 7], 3, tick)
+    assert idx.match([1, 2, 3, 6, 7, 8])["e"] == 6

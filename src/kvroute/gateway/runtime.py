@@ -228,14 +228,25 @@ class Runtime:
         self.drain_queue()
 
     def dispatched(self, req: Request, d: Decision) -> None:
-        self.prompt_tokens_routed += req.prompt_tokens
-        self.hit_tokens_routed += req.prompt_tokens - req.new_prefill_tokens(d.matched_blocks)
+        """A decision is about to be forwarded."""
+        self.metrics.count_branch(self.policy_name, d.branch)
 
     def first_token(self, rid: str) -> None:
         self.router.on_first_token(rid)
 
-    def release(self, rid: str) -> None:
-        self.router.on_finish(rid)
+    def release(self, rid: str, served: bool = True) -> None:
+        """An attempt ended. ``served``: the engine took the request, so its prompt counts in the
+        hit ratio and stays indexed; otherwise (failed, refused) the index forgets what this
+        dispatch taught it."""
+        router = self.router
+        ticket = router.tickets.get(rid)
+        if ticket is not None and served:
+            tokens = ticket.tokens
+            self.prompt_tokens_routed += tokens
+            self.hit_tokens_routed += min(tokens, ticket.matched_blocks * router.index_block_tokens)
+            router.on_finish(rid)
+        else:
+            router.on_failed(rid)
         if self.queue:
             self.drain_queue()
 

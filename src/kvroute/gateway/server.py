@@ -228,7 +228,6 @@ class Proxy:
             assert target is not None  # a dispatch names its target
             served["replica"], served["branch"] = target, decision.branch
             rt.dispatched(req, decision)
-            rt.metrics.count_branch(rt.policy_name, decision.branch)
             failure = await self._forward(request.body, resp, route, headers, req, target, stream, t0, deadline)
             if failure is None:
                 return
@@ -257,12 +256,13 @@ class Proxy:
         rt = self.rt
         up = rt.upstreams.get(target)
         if up is None:  # removed by a reload between decision and now
-            rt.release(req.id)
+            rt.release(req.id, served=False)
             return Failure(RetryReason.REPLICA_REMOVED, f"replica {target} was removed", 503, "replica_removed")
         to = rt.config.timeouts
         path = "/v1/chat/completions" if route == "chat" else "/v1/completions"
         upstream = None
         outcome = Outcome.NEUTRAL
+        served = False  # the engine took the request (so it holds the prompt's prefix now)
         try:
             try:
                 attempt_deadline = min(deadline, time.monotonic() + to.first_byte_s)
@@ -286,6 +286,7 @@ class Proxy:
                         raise UpstreamProtocolError("upstream ended the stream before sending anything")
                 else:
                     payload = await upstream.read(budget)
+                served = status < 400  # a body, or a stream's first bytes, came back
             except UpstreamError as exc:  # nothing has reached the client yet: retryable
                 outcome = Outcome.FAILED
                 log.warning("upstream %s failed before responding: %s", target, exc)
@@ -300,7 +301,7 @@ class Proxy:
             rt.metrics.e2e.observe(time.monotonic() - t0)
             return None
         finally:
-            rt.release(req.id)
+            rt.release(req.id, served)
             rt.attempt_done(target, outcome)
             if upstream is not None:
                 upstream.release()  # kept alive when fully read; closed (cancelling upstream) otherwise

@@ -8,7 +8,7 @@ cancel, retry elsewhere); it is idempotent, so counters never drift or go negati
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from kvroute.model import Decision, Endpoint, Request
@@ -19,11 +19,14 @@ from kvroute.prefix.index import DEFAULT_MAX_BLOCKS
 
 @dataclass(slots=True)
 class Ticket:
-    """What a dispatched request added to its endpoint's counters, to undo exactly that."""
+    """What a dispatched request added to its endpoint's counters and index, to undo exactly that."""
 
     endpoint_id: str
     tokens: int
     prefill_tokens: int
+    matched_blocks: int = 0
+    index_tick: int = 0  # the prefix-index insert this dispatch made (0: none)
+    hashes: Sequence[int] = ()
 
 
 class Router:
@@ -84,7 +87,9 @@ class Router:
     def route(self, req: Request) -> Decision:
         decision = self.policy.decide(req, self.view)
         if decision.dispatched and decision.target is not None:  # a dispatch always has a target
-            self.commit(req, decision.target, decision.matched_blocks)
+            # a policy that does not match prefixes reports 0: match here, so every preset's
+            # accounting (queued prefill, hit ratio) reads the same
+            self.commit(req, decision.target, decision.matched_blocks or None)
         return decision
 
     def commit(self, req: Request, endpoint_id: str, matched_blocks: int | None = None) -> None:
@@ -98,9 +103,9 @@ class Router:
         ep.inflight_tokens += req.prompt_tokens
         ep.queued_prefill_tokens += prefill
         ep.dispatched_since_probe += 1
-        self.tickets[req.id] = Ticket(endpoint_id, req.prompt_tokens, prefill)
-        if req.block_hashes:
-            self.prefix.insert(endpoint_id, req.block_hashes)
+        hashes = req.block_hashes
+        tick = self.prefix.insert(endpoint_id, hashes) if hashes else 0
+        self.tickets[req.id] = Ticket(endpoint_id, req.prompt_tokens, prefill, matched_blocks, tick, hashes)
 
     def on_first_token(self, req_id: str) -> None:
         """Prefill is done: the request no longer adds to its endpoint's prefill backlog."""
@@ -111,6 +116,15 @@ class Router:
         if ep is not None:
             ep.queued_prefill_tokens -= t.prefill_tokens
         t.prefill_tokens = 0
+
+    def on_failed(self, req_id: str) -> None:
+        """The endpoint did not serve the request (it failed or refused it): besides undoing the
+        counters, forget the prefix blocks this dispatch taught the index, unless a later request
+        has used them since."""
+        t = self.tickets.get(req_id)
+        if t is not None and t.index_tick:
+            self.prefix.forget(t.endpoint_id, t.hashes, t.matched_blocks, t.index_tick)
+        self.on_finish(req_id)
 
     def on_finish(self, req_id: str) -> None:
         """Undo a dispatch: finished, failed, cancelled or re-routed. Safe to call twice."""

@@ -113,14 +113,15 @@ class PrefixIndex:
         return sum(len(b) for b in self._blocks.values())
 
     # -- updates ------------------------------------------------------------------------------
-    def insert(self, endpoint_id: str, hashes: Sequence[int]) -> None:
-        """Record that ``endpoint_id`` now holds the chain ``hashes`` (most recently used)."""
+    def insert(self, endpoint_id: str, hashes: Sequence[int]) -> int:
+        """Record that ``endpoint_id`` now holds the chain ``hashes`` (most recently used).
+        Returns the insert's tick (0 for an empty chain), which ``forget`` takes."""
         table = self._tables.get(endpoint_id)
         if table is None:
             self.add_endpoint(endpoint_id)
             table = self._tables[endpoint_id]
         if not hashes:
-            return
+            return 0
         limit = min(table.capacity, self.max_blocks or table.capacity)
         if len(hashes) > limit:
             hashes = hashes[:limit]  # keep the head: it is what others reuse
@@ -141,6 +142,21 @@ class PrefixIndex:
             # C-level: keep the record's blocks whose tick is still its own, then drop them
             stale = compress(old, map(old_tick.__eq__, map(blocks.get, old)))
             deque(map(blocks.pop, stale), maxlen=0)
+        return tick
+
+    def forget(self, endpoint_id: str, hashes: Sequence[int], start: int, tick: int) -> None:
+        """Undo insert ``tick`` for the blocks it added (``hashes[start:]``, those that were not
+        cached before), where no later insert has stamped them since. The blocks before
+        ``start`` stay: they were cached already. Removing a chain's tail keeps every chain
+        prefix-closed, since any later chain through these blocks would have re-stamped them."""
+        table = self._tables.get(endpoint_id)
+        if table is None:
+            return
+        blocks = table.blocks
+        limit = min(table.capacity, self.max_blocks or table.capacity)
+        for h in hashes[start:limit]:
+            if blocks.get(h) == tick:
+                del blocks[h]
 
     # -- queries ------------------------------------------------------------------------------
     def match(self, hashes: Sequence[int], endpoint_ids: Iterable[str] | None = None) -> dict[str, int]:
