@@ -125,7 +125,7 @@ def prefix_hit_ratio(dep) -> float:
 def test_hit_ratio_is_counted_for_presets_that_do_not_match_prefixes():
     dep = LiveDeployment(replicas=2, policy="round_robin")
     try:
-        for turn in range(4):  # round robin: the 3rd and 4th land where the 1st and 2nd warmed the cache
+        for _ in range(4):  # round robin: the 3rd and 4th land where the 1st and 2nd warmed the cache
             chat(dep, 0)
         assert 0.4 < prefix_hit_ratio(dep) < 0.6
     finally:
