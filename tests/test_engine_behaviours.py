@@ -144,3 +144,22 @@ def test_a_request_the_engine_refused_is_neither_indexed_nor_counted(live):
         return rt.router.prefix.match(hashes), rt.prompt_tokens_routed
     matches, routed = live.call(indexed())
     assert matches == {} and routed == 0
+
+
+def counter(dep, prefix: str) -> float:
+    return sum(float(x.rsplit(" ", 1)[1]) for x in httpx.get(f"{dep.url}/metrics").text.splitlines()
+               if x.startswith(prefix))
+
+
+def test_a_stream_the_client_abandons_is_still_counted_and_timed(live):
+    live.fault(0, slowdown=20.0)
+    live.fault(1, slowdown=20.0)
+    requests0, e2e0 = counter(live, "kvroute_requests_total{"), counter(live, "kvroute_e2e_seconds_count")
+    with httpx.stream("POST", f"{live.url}/v1/completions", timeout=10,
+                      json={"prompt": "walk away", "max_tokens": 200, "stream": True}) as r:
+        next(r.iter_lines())  # the first event, then hang up like guidellm after what it needed
+    deadline = time.monotonic() + 5
+    while counter(live, "kvroute_requests_total{") < requests0 + 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert counter(live, "kvroute_requests_total{") == requests0 + 1
+    assert counter(live, "kvroute_e2e_seconds_count") == e2e0 + 1

@@ -182,6 +182,8 @@ class Proxy:
                                           _forwarded(request.headers), served, t0)
         finally:
             rt.metrics.count_request(route, resp.status or 499, rt.policy_name)  # 499: the client left
+            if served.get("replica") is not None and resp.started:  # proxied, even if the client left
+                rt.metrics.e2e.observe(time.monotonic() - t0)
             if rt.config.access_log and req is not None:
                 self._access(resp, route, body, req, served, t0)
 
@@ -193,6 +195,8 @@ class Proxy:
                   "ms": round((time.monotonic() - t0) * 1000, 2)}
         if served["excluded"]:
             fields["failed_on"] = served["excluded"]
+        if resp.started and not resp.finished:
+            fields["aborted"] = True  # the client left mid-response
         if self.rt.config.log_prompts:
             fields["prompt"] = (chat_key(body["messages"]) if route == "chat" else str(body.get("prompt")))[:512]
         access.info("request", extra={"fields": fields})
@@ -298,7 +302,6 @@ class Proxy:
             rt.metrics.ttft.observe(time.monotonic() - t0)
             outcome = Outcome.OK if upstream.status < 500 else Outcome.NEUTRAL
             resp.send(upstream.status, payload, self._resp_headers(upstream, target), content_type=None)
-            rt.metrics.e2e.observe(time.monotonic() - t0)
             return None
         finally:
             rt.release(req.id, served)
@@ -332,7 +335,6 @@ class Proxy:
             sep = b"" if tail.endswith((b"\n\n", b"\r\n\r\n")) or not tail else b"\n\n"
             await resp.write(sep + f"data: {json.dumps(event)}\n\ndata: [DONE]\n\n".encode())
         await resp.end()
-        rt.metrics.e2e.observe(time.monotonic() - t0)
         return outcome
 
 
