@@ -163,3 +163,16 @@ def test_a_stream_the_client_abandons_is_still_counted_and_timed(live):
         time.sleep(0.05)
     assert counter(live, "kvroute_requests_total{") == requests0 + 1
     assert counter(live, "kvroute_e2e_seconds_count") == e2e0 + 1
+
+
+def test_prefix_index_is_bounded_by_the_engines_kv_capacity(live):
+    rt = live.runtime
+    emu_capacity = live.dep.emulators[0][1].engine.capacity
+
+    async def capacity():
+        return rt.router.prefix.capacity("emulated-0")
+    assert live.call(capacity()) == emu_capacity // 16 * 16 // rt.config.block_tokens  # from vLLM's metrics
+    from kvroute.gateway.config import GatewayConfig
+    from kvroute.gateway.runtime import Runtime
+    configured = Runtime(GatewayConfig(replicas=[{"url": "http://127.0.0.1:9", "id": "a", "kv_tokens": 6400}]))
+    assert configured.router.prefix.capacity("a") == 100  # 6,400 tokens / 64-token blocks

@@ -33,6 +33,11 @@ class ReplicaConfig(_Strict):
     region: str = "local"
     engine: Literal["auto", "vllm", "sglang", "llamacpp"] = "auto"
     weight: float = Field(1.0, gt=0)
+    # the engine's KV-cache capacity in tokens and batch limit; the prefix index of this replica is
+    # bounded by the capacity. Unset: learned from vLLM's cache_config_info or SGLang's
+    # max_total_num_tokens when probes see them (llama.cpp exports neither: set it, e.g. its -c)
+    kv_tokens: int | None = Field(None, gt=0)
+    max_running: int | None = Field(None, gt=0)
 
     @field_validator("url")
     @classmethod

@@ -15,6 +15,7 @@ cache held.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 ENGINE_METRICS: dict[str, tuple[str, str, tuple[str, ...], str]] = {
@@ -27,8 +28,11 @@ ENGINE_METRICS: dict[str, tuple[str, str, tuple[str, ...], str]] = {
                  ("llamacpp:kv_cache_usage_ratio",), "llamacpp:prompt_tokens_total"),
 }
 START_TIME = "process_start_time_seconds"
-WANTED = tuple(sorted({START_TIME, *(n for names in ENGINE_METRICS.values()
-                                      for n in (names[0], names[1], *names[2], names[3]))}))
+VLLM_CACHE_INFO = "vllm:cache_config_info"  # labels num_gpu_blocks and block_size
+SGLANG_CAPACITY = "sglang:max_total_num_tokens"
+WANTED = tuple(sorted({START_TIME, SGLANG_CAPACITY, *(n for names in ENGINE_METRICS.values()
+                                                      for n in (names[0], names[1], *names[2], names[3]))}))
+_LABEL = re.compile(r'(\w+)="([^"]*)"')
 
 
 class ProbeError(Exception):
@@ -82,6 +86,19 @@ class Reading:
     kv_usage: float | None  # None: the engine does not export it
     prompt_tokens_total: float | None  # for restart detection
     start_time: float | None
+    kv_tokens: int | None = None  # KV capacity, where the engine exports it
+
+
+def kv_capacity(text: str) -> int | None:
+    """KV capacity in tokens from vLLM's ``cache_config_info`` labels (a value-less info metric)."""
+    at = text.find(VLLM_CACHE_INFO + "{")
+    if at < 0:
+        return None
+    labels = dict(_LABEL.findall(text[at:text.find("}", at)]))
+    try:
+        return int(labels["num_gpu_blocks"]) * int(labels["block_size"])
+    except (KeyError, ValueError):
+        return None
 
 
 def read_indicators(samples: dict[str, list[float]], engine: str = "auto") -> Reading:
@@ -97,9 +114,10 @@ def read_indicators(samples: dict[str, list[float]], engine: str = "auto") -> Re
     kv = next((samples[n] for n in kv_names if n in samples), None)
     start = samples.get(START_TIME)
     total = samples.get(counter)
+    capacity = samples.get(SGLANG_CAPACITY)
     return Reading(engine, int(sum(samples.get(running_name, ()))), int(sum(samples.get(waiting_name, ()))),
                    sum(kv) / len(kv) if kv else None, sum(total) if total else None,
-                   min(start) if start else None)
+                   min(start) if start else None, int(sum(capacity)) if capacity else None)
 
 
 def restarted(before: Reading | None, now: Reading) -> bool:

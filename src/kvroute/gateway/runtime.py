@@ -18,7 +18,7 @@ import aiohttp
 from kvroute.gateway.breaker import CircuitBreaker
 from kvroute.gateway.config import GatewayConfig, ReplicaConfig
 from kvroute.gateway.metrics import GatewayMetrics
-from kvroute.gateway.probes import ProbeError, Reading, parse_prometheus, read_indicators, restarted
+from kvroute.gateway.probes import ProbeError, Reading, kv_capacity, parse_prometheus, read_indicators, restarted
 from kvroute.gateway.upstream import UpstreamPool
 from kvroute.model import Decision, DecisionKind, Endpoint, Request
 from kvroute.policy import DispatchPacer, Router
@@ -97,7 +97,9 @@ class Runtime:
 
     # -- replicas -------------------------------------------------------------------------------
     def _add(self, rc: ReplicaConfig) -> None:
-        ep = Endpoint(rc.name, region=rc.region, weight=rc.weight)
+        ep = Endpoint(rc.name, region=rc.region, weight=rc.weight, block_size=1, kv_blocks=rc.kv_tokens or 0)
+        if rc.max_running:
+            ep.max_running = rc.max_running
         self.router.add_endpoint(ep)
         bc = self.config.breaker
         breaker = CircuitBreaker(bc.failures, bc.cooldown_s, bc.successes)
@@ -318,6 +320,8 @@ class Runtime:
                     raise ProbeError(f"/metrics answered {resp.status}")
                 text = await resp.text()
             reading = read_indicators(parse_prometheus(text), up.engine)
+            if reading.kv_tokens is None:
+                reading.kv_tokens = kv_capacity(text)
         except (TimeoutError, aiohttp.ClientError, ProbeError, UnicodeDecodeError) as exc:
             up.probe_ok_streak = 0
             up.probe_fail_streak += 1
@@ -340,6 +344,11 @@ class Runtime:
         elif up.reading is None and reading.kv_usage is None:
             log.info("replica %s (%s) exports no KV-cache usage; KV-aware scores treat it as empty",
                      ep.id, reading.engine)
+        if reading.kv_tokens and not up.config.kv_tokens and ep.kv_blocks != reading.kv_tokens:
+            ep.kv_blocks = reading.kv_tokens  # block_size 1: capacity in tokens
+            self.router.resize_index(ep.id)
+            log.info("replica %s holds %d KV tokens (from its metrics); its prefix index is bounded to that",
+                     ep.id, reading.kv_tokens)
         up.reading = reading
         ep.apply_probe(reading.running, reading.waiting, reading.kv_usage)
         up.probe_fail_streak = 0

@@ -65,6 +65,10 @@ class Router:
         self.view.endpoints = list(self._eps.values())
         return ep
 
+    def resize_index(self, endpoint_id: str) -> None:
+        """The endpoint's KV capacity became known or changed: bound its index to it."""
+        self.prefix.add_endpoint(endpoint_id, self._index_capacity(self._eps[endpoint_id]))
+
     def _index_capacity(self, ep: Endpoint) -> int | None:
         if self.index_capacity_blocks:
             return self.index_capacity_blocks
