@@ -181,7 +181,8 @@ class Emulator:
             gauge("vllm:num_requests_waiting", waiting, "Requests waiting to be scheduled.")
             gauge("vllm:kv_cache_usage_perc", usage, "KV-cache usage, 0..1 (blocks held by requests).")
             counter("vllm:prompt_tokens_total", self.prompt_tokens_total, "Prefill tokens processed.")
-            lines.extend(["# HELP vllm:cache_config_info KV-cache configuration.", "# TYPE vllm:cache_config_info gauge",
+            lines.extend(["# HELP vllm:cache_config_info KV-cache configuration.",
+                          "# TYPE vllm:cache_config_info gauge",
                           f'vllm:cache_config_info{{block_size="16",num_gpu_blocks="{e.capacity // 16}"}} 1.0'])
             counter("process_start_time_seconds", self.started_at, "Start time of the process.")
         elif self.engine_type == "sglang":
