@@ -9,6 +9,7 @@ from kvroute.cli import main
 from kvroute.reproduce import PAPERS, markdown, reproduce
 from kvroute.reproduce.common import NOT_IMPLEMENTED, YES, Lab, ratio_agreement, similar
 from kvroute.reproduce.lmetric import capacity
+from kvroute.sim.scenario import SCENARIO_DIR
 
 TRACE = Path(__file__).resolve().parents[2] / "shared/data/traces/mooncake/conversation_trace.jsonl"
 needs_trace = pytest.mark.skipif(not TRACE.exists(), reason="shared/ traces are not beside this checkout")
@@ -40,12 +41,12 @@ def test_cli_reproduce_writes_json_and_markdown(tmp_path):
     result = json.loads((tmp_path / "g.json").read_text())
     _filled(result)
     md = (tmp_path / "g.md").read_text()
-    assert md.count("\n|") >= len(result["rows"]) + 1 and "scenarios/reproduce/gorgo-v1.yaml" in md
+    assert md.count("\n|") >= len(result["rows"]) + 1 and "reproduce/gorgo-v1" in md
     assert markdown(result) == md
 
 
 def test_every_paper_has_a_scenario_file_a_user_can_rerun():
-    scen = Path(__file__).resolve().parents[1] / "scenarios" / "reproduce"
+    scen = SCENARIO_DIR / "reproduce"
     for paper in PAPERS:
         if paper != "cascadeinfer":
             assert any(p.name.startswith(paper.split("-")[0]) for p in scen.glob("*.yaml")), paper

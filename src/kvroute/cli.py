@@ -8,6 +8,7 @@ import sys
 
 from rich.table import Table
 
+from kvroute import __version__
 from kvroute.report import console, err, routing_table, run_simulation, write_json
 
 
@@ -314,6 +315,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvroute", description="KV-cache-aware load balancer for LLM inference")
+    p.add_argument("--version", action="version", version=f"kvroute {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
     sp = sub.add_parser("policies", help="list policy presets")
@@ -328,10 +330,11 @@ def build_parser() -> argparse.ArgumentParser:
     br.set_defaults(func=cmd_bench_routing)
 
     sim = sub.add_parser("simulate", help="compare policies in the discrete-event simulator")
-    sim.add_argument("scenario", nargs="?", help="scenario YAML, or the name of a bundled one in scenarios/")
+    sim.add_argument("scenario", nargs="?", help="scenario YAML, or the name of a bundled one (kvroute/scenarios/)")
     sim.add_argument("--workload", help="chat, tot, mixed, chat-poisson, mooncake, azure, openai, or a trace file")
     sim.add_argument("--replicas", type=int, help="replicas per replica group (per region)")
-    sim.add_argument("--profile", help="hardware profile for every replica (profiles/*.yaml)")
+    sim.add_argument("--profile",
+                     help="hardware profile for every replica: a YAML file or a bundled name (kvroute/profiles/)")
     sim.add_argument("--policy", help="comma-separated presets, e.g. round_robin,skywalker,lmetric")
     sim.add_argument("--time-scale", type=float, dest="time_scale", help="stretch trace inter-arrival times")
     sim.add_argument("--rate", type=float, help="Poisson arrival rate (requests/s) instead of trace times")

@@ -1,7 +1,7 @@
 """`kvroute reproduce PAPER`: each paper's headline claims beside kvroute's simulated numbers.
 
 What each paper reports and the setups come from ``shared/design/reproduction.md``; the
-setups are readable scenario files under ``scenarios/reproduce/``. Output rows: claim | paper |
+setups are readable scenario files under ``kvroute/scenarios/reproduce/``. Output rows: claim | paper |
 kvroute | agrees? | why not.
 """
 

@@ -2,8 +2,8 @@
 
 A row states one claim of a paper, the paper's number, kvroute's number from the closest
 simulated setup, whether they agree, and — when they do not — why (setup, model limit, missing
-data). The setups are the scenario files under ``scenarios/reproduce/``; anyone can rerun one
-with ``kvroute simulate scenarios/reproduce/NAME.yaml``. Agreement is judged on direction first,
+data). The setups are bundled scenario files (``kvroute/scenarios/reproduce/``); anyone can rerun
+one with ``kvroute simulate reproduce/NAME``. Agreement is judged on direction first,
 then rough size; no model constant is ever adjusted to make a row agree (reproduction.md).
 """
 
@@ -61,7 +61,7 @@ class Lab:
             n = max(QUICK_MIN_REQUESTS, int(n * QUICK_FRACTION))
         if n:
             data.setdefault("limits", {})["max_requests"] = n
-        return parse_scenario(data, f"scenarios/reproduce/{name}.yaml")
+        return parse_scenario(data, f"reproduce/{name}")
 
     def run(self, name: str, key: str | None = None, overrides: dict | None = None,
             requests: int | None = None) -> dict:
@@ -75,7 +75,7 @@ class Lab:
         t0 = time.perf_counter()
         results = {r.label: r.result for r in run_scenario(sc)}
         self.runs[key] = results
-        self.meta[key] = {"scenario": f"scenarios/reproduce/{name}.yaml", "overrides": overrides or {},
+        self.meta[key] = {"scenario": f"reproduce/{name}", "overrides": overrides or {},
                           "requests": sc.limits.max_requests, "wall_s": round(time.perf_counter() - t0, 2),
                           "unstable": [lbl for lbl, r in results.items() if not r["load"]["stable"]]}
         return results

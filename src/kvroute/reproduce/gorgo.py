@@ -1,6 +1,6 @@
 """GORGO v1 (001_55e1ee0b5e0d1fc8.txt) and v2 (003_d2195008674d8fa4.txt) against the simulator.
 
-Setups: ``scenarios/reproduce/gorgo-v1.yaml`` (three regions, one A100/Mistral-7B each, 10 chat
+Setups: ``kvroute/scenarios/reproduce/gorgo-v1.yaml`` (three regions, one A100/Mistral-7B each, 10 chat
 clients; distributed LBs vs one central proxy) and ``gorgo-v2.yaml`` (one proxy in Ashburn,
 three single-engine regions, a Mooncake-format trace; GORGO with the paper's learned weights vs
 session affinity). GORGO v2's online tuner is not built: its rows say so.

@@ -1,6 +1,6 @@
 """LMetric (002_8c097f52e4fa5054.txt) against the simulator.
 
-Setup: ``scenarios/reproduce/lmetric.yaml`` — 16 H20 / Qwen3-30B-A3B replicas, the Mooncake
+Setup: ``kvroute/scenarios/reproduce/lmetric.yaml`` — 16 H20 / Qwen3-30B-A3B replicas, the Mooncake
 conversation trace. As in the paper, the load is set from the testbed's maximum: kvroute first
 measures the deployment's saturated throughput (round robin, trace compressed until the
 backlog grows), then replays the trace at half of it, and sweeps 30–90 % for the "every rate"

@@ -1,6 +1,6 @@
 """SkyWalker (EuroSys '26; 000_6f99922b2639b957.txt): the claims of §5 against kvroute's simulator.
 
-Setups: ``scenarios/reproduce/skywalker-{chat,tot,mixed,fig9,fig10}.yaml``. Baselines run
+Setups: ``kvroute/scenarios/reproduce/skywalker-{chat,tot,mixed,fig9,fig10}.yaml``. Baselines run
 behind ONE load balancer in the US managing every replica (Fig. 8); SkyWalker runs one LB per
 region with forwarding.
 """

@@ -21,18 +21,19 @@ One engine step runs P prefill tokens (chunked) and D decode sequences. Its time
 ``ttft_overhead_s`` is a per-request latency outside the engine's step loop (HTTP, tokenizing,
 scheduling); it adds to the first token's time without occupying the engine.
 
-Profiles live in ``profiles/*.yaml`` with every number annotated with its source.
+Profiles live in ``kvroute/profiles/*.yaml`` (package data) with every number annotated with its source.
 """
 
 from __future__ import annotations
 
 import math
+from importlib import resources
 from pathlib import Path
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-PROFILE_DIR = Path(__file__).resolve().parents[3] / "profiles"
+PROFILE_DIR = Path(str(resources.files("kvroute") / "profiles"))  # package data
 
 
 class HardwareProfile(BaseModel):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+from importlib import resources
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
@@ -30,7 +31,7 @@ from kvroute.workload import Workload
 from kvroute.workload.synthetic import ChatPoisson, ChatWorkload
 from kvroute.workload.traces import AzureTrace, MooncakeTrace, OpenAIConversations, TraceError
 
-SCENARIO_DIR = Path(__file__).resolve().parents[3] / "scenarios"
+SCENARIO_DIR = Path(str(resources.files("kvroute") / "scenarios"))  # package data
 # bundled traces live in shared/ beside the repository; KVROUTE_TRACES overrides
 DATA_DIR = Path(os.environ.get("KVROUTE_TRACES",
                                Path(__file__).resolve().parents[3].parent / "shared" / "data" / "traces"))
