@@ -18,11 +18,11 @@ $(BIN)/python:
 	$(BIN)/pip install -q --upgrade pip
 
 $(STAMP): $(BIN)/python pyproject.toml
-	$(BIN)/pip install -q -e .
+	$(BIN)/pip install -q -e '.[sim]'
 	touch $@
 
 $(DEVSTAMP): $(STAMP)
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q -e '.[sim,dev]'
 	touch $@
 
 install: $(STAMP)

@@ -432,6 +432,12 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except KeyboardInterrupt:
         return 130
+    except ModuleNotFoundError as exc:
+        if exc.name not in ("numpy", "matplotlib"):
+            raise
+        err.print(f"[red]error:[/red] this command needs the simulator's extra ({exc.name} is not installed): "
+                  "pip install 'kvroute\\[sim]'", highlight=False)
+        return 2
 
 
 if __name__ == "__main__":
