@@ -90,12 +90,15 @@ def test_sweep_finds_a_knee_and_compares_below_it(tmp_path):
     sc = poisson(5.0, n=200, replicas=2, policies=["round_robin", "least_request"])
     result = sweep(sc)
     for knee in result["knees"].values():
-        assert knee["factor"] is not None
-        at = [p for p in knee["points"] if p["factor"] == knee["factor"]][0]
+        slo = knee["slo"]
+        assert slo["factor"] is not None
+        at = [p for p in knee["points"] if p["factor"] == slo["factor"]][0]
         assert at["attainment"] >= sc.slo.target
-        above = [p for p in knee["points"] if p["factor"] > knee["factor"]]
+        above = [p for p in knee["points"] if p["factor"] > slo["factor"]]
         if above:  # the search stopped because a higher load missed the target
             assert min(p["attainment"] for p in above) < sc.slo.target
+        assert knee["stability"]["factor"] is not None and knee["stability"]["factor"] > 0
+    assert result["reference"]["basis"] == "slo"
     assert set(result["compare"]) == {"50%", "70%", "90%"}
     for row in result["compare"]["50%"].values():
         assert row["attainment"] >= sc.slo.target  # half the highest knee is below both knees here
@@ -103,10 +106,55 @@ def test_sweep_finds_a_knee_and_compares_below_it(tmp_path):
                "h100-llama3.2-3b", "--max-requests", "150", "--policy", "round_robin", "--sweep",
                "--json", str(tmp_path / "s.json"), "--plots", str(tmp_path)])
     assert rc == 0 and (tmp_path / "sweep_goodput.png").stat().st_size > 0
-    assert json.loads((tmp_path / "s.json").read_text())["sweep"]["knees"]["round_robin"]["factor"]
+    knee = json.loads((tmp_path / "s.json").read_text())["sweep"]["knees"]["round_robin"]
+    assert knee["slo"]["factor"] and knee["stability"]["factor"]
+
+
+def test_slo_knee_lies_at_or_below_the_stability_knee():
+    """A long enough run on a slow replica with an attainable SLO: the backlog shows in TTFT
+    before it outgrows the arrival window, so the SLO gives out first."""
+    sc = parse_scenario({"replicas": [{"region": "us", "count": 1, "profile": "l4-llama3.1-8b"}],
+                         "workload": {"kind": "chat-poisson", "rate": 1.0, "clients": {"us": 1}},
+                         "policies": ["round_robin"], "limits": {"max_requests": 600}, "seed": 4})
+    knee = find_knee(sc, "round_robin", "round_robin", None)
+    slo, stab = knee["slo"]["factor"], knee["stability"]["factor"]
+    assert slo is not None and stab is not None and 0 < slo <= stab
+    by_f = {p["factor"]: p for p in knee["points"]}
+    assert by_f[stab]["stable"]
+    assert all(not p["stable"] for f, p in by_f.items() if f > stab * 1.5)  # well above it: unstable
+
+
+def test_a_closed_loop_has_no_stability_knee():
+    sc = parse_scenario({"replicas": [{"region": "us", "count": 1, "profile": "h100-llama3.2-3b"}],
+                         "workload": {"kind": "chat", "clients": {"us": 2}}, "policies": ["round_robin"],
+                         "limits": {"max_requests": 40}, "seed": 1})
+    knee = find_knee(sc, "round_robin", "round_robin", None, bisect_steps=0, max_doublings=1)
+    assert knee["stability"]["factor"] is None and "closed loop" in knee["stability"]["note"]
+
+
+@needs_trace
+def test_sweep_finds_a_stability_knee_when_the_slo_is_unattainable(tmp_path):
+    """Issue 7's overload run: on two L4s most of the trace's prompts cannot prefill within the
+    5 s TTFT objective even when idle, so no load has an SLO knee; the stability knee exists and
+    the policies are compared below it."""
+    out = tmp_path / "s.json"
+    rc = main(["simulate", "--workload", str(MOONCAKE), "--replicas", "2", "--time-scale", "1",
+               "--policy", "round_robin", "--max-requests", "600", "--sweep", "--json", str(out)])
+    assert rc == 0
+    result = json.loads(out.read_text())["sweep"]
+    knee = result["knees"]["round_robin"]
+    assert knee["slo"]["factor"] is None and "SLO unattainable" in knee["slo"]["note"]
+    assert "idle replica" in knee["slo"]["note"]
+    stab = knee["stability"]
+    assert stab["factor"] is not None and stab["factor"] > 0 and stab["offered_rps"] > 0
+    assert any(not p["stable"] for p in knee["points"] if p["factor"] > stab["factor"])
+    assert result["reference"]["basis"] == "stability"
+    assert result["slo_unmet"] and "at once" in result["slo_unmet"]  # the trace's bursts, named
+    assert set(result["compare"]) == {"50%", "70%", "90%"}
+    assert result["compare"]["50%"]["round_robin"]["stable"]
 
 
 def test_sweep_says_when_the_slo_cannot_be_met():
     sc = poisson(5.0, n=60, replicas=1, slo={"ttft_s": 1e-5, "tpot_s": 1e-5})
     knee = find_knee(sc, "round_robin", "round_robin", None, max_doublings=2)
-    assert knee["factor"] is None and "relax" in knee["note"]
+    assert knee["slo"]["factor"] is None and "relax" in knee["slo"]["note"]

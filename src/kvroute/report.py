@@ -142,29 +142,37 @@ def run_simulation(sc, json_path: str | None = None, plots: str | None = None) -
 
 
 def sweep_tables(sc, result: dict) -> list[Table]:
-    """The knee per policy, and the comparison at 50/70/90 % of the reference knee."""
+    """Both knees per policy, and the comparison at 50/70/90 % of the reference knee."""
     slo = result["slo"]
-    knees = Table(title=f"capacity knee: highest load with ≥ {slo['target']:.0%} of requests within "
-                        f"TTFT ≤ {slo['ttft_s']:g} s and TPOT ≤ {slo['tpot_s'] * 1000:g} ms")
-    for col in ("policy", "knee (× scenario load)", "offered at knee (req/s)", "runs", "note"):
+    knees = Table(title=f"capacity knees — SLO: highest load with ≥ {slo['target']:.0%} of requests within "
+                        f"TTFT ≤ {slo['ttft_s']:g} s and TPOT ≤ {slo['tpot_s'] * 1000:g} ms; stability: highest "
+                        "load served ≥ 90 % of offered with the backlog not growing")
+    for col in ("policy", "SLO knee (× scenario load)", "offered at SLO knee (req/s)",
+                "stability knee (× scenario load)", "offered at stability knee (req/s)", "runs", "note"):
         knees.add_column(col, justify="left" if col in ("policy", "note") else "right")
+
+    def cells(k: dict) -> tuple[str, str]:
+        return ("none" if k["factor"] is None else f"{k['factor']:.3g}",
+                "–" if k["offered_rps"] is None else f"{k['offered_rps']:.3g}")
+
     for label, k in result["knees"].items():
-        knees.add_row(label, "none" if k["factor"] is None else f"{k['factor']:.3g}",
-                      "–" if k["offered_rps"] is None else f"{k['offered_rps']:.3g}",
-                      str(len(k["points"])), k["note"])
+        notes = [k[key]["note"] for key in ("slo", "stability") if k[key]["note"]]
+        knees.add_row(label, *cells(k["slo"]), *cells(k["stability"]), str(len(k["points"])), "\n".join(notes))
     tables = [knees]
     ref = result.get("reference")
     if ref:
-        cmp = Table(title=f"policies at 50/70/90 % of the highest knee ({ref['policy']}, "
-                          f"{ref['offered_rps']:.3g} req/s)")
+        basis = ("the highest SLO knee" if ref["basis"] == "slo"
+                 else "the highest stability knee (no policy has an SLO knee)")
+        cmp = Table(title=f"policies at 50/70/90 % of {basis} ({ref['policy']}, {ref['offered_rps']:.3g} req/s)")
         for col in ("load", "policy", "offered→served (req/s)", "stable", "goodput (req/s)", "within SLO (%)",
-                    "TTFT p50 / p99 (s)", "TPOT p50 (ms)", "prefix hit (%)", "failed (req)"):
+                    "within TTFT SLO (%)", "TTFT p50 / p99 (s)", "TPOT p50 (ms)", "prefix hit (%)", "failed (req)"):
             cmp.add_column(col, justify="left" if col in ("load", "policy") else "right")
         for level, rows in result["compare"].items():
             for label, r in rows.items():
                 cmp.add_row(level, label, f"{r['offered_rps']:.3g}→{r['served_rps']:.3g}",
                             "yes" if r["stable"] else "[bold red]NO[/bold red]", f"{r['goodput_rps']:.3g}",
-                            f"{r['attainment'] * 100:.1f}", f"{r['ttft_p50_s']:.3f} / {r['ttft_p99_s']:.3f}",
+                            f"{r['attainment'] * 100:.1f}", f"{r['ttft_attainment'] * 100:.1f}",
+                            f"{r['ttft_p50_s']:.3f} / {r['ttft_p99_s']:.3f}",
                             f"{r['tpot_p50_s'] * 1000:.1f}", f"{r['prefix_hit_rate'] * 100:.1f}", str(r["failed"]))
         tables.append(cmp)
     return tables
@@ -182,6 +190,11 @@ def run_sweep(sc, json_path: str | None = None, plots: str | None = None) -> dic
     result = sweep(sc, progress=lambda m: err.print(f"[dim]{m}[/dim]", highlight=False))
     for t in sweep_tables(sc, result):
         console.print(t)
+    if result.get("slo_unmet"):
+        warn(result["slo_unmet"])
+    ref = result.get("reference")
+    if ref and ref["basis"] == "stability":
+        warn("the comparison above is at 50/70/90 % of the stability knee, since no policy has an SLO knee")
     out = {"scenario": sc.name, "seed": sc.seed, "workload": sc.workload.kind,
            "replicas": sum(g.count for g in sc.replicas), "max_requests": sc.limits.max_requests,
            "sweep": result}

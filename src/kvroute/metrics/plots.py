@@ -5,7 +5,7 @@
 * ``load_over_time.png``: offered vs served requests over time and the LB queue length — a
   growing gap is an overloaded run, whatever its averages say;
 * ``replica_load.png``: running requests per replica, coloured by region and labelled;
-* ``sweep_goodput.png`` (``--sweep``): goodput vs offered load per policy, knees marked.
+* ``sweep_goodput.png`` (``--sweep``): goodput vs offered load per policy, SLO and stability knees marked.
 """
 
 from __future__ import annotations
@@ -127,7 +127,7 @@ def write_plots(runs, out_dir: str | Path, title: str = "") -> list[Path]:
 
 
 def write_sweep_plot(sweep: dict, out_dir: str | Path, title: str = "") -> Path:
-    """Goodput vs offered load per policy, with each policy's knee marked."""
+    """Goodput vs offered load per policy, with each policy's SLO and stability knees marked."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -136,16 +136,29 @@ def write_sweep_plot(sweep: dict, out_dir: str | Path, title: str = "") -> Path:
         if not pts:
             continue
         xs = [p["offered_rps"] for p in pts]
-        (line,) = ax.plot(xs, [p["goodput_rps"] for p in pts], marker="o", ms=3, label=label)
-        if knee["offered_rps"]:
-            ax.axvline(knee["offered_rps"], color=line.get_color(), ls=":", lw=0.8)
-    lim = max((p["offered_rps"] for k in sweep["knees"].values() for p in k["points"]), default=1.0)
-    ax.plot([0, lim], [0, lim], color="grey", lw=0.6, ls="--", label="goodput = offered")
+        (line,) = ax.plot(xs, [p["goodput_rps"] for p in pts], marker="o", ms=3, label=f"{label} goodput")
+        ax.plot(xs, [p["served_rps"] for p in pts], color=line.get_color(), ls="--", lw=0.8, alpha=0.6,
+                label=f"{label} served")
+        if knee["slo"]["offered_rps"]:
+            ax.axvline(knee["slo"]["offered_rps"], color=line.get_color(), ls=":", lw=0.8)
+        if knee["stability"]["offered_rps"]:
+            ax.axvline(knee["stability"]["offered_rps"], color=line.get_color(), ls="-.", lw=0.8)
+    offered = [p["offered_rps"] for k in sweep["knees"].values() for p in k["points"] if p["offered_rps"] > 0]
+    lo, lim = min(offered, default=0.0), max(offered, default=1.0)
+    if lo > 0 and lim / lo > 20:  # a search that halved many times: a log axis keeps the light runs apart
+        ax.set_xscale("log")
+    else:
+        lo = 0.0
+    ax.plot([lo, lim], [lo, lim], color="grey", lw=0.6, ls=":", label="= offered")
+    top = max((p["served_rps"] for k in sweep["knees"].values() for p in k["points"]), default=0.0)
+    if 0 < top < lim / 2:  # served plateaus far below the heaviest load tried: show the plateau
+        ax.set_ylim(0, top * 1.4)
     slo = sweep["slo"]
     ax.set_xlabel("offered load (requests / s)")
-    ax.set_ylabel("goodput (requests / s within SLO)")
-    ax.set_title(f"goodput vs offered load; knee (dotted) = {slo['target']:.0%} within "
-                 f"TTFT ≤ {slo['ttft_s']:g} s, TPOT ≤ {slo['tpot_s'] * 1000:g} ms {title}".strip(), fontsize=9)
+    ax.set_ylabel("goodput within SLO (solid), served (dashed) (req/s)")
+    ax.set_title(f"goodput vs offered load {title}\nknees: stability (dash-dot), SLO (dotted) = "
+                 f"{slo['target']:.0%} within TTFT ≤ {slo['ttft_s']:g} s, TPOT ≤ {slo['tpot_s'] * 1000:g} ms",
+                 fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     return _save(fig, out / "sweep_goodput.png")

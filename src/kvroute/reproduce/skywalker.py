@@ -57,8 +57,8 @@ def knee_clients(lab: Lab) -> tuple[float, dict]:
     search on 2,500-request runs (1,000 with --quick).
     """
     sc = lab.scenario("skywalker-chat", requests=2500)
-    knee = find_knee(sc, "round_robin", "round_robin", None, topology="global")
-    f = knee["factor"] or 1.0
+    knee = find_knee(sc, "round_robin", "round_robin", None, topology="global", stability=False)
+    f = knee["slo"]["factor"] or 1.0
     return f, {r: max(1, round(n * f)) for r, n in sc.clients().items()}
 
 
