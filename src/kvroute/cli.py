@@ -193,6 +193,27 @@ def _run_async(coro) -> None:
         uvloop.run(coro)
 
 
+def _listen(coro, what: str) -> int:
+    """Run a server until it stops; a socket that cannot be bound is a one-line error, exit 2."""
+    try:
+        _run_async(coro)
+    except OSError as exc:
+        err.print(f"[red]error:[/red] cannot listen on {what}: {exc.strerror or exc}", highlight=False)
+        return 2
+    return 0
+
+
+def _port(text: str) -> int:
+    """argparse type: a TCP port, 0 (any free one) to 65535."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a port: allowed 0 (any free port) to 65535")
+    return value
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from kvroute import yamlconf
     from kvroute.gateway.config import load_config
@@ -207,14 +228,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
             return 2
         overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
         config = config.model_copy(update=overrides)
+        if not config.replicas:
+            err.print(f"[red]error:[/red] {args.config} lists no replicas; add e.g. "
+                      "replicas: [{url: http://10.0.0.5:8000, engine: vllm}]", highlight=False)
+            return 2
 
         async def main() -> None:
             await serve(config, args.config,
                         on_ready=lambda gw: err.print(f"kvroute gateway on http://{config.host}:{gw.port} "
                                                       f"({len(config.replicas)} replicas, "
                                                       f"policy {gw.runtime.policy_name})"))
-        _run_async(main())
-        return 0
+        return _listen(main(), f"{config.host}:{config.port}")
 
     async def embedded() -> None:
         import asyncio
@@ -236,8 +260,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         await dep.gateway.drain()
         await dep.stop()
 
-    _run_async(embedded())
-    return 0
+    err.print(f"no --config: serving {args.replicas} emulated engines in this process (not real models)")
+    return _listen(embedded(), f"{args.host or '127.0.0.1'}:{args.port if args.port is not None else 8000}")
 
 
 def cmd_emulate(args: argparse.Namespace) -> int:
@@ -271,8 +295,7 @@ def cmd_emulate(args: argparse.Namespace) -> int:
         await stop.wait()
         await runner.cleanup()
 
-    _run_async(main())
-    return 0
+    return _listen(main(), f"{args.host}:{args.port}")
 
 
 def cmd_reproduce(args: argparse.Namespace) -> int:
@@ -362,15 +385,16 @@ def build_parser() -> argparse.ArgumentParser:
     sv = sub.add_parser("serve", help="run the gateway (no --config: an embedded emulated deployment)")
     sv.add_argument("--config", help="gateway YAML (replicas, policy, probes, queue, timeouts)")
     sv.add_argument("--host")
-    sv.add_argument("--port", type=int)
+    sv.add_argument("--port", type=_port)
     sv.add_argument("--replicas", type=int, default=4, help="emulated replicas when no --config")
     sv.add_argument("--policy", help="policy preset when no --config")
-    sv.add_argument("--log-level", default="INFO", dest="log_level")
+    sv.add_argument("--log-level", default="INFO", dest="log_level", type=str.upper,
+                    choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     sv.set_defaults(func=cmd_serve)
 
     em = sub.add_parser("emulate", help="an engine replica emulated in real time behind the OpenAI API")
     em.add_argument("--host", default="127.0.0.1")
-    em.add_argument("--port", type=int, default=8001)
+    em.add_argument("--port", type=_port, default=8001)
     em.add_argument("--profile", default="h100-llama3.2-3b")
     em.add_argument("--engine", choices=["vllm", "sglang", "llamacpp"], default="vllm")
     em.add_argument("--model", default="emulated")

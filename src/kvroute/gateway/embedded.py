@@ -45,5 +45,10 @@ async def start_deployment(replicas: int = 4, policy: str | dict = "skywalker", 
                            replicas=[ReplicaConfig(url=f"http://{host}:{p}", id=f"emulated-{i}", engine="vllm")
                                      for i, (_, _, p) in enumerate(emus)], **overrides)
     gw = Gateway(config)
-    await gw.start()
+    try:
+        await gw.start()
+    except OSError:
+        for runner, _, _ in emus:
+            await runner.cleanup()
+        raise
     return Deployment(gw, emus)

@@ -392,8 +392,13 @@ class Gateway:
         resp.send(200, b'{"object": "list", "data": []}')
 
     async def start(self) -> int:
+        """Probe the replicas once, then listen; returns the bound port."""
         await self.runtime.start()
-        self.port = await self.http.start(self.config.host, self.config.port)
+        try:
+            self.port = await self.http.start(self.config.host, self.config.port)
+        except OSError:
+            await self.runtime.stop()
+            raise
         return self.port
 
     @property
