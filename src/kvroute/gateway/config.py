@@ -119,7 +119,8 @@ class GatewayConfig(_Strict):
     tokenizer_path: str | None = None
     access_log: bool = True  # one structured line per request (ids, replica, branch, timings)
     log_prompts: bool = False  # add the prompt's canonical key (truncated) to access lines
-    drain_timeout_s: float = Field(30.0, gt=0)
+    drain_delay_s: float = Field(0.0, ge=0)  # on SIGTERM: /readyz 503 but still serving, this long
+    drain_timeout_s: float = Field(30.0, gt=0)  # then in-flight requests get this long to finish
     seed: int = 0
 
     @field_validator("policy")

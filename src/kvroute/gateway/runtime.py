@@ -81,6 +81,7 @@ class Runtime:
         self._wake: asyncio.TimerHandle | None = None  # a paced drain already scheduled
         self.prompt_tokens_routed = 0
         self.hit_tokens_routed = 0
+        self.ready = True  # /readyz; false from the moment a drain begins
         self.draining = False
         self.metrics = GatewayMetrics(self)
         self._probe_task: asyncio.Task | None = None

@@ -54,7 +54,7 @@ HOP_HEADERS = frozenset({"host", "content-length", "transfer-encoding", "connect
                          "accept-encoding", "upgrade", "te", "trailer", "proxy-authorization",
                          "proxy-authenticate", "proxy-connection", "server", "date"})
 ROUTES = {"/v1/chat/completions": "POST", "/v1/completions": "POST", "/v1/models": "GET",
-          "/health": "GET", "/metrics": "GET"}
+          "/health": "GET", "/livez": "GET", "/readyz": "GET", "/metrics": "GET"}
 RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
 MAX_INT32 = 2**31 - 1
 MAX_N = 128  # OpenAI's limit on choices per request
@@ -176,8 +176,8 @@ class Proxy:
             if rt.draining:
                 resp.send_error(503, "gateway is draining", "server_error", headers=[("Retry-After", "1")])
                 return
-            if rt.config.access_log:
-                resp.extra_headers.append(("x-request-id", req.id))
+            if rt.config.access_log:  # the client's own id when it sent one (forwarded upstream as is)
+                resp.extra_headers.append(("x-request-id", request.headers.get("x-request-id") or req.id))
             await self._route_and_forward(request, resp, route, bool(body.get("stream")), req,
                                           _forwarded(request.headers), served, t0)
         finally:
@@ -185,11 +185,13 @@ class Proxy:
             if served.get("replica") is not None and resp.started:  # proxied, even if the client left
                 rt.metrics.e2e.observe(time.monotonic() - t0)
             if rt.config.access_log and req is not None:
-                self._access(resp, route, body, req, served, t0)
+                self._access(resp, route, body, req, served, t0, request.headers.get("x-request-id"))
 
-    def _access(self, resp: Responder, route: str, body: dict, req: Request, served: dict, t0: float) -> None:
+    def _access(self, resp: Responder, route: str, body: dict, req: Request, served: dict, t0: float,
+                client_rid: str | None) -> None:
         """One JSON line per request: what happened, never the prompt unless asked."""
-        fields = {"rid": req.id, "route": route, "status": resp.status or 499,  # 499: client left
+        fields = {"rid": req.id, "client_rid": client_rid, "route": route,
+                  "status": resp.status or 499,  # 499: the client left
                   "replica": served.get("replica"), "branch": served.get("branch"),
                   "prompt_tokens": req.prompt_tokens, "stream": bool(body.get("stream")),
                   "ms": round((time.monotonic() - t0) * 1000, 2)}
@@ -248,7 +250,8 @@ class Proxy:
         resp.send_error(failure.status, failure.message, "server_error", code=failure.code, headers=retry_after)
 
     def _resp_headers(self, upstream: UpstreamResponse, target: str) -> list[tuple[str, str]]:
-        out = [(k, v) for k, v in upstream.headers if k.lower() not in HOP_HEADERS]
+        skip = HOP_HEADERS | {"x-request-id"} if self.rt.config.access_log else HOP_HEADERS  # set by us
+        out = [(k, v) for k, v in upstream.headers if k.lower() not in skip]
         if self.rt.config.replica_header:
             out.append(("x-kvroute-replica", target))
         return out
@@ -360,8 +363,10 @@ class Gateway:
             await self.proxy.handle(request, resp, True)
         elif request.path == "/v1/completions":
             await self.proxy.handle(request, resp, False)
-        elif request.path == "/health":
+        elif request.path in ("/health", "/readyz"):
             self._health(resp)
+        elif request.path == "/livez":  # the process answers: nothing more is promised
+            resp.send(200, b'{"status": "alive"}')
         elif request.path == "/metrics":
             resp.send(200, self.runtime.metrics.render(), content_type="text/plain; version=0.0.4; charset=utf-8")
         else:
@@ -371,7 +376,7 @@ class Gateway:
         rt = self.runtime
         healthy = sum(1 for u in rt.upstreams.values()
                       if u.endpoint.healthy and u.breaker.state is not CircuitState.OPEN)
-        ok = healthy and not rt.draining
+        ok = healthy and rt.ready and not rt.draining
         body = {"status": "ok" if ok else "unavailable", "replicas": len(rt.upstreams), "healthy": healthy,
                 "queue": len(rt.queue), "policy": rt.policy_name}
         resp.send(200 if ok else 503, json.dumps(body).encode())
@@ -414,7 +419,12 @@ class Gateway:
         return changes
 
     async def drain(self) -> None:
-        """Stop accepting, let in-flight requests finish (bounded), then stop."""
+        """Readiness goes false first (``/readyz`` 503) while requests are still served for
+        ``drain_delay_s``, so a front load balancer stops sending; then stop accepting, let
+        in-flight requests finish (bounded by ``drain_timeout_s``), and stop."""
+        self.runtime.ready = False
+        if self.config.drain_delay_s:
+            await asyncio.sleep(self.config.drain_delay_s)
         self.runtime.draining = True
         await self.http.stop_accepting()
         await self.http.wait_idle(self.config.drain_timeout_s)
