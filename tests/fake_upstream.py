@@ -6,6 +6,7 @@ a gateway in front of them, all on one background event loop so tests can use bl
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 from collections.abc import Awaitable, Callable
 
@@ -48,11 +49,12 @@ def replies(data: bytes, keep_open: bool = True) -> Script:
 
 class ScriptedUpstream:
     """One fake engine: answers GET /metrics itself (so probes pass) and every POST by ``script``.
-    Records the heads and bodies it received and counts requests and connections."""
+    Lists ``models`` at GET /v1/models. Records the heads and bodies it received and counts requests and connections."""
 
     def __init__(self, script: Script):
         self.script = script
         self.metrics = METRICS  # what GET /metrics answers; a test may change it
+        self.models = ["m"]  # what GET /v1/models lists
         self.heads: list[bytes] = []
         self.bodies: list[bytes] = []
         self.connections = 0
@@ -74,6 +76,12 @@ class ScriptedUpstream:
                     if name.strip().lower() == b"content-length":
                         length = int(value)
                 body = await r.readexactly(length) if length else b""
+                if head.startswith(b"GET /v1/models"):
+                    listing = json.dumps({"object": "list", "data": [{"id": m, "object": "model"}
+                                                                     for m in self.models]}).encode()
+                    w.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%b" % (len(listing), listing))
+                    await w.drain()
+                    continue
                 if head.startswith(b"GET /metrics"):
                     w.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%b" % (len(self.metrics), self.metrics))
                     await w.drain()

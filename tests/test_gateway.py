@@ -163,7 +163,8 @@ def test_all_replicas_busy_queue_then_429():
      "stream"),
     ("/v1/completions", b'{"prompt": 42}', {}, 400, "prompt must be"),
     ("/v1/completions", b'{"prompt": "\xff\xfe"}', {}, 400, "UTF-8"),
-    ("/v1/embeddings", b"{}", {}, 404, "unknown path"),
+    ("/v1/images/generations", b"{}", {}, 404, "unknown path"),
+    ("/v1/embeddings", b"{}", {}, 400, "missing required field 'input'"),
 ])
 def test_bad_inputs_get_openai_style_4xx(live, path, data, headers, status, fragment):
     r = httpx.post(f"{live.url}{path}", content=data, headers={"content-type": "application/json", **headers})

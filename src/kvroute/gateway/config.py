@@ -38,6 +38,8 @@ class ReplicaConfig(_Strict):
     # max_total_num_tokens when probes see them (llama.cpp exports neither: set it, e.g. its -c)
     kv_tokens: int | None = Field(None, gt=0)
     max_running: int | None = Field(None, gt=0)
+    # the models this replica serves; unset: read from its /v1/models by the probes
+    models: list[str] | None = None
 
     @field_validator("url")
     @classmethod
@@ -59,6 +61,7 @@ class ProbeConfig(_Strict):
     unhealthy_after: int = Field(3, ge=1)  # consecutive probe failures → ejected
     healthy_after: int = Field(2, ge=1)  # consecutive successes → re-admitted
     rtt_ewma: float = Field(0.3, gt=0, le=1)  # GORGO's RTT smoothing
+    models_every_s: float = Field(10.0, gt=0)  # how often /v1/models is read, for model routing
 
 
 class QueueConfig(_Strict):

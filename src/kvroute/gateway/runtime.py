@@ -12,6 +12,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 import aiohttp
 
@@ -38,6 +39,9 @@ class Upstream:
     rtt_ewma_s: float | None = None
     reading: Reading | None = None  # the last successful probe
     restarts: int = 0
+    models: frozenset[str] | None = None  # what it serves: configured, or read from /v1/models
+    model_cards: list[dict[str, Any]] = field(default_factory=list)  # its /v1/models entries
+    models_read_at: float = -1e9
 
 
 @dataclass
@@ -104,7 +108,26 @@ class Runtime:
         self.router.add_endpoint(ep)
         bc = self.config.breaker
         breaker = CircuitBreaker(bc.failures, bc.cooldown_s, bc.successes)
-        self.upstreams[rc.name] = Upstream(rc, ep, breaker, UpstreamPool(rc.url), engine=rc.engine)
+        up = self.upstreams[rc.name] = Upstream(rc, ep, breaker, UpstreamPool(rc.url), engine=rc.engine)
+        if rc.models is not None:
+            up.models = frozenset(rc.models)
+            up.model_cards = [{"id": m, "object": "model", "owned_by": rc.name} for m in rc.models]
+
+    def serving(self, model: str) -> list[str] | None:
+        """Replicas that may serve ``model``; None when no replica's models are known (route
+        anywhere). A replica whose list is unknown yet is kept as a candidate."""
+        if all(up.models is None for up in self.upstreams.values()):
+            return None
+        return [name for name, up in self.upstreams.items() if up.models is None or model in up.models]
+
+    def model_cards(self) -> list[dict[str, Any]]:
+        """The union of the healthy replicas' /v1/models entries, one per model id."""
+        cards: dict[str, dict[str, Any]] = {}
+        for up in self.upstreams.values():
+            if up.endpoint.healthy:
+                for card in up.model_cards:
+                    cards.setdefault(str(card.get("id")), card)
+        return list(cards.values())
 
     def reconfigure(self, new: GatewayConfig) -> list[str]:
         """Apply a reloaded config without dropping requests: replicas are added and removed,
@@ -351,6 +374,9 @@ class Runtime:
             log.info("replica %s holds %d KV tokens (from its metrics); its prefix index is bounded to that",
                      ep.id, reading.kv_tokens)
         up.reading = reading
+        if up.config.models is None and t0 - up.models_read_at >= pc.models_every_s:
+            up.models_read_at = t0
+            await self._read_models(up)
         ep.apply_probe(reading.running, reading.waiting, reading.kv_usage)
         up.probe_fail_streak = 0
         up.probe_ok_streak += 1
@@ -358,3 +384,17 @@ class Runtime:
             ep.healthy = True
             self.router.prefix.clear(ep.id)  # it may have restarted with an empty cache
             log.info("replica %s re-admitted", ep.id)
+
+    async def _read_models(self, up: Upstream) -> None:
+        """What the replica serves, from its /v1/models (kept as it was when the read fails)."""
+        assert self.session is not None
+        try:
+            async with self.session.get(f"{up.config.url}/v1/models",
+                                        timeout=aiohttp.ClientTimeout(total=self.config.probe.timeout_s)) as r:
+                data = (await r.json(content_type=None)).get("data") if r.status == 200 else None
+        except (TimeoutError, aiohttp.ClientError, ValueError, AttributeError):
+            return
+        if isinstance(data, list):
+            cards = [c for c in data if isinstance(c, dict) and isinstance(c.get("id"), str)]
+            up.model_cards = cards
+            up.models = frozenset(c["id"] for c in cards)

@@ -30,8 +30,6 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-import aiohttp
-
 from kvroute.gateway.breaker import CircuitState
 from kvroute.gateway.config import GatewayConfig, load_config
 from kvroute.gateway.http import HTTPServer, Responder
@@ -53,8 +51,29 @@ access = logging.getLogger("kvroute.access")
 HOP_HEADERS = frozenset({"host", "content-length", "transfer-encoding", "connection", "keep-alive", "expect",
                          "accept-encoding", "upgrade", "te", "trailer", "proxy-authorization",
                          "proxy-authenticate", "proxy-connection", "server", "date"})
-ROUTES = {"/v1/chat/completions": "POST", "/v1/completions": "POST", "/v1/models": "GET",
+ROUTES = {"/v1/chat/completions": "POST", "/v1/completions": "POST", "/v1/embeddings": "POST",
+          "/v1/responses": "POST", "/tokenize": "POST", "/detokenize": "POST", "/v1/models": "GET",
           "/health": "GET", "/livez": "GET", "/readyz": "GET", "/metrics": "GET"}
+
+
+@dataclass(frozen=True)
+class Kind:
+    """A proxied endpoint: its metrics label, the body fields that carry the prompt (the first
+    present one is keyed), and what ends a complete stream (None: the engine's own framing)."""
+
+    label: str
+    prompt_fields: tuple[str, ...]
+    stream_end: bytes | None = b"[DONE]"
+
+
+PROXIED = {
+    "/v1/chat/completions": Kind("chat", ("messages",)),
+    "/v1/completions": Kind("completions", ("prompt",)),
+    "/v1/embeddings": Kind("embeddings", ("input",)),
+    "/v1/responses": Kind("responses", ("input",), None),  # its stream ends with an event, no [DONE]
+    "/tokenize": Kind("tokenize", ("prompt", "messages", "content")),  # vLLM, SGLang / llama.cpp names
+    "/detokenize": Kind("detokenize", ("tokens",)),
+}
 RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
 MAX_INT32 = 2**31 - 1
 MAX_N = 128  # OpenAI's limit on choices per request
@@ -104,6 +123,16 @@ def _forwarded(headers: dict[str, str]) -> list[tuple[str, str]]:
     return [(k, v) for k, v in headers.items() if k not in drop]
 
 
+def _prompt_key(field: str, value: Any) -> str | list[int]:
+    """The canonical key of a prompt-carrying field (see ``prefix/keys.py``)."""
+    if field == "messages" or (field == "input" and isinstance(value, list) and value
+                               and all(isinstance(m, dict) and "role" in m for m in value)):
+        return chat_key(value)  # chat messages, or a Responses input made of messages
+    if field == "input" and isinstance(value, list) and any(isinstance(m, dict) for m in value):
+        return json.dumps(value, sort_keys=True)  # other Responses input items: keyed as written
+    return completion_key(value)  # text, texts (the first decides), or token ids
+
+
 class Proxy:
     """Per-request routing and forwarding; one instance per application."""
 
@@ -116,7 +145,7 @@ class Proxy:
         self.session_headers = [h.lower() for h in runtime.config.session_headers]
 
     # -- request parsing --------------------------------------------------------------------
-    def parse(self, raw: bytes, chat: bool, headers: dict[str, str]) -> tuple[dict, Request]:
+    def parse(self, raw: bytes, kind: Kind, headers: dict[str, str]) -> tuple[dict, Request]:
         """Validate the body (the fields routing reads; the rest passes through) and key it."""
         try:
             body = json.loads(raw)
@@ -131,9 +160,10 @@ class Proxy:
             raise BadInput(f"request body has an unreadable value: {str(exc)[:120]}") from None
         if not isinstance(body, dict):
             raise BadInput("request body must be a JSON object")
-        field = "messages" if chat else "prompt"
-        if field not in body:
-            raise BadInput(f"missing required field '{field}'", field)
+        field = next((f for f in kind.prompt_fields if f in body), None)
+        if field is None:
+            names = " or ".join(f"'{f}'" for f in kind.prompt_fields)
+            raise BadInput(f"missing required field {names}", kind.prompt_fields[0])
         for name, typ in (("model", str), ("stream", bool), ("user", str)):
             if body.get(name) is not None and not isinstance(body[name], typ):
                 raise BadInput(f"field '{name}' must be a {typ.__name__}, got {type(body[name]).__name__}", name)
@@ -142,7 +172,7 @@ class Proxy:
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= top):
                 raise BadInput(f"field '{name}' must be an integer from 1 to {top}", name)
         try:
-            key = chat_key(body["messages"]) if chat else completion_key(body["prompt"])
+            key = _prompt_key(field, body[field])
         except PromptError as exc:
             raise BadInput(str(exc), field) from None
         except RecursionError:
@@ -159,26 +189,36 @@ class Proxy:
         return body, req
 
     # -- the handler ----------------------------------------------------------------------------
-    async def handle(self, request: HTTPRequest, resp: Responder, chat: bool) -> None:
-        """Answer one completion request; counted and logged once, whatever happens."""
+    async def handle(self, request: HTTPRequest, resp: Responder, kind: Kind) -> None:
+        """Answer one proxied request; counted and logged once, whatever happens."""
         rt = self.rt
-        route = "chat" if chat else "completions"
+        route = kind.label
         t0 = time.monotonic()
         body: dict = {}
         req: Request | None = None
         served: dict[str, Any] = {"excluded": []}  # where it went, for the access line
         try:
             try:
-                body, req = self.parse(request.body, chat, request.headers)
+                body, req = self.parse(request.body, kind, request.headers)
             except BadInput as exc:
                 resp.send_error(400, str(exc), param=exc.param)
                 return
             if rt.draining:
                 resp.send_error(503, "gateway is draining", "server_error", headers=[("Retry-After", "1")])
                 return
+            model = body.get("model")
+            if model is not None:
+                candidates = rt.serving(model)
+                if candidates is not None and not candidates:
+                    known = ", ".join(sorted(str(c.get("id")) for c in rt.model_cards())) or "none"
+                    resp.send_error(404, f"The model '{model}' does not exist; available: {known}",
+                                    param="model", code="model_not_found")
+                    return
+                if candidates is not None:  # the policy only sees replicas serving the model
+                    req.exclude = tuple(name for name in rt.upstreams if name not in candidates)
             if rt.config.access_log:  # the client's own id when it sent one (forwarded upstream as is)
                 resp.extra_headers.append(("x-request-id", request.headers.get("x-request-id") or req.id))
-            await self._route_and_forward(request, resp, route, bool(body.get("stream")), req,
+            await self._route_and_forward(request, resp, kind, bool(body.get("stream")), req,
                                           _forwarded(request.headers), served, t0)
         finally:
             rt.metrics.count_request(route, resp.status or 499, rt.policy_name)  # 499: the client left
@@ -200,14 +240,19 @@ class Proxy:
         if resp.started and not resp.finished:
             fields["aborted"] = True  # the client left mid-response
         if self.rt.config.log_prompts:
-            fields["prompt"] = (chat_key(body["messages"]) if route == "chat" else str(body.get("prompt")))[:512]
+            prompt = body.get("messages")
+            fields["prompt"] = (chat_key(prompt) if isinstance(prompt, list) else
+                                str(next((body[f] for f in ("prompt", "input", "content", "tokens") if f in body),
+                                         "")))[:512]
         access.info("request", extra={"fields": fields})
 
-    async def _route_and_forward(self, request: HTTPRequest, resp: Responder, route: str, stream: bool,
-                                 req: Request, headers, served: dict, t0: float) -> None:
+    async def _route_and_forward(self, request: HTTPRequest, resp: Responder, kind: Kind, stream: bool,
+                                 req: Request, headers: list[tuple[str, str]], served: dict[str, Any],
+                                 t0: float) -> None:
         rt = self.rt
         rc = rt.config.retry
-        excluded = served["excluded"]
+        excluded = served["excluded"]  # replicas that failed this request
+        unfit = req.exclude  # replicas that do not serve its model
         deadline = time.monotonic() + rt.config.timeouts.first_byte_total_s  # one budget for every attempt
         failure: Failure | None = None
         for attempt in range(1, rc.max_attempts + 1):
@@ -234,11 +279,11 @@ class Proxy:
             assert target is not None  # a dispatch names its target
             served["replica"], served["branch"] = target, decision.branch
             rt.dispatched(req, decision)
-            failure = await self._forward(request.body, resp, route, headers, req, target, stream, t0, deadline)
+            failure = await self._forward(request, resp, kind, headers, req, target, stream, t0, deadline)
             if failure is None:
                 return
             excluded.append(target)
-            req.exclude = tuple(excluded)
+            req.exclude = (*unfit, *excluded)
             left = deadline - time.monotonic()
             if attempt == rc.max_attempts or left <= 0:
                 break
@@ -256,8 +301,8 @@ class Proxy:
             out.append(("x-kvroute-replica", target))
         return out
 
-    async def _forward(self, raw: bytes, resp: Responder, route: str, headers, req: Request, target: str,
-                       stream: bool, t0: float, deadline: float) -> Failure | None:
+    async def _forward(self, request: HTTPRequest, resp: Responder, kind: Kind, headers: list[tuple[str, str]],
+                       req: Request, target: str, stream: bool, t0: float, deadline: float) -> Failure | None:
         """Proxy one attempt. Returns None once the client has a response, or the failure if
         nothing was sent."""
         rt = self.rt
@@ -266,14 +311,13 @@ class Proxy:
             rt.release(req.id, served=False)
             return Failure(RetryReason.REPLICA_REMOVED, f"replica {target} was removed", 503, "replica_removed")
         to = rt.config.timeouts
-        path = "/v1/chat/completions" if route == "chat" else "/v1/completions"
         upstream = None
         outcome = Outcome.NEUTRAL
         served = False  # the engine took the request (so it holds the prompt's prefix now)
         try:
             try:
                 attempt_deadline = min(deadline, time.monotonic() + to.first_byte_s)
-                upstream = await up.pool.post(path, raw, headers, connect_s=to.connect_s,
+                upstream = await up.pool.post(request.path, request.body, headers, connect_s=to.connect_s,
                                               first_byte_s=max(attempt_deadline - time.monotonic(), 0.001),
                                               idle_s=to.idle_s)
                 status = upstream.status
@@ -299,7 +343,7 @@ class Proxy:
                 log.warning("upstream %s failed before responding: %s", target, exc)
                 return _failure_of(exc, target)
             if first is not None:
-                outcome = await self._stream(resp, upstream, first, req, target, t0)
+                outcome = await self._stream(resp, upstream, first, req, target, t0, kind.stream_end)
                 return None
             rt.first_token(req.id)
             rt.metrics.ttft.observe(time.monotonic() - t0)
@@ -313,7 +357,7 @@ class Proxy:
                 upstream.release()  # kept alive when fully read; closed (cancelling upstream) otherwise
 
     async def _stream(self, resp: Responder, upstream: UpstreamResponse, first: bytes, req: Request,
-                      target: str, t0: float) -> Outcome:
+                      target: str, t0: float, end_marker: bytes | None) -> Outcome:
         """Pass an SSE stream through; a failure after bytes are out ends it with an error event."""
         rt = self.rt
         rt.first_token(req.id)
@@ -326,8 +370,8 @@ class Proxy:
                 await resp.write(chunk)
                 tail = (tail + chunk)[-32:]
                 chunk = await upstream.next_chunk()
-            if b"[DONE]" not in tail:
-                raise UpstreamError("upstream ended the stream without [DONE]")
+            if end_marker is not None and end_marker not in tail:
+                raise UpstreamError(f"upstream ended the stream without {end_marker.decode()}")
             outcome = Outcome.OK
         except UpstreamError as exc:
             outcome = Outcome.FAILED
@@ -359,10 +403,8 @@ class Gateway:
         elif request.method != method:
             resp.send_error(405, f"method {request.method} not allowed on {request.path}; allowed: {method}",
                             headers=[("Allow", method)])
-        elif request.path == "/v1/chat/completions":
-            await self.proxy.handle(request, resp, True)
-        elif request.path == "/v1/completions":
-            await self.proxy.handle(request, resp, False)
+        elif request.path in PROXIED:
+            await self.proxy.handle(request, resp, PROXIED[request.path])
         elif request.path in ("/health", "/readyz"):
             self._health(resp)
         elif request.path == "/livez":  # the process answers: nothing more is promised
@@ -370,7 +412,7 @@ class Gateway:
         elif request.path == "/metrics":
             resp.send(200, self.runtime.metrics.render(), content_type="text/plain; version=0.0.4; charset=utf-8")
         else:
-            await self._models(resp)
+            self._models(resp)
 
     def _health(self, resp: Responder) -> None:
         rt = self.runtime
@@ -381,20 +423,10 @@ class Gateway:
                 "queue": len(rt.queue), "policy": rt.policy_name}
         resp.send(200 if ok else 503, json.dumps(body).encode())
 
-    async def _models(self, resp: Responder) -> None:
-        rt = self.runtime
-        for up in rt.upstreams.values():
-            if up.endpoint.routable:
-                try:
-                    assert rt.session is not None
-                    async with rt.session.get(f"{up.config.url}/v1/models",
-                                              timeout=aiohttp.ClientTimeout(total=2)) as r:
-                        if r.status == 200:
-                            resp.send(200, await r.read())
-                            return
-                except (TimeoutError, aiohttp.ClientError):
-                    continue
-        resp.send(200, b'{"object": "list", "data": []}')
+    def _models(self, resp: Responder) -> None:
+        """Every model a healthy replica serves (configured, or read from its /v1/models)."""
+        body = {"object": "list", "data": self.runtime.model_cards()}
+        resp.send(200, json.dumps(body).encode())
 
     async def start(self) -> int:
         """Probe the replicas once, then listen; returns the bound port."""
