@@ -31,10 +31,10 @@ import pytest
 from kvroute.gateway.config import GatewayConfig, ReplicaConfig
 from kvroute.gateway.server import Gateway
 from tests.llamacpp import build
-from tests.llamacpp.engine import LlamaServer
+from tests.llamacpp.engine import MODEL_ALIAS, LlamaServer
 from tests.llamacpp.tiny_model import WORDS, write_tiny_gguf
 
-MODEL = "tiny"
+MODEL = MODEL_ALIAS
 CLIENT_TIMEOUT = 30.0
 
 
@@ -198,7 +198,7 @@ def test_openai_sdk_chat_and_completions_stream_and_not(engines, gateway):
         model=MODEL, prompt="once upon a time", max_tokens=7, temperature=0, stream=True) if ch.choices)
     assert streamed == r.choices[0].text and streamed
 
-    assert [m.id for m in c.models.list().data]  # passed through from an engine
+    assert MODEL in [m.id for m in c.models.list().data]  # passed through from an engine
     seen = {c.completions.with_raw_response.create(model=MODEL, prompt=f"p{i}", max_tokens=1)
             .headers["x-kvroute-replica"] for i in range(4)}
     assert seen == names  # round robin reaches both engines

@@ -2,7 +2,7 @@
 
 Each engine listens on 127.0.0.1 at an ephemeral port with one thread for prefill and decode
 (`-t 1 -tb 1`: several engines share few cores, and default threading collapses ~40x), four
-slots (`-np 4`) and `/metrics`. Its output goes to a log file whose tail is shown when it fails
+slots (`-np 4`), `/metrics` and the model name `tiny`. Its output goes to a log file whose tail is shown when it fails
 to start. Every process is stopped by its own PID.
 """
 
@@ -17,7 +17,8 @@ from pathlib import Path
 
 import httpx
 
-DEFAULT_ARGS = ("-t", "1", "-tb", "1", "-np", "4", "--metrics", "-c", "16384")
+MODEL_ALIAS = "tiny"  # the model name the engines serve (/v1/models), as a deployment would set it
+DEFAULT_ARGS = ("-t", "1", "-tb", "1", "-np", "4", "--metrics", "-c", "16384", "--alias", MODEL_ALIAS)
 
 
 def free_port() -> int:
