@@ -13,12 +13,15 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from kvroute import yamlconf
+from kvroute.gateway.auth import KeyRing, KeyState, TokenBucket, digest
 from kvroute.gateway.http import HTTPLimits
 from kvroute.policy import DEFAULT_TICK_S, ConfigError, policy_from_config
 
@@ -102,6 +105,70 @@ class HTTPConfig(_Strict):
     max_connections: int = Field(4096, ge=1)  # beyond: 503 and close
 
 
+class KeyConfig(_Strict):
+    """One API key: its digest, or where to read it (hashed when the config loads), and limits."""
+
+    name: str
+    sha256: str | None = Field(None, pattern="^[0-9a-f]{64}$")  # sha256 hex digest of the key
+    env: str | None = None  # an environment variable holding the key
+    file: str | None = None  # a file holding the key (surrounding whitespace ignored)
+    requests_per_min: float | None = Field(None, gt=0)
+    tokens_per_min: float | None = Field(None, gt=0)  # prompt estimate + max_tokens, at admission
+    admin: bool = False  # may use the admin API
+
+    @model_validator(mode="after")
+    def _one_source(self) -> KeyConfig:
+        sources = [s for s in ("sha256", "env", "file") if getattr(self, s) is not None]
+        if len(sources) != 1:
+            raise ValueError(f"key {self.name!r} needs exactly one of sha256, env, file; got "
+                             f"{', '.join(sources) or 'none'}")
+        return self
+
+    def key_digest(self) -> str:
+        """The key's digest; an env var or file that is missing or empty is an error naming it."""
+        if self.sha256 is not None:
+            return self.sha256
+        if self.env is not None:
+            value = os.environ.get(self.env, "").strip()
+            if not value:
+                raise ValueError(f"key {self.name!r}: environment variable {self.env} is unset or empty")
+        else:
+            try:
+                value = Path(str(self.file)).read_text().strip()
+            except OSError as exc:
+                raise ValueError(f"key {self.name!r}: cannot read {self.file}: {exc.strerror}") from None
+            if not value:
+                raise ValueError(f"key {self.name!r}: {self.file} is empty")
+        return digest(value)
+
+
+class AuthConfig(_Strict):
+    """API keys; none configured: the gateway is open (and forwards Authorization as it came)."""
+
+    keys: list[KeyConfig] = Field(default_factory=list)
+    forward_authorization: bool = False  # with keys on: pass the client's Authorization upstream
+
+    @field_validator("keys")
+    @classmethod
+    def _keys(cls, keys: list[KeyConfig]) -> list[KeyConfig]:
+        names = [k.name for k in keys]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"key names must be unique; repeated: {', '.join(dup)}")
+        for k in keys:
+            k.key_digest()  # fail at load, naming the key, not at the first request
+        return keys
+
+    def key_ring(self, now: float) -> KeyRing:
+        """The keys as the gateway checks them."""
+        ring = KeyRing()
+        for k in self.keys:
+            ring.keys[k.key_digest()] = KeyState(
+                k.name, k.admin, TokenBucket(k.requests_per_min, now) if k.requests_per_min else None,
+                TokenBucket(k.tokens_per_min, now) if k.tokens_per_min else None)
+        return ring
+
+
 class GatewayConfig(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
@@ -114,6 +181,7 @@ class GatewayConfig(_Strict):
     timeouts: TimeoutConfig = Field(default_factory=TimeoutConfig)
     breaker: BreakerConfig = Field(default_factory=BreakerConfig)
     http: HTTPConfig = Field(default_factory=HTTPConfig)
+    auth: AuthConfig = Field(default_factory=AuthConfig)
     max_body_bytes: int = Field(16 * 1024 * 1024, gt=0)
     replica_header: bool = True  # x-kvroute-replica on responses
     session_headers: list[str] = Field(default_factory=lambda: ["x-session-id", "x-hash-key", "x-user-id"])

@@ -101,4 +101,13 @@ class _LiveCollector:
         hits.add_metric([], rt.hit_tokens_routed)
         yield prompt
         yield hits
+        key_requests = CounterMetricFamily("kvroute_key_requests", "Requests admitted per API key", labels=["key"])
+        key_tokens = CounterMetricFamily("kvroute_key_tokens", "Tokens admitted per API key (prompt estimate + "
+                                         "max_tokens)", labels=["key"])
+        key_limited = CounterMetricFamily("kvroute_key_limited", "Requests refused by a key's limits", labels=["key"])
+        for k in rt.keys.keys.values():
+            key_requests.add_metric([k.name], k.used_requests)
+            key_tokens.add_metric([k.name], k.used_tokens)
+            key_limited.add_metric([k.name], k.limited)
+        yield from (key_requests, key_tokens, key_limited)
         yield from (inflight, circuit, healthy, running, waiting, kv, rtt, engine, restarts, ratio)

@@ -85,6 +85,8 @@ class Runtime:
         self._wake: asyncio.TimerHandle | None = None  # a paced drain already scheduled
         self.prompt_tokens_routed = 0
         self.hit_tokens_routed = 0
+        self.keys = config.auth.key_ring(time.monotonic())
+        self.drained: set[str] = set()  # replicas taking no new requests (admin API)
         self.ready = True  # /readyz; false from the moment a drain begins
         self.draining = False
         self.metrics = GatewayMetrics(self)
@@ -112,6 +114,25 @@ class Runtime:
         if rc.models is not None:
             up.models = frozenset(rc.models)
             up.model_cards = [{"id": m, "object": "model", "owned_by": rc.name} for m in rc.models]
+
+    def add_replica(self, rc: ReplicaConfig) -> None:
+        """Add a replica at run time (admin API); it is probed from the next round on."""
+        self._add(rc)
+        log.info("replica %s added at run time (%s)", rc.name, rc.url)
+
+    def remove_replica(self, name: str) -> None:
+        """Remove a replica at run time; its in-flight requests finish where they are."""
+        self.router.remove_endpoint(name)
+        self.upstreams.pop(name).pool.close()
+        self.drained.discard(name)
+        log.info("replica %s removed at run time", name)
+
+    def set_drained(self, name: str, drained: bool) -> None:
+        """A drained replica takes no new requests; its in-flight ones finish."""
+        (self.drained.add if drained else self.drained.discard)(name)
+        log.info("replica %s %s", name, "drained" if drained else "taking requests again")
+        if not drained:
+            self.drain_queue()
 
     def serving(self, model: str) -> list[str] | None:
         """Replicas that may serve ``model``; None when no replica's models are known (route
@@ -158,6 +179,15 @@ class Runtime:
                 self.router.ring.add_many(e.id for e in self.router.endpoints)
             self.policy_name = self._policy_label(new)
             changes.append(f"policy {self.policy_name}")
+        if new.auth != self.config.auth:
+            fresh_keys = new.auth.key_ring(time.monotonic())
+            for d, state in fresh_keys.keys.items():  # a key that stays keeps its usage
+                if d in self.keys.keys:
+                    old_state = self.keys.keys[d]
+                    state.used_requests, state.used_tokens, state.limited = (
+                        old_state.used_requests, old_state.used_tokens, old_state.limited)
+            self.keys = fresh_keys
+            changes.append("api keys")
         self.config = new
         self.pacer = self._pacer(new)
         self.drain_queue()

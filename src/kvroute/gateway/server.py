@@ -28,8 +28,10 @@ import time
 import uuid
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
+from typing import Any, Literal
 
+from kvroute.gateway.admin import handle_admin
+from kvroute.gateway.auth import KeyState, bearer
 from kvroute.gateway.breaker import CircuitState
 from kvroute.gateway.config import GatewayConfig, load_config
 from kvroute.gateway.http import HTTPServer, Responder
@@ -189,7 +191,7 @@ class Proxy:
         return body, req
 
     # -- the handler ----------------------------------------------------------------------------
-    async def handle(self, request: HTTPRequest, resp: Responder, kind: Kind) -> None:
+    async def handle(self, request: HTTPRequest, resp: Responder, kind: Kind, key: KeyState | None = None) -> None:
         """Answer one proxied request; counted and logged once, whatever happens."""
         rt = self.rt
         route = kind.label
@@ -206,6 +208,15 @@ class Proxy:
             if rt.draining:
                 resp.send_error(503, "gateway is draining", "server_error", headers=[("Retry-After", "1")])
                 return
+            if key is not None:
+                wait = key.admit(req.prompt_tokens + req.max_output_tokens, time.monotonic())
+                if wait:
+                    resp.send_error(429, f"rate limit of key {key.name!r} reached; retry in {wait} s",
+                                    "rate_limit_error", code="rate_limit_exceeded",
+                                    headers=[("Retry-After", str(wait))])
+                    return
+            if rt.drained:
+                req.exclude = tuple(rt.drained)
             model = body.get("model")
             if model is not None:
                 candidates = rt.serving(model)
@@ -215,11 +226,13 @@ class Proxy:
                                     param="model", code="model_not_found")
                     return
                 if candidates is not None:  # the policy only sees replicas serving the model
-                    req.exclude = tuple(name for name in rt.upstreams if name not in candidates)
+                    req.exclude = (*req.exclude, *(name for name in rt.upstreams if name not in candidates))
             if rt.config.access_log:  # the client's own id when it sent one (forwarded upstream as is)
                 resp.extra_headers.append(("x-request-id", request.headers.get("x-request-id") or req.id))
-            await self._route_and_forward(request, resp, kind, bool(body.get("stream")), req,
-                                          _forwarded(request.headers), served, t0)
+            headers = _forwarded(request.headers)
+            if rt.keys.enabled and not rt.config.auth.forward_authorization:
+                headers = [(k, v) for k, v in headers if k != "authorization"]  # the client's key is ours
+            await self._route_and_forward(request, resp, kind, bool(body.get("stream")), req, headers, served, t0)
         finally:
             rt.metrics.count_request(route, resp.status or 499, rt.policy_name)  # 499: the client left
             if served.get("replica") is not None and resp.started:  # proxied, even if the client left
@@ -397,21 +410,26 @@ class Gateway:
         self.port = config.port
 
     async def dispatch(self, request: HTTPRequest, resp: Responder) -> None:
+        """Serve one request by path."""
         method = ROUTES.get(request.path)
-        if method is None:
+        if request.path.startswith("/admin/"):
+            handle_admin(self.runtime, request, resp)
+        elif method is None:
             resp.send_error(404, f"unknown path {request.path}", code="not_found")
         elif request.method != method:
             resp.send_error(405, f"method {request.method} not allowed on {request.path}; allowed: {method}",
                             headers=[("Allow", method)])
         elif request.path in PROXIED:
-            await self.proxy.handle(request, resp, PROXIED[request.path])
+            key = self._authenticate(request, resp)
+            if key is not False:
+                await self.proxy.handle(request, resp, PROXIED[request.path], key)
         elif request.path in ("/health", "/readyz"):
             self._health(resp)
         elif request.path == "/livez":  # the process answers: nothing more is promised
             resp.send(200, b'{"status": "alive"}')
         elif request.path == "/metrics":
             resp.send(200, self.runtime.metrics.render(), content_type="text/plain; version=0.0.4; charset=utf-8")
-        else:
+        elif self._authenticate(request, resp) is not False:
             self._models(resp)
 
     def _health(self, resp: Responder) -> None:
@@ -422,6 +440,18 @@ class Gateway:
         body = {"status": "ok" if ok else "unavailable", "replicas": len(rt.upstreams), "healthy": healthy,
                 "queue": len(rt.queue), "policy": rt.policy_name}
         resp.send(200 if ok else 503, json.dumps(body).encode())
+
+    def _authenticate(self, request: HTTPRequest, resp: Responder) -> KeyState | None | Literal[False]:
+        """The request's API key; None when the gateway has no keys; False when refused (answered)."""
+        keys = self.runtime.keys
+        if not keys.enabled:
+            return None
+        key = keys.lookup(bearer(request.headers.get("authorization")))
+        if key is None:
+            resp.send_error(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
+                            code="invalid_api_key", headers=[("WWW-Authenticate", "Bearer")])
+            return False
+        return key
 
     def _models(self, resp: Responder) -> None:
         """Every model a healthy replica serves (configured, or read from its /v1/models)."""

@@ -1,0 +1,101 @@
+"""API keys and per-key limits (pure: the caller passes the clock).
+
+Keys are never kept in clear: the config holds ``sha256:<hex>`` digests, or names an environment
+variable or a file whose content is hashed when the config loads. A presented key is hashed and
+looked up by digest, so lookup time says nothing about any stored key. Each key may carry a
+requests-per-minute and a tokens-per-minute limit, enforced with token buckets (refilled
+continuously, bursts up to one minute's allowance); a request over either limit is refused with the
+seconds after which it would pass (the ``Retry-After`` of the 429).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass, field
+
+
+def digest(key: str) -> str:
+    """The stored form of an API key."""
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+class TokenBucket:
+    """``rate_per_min`` units a minute, at most one minute's worth banked."""
+
+    def __init__(self, rate_per_min: float, now: float):
+        self.capacity = rate_per_min
+        self.per_s = rate_per_min / 60.0
+        self.level = rate_per_min
+        self.at = now
+
+    def _refill(self, now: float) -> None:
+        self.level = min(self.capacity, self.level + (now - self.at) * self.per_s)
+        self.at = now
+
+    def wait_s(self, amount: float, now: float) -> float:
+        """Seconds until ``amount`` is available (0: now). More than a minute's worth waits for
+        a full bucket rather than forever."""
+        self._refill(now)
+        need = min(amount, self.capacity) - self.level
+        return 0.0 if need <= 0 else need / self.per_s
+
+    def take(self, amount: float) -> None:
+        self.level -= min(amount, self.capacity)
+
+
+@dataclass
+class KeyState:
+    """One API key's identity, limits and usage."""
+
+    name: str
+    admin: bool = False
+    requests: TokenBucket | None = None
+    tokens: TokenBucket | None = None
+    used_requests: int = 0
+    used_tokens: int = 0
+    limited: int = 0
+
+    def admit(self, tokens: int, now: float) -> int:
+        """0 when the request may go (and is counted), else whole seconds to wait."""
+        waits = [b.wait_s(amount, now) for b, amount in ((self.requests, 1), (self.tokens, tokens)) if b]
+        wait = max(waits, default=0.0)
+        if wait > 0:
+            self.limited += 1
+            return max(1, math.ceil(wait))
+        if self.requests:
+            self.requests.take(1)
+        if self.tokens:
+            self.tokens.take(tokens)
+        self.used_requests += 1
+        self.used_tokens += tokens
+        return 0
+
+
+@dataclass
+class KeyRing:
+    """The configured keys by digest."""
+
+    keys: dict[str, KeyState] = field(default_factory=dict)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.keys)
+
+    def lookup(self, presented: str | None) -> KeyState | None:
+        """The key a request presented (``Authorization: Bearer …``), or None."""
+        if not presented:
+            return None
+        return self.keys.get(digest(presented))
+
+    @property
+    def has_admin(self) -> bool:
+        return any(k.admin for k in self.keys.values())
+
+
+def bearer(authorization: str | None) -> str | None:
+    """The token of an ``Authorization: Bearer <token>`` header."""
+    if authorization is None:
+        return None
+    scheme, _, token = authorization.partition(" ")
+    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
