@@ -36,3 +36,28 @@ def test_the_clients_request_id_is_echoed_and_forwarded():
     finally:
         dep.settle()
         dep.close()
+
+
+def test_sighup_applies_every_reloadable_setting_and_refuses_the_listening_address(tmp_path, caplog):
+    dep = FaultyDeployment([replies(http_response())])
+    try:
+        gw = dep.gateway
+        up_url = gw.config.replicas[0].url
+        cfg = tmp_path / "gw.yaml"
+        cfg.write_text(f"port: 1\nmax_body_bytes: 100\nsession_headers: [x-tenant]\nblock_tokens: 32\n"
+                       f"breaker: {{failures: 9, cooldown_s: 1, successes: 3}}\n"
+                       f"replicas: [{{url: '{up_url}', id: r0, engine: vllm}}]\n")
+        gw.config_path = str(cfg)
+        changes = dep.call(_reload(gw))
+        assert {"prompt hashing", "session headers", "http limits", "breaker thresholds"} <= set(changes)
+        assert "port (" in caplog.text and "need a restart" in caplog.text
+        assert gw.config.port != 1 and gw.proxy.session_headers == ["x-tenant"]
+        assert gw.runtime.upstreams["r0"].breaker.threshold == 9 and gw.proxy.hasher.block_tokens == 32
+        r = httpx.post(f"{dep.url}/v1/completions", json={"prompt": "x" * 200})
+        assert r.status_code == 413  # the new body limit holds for new connections
+    finally:
+        dep.close()
+
+
+async def _reload(gw):
+    return gw.reload()

@@ -179,6 +179,15 @@ class Runtime:
                 self.router.ring.add_many(e.id for e in self.router.endpoints)
             self.policy_name = self._policy_label(new)
             changes.append(f"policy {self.policy_name}")
+        if (new.block_tokens, new.max_prefix_blocks) != (self.config.block_tokens, self.config.max_prefix_blocks):
+            self.router.reset_index(new.block_tokens, new.max_prefix_blocks)
+            changes.append("prefix index (emptied: new block size or bound)")
+        if new.breaker != self.config.breaker:
+            bc = new.breaker
+            for up in self.upstreams.values():
+                up.breaker.threshold, up.breaker.cooldown_s, up.breaker.successes_to_close = (
+                    bc.failures, bc.cooldown_s, bc.successes)
+            changes.append("breaker thresholds")
         if new.auth != self.config.auth:
             fresh_keys = new.auth.key_ring(time.monotonic())
             for d, state in fresh_keys.keys.items():  # a key that stays keeps its usage

@@ -53,6 +53,7 @@ access = logging.getLogger("kvroute.access")
 HOP_HEADERS = frozenset({"host", "content-length", "transfer-encoding", "connection", "keep-alive", "expect",
                          "accept-encoding", "upgrade", "te", "trailer", "proxy-authorization",
                          "proxy-authenticate", "proxy-connection", "server", "date"})
+RESTART_ONLY = ("host", "port")  # the listening socket; everything else reloads
 ROUTES = {"/v1/chat/completions": "POST", "/v1/completions": "POST", "/v1/embeddings": "POST",
           "/v1/responses": "POST", "/tokenize": "POST", "/detokenize": "POST", "/v1/models": "GET",
           "/health": "GET", "/livez": "GET", "/readyz": "GET", "/metrics": "GET"}
@@ -140,11 +141,23 @@ class Proxy:
 
     def __init__(self, runtime: Runtime):
         self.rt = runtime
-        self.hasher = BlockHasher(runtime.config.block_tokens, runtime.config.tokenizer_path)
         self.rng = random.Random()
         self.id_prefix = f"{uuid.uuid4().hex[:8]}-"  # request ids: unique per process, cheap per request
         self.ids = itertools.count(1)
-        self.session_headers = [h.lower() for h in runtime.config.session_headers]
+        self.reconfigure(runtime.config)
+
+    def reconfigure(self, config: GatewayConfig) -> list[str]:
+        """(Re)build what parsing depends on: the prompt hasher and the session headers."""
+        changes = []
+        old = getattr(self, "config", None)
+        if old is None or (config.block_tokens, config.tokenizer_path) != (old.block_tokens, old.tokenizer_path):
+            self.hasher = BlockHasher(config.block_tokens, config.tokenizer_path)
+            changes.append("prompt hashing")
+        if old is None or config.session_headers != old.session_headers:
+            self.session_headers = [h.lower() for h in config.session_headers]
+            changes.append("session headers")
+        self.config = config
+        return changes if old is not None else []
 
     # -- request parsing --------------------------------------------------------------------
     def parse(self, raw: bytes, kind: Kind, headers: dict[str, str]) -> tuple[dict, Request]:
@@ -473,10 +486,22 @@ class Gateway:
         return self.http.active
 
     def reload(self) -> list[str]:
+        """Apply the config file again. Everything but the listening address applies at once
+        (new connections get new HTTP limits); a changed ``host`` or ``port`` is refused, named
+        in the log, and needs a restart."""
         if not self.config_path:
             return []
         new = load_config(self.config_path)
+        fixed = [f"{f} ({getattr(self.config, f)} → {getattr(new, f)})" for f in RESTART_ONLY
+                 if getattr(new, f) != getattr(self.config, f)]
+        if fixed:
+            log.error("config reload: %s need a restart; kept as they are, the rest applies", ", ".join(fixed))
+            new = new.model_copy(update={f: getattr(self.config, f) for f in RESTART_ONLY})
         changes = self.runtime.reconfigure(new)
+        changes += self.proxy.reconfigure(new)
+        if new.http_limits() != self.http.limits:
+            self.http.limits = new.http_limits()
+            changes.append("http limits")
         self.config = new
         return changes
 

@@ -65,6 +65,15 @@ class Router:
         self.view.endpoints = list(self._eps.values())
         return ep
 
+    def reset_index(self, block_tokens: int, max_prefix_blocks: int) -> None:
+        """Start an empty prefix index with another block size or bound (hashes of one block
+        size mean nothing under another)."""
+        self.index_block_tokens = block_tokens
+        self.prefix = PrefixIndex(max_blocks=max_prefix_blocks)
+        self.view.prefix = self.prefix
+        for ep in self._eps.values():
+            self.prefix.add_endpoint(ep.id, self._index_capacity(ep))
+
     def resize_index(self, endpoint_id: str) -> None:
         """The endpoint's KV capacity became known or changed: bound its index to it."""
         self.prefix.add_endpoint(endpoint_id, self._index_capacity(self._eps[endpoint_id]))
