@@ -9,7 +9,7 @@ import sys
 from rich.table import Table
 
 from kvroute import __version__
-from kvroute.report import console, err, routing_table, run_simulation, write_json
+from kvroute.report import console, err, error, routing_table, run_simulation, write_json
 
 
 def cmd_policies(args: argparse.Namespace) -> int:
@@ -50,8 +50,16 @@ def cmd_bench_routing(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_sim_speed(args: argparse.Namespace) -> int:
-    from kvroute.bench import sim_speed
+    from pathlib import Path
 
+    from kvroute.bench import sim_speed
+    from kvroute.sim import scenario
+
+    if not Path(scenario.resolve_trace(sim_speed.TRACE, "mooncake")).is_file():
+        trace = scenario.DATA_DIR / sim_speed.TRACE
+        return error(f"bench sim-speed replays the Mooncake conversation trace, not found at {trace}: traces "
+                     "are looked up under $KVROUTE_TRACES (default: shared/data/traces beside a source checkout); "
+                     f"set KVROUTE_TRACES to the folder that holds {sim_speed.TRACE}")
     result = sim_speed.run(progress=lambda msg: err.print(msg), with_million=not args.skip_million,
                            million_requests=args.million_requests)
     table = Table(title="simulator speed: Mooncake conversation trace, 16 replicas, ~70% load")
@@ -124,16 +132,15 @@ SWEEP_DEFAULT_REQUESTS = 2000  # per sweep run, unless the scenario or --max-req
 
 
 def _scenario_from_args(args: argparse.Namespace):
-    from kvroute.sim.scenario import WORKLOAD_KINDS, Scenario, detect_trace_kind, load_scenario, parse_scenario
+    from kvroute.sim.scenario import Scenario, load_scenario, parse_scenario, workload_flag
 
     sc = load_scenario(args.scenario) if args.scenario else Scenario()
     data = sc.model_dump(exclude_none=True)
     if args.workload:
-        if args.workload in WORKLOAD_KINDS:
-            data["workload"]["kind"] = args.workload
-        else:
-            data["workload"]["kind"] = detect_trace_kind(args.workload)
-            data["workload"]["path"] = args.workload
+        kind, path = workload_flag(args.workload)
+        data["workload"]["kind"] = kind
+        if path is not None:
+            data["workload"]["path"] = path
     if args.replicas is not None:
         for g in data["replicas"]:
             g["count"] = args.replicas
@@ -161,14 +168,14 @@ def _scenario_from_args(args: argparse.Namespace):
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     from kvroute.sim.scenario import ScenarioError
+    from kvroute.workload.traces import TraceError
 
     try:
         sc = _scenario_from_args(args)
         sc.policy_list()
         sc.setup()
     except ScenarioError as exc:
-        err.print(f"[red]error:[/red] {exc}", highlight=False)
-        return 2
+        return error(str(exc))
     try:
         if args.sweep:
             from kvroute.report import run_sweep
@@ -176,10 +183,53 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             run_sweep(sc, args.json, args.plots)
         else:
             run_simulation(sc, args.json, args.plots)
-    except ScenarioError as exc:
-        err.print(f"[red]error:[/red] {exc}", highlight=False)
-        return 2
+    except (ScenarioError, TraceError) as exc:  # a bad trace line found while replaying
+        return error(str(exc))
     return 0
+
+
+def _unwritable(path: str, directory: bool) -> str | None:
+    """Why ``path`` (a file, or a folder of files) cannot be written, or None. Creates the folders
+    it needs, as the writer would, and tries a scratch file there; run before any work."""
+    import tempfile
+    from pathlib import Path
+
+    p = Path(path)
+    folder = p if directory else p.parent
+    if not directory and p.is_dir():
+        return "it is a directory"
+    if directory and p.exists() and not p.is_dir():
+        return "it is a file, not a directory"
+    for parent in folder.parents if directory else (folder, *folder.parents):
+        if parent.exists() and not parent.is_dir():
+            return f"{parent} is a file, not a directory"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return f"cannot create the folder {folder}: {exc.strerror or exc}"
+    try:
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".kvroute-write-check-"):
+            pass
+    except OSError as exc:
+        return f"cannot create a file in {folder}: {exc.strerror or exc}"
+    return None
+
+
+OUTPUT_FLAGS = (("json", False), ("md", False), ("plots", True))  # argparse dest, is a folder
+
+
+def _check_outputs(args: argparse.Namespace) -> int | None:
+    """Exit 2 with one line when an output named on the command line cannot be written, before
+    anything runs (so no run's results are lost to a typo in --json)."""
+    for dest, directory in OUTPUT_FLAGS:
+        path = getattr(args, dest, None)
+        if not isinstance(path, str):
+            continue
+        why = _unwritable(path, directory)
+        if why:
+            return error(f"--{dest} {path}: cannot write there: {why}; choose another "
+                         f"{'folder' if directory else 'path'}")
+    return None
 
 
 def _run_async(coro) -> None:
@@ -198,8 +248,7 @@ def _listen(coro, what: str) -> int:
     try:
         _run_async(coro)
     except OSError as exc:
-        err.print(f"[red]error:[/red] cannot listen on {what}: {exc.strerror or exc}", highlight=False)
-        return 2
+        return error(f"cannot listen on {what}: {exc.strerror or exc}")
     return 0
 
 
@@ -224,14 +273,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         try:
             config = load_config(args.config)
         except yamlconf.ConfigFileError as exc:
-            err.print(f"[red]error:[/red] {exc}", highlight=False)
-            return 2
+            return error(str(exc))
         overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
         config = config.model_copy(update=overrides)
         if not config.replicas:
-            err.print(f"[red]error:[/red] {args.config} lists no replicas; add e.g. "
-                      "replicas: [{url: http://10.0.0.5:8000, engine: vllm}]", highlight=False)
-            return 2
+            return error(f"{args.config} lists no replicas; add e.g. "
+                         "replicas: [{url: http://10.0.0.5:8000, engine: vllm}]")
 
         async def main() -> None:
             await serve(config, args.config,
@@ -271,16 +318,14 @@ def cmd_emulate(args: argparse.Namespace) -> int:
     try:
         profile = load_profile(args.profile)
     except ProfileError as exc:
-        err.print(f"[red]error:[/red] {exc}", highlight=False)
-        return 2
+        return error(str(exc))
     faults = Faults()
     try:
         faults.update({"fail_rate": args.fail_rate, "hang": args.hang, "close_after_tokens": args.close_after_tokens,
                        "slowdown": args.slowdown, "close_after_stream": args.close_after_stream,
                        "ignore_disconnect": args.ignore_disconnect})
     except ValueError as exc:
-        err.print(f"[red]error:[/red] {exc}", highlight=False)
-        return 2
+        return error(str(exc))
 
     async def main() -> None:
         import asyncio
@@ -308,8 +353,7 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
         result = reproduce(args.paper, quick=args.quick,
                            progress=lambda m: err.print(f"[dim]{m}[/dim]", highlight=False))
     except ScenarioError as exc:
-        err.print(f"[red]error:[/red] {exc}", highlight=False)
-        return 2
+        return error(str(exc))
     table = Table(title=f"{result['title']}: paper vs kvroute" + (" (--quick)" if args.quick else ""))
     for col in ("claim", "paper", "kvroute", "agrees?", "why not"):
         table.add_column(col, overflow="fold")
@@ -452,16 +496,28 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    bad_output = _check_outputs(args)
+    if bad_output is not None:
+        return bad_output
     try:
         return args.func(args)
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # the reader left (`kvroute policies --json | head`): nothing more to say to anyone. Point
+        # stdout at /dev/null so the interpreter's final flush does not raise again.
+        import os
+
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):  # pragma: no cover - stdout without a file descriptor
+            pass
+        return 0
     except ModuleNotFoundError as exc:
         if exc.name not in ("numpy", "matplotlib"):
             raise
-        err.print(f"[red]error:[/red] this command needs the simulator's extra ({exc.name} is not installed): "
-                  "pip install 'kvroute\\[sim]'", highlight=False)
-        return 2
+        return error(f"this command needs the simulator's extra ({exc.name} is not installed): "
+                     "pip install 'kvroute[sim]'")
 
 
 if __name__ == "__main__":

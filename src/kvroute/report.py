@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 # Tables are wide: when output is not a terminal (CI logs, pipes), do not squeeze them to 80.
@@ -91,8 +92,14 @@ def breakdown_table(report: dict) -> Table | None:
 
 
 def warn(line: str) -> None:
-    """A warning line on stderr, plain enough to grep."""
-    err.print(f"[bold yellow]warning:[/bold yellow] {line}", highlight=False)
+    """A warning line on stderr, plain enough to grep (never wrapped, never read as markup)."""
+    err.print(f"[bold yellow]warning:[/bold yellow] {escape(line)}", highlight=False, soft_wrap=True)
+
+
+def error(line: str) -> int:
+    """An error line on stderr (one line per problem, never wrapped); returns the exit code, 2."""
+    err.print(f"[red]error:[/red] {escape(line)}", highlight=False, soft_wrap=True)
+    return 2
 
 
 def run_simulation(sc, json_path: str | None = None, plots: str | None = None) -> dict:
@@ -185,7 +192,7 @@ def run_sweep(sc, json_path: str | None = None, plots: str | None = None) -> dic
 
     checks = preflight(sc)
     for line in checks["messages"]:
-        if "never run" in line or "idle replica" in line:
+        if any(k in line for k in ("never run", "idle replica", "not sorted", "no requests in this trace")):
             warn(line)
     result = sweep(sc, progress=lambda m: err.print(f"[dim]{m}[/dim]", highlight=False))
     for t in sweep_tables(sc, result):

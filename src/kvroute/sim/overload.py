@@ -84,6 +84,7 @@ def preflight(sc) -> dict:
             break
     out.update(requests=n, never_fit=never, slo_ttft_unreachable=too_slow, closed_loop=False)
     msgs = out["messages"]
+    msgs += trace_warnings(wl, n)
     if too_slow:
         msgs.append(f"{too_slow:,} of {n:,} requests ({too_slow / n:.0%}) cannot meet TTFT ≤ {slo_ttft:g} s even "
                     f"on an idle replica (their prefill alone takes longer on {fastest.name}), so goodput is "
@@ -111,6 +112,27 @@ def preflight(sc) -> dict:
                     f"estimated capacity of {capacity:.3g} req/s (no prefix reuse): {load:.1f}x. Expect a "
                     f"growing queue. {fix_hint(sc, load)}")
     return out
+
+
+def trace_warnings(wl, requests: int) -> list[str]:
+    """A trace that goes back in time, or yields no request at all: the run goes on, but says so."""
+    lines = []
+    path = getattr(wl, "path", None)
+    first = getattr(wl, "first_unsorted", None)
+    if first is not None:
+        line, stamp, before = first
+        lines.append(f"{path}:{line}: timestamps are not sorted ({wl.unsorted:,} of the {requests:,} requests read "
+                     f"are stamped before a line above them; here {stamp} after {before}). A trace is replayed in "
+                     "file order, so each such request arrives right after the one before it; sort the file by "
+                     "timestamp to replay its own timing.")
+    if requests == 0 and path is not None:
+        dropped, skipped = getattr(wl, "dropped", 0), getattr(wl, "skipped", 0)
+        why = (f"all {dropped:,} dropped by workload.max_prompt_tokens" if dropped
+               else f"all {skipped:,} lines malformed and skipped" if skipped
+               else "a header or blank lines only")
+        lines.append(f"{path}: no requests in this trace ({why}); every result below is empty. "
+                     "Check the file, or give another trace.")
+    return lines
 
 
 def fix_hint(sc, load: float) -> str:

@@ -29,7 +29,7 @@ from kvroute.sim.profile import ProfileError, load_profile
 from kvroute.sim.simulation import BalancerSpec, Limits, ReplicaSpec, Setup
 from kvroute.workload import Workload
 from kvroute.workload.synthetic import ChatPoisson, ChatWorkload
-from kvroute.workload.traces import AzureTrace, MooncakeTrace, OpenAIConversations, TraceError
+from kvroute.workload.traces import AzureTrace, MooncakeTrace, OpenAIConversations, TraceError, check_trace_file
 
 SCENARIO_DIR = Path(str(resources.files("kvroute") / "scenarios"))  # package data
 # bundled traces live in shared/ beside the repository; KVROUTE_TRACES overrides
@@ -48,8 +48,10 @@ class _Strict(BaseModel):
 
 
 class NetworkSpec(_Strict):
-    rtt_ms: dict[str, float] = Field(default_factory=lambda: {"us-eu": 80.0, "us-asia": 150.0, "eu-asia": 200.0})
-    in_region_ms: float = Field(2.0, ge=0)
+    rtt_ms: dict[str, float] = Field(default_factory=lambda: {"us-eu": 80.0, "us-asia": 150.0, "eu-asia": 200.0},
+                                     description="round-trip time per region pair, keys `regionA-regionB`; a pair "
+                                     "not listed costs 150 ms")
+    in_region_ms: float = Field(2.0, ge=0, description="round-trip time within a region")
 
     @field_validator("rtt_ms")
     @classmethod
@@ -67,16 +69,17 @@ def _region_pair(key: str) -> tuple[str, str]:
 
 
 class ReplicaGroup(_Strict):
-    region: str = "local"
-    count: int = Field(1, ge=1)
-    profile: str = "l4-llama3.1-8b"
+    region: str = Field("local", description="region the replicas are in")
+    count: int = Field(1, ge=1, description="replicas in this group (`--replicas` sets every group's)")
+    profile: str = Field("l4-llama3.1-8b", description="hardware profile: a bundled name (`src/kvroute/profiles/`) "
+                         "or a YAML file (`--profile`)")
 
 
 class BalancerGroup(_Strict):
-    region: str
+    region: str = Field(description="region the load balancer is in")
     manages: list[str] | Literal["all"] | None = None  # replica regions; default: its own
-    probe_interval_s: float = Field(0.1, gt=0)
-    forward: bool = False
+    probe_interval_s: float = Field(0.1, gt=0, description="how often it reads its replicas' indicators")
+    forward: bool = Field(False, description="held requests may go to a peer load balancer (SkyWalker's two layers)")
     dispatch_tick_s: float = Field(0.01, ge=0, description="at most one dispatch per tick when the "
                                    "policy can hold (SkyWalker's 10 ms queue processor); 0 = unpaced")
 
@@ -93,41 +96,54 @@ class TopologySpec(_Strict):
       accounting (GORGO v1's distributed mode: each region's LB may send anywhere).
     """
 
-    kind: Literal["regional", "global", "two-layer", "distributed"] = "regional"
-    region: str | None = None
-    probe_interval_s: float = Field(0.1, gt=0)
-    dispatch_tick_s: float = Field(0.01, ge=0)
+    kind: Literal["regional", "global", "two-layer", "distributed"] = Field(
+        "regional", description="`regional`: one LB per region for its replicas; `global`: one LB for all; "
+        "`two-layer`: regional LBs that forward to peers; `distributed`: one LB per region, each for all replicas")
+    region: str | None = Field(None, description="`global`: where the one LB is (default: the first region)")
+    probe_interval_s: float = Field(0.1, gt=0, description="how often each LB reads its replicas' indicators")
+    dispatch_tick_s: float = Field(0.01, ge=0, description="at most one dispatch per tick when the policy can hold; "
+                                   "0 = unpaced")
 
 
 class ShapeSpec(_Strict):
     """One region's program shape (SkyWalker's mixed tree: different shapes per region)."""
 
-    kind: Literal["chat", "tot", "mixed"] | None = None
-    tree_fraction: float | None = Field(None, ge=0, le=1)
-    depth: int | None = Field(None, ge=1)
-    branching: int | None = Field(None, ge=1)
+    kind: Literal["chat", "tot", "mixed"] | None = Field(None, description="this region's program shape "
+                                                         "(default: the workload's)")
+    tree_fraction: float | None = Field(None, ge=0, le=1, description="as `workload.tree_fraction`, for this region")
+    depth: int | None = Field(None, ge=1, description="as `workload.depth`, for this region")
+    branching: int | None = Field(None, ge=1, description="as `workload.branching`, for this region")
 
 
 class WorkloadSpec(_Strict):
-    kind: Literal["chat", "tot", "mixed", "chat-poisson", "mooncake", "azure", "openai"] = "chat"
-    clients: dict[str, int] = Field(default_factory=dict)
-    path: str | None = None
-    time_scale: float = Field(1.0, gt=0)
-    rate: float | None = Field(None, gt=0)
-    tree_fraction: float = Field(0.5, ge=0, le=1)
-    depth: int = Field(4, ge=1)
-    branching: int = Field(2, ge=1)
-    think_time_s: float = Field(0.0, ge=0)
-    skip_bad: bool = False
+    kind: Literal["chat", "tot", "mixed", "chat-poisson", "mooncake", "azure", "openai"] = Field(
+        "chat", description="synthetic closed-loop chat, trees of thought or a mix; open-loop Poisson chat; or a "
+        "trace: Mooncake JSONL, Azure CSV, OpenAI-messages JSONL conversations")
+    clients: dict[str, int] = Field(default_factory=dict, description="per region: concurrent clients (closed "
+                                    "loop) or the weight of trace requests assigned there; default 16 per "
+                                    "replica region. Each region needs replicas or a load balancer")
+    path: str | None = Field(None, description="trace file; relative paths are also looked up under "
+                             "$KVROUTE_TRACES (default: mooncake and azure use the bundled traces there)")
+    time_scale: float = Field(1.0, gt=0, description="traces: stretch inter-arrival times by this factor")
+    rate: float | None = Field(None, gt=0, description="open loop: Poisson arrivals at this many requests/s "
+                               "(traces: replaces their timestamps)")
+    tree_fraction: float = Field(0.5, ge=0, le=1, description="`mixed`: share of programs that are trees of thought")
+    depth: int = Field(4, ge=1, description="trees of thought: levels")
+    branching: int = Field(2, ge=1, description="trees of thought: branches per node")
+    think_time_s: float = Field(0.0, ge=0, description="closed loop: pause between a response and the next turn")
+    skip_bad: bool = Field(False, description="skip and count malformed trace lines instead of failing "
+                           "(`--skip-bad`)")
     shapes: dict[str, ShapeSpec] = Field(default_factory=dict)  # per client region (chat/tot/mixed)
     max_prompt_tokens: int | None = Field(None, gt=0, description="traces: drop longer prompts (GORGO v2: 24,000)")
     max_output_tokens: int | None = Field(None, gt=0, description="traces: cap output lengths (GORGO v2: 128)")
 
 
 class LimitSpec(_Strict):
-    max_requests: int | None = Field(None, ge=1)
-    max_sim_s: float | None = Field(None, gt=0)
-    drain_s: float = Field(3600.0, gt=0)
+    max_requests: int | None = Field(None, ge=1, description="stop issuing after this many requests "
+                                     "(`--max-requests`)")
+    max_sim_s: float | None = Field(None, gt=0, description="stop issuing at this simulated time")
+    drain_s: float = Field(3600.0, gt=0, description="simulated time allowed for in-flight requests to finish "
+                           "after the last one is issued")
 
 
 class SLOSpec(_Strict):
@@ -139,9 +155,10 @@ class SLOSpec(_Strict):
     both for a load to count as under the knee.
     """
 
-    ttft_s: float = Field(5.0, gt=0)
-    tpot_s: float = Field(0.1, gt=0)
-    target: float = Field(0.9, gt=0, le=1)
+    ttft_s: float = Field(5.0, gt=0, description="time to first token bound (`--slo-ttft`)")
+    tpot_s: float = Field(0.1, gt=0, description="time per output token bound (`--slo-tpot`)")
+    target: float = Field(0.9, gt=0, le=1, description="share of requests that must meet both for a load to be "
+                          "under the SLO knee (`--slo-target`)")
 
 
 class PolicyEntry(NamedTuple):
@@ -155,18 +172,26 @@ _DEFAULT_POLICIES: list[str | dict[str, Any]] = ["round_robin", "skywalker"]
 
 
 class Scenario(_Strict):
-    name: str = "scenario"
-    seed: int = 0
-    network: NetworkSpec = Field(default_factory=NetworkSpec)
-    replicas: list[ReplicaGroup] = Field(default_factory=lambda: [ReplicaGroup(count=4)])
-    balancers: list[BalancerGroup] | None = None
-    topology: TopologySpec | None = None
-    workload: WorkloadSpec = Field(default_factory=WorkloadSpec)
-    policies: list[str | dict[str, Any]] = Field(default_factory=lambda: _DEFAULT_POLICIES.copy())
-    limits: LimitSpec = Field(default_factory=LimitSpec)
-    sample_interval_s: float = Field(1.0, gt=0)
-    index_block_tokens: int | None = Field(None, gt=0)
-    slo: SLOSpec = Field(default_factory=SLOSpec)
+    name: str = Field("scenario", description="title of the result tables and plots")
+    seed: int = Field(0, description="seeds the workload and the policies; one seed, one identical workload "
+                      "for every policy")
+    network: NetworkSpec = Field(default_factory=NetworkSpec, description="round-trip times between regions")
+    replicas: list[ReplicaGroup] = Field(default_factory=lambda: [ReplicaGroup(count=4)],
+                                         description="groups of identical simulated engine replicas")
+    balancers: list[BalancerGroup] | None = Field(None, description="load balancers listed by hand (else "
+                                                  "`topology`, else one per replica region)")
+    topology: TopologySpec | None = Field(None, description="where the load balancers are, without listing them")
+    workload: WorkloadSpec = Field(default_factory=WorkloadSpec, description="what the clients send")
+    policies: list[str | dict[str, Any]] = Field(
+        default_factory=lambda: _DEFAULT_POLICIES.copy(),
+        description="each run on the identical workload: a preset name or `{preset, params, admission, "
+        "topology}` (`kvroute policies` lists presets and their params)")
+    limits: LimitSpec = Field(default_factory=LimitSpec, description="when a run stops")
+    sample_interval_s: float = Field(1.0, gt=0, description="simulated seconds between load-over-time samples")
+    index_block_tokens: int | None = Field(None, gt=0, description="tokens per prefix-index block (default: 512 "
+                                           "for mooncake, whose hash ids cover 512 tokens; else 64)")
+    slo: SLOSpec = Field(default_factory=SLOSpec, description="service-level objective for goodput and the "
+                         "capacity knee")
 
     # -- derived ---------------------------------------------------------------------------------
     def regions(self) -> list[str]:
@@ -233,6 +258,7 @@ class Scenario(_Strict):
             n0 = sum(1 for r in replicas if r.region == g.region)
             replicas += [ReplicaSpec(f"{g.region}-{n0 + i}", g.region, prof) for i in range(g.count)]
         groups = self.balancer_groups(topology)
+        self._check_client_regions(groups)
         balancers = []
         for b in groups:
             manages = self.regions() if b.manages == "all" else (b.manages or [b.region])
@@ -248,6 +274,16 @@ class Scenario(_Strict):
         return Setup(replicas, balancers, Network(rtt, self.network.in_region_ms),
                      Limits(self.limits.max_requests, self.limits.max_sim_s, self.limits.drain_s),
                      self.seed, self.sample_interval_s, bt, self.slo.ttft_s, self.slo.tpot_s)
+
+    def _check_client_regions(self, groups: list[BalancerGroup]) -> None:
+        """Clients in a region with neither replicas nor a load balancer are a typo more often
+        than a plan (they would silently pay the default cross-region RTT): name the region."""
+        known = set(self.regions()) | {b.region for b in groups}
+        for region in self.workload.clients:
+            if region not in known:
+                raise ScenarioError(f"workload.clients.{region}: no replicas (and no load balancer) in region "
+                                    f"{region!r}; replica regions: {', '.join(self.regions())}. Add replicas "
+                                    f"there ({{region: {region}, count: N}}) or move the clients")
 
     def clients(self) -> dict[str, int]:
         return dict(self.workload.clients) or {r: 16 for r in self.regions()}
@@ -301,14 +337,38 @@ def resolve_trace(path: str | None, kind: str) -> str:
     return str(p)
 
 
+TRACE_FORMATS = "Mooncake JSONL (timestamp, input_length, output_length, hash_ids), OpenAI-messages JSONL, Azure CSV"
+
+
+def workload_flag(value: str) -> tuple[str, str | None]:
+    """``--workload``: a kind, or a trace file whose kind is detected → ``(kind, path)``."""
+    if value in WORKLOAD_KINDS:
+        return value, None
+    p = Path(value)
+    if not p.exists() and not p.is_absolute() and (DATA_DIR / value).exists():
+        p = DATA_DIR / value
+    if not p.exists():
+        raise ScenarioError(f"--workload {value!r}: not a workload kind nor an existing file; kinds: "
+                            f"{', '.join(WORKLOAD_KINDS)}; or a trace file ({TRACE_FORMATS})")
+    return detect_trace_kind(str(p)), str(p)
+
+
 def detect_trace_kind(path: str) -> str:
     """Trace kind from a file: .csv → azure; JSONL with hash_ids/input_length → mooncake;
     JSONL with messages → openai."""
-    p = Path(path)
+    try:
+        p = check_trace_file(path)
+    except TraceError as exc:
+        raise ScenarioError(str(exc)) from None
     if p.suffix == ".csv":
         return "azure"
-    with p.open() as f:
-        for lineno, line in enumerate(f, 1):
+    with p.open("rb") as raw:
+        for lineno, data in enumerate(raw, 1):
+            try:
+                line = data.decode()
+            except UnicodeDecodeError:
+                raise ScenarioError(f"{path}:{lineno}: not UTF-8 text — is this a binary file? A trace is "
+                                    f"one of: {TRACE_FORMATS}") from None
             if line.strip():
                 try:
                     obj = json.loads(line)

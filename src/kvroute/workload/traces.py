@@ -35,10 +35,32 @@ class _BadLines:
         self.skipped += 1
 
 
+def _text_lines(path: Path, f) -> Iterator[str]:
+    """Lines of a file opened in binary mode, decoded one by one, so that bytes which are not
+    UTF-8 (a binary file given as a trace) name the line instead of ending in a traceback."""
+    for lineno, raw in enumerate(f, 1):
+        try:
+            yield raw.decode()
+        except UnicodeDecodeError:
+            raise TraceError(f"{path}:{lineno}: not UTF-8 text — is this a binary file? A trace is "
+                             "Mooncake or OpenAI-messages JSONL, or an Azure CSV") from None
+
+
+def check_trace_file(path: str | Path) -> Path:
+    """``path`` as a ``Path`` when it is a readable file; else a ``TraceError`` that says why."""
+    p = Path(path)
+    if p.is_dir():
+        raise TraceError(f"{path}: is a directory; give a trace file in it (Mooncake or OpenAI-messages "
+                         "JSONL, or an Azure CSV)")
+    if not p.is_file():
+        raise TraceError(f"{path}: no such trace file")
+    return p
+
+
 def _parsed_lines(path: Path, bad: _BadLines, parse):
     """``(lineno, parse(line, where, lineno))`` for each non-empty line; bad lines go to ``bad``."""
-    with path.open() as f:
-        for lineno, line in enumerate(f, 1):
+    with path.open("rb") as f:
+        for lineno, line in enumerate(_text_lines(path, f), 1):
             if not line.strip():
                 continue
             where = f"{path}:{lineno}"
@@ -128,9 +150,7 @@ class MooncakeTrace(Workload):
                  max_output_tokens: int | None = None):
         """``max_prompt_tokens`` drops longer requests (counted in ``dropped``); ``max_output_tokens``
         caps output lengths (GORGO v2 filters prompts over 24,000 tokens and caps output at 128)."""
-        self.path = Path(path)
-        if not self.path.is_file():
-            raise TraceError(f"{path}: no such trace file")
+        self.path = check_trace_file(path)
         if time_scale <= 0:
             raise TraceError(f"time_scale must be positive, got {time_scale}")
         self.time_scale, self.rate = time_scale, rate
@@ -140,6 +160,15 @@ class MooncakeTrace(Workload):
         self.max_requests = max_requests
         self.max_prompt_tokens, self.max_output_tokens = max_prompt_tokens, max_output_tokens
         self.dropped = 0
+        # stamps earlier than the line before them (replayed in file order: such a request arrives
+        # right after its predecessor); the first one as (line, its stamp, the one before)
+        self.unsorted = 0
+        self.first_unsorted: tuple[int, str, str] | None = None
+
+    def _out_of_order(self, lineno: int, stamp: str, before: str) -> None:
+        self.unsorted += 1
+        if self.first_unsorted is None:
+            self.first_unsorted = (lineno, stamp, before)
 
     def _parse(self, line: str, where: str, lineno: int) -> tuple[float, int, int, tuple[int, ...]]:
         obj = _json_object(line, where)
@@ -156,7 +185,12 @@ class MooncakeTrace(Workload):
     def arrivals(self) -> Iterator[SimRequest]:
         t = 0.0
         n = 0
+        prev = 0.0
+        self.unsorted, self.first_unsorted = 0, None
         for lineno, (ts, inp, out, ids) in _cached_lines(self.path, self.bad, self._parse, self.name):
+            if ts < prev and not self.rate:
+                self._out_of_order(lineno, f"{ts:g} ms", f"{prev:g} ms")
+            prev = max(prev, ts)
             if self.max_prompt_tokens and inp > self.max_prompt_tokens:
                 self.dropped += 1
                 continue
@@ -190,8 +224,10 @@ class AzureTrace(MooncakeTrace):
         t0 = None
         t = 0.0
         n = 0
-        with self.path.open(newline="") as f:
-            reader = csv.reader(f)
+        prev: datetime | None = None
+        self.unsorted, self.first_unsorted = 0, None
+        with self.path.open("rb") as f:
+            reader = csv.reader(_text_lines(self.path, f))
             header = next(reader, None)
             expected = ["TIMESTAMP", "ContextTokens", "GeneratedTokens"]
             if header != expected:
@@ -214,6 +250,9 @@ class AzureTrace(MooncakeTrace):
                     self.bad(where, str(exc).removeprefix(f"{where}: "))
                     continue
                 ctx, gen = ints
+                if prev is not None and stamp < prev and not self.rate:
+                    self._out_of_order(lineno, str(stamp), str(prev))
+                prev = stamp if prev is None else max(prev, stamp)
                 if ctx <= 0:
                     self.bad(where, "field 'ContextTokens' must be positive")
                     continue
@@ -270,9 +309,7 @@ class OpenAIConversations(Workload):
 
     def __init__(self, path: str | Path, clients: dict[str, int], seed: int = 0,
                  skip_bad: bool = False, block_tokens: int = 64):
-        self.path = Path(path)
-        if not self.path.is_file():
-            raise TraceError(f"{path}: no such trace file")
+        self.path = check_trace_file(path)
         self.clients = dict(clients) or {"local": 8}
         self.bad = _BadLines(skip_bad)
         self.hasher = BlockHasher(block_tokens)

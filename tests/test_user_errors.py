@@ -1,0 +1,132 @@
+"""Mistakes a user can act on (issue 11): one line naming the input and what to do, exit code 2,
+no traceback, checked before any work; traces that are odd but usable only warn."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+import kvroute.cli
+from kvroute.cli import main
+from kvroute.sim import scenario
+
+
+def one_error(capsys) -> str:
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    return lines[0]
+
+
+def mooncake_line(ts: float, inp: object = 64, block: int = 1) -> str:
+    return json.dumps({"timestamp": ts, "input_length": inp, "output_length": 8, "hash_ids": [block]}) + "\n"
+
+
+def test_an_unknown_workload_lists_the_kinds(capsys):
+    assert main(["simulate", "--workload", "foo"]) == 2
+    line = one_error(capsys)
+    assert "--workload 'foo'" in line and "chat, tot, mixed, chat-poisson, mooncake, azure, openai" in line
+
+
+def test_a_directory_as_workload_says_so(tmp_path, capsys):
+    assert main(["simulate", "--workload", str(tmp_path)]) == 2
+    assert f"{tmp_path}: is a directory" in one_error(capsys)
+
+
+@pytest.mark.parametrize("name", ["trace.jsonl", "trace.csv", "trace"])
+def test_a_binary_file_as_workload_names_it(tmp_path, capsys, name):
+    f = tmp_path / name
+    f.write_bytes(b"\x7fELF\x02\x01\x01\x00" + bytes(range(128, 256)) * 4)
+    assert main(["simulate", "--workload", str(f), "--max-requests", "5"]) == 2
+    assert f"{f}:1: not UTF-8 text" in one_error(capsys)
+
+
+def test_a_bad_line_after_the_first_names_file_line_and_field(tmp_path, capsys):
+    f = tmp_path / "t.jsonl"
+    f.write_text(mooncake_line(0) + mooncake_line(10) + mooncake_line(20, inp="many"))
+    assert main(["simulate", "--workload", str(f), "--policy", "round_robin"]) == 2
+    line = one_error(capsys)
+    assert f"{f}:3: field 'input_length'" in line and "--skip-bad" in line
+
+
+@pytest.mark.parametrize("flag, target, says", [
+    ("--json", "blocker/out.json", "blocker is a file, not a directory; choose another path"),
+    ("--json", ".", "it is a directory; choose another path"),
+    ("--plots", "blocker", "it is a file, not a directory; choose another folder"),
+    ("--plots", "blocker/plots", "blocker is a file, not a directory; choose another folder"),
+])
+def test_unwritable_outputs_fail_before_running(tmp_path, capsys, monkeypatch, flag, target, says):
+    (tmp_path / "blocker").write_text("a file where a folder should be")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(kvroute.cli, "run_simulation", lambda *a: pytest.fail("ran before checking outputs"))
+    assert main(["simulate", "--max-requests", "10", flag, target]) == 2
+    assert f"{flag} {target}: cannot write there: {says}" in one_error(capsys)
+
+
+def test_writable_outputs_leave_no_scratch_file(tmp_path, monkeypatch):
+    monkeypatch.setattr(kvroute.cli, "run_simulation", lambda *a: None)
+    assert main(["simulate", "--max-requests", "10", "--json", str(tmp_path / "new" / "r.json"),
+                 "--plots", str(tmp_path / "plots")]) == 0
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["new", "plots"]
+
+
+def test_bench_sim_speed_without_traces_says_where_it_looked(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(scenario, "DATA_DIR", tmp_path)
+    assert main(["bench", "sim-speed", "--skip-million"]) == 2
+    line = one_error(capsys)
+    assert str(tmp_path / "mooncake" / "conversation_trace.jsonl") in line
+    assert "KVROUTE_TRACES" in line and "shared/data/traces" in line
+
+
+def test_policies_into_a_closed_pipe_exits_quietly():
+    proc = subprocess.Popen([sys.executable, "-m", "kvroute", "policies", "--json"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # the reader is gone before the first write (`| head -0`)
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 0 and err == ""
+
+
+def test_emulate_fail_rate_out_of_range(capsys):
+    assert main(["emulate", "--fail-rate", "2"]) == 2
+    assert "fail_rate must be a number from 0 to 1, got 2.0" in one_error(capsys)
+
+
+def test_clients_in_a_region_without_replicas(tmp_path, capsys):
+    f = tmp_path / "s.yaml"
+    f.write_text("replicas: [{region: us, count: 2}]\nworkload: {kind: chat, clients: {us: 4, EU: 4}}\n")
+    assert main(["simulate", str(f)]) == 2
+    line = one_error(capsys)
+    assert "workload.clients.EU: no replicas" in line and "replica regions: us" in line
+
+
+def warnings_of(capsys) -> list[str]:
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return [line for line in err.splitlines() if line.startswith("warning:")]
+
+
+def test_unsorted_timestamps_warn_and_run(tmp_path, capsys):
+    f = tmp_path / "t.jsonl"
+    f.write_text(mooncake_line(0) + mooncake_line(500) + mooncake_line(100, block=2) + mooncake_line(50, block=3)
+                 + mooncake_line(900, block=4))
+    assert main(["simulate", "--workload", str(f), "--policy", "round_robin"]) == 0
+    line = next(w for w in warnings_of(capsys) if "not sorted" in w)
+    assert f"{f}:3: timestamps are not sorted (2 of the 5 requests" in line and "100 ms after 500 ms" in line
+
+
+def test_unsorted_azure_timestamps_warn(tmp_path, capsys):
+    f = tmp_path / "a.csv"
+    f.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,100,10\n"
+                 "2023-11-16 18:15:46.0000000,100,10\n")
+    assert main(["simulate", "--workload", str(f), "--policy", "round_robin"]) == 0
+    assert any(f"{f}:3: timestamps are not sorted" in w for w in warnings_of(capsys))
+
+
+def test_a_header_only_csv_warns_and_runs(tmp_path, capsys):
+    f = tmp_path / "a.csv"
+    f.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n")
+    assert main(["simulate", "--workload", str(f), "--policy", "round_robin"]) == 0
+    assert any(f"{f}: no requests in this trace (a header or blank lines only)" in w for w in warnings_of(capsys))
