@@ -130,3 +130,25 @@ def test_a_header_only_csv_warns_and_runs(tmp_path, capsys):
     f.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n")
     assert main(["simulate", "--workload", str(f), "--policy", "round_robin"]) == 0
     assert any(f"{f}: no requests in this trace (a header or blank lines only)" in w for w in warnings_of(capsys))
+
+
+def test_a_missing_tokenizer_path_names_the_line(tmp_path, capsys):
+    cfg = tmp_path / "gw.yaml"
+    cfg.write_text("port: 0\ntokenizer_path: /nowhere/tokenizer.json\nreplicas: [{url: http://127.0.0.1:9}]\n")
+    assert main(["serve", "--config", str(cfg)]) == 2
+    line = one_error(capsys)
+    assert f"{cfg}:2: tokenizer_path: no such file '/nowhere/tokenizer.json'" in line and "never downloads" in line
+
+
+@pytest.mark.parametrize("second, says", [
+    ("{url: http://127.0.0.1:9}", "repeated: 127.0.0.1:9 (as in replicas[0]); the id defaults to host:port; "
+                                  "if both are meant, give each an id:"),
+    ("{url: http://127.0.0.1:10, id: a}", "repeated: a (as in replicas[0]); give each its own id:"),
+])
+def test_duplicate_replica_ids_name_the_line_and_suggest_id(tmp_path, capsys, second, says):
+    cfg = tmp_path / "gw.yaml"
+    first = "{url: http://127.0.0.1:9, id: a}" if "id: a" in second else "{url: http://127.0.0.1:9}"
+    cfg.write_text(f"port: 0\nreplicas:\n  - {first}\n  - {second}\n")
+    assert main(["serve", "--config", str(cfg)]) == 2
+    line = one_error(capsys)
+    assert f"{cfg}:4: replicas.1: replica ids must be unique; {says}" in line and "(got" not in line

@@ -15,6 +15,15 @@ class ConfigFileError(ValueError):
     """Unreadable or invalid YAML configuration; the message names file:line and the field."""
 
 
+class AtItem(ValueError):
+    """Raised by a validator whose error belongs below its field (``loc``, e.g. a list index), so
+    that the message names that item's line rather than the field's."""
+
+    def __init__(self, msg: str, loc: tuple):
+        super().__init__(msg)
+        self.loc = loc
+
+
 def line_of(text: str, loc: tuple) -> int | None:
     """Line of the YAML node at ``loc`` (mapping keys and list indices)."""
     try:
@@ -68,6 +77,9 @@ def validate(model: type[M], data: Any, source: str, text: str | None = None) ->
         msgs = []
         for e in err.errors():
             loc = tuple(e["loc"])
+            item = (e.get("ctx") or {}).get("error")
+            if isinstance(item, AtItem):
+                loc += item.loc
             where = ".".join(str(x) for x in loc)
             line = line_of(text, loc) if text else None
             at = f"{source}:{line}" if line else source
@@ -75,7 +87,8 @@ def validate(model: type[M], data: Any, source: str, text: str | None = None) ->
                 msgs.append(f"{at}: unknown key {where!r}; allowed: {', '.join(allowed_keys(model, loc))}")
             else:
                 msg = e["msg"].removeprefix("Value error, ")
-                msgs.append(f"{at}: {where}: {msg} (got {e.get('input')!r})")
+                got = "" if isinstance(item, AtItem) else f" (got {e.get('input')!r})"
+                msgs.append(f"{at}: {where}: {msg}{got}")
         raise ConfigFileError("\n".join(msgs)) from None
 
 

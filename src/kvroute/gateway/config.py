@@ -31,16 +31,19 @@ class _Strict(BaseModel):
 
 
 class ReplicaConfig(_Strict):
-    url: str
-    id: str | None = None
-    region: str = "local"
-    engine: Literal["auto", "vllm", "sglang", "llamacpp"] = "auto"
-    weight: float = Field(1.0, gt=0)
+    url: str = Field(description="the engine's base URL, http://host:port")
+    id: str | None = Field(None, description="its name in metrics, logs and x-kvroute-replica; default: host:port "
+                           "of the url (two replicas at one address need one each)")
+    region: str = Field("local", description="the replica's region")
+    engine: Literal["auto", "vllm", "sglang", "llamacpp"] = Field(
+        "auto", description="which engine's metrics the probes read; auto: detected from /metrics")
+    weight: float = Field(1.0, gt=0, description="relative share for policies that weigh replicas")
     # the engine's KV-cache capacity in tokens and batch limit; the prefix index of this replica is
     # bounded by the capacity. Unset: learned from vLLM's cache_config_info or SGLang's
     # max_total_num_tokens when probes see them (llama.cpp exports neither: set it, e.g. its -c)
     kv_tokens: int | None = Field(None, gt=0)
-    max_running: int | None = Field(None, gt=0)
+    max_running: int | None = Field(None, gt=0, description="the engine's batch limit (requests running at "
+                                    "once); unset: learned from the engine's metrics where they say")
     # the models this replica serves; unset: read from its /v1/models by the probes
     models: list[str] | None = None
 
@@ -60,7 +63,7 @@ class ReplicaConfig(_Strict):
 
 class ProbeConfig(_Strict):
     interval_s: float = Field(0.1, gt=0)  # SkyWalker probes every 100 ms
-    timeout_s: float = Field(0.5, gt=0)
+    timeout_s: float = Field(0.5, gt=0, description="a probe that takes longer fails")
     unhealthy_after: int = Field(3, ge=1)  # consecutive probe failures → ejected
     healthy_after: int = Field(2, ge=1)  # consecutive successes → re-admitted
     rtt_ewma: float = Field(0.3, gt=0, le=1)  # GORGO's RTT smoothing
@@ -75,16 +78,18 @@ class QueueConfig(_Strict):
 
 
 class RetryConfig(_Strict):
-    max_attempts: int = Field(3, ge=1)
-    backoff_s: float = Field(0.02, ge=0)
-    backoff_max_s: float = Field(0.5, ge=0)
+    max_attempts: int = Field(3, ge=1, description="attempts per request, the first included, each on another "
+                              "replica when one is left")
+    backoff_s: float = Field(0.02, ge=0, description="wait before the first retry; doubles per attempt, with jitter")
+    backoff_max_s: float = Field(0.5, ge=0, description="longest wait between attempts")
 
 
 class TimeoutConfig(_Strict):
-    connect_s: float = Field(2.0, gt=0)
+    connect_s: float = Field(2.0, gt=0, description="to open a connection to a replica")
     # until the first body byte: per attempt, and in all for every attempt of one request
     first_byte_s: float = Field(60.0, gt=0)
-    first_byte_total_s: float = Field(120.0, gt=0)
+    first_byte_total_s: float = Field(120.0, gt=0, description="until the first body byte, over every attempt "
+                                      "of one request")
     idle_s: float = Field(60.0, gt=0)  # between body pieces once the response has begun
 
 
@@ -97,8 +102,8 @@ class BreakerConfig(_Strict):
 class HTTPConfig(_Strict):
     """Limits on what one client can hold (see ``gateway/http.py``)."""
 
-    max_head_bytes: int = Field(64 * 1024, ge=1024)
-    max_headers: int = Field(100, ge=8)
+    max_head_bytes: int = Field(64 * 1024, ge=1024, description="request line and headers; beyond: 431")
+    max_headers: int = Field(100, ge=8, description="header fields per request; beyond: 431")
     header_timeout_s: float = Field(10.0, gt=0)  # to send a whole request head (slowloris)
     body_timeout_s: float = Field(60.0, gt=0)  # to send a whole body, once the head is in
     keepalive_timeout_s: float = Field(30.0, gt=0)  # an idle kept-alive connection is closed
@@ -108,11 +113,12 @@ class HTTPConfig(_Strict):
 class KeyConfig(_Strict):
     """One API key: its digest, or where to read it (hashed when the config loads), and limits."""
 
-    name: str
+    name: str = Field(description="the key's name in metrics and logs")
     sha256: str | None = Field(None, pattern="^[0-9a-f]{64}$")  # sha256 hex digest of the key
     env: str | None = None  # an environment variable holding the key
     file: str | None = None  # a file holding the key (surrounding whitespace ignored)
-    requests_per_min: float | None = Field(None, gt=0)
+    requests_per_min: float | None = Field(None, gt=0, description="requests per minute (token bucket); "
+                                           "beyond: 429 with Retry-After")
     tokens_per_min: float | None = Field(None, gt=0)  # prompt estimate + max_tokens, at admission
     admin: bool = False  # may use the admin API
 
@@ -145,7 +151,8 @@ class KeyConfig(_Strict):
 class AuthConfig(_Strict):
     """API keys; none configured: the gateway is open (and forwards Authorization as it came)."""
 
-    keys: list[KeyConfig] = Field(default_factory=list)
+    keys: list[KeyConfig] = Field(default_factory=list, description="the API keys clients may send "
+                                  "(Authorization: Bearer KEY)")
     forward_authorization: bool = False  # with keys on: pass the client's Authorization upstream
 
     @field_validator("keys")
@@ -170,29 +177,34 @@ class AuthConfig(_Strict):
 
 
 class GatewayConfig(_Strict):
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=0, le=65535)
-    region: str = "local"
-    policy: str | dict[str, Any] = "skywalker"
-    replicas: list[ReplicaConfig] = Field(default_factory=list)
-    probe: ProbeConfig = Field(default_factory=ProbeConfig)
-    queue: QueueConfig = Field(default_factory=QueueConfig)
-    retry: RetryConfig = Field(default_factory=RetryConfig)
-    timeouts: TimeoutConfig = Field(default_factory=TimeoutConfig)
-    breaker: BreakerConfig = Field(default_factory=BreakerConfig)
+    host: str = Field("127.0.0.1", description="address to listen on (`--host`)")
+    port: int = Field(8000, ge=0, le=65535, description="port to listen on; 0: any free port (`--port`)")
+    region: str = Field("local", description="the gateway's own region; replicas elsewhere are remote to it")
+    policy: str | dict[str, Any] = Field("skywalker", description="a preset name or `{preset, params, admission}`; "
+                                         "`kvroute policies` lists presets and their params")
+    replicas: list[ReplicaConfig] = Field(default_factory=list, description="the engines behind the gateway")
+    probe: ProbeConfig = Field(default_factory=ProbeConfig, description="how the engines' metrics are read")
+    queue: QueueConfig = Field(default_factory=QueueConfig, description="the gateway's queue of requests the "
+                               "policy holds")
+    retry: RetryConfig = Field(default_factory=RetryConfig, description="retries before any byte reached the client")
+    timeouts: TimeoutConfig = Field(default_factory=TimeoutConfig, description="upstream timeouts")
+    breaker: BreakerConfig = Field(default_factory=BreakerConfig, description="a circuit breaker per replica")
     http: HTTPConfig = Field(default_factory=HTTPConfig)
     auth: AuthConfig = Field(default_factory=AuthConfig)
-    max_body_bytes: int = Field(16 * 1024 * 1024, gt=0)
+    max_body_bytes: int = Field(16 * 1024 * 1024, gt=0, description="largest request body; beyond: 413")
     replica_header: bool = True  # x-kvroute-replica on responses
-    session_headers: list[str] = Field(default_factory=lambda: ["x-session-id", "x-hash-key", "x-user-id"])
-    block_tokens: int = Field(64, gt=0)
+    session_headers: list[str] = Field(default_factory=lambda: ["x-session-id", "x-hash-key", "x-user-id"],
+                                       description="request headers whose value is the session affinity key, "
+                                       "first present wins; else the body's `user`")
+    block_tokens: int = Field(64, gt=0, description="tokens per prefix block when hashing prompts")
     max_prefix_blocks: int = Field(256, ge=0)  # leading blocks indexed per prompt (llm-d: 256); 0 = all
-    tokenizer_path: str | None = None
+    tokenizer_path: str | None = Field(None, description="a local HF tokenizer.json: blocks of exact token ids "
+                                       "instead of about 4 bytes per token; never downloaded")
     access_log: bool = True  # one structured line per request (ids, replica, branch, timings)
     log_prompts: bool = False  # add the prompt's canonical key (truncated) to access lines
     drain_delay_s: float = Field(0.0, ge=0)  # on SIGTERM: /readyz 503 but still serving, this long
     drain_timeout_s: float = Field(30.0, gt=0)  # then in-flight requests get this long to finish
-    seed: int = 0
+    seed: int = Field(0, description="seeds the policy's random choices")
 
     @field_validator("policy")
     @classmethod
@@ -203,13 +215,35 @@ class GatewayConfig(_Strict):
             raise ValueError(str(exc)) from None
         return v
 
-    @model_validator(mode="after")
-    def _unique(self) -> GatewayConfig:
-        names = [r.name for r in self.replicas]
-        dup = sorted({n for n in names if names.count(n) > 1})
-        if dup:
-            raise ValueError(f"replica ids must be unique; repeated: {', '.join(dup)}")
-        return self
+    @field_validator("replicas")
+    @classmethod
+    def _unique(cls, replicas: list[ReplicaConfig]) -> list[ReplicaConfig]:
+        """A repeated id names the second entry's line and says how to tell them apart."""
+        first: dict[str, int] = {}
+        for i, r in enumerate(replicas):
+            if r.name not in first:
+                first[r.name] = i
+                continue
+            how = ("give each its own id:" if r.id is not None else
+                   f"the id defaults to host:port; if both are meant, give each an id:, e.g. id: {r.name}-{i}")
+            raise yamlconf.AtItem(f"replica ids must be unique; repeated: {r.name} (as in replicas[{first[r.name]}]); "
+                                  f"{how}", (i,))
+        return replicas
+
+    @field_validator("tokenizer_path")
+    @classmethod
+    def _tokenizer(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        if not Path(v).is_file():
+            raise ValueError(f"no such file {v!r}: give the path of a local HF tokenizer.json (kvroute never "
+                             "downloads one), or remove tokenizer_path to estimate tokens from bytes")
+        from importlib.util import find_spec
+
+        if find_spec("tokenizers") is None:
+            raise ValueError("tokenizer_path needs the optional 'tokenizers' package: "
+                             "pip install 'kvroute[tokenizers]'")
+        return v
 
     def http_limits(self) -> HTTPLimits:
         """The HTTP server's limits, body size included."""
