@@ -265,7 +265,9 @@ def test_queued_requests_leave_one_per_tick_when_a_replica_frees_up(deploy):
     time.sleep(0.3)  # a probe has seen it busy: the pending gate holds everything
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
         futures = [pool.submit(post, dep) for _ in range(6)]
-        time.sleep(0.3)
+        deadline = time.monotonic() + 5
+        while len(dep.runtime.queue) < 6 and time.monotonic() < deadline:
+            time.sleep(0.02)
         assert arrivals == [] and len(dep.runtime.queue) == 6
         up.metrics = METRICS  # free again: the queue drains, paced
         assert [f.result().status_code for f in futures] == [200] * 6
