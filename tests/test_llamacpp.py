@@ -417,18 +417,24 @@ def test_frozen_engine_mid_prefill_is_retried_after_the_first_byte_timeout(engin
     eng = engines(2)
     by_name = {e.name: e for e in eng}
     gw = gateway(eng, "consistent_hash",
-                 timeouts={"connect_s": 1.0, "first_byte_s": 1.5, "first_byte_total_s": 15.0, "idle_s": 4.0},
+                 timeouts={"connect_s": 1.0, "first_byte_s": 2.0, "first_byte_total_s": 15.0, "idle_s": 4.0},
                  probe={"interval_s": 0.5, "timeout_s": 0.5, "unhealthy_after": 3})
-    target = by_name[_served_by(gw, "user-b")]
+    owner = {key: _served_by(gw, key) for key in (f"user-{i}" for i in range(16))}
+    key = "user-0"
+    target = by_name[owner[key]]
+    other = next(k for k, name in owner.items() if name != target.name)  # 2 engines: 16 keys on one, p = 2^-15
+    long_chat = chat("go", system_prompt(3, 3700))
+    # the other engine already holds the long prompt, so the retry's prefill is short even on a busy machine
+    gw.client().chat.completions.create(model=MODEL, messages=long_chat, max_tokens=1,
+                                        extra_headers={"x-session-id": other})
     result: dict = {}
 
     def send() -> None:
         t0 = time.monotonic()
         try:
             with httpx.stream("POST", f"{gw.url}/v1/chat/completions", timeout=CLIENT_TIMEOUT,
-                              headers={"x-session-id": "user-b"},
-                              json={"model": MODEL, "messages": chat("go", system_prompt(3, 3700)),
-                                    "max_tokens": 4, "stream": True}) as r:
+                              headers={"x-session-id": key},
+                              json={"model": MODEL, "messages": long_chat, "max_tokens": 4, "stream": True}) as r:
                 result.update(status=r.status_code, replica=r.headers.get("x-kvroute-replica"),
                               body=r.read().decode())
         except httpx.HTTPError as exc:
