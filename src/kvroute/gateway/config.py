@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import os
+import ssl
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
@@ -47,14 +48,34 @@ class ReplicaConfig(_Strict):
     # the models this replica serves; unset: read from its /v1/models by the probes
     models: list[str] | None = None
 
+    ca_file: str | None = None  # https: trust this CA bundle (e.g. a self-signed engine's certificate)
+    tls_verify: bool = True  # https: check the engine's certificate and name
+
     @field_validator("url")
     @classmethod
     def _url(cls, v: str) -> str:
         parts = urlsplit(v)
-        if parts.scheme != "http" or not parts.netloc:
-            raise ValueError(f"url must be http://host:port (engines are reached over plain HTTP "
-                             f"inside the cluster), got {v!r}")
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise ValueError(f"url must be http://host:port or https://host:port, got {v!r}")
         return v.rstrip("/")
+
+    def tls_context(self) -> ssl.SSLContext | None:
+        """The client TLS settings for an https engine (None for http)."""
+        if not self.url.startswith("https://"):
+            return None
+        try:
+            ctx = ssl.create_default_context(cafile=self.ca_file)
+        except (OSError, ssl.SSLError) as exc:
+            raise ValueError(f"ca_file {self.ca_file}: {exc}") from None
+        if not self.tls_verify:
+            ctx.check_hostname = False
+            ctx.verify_mode = ssl.CERT_NONE
+        return ctx
+
+    @model_validator(mode="after")
+    def _tls_loads(self) -> ReplicaConfig:
+        self.tls_context()
+        return self
 
     @property
     def name(self) -> str:
@@ -97,6 +118,28 @@ class BreakerConfig(_Strict):
     failures: int = Field(5, ge=1)  # consecutive failures → open
     cooldown_s: float = Field(5.0, gt=0)  # then half-open: one trial request at a time
     successes: int = Field(1, ge=1)  # consecutive good trials that close it again
+
+
+class TLSConfig(_Strict):
+    """TLS on the gateway's listener."""
+
+    cert_file: str
+    key_file: str
+
+    def context(self) -> ssl.SSLContext:
+        """A server context; unreadable or mismatched files are an error naming them."""
+        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        try:
+            ctx.load_cert_chain(self.cert_file, self.key_file)
+        except (OSError, ssl.SSLError) as exc:
+            raise ValueError(f"tls: cannot load cert_file {self.cert_file} / key_file {self.key_file}: "
+                             f"{getattr(exc, 'strerror', None) or exc}") from None
+        return ctx
+
+    @model_validator(mode="after")
+    def _loads(self) -> TLSConfig:
+        self.context()  # unreadable files fail at load, with the config's file:line
+        return self
 
 
 class HTTPConfig(_Strict):
@@ -191,6 +234,7 @@ class GatewayConfig(_Strict):
     breaker: BreakerConfig = Field(default_factory=BreakerConfig, description="a circuit breaker per replica")
     http: HTTPConfig = Field(default_factory=HTTPConfig)
     auth: AuthConfig = Field(default_factory=AuthConfig)
+    tls: TLSConfig | None = None  # serve HTTPS (cert_file, key_file)
     max_body_bytes: int = Field(16 * 1024 * 1024, gt=0, description="largest request body; beyond: 413")
     replica_header: bool = True  # x-kvroute-replica on responses
     session_headers: list[str] = Field(default_factory=lambda: ["x-session-id", "x-hash-key", "x-user-id"],

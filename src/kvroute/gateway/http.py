@@ -28,6 +28,7 @@ import json
 import logging
 import math
 import socket
+import ssl
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
@@ -440,12 +441,12 @@ class HTTPServer:
         self._server: asyncio.base_events.Server | None = None
         self._sweeper: asyncio.Task[None] | None = None
 
-    async def start(self, host: str, port: int) -> int:
-        """Listen; returns the bound port."""
+    async def start(self, host: str, port: int, tls: ssl.SSLContext | None = None) -> int:
+        """Listen (with TLS when given a context); returns the bound port."""
         loop = asyncio.get_running_loop()
         self.now = loop.time()
         self._server = await loop.create_server(lambda: _Connection(self), host, port, reuse_address=True,
-                                                backlog=1024)
+                                                backlog=1024, ssl=tls)
         self._sweeper = loop.create_task(self._sweep())
         bound: int = self._server.sockets[0].getsockname()[1]
         return bound

@@ -110,7 +110,8 @@ class Runtime:
         self.router.add_endpoint(ep)
         bc = self.config.breaker
         breaker = CircuitBreaker(bc.failures, bc.cooldown_s, bc.successes)
-        up = self.upstreams[rc.name] = Upstream(rc, ep, breaker, UpstreamPool(rc.url), engine=rc.engine)
+        up = self.upstreams[rc.name] = Upstream(rc, ep, breaker, UpstreamPool(rc.url, tls=rc.tls_context()),
+                                                engine=rc.engine)
         if rc.models is not None:
             up.models = frozenset(rc.models)
             up.model_cards = [{"id": m, "object": "model", "owned_by": rc.name} for m in rc.models]
@@ -168,7 +169,7 @@ class Runtime:
                 up = self.upstreams[name]
                 if fresh[name].url != up.config.url:
                     up.pool.close()
-                    up.pool = UpstreamPool(fresh[name].url)
+                    up.pool = UpstreamPool(fresh[name].url, tls=fresh[name].tls_context())
                 up.config, up.engine = fresh[name], fresh[name].engine
                 up.endpoint.region, up.endpoint.weight = fresh[name].region, fresh[name].weight
                 changes.append(f"updated {name}")
@@ -378,7 +379,8 @@ class Runtime:
         try:
             timeout = aiohttp.ClientTimeout(total=pc.timeout_s)
             assert self.session is not None, "probing before start()"
-            async with self.session.get(f"{up.config.url}/metrics", timeout=timeout) as resp:
+            async with self.session.get(f"{up.config.url}/metrics", timeout=timeout,
+                                        ssl=up.pool.tls if up.pool.tls is not None else True) as resp:
                 if resp.status != 200:
                     raise ProbeError(f"/metrics answered {resp.status}")
                 text = await resp.text()
@@ -429,6 +431,7 @@ class Runtime:
         assert self.session is not None
         try:
             async with self.session.get(f"{up.config.url}/v1/models",
+                                        ssl=up.pool.tls if up.pool.tls is not None else True,
                                         timeout=aiohttp.ClientTimeout(total=self.config.probe.timeout_s)) as r:
                 data = (await r.json(content_type=None)).get("data") if r.status == 200 else None
         except (TimeoutError, aiohttp.ClientError, ValueError, AttributeError):

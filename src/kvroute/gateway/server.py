@@ -475,7 +475,8 @@ class Gateway:
         """Probe the replicas once, then listen; returns the bound port."""
         await self.runtime.start()
         try:
-            self.port = await self.http.start(self.config.host, self.config.port)
+            tls = self.config.tls.context() if self.config.tls is not None else None
+            self.port = await self.http.start(self.config.host, self.config.port, tls)
         except OSError:
             await self.runtime.stop()
             raise

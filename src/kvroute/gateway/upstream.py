@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import ssl
 from collections import deque
 from typing import Any, TypeVar, cast
 from urllib.parse import urlsplit
@@ -259,12 +260,13 @@ class UpstreamResponse:
 class UpstreamPool:
     """Keep-alive connections to one upstream ``http://host:port``."""
 
-    def __init__(self, url: str, max_idle: int = 256):
+    def __init__(self, url: str, max_idle: int = 256, tls: ssl.SSLContext | None = None):
         parts = urlsplit(url)
-        if parts.scheme != "http":
-            raise ValueError(f"the lean upstream client speaks plain http, got {url!r}")
+        if parts.scheme not in ("http", "https"):
+            raise ValueError(f"upstream url must be http:// or https://, got {url!r}")
         self.host = parts.hostname or "127.0.0.1"
-        self.port = parts.port or 80
+        self.tls = (tls or ssl.create_default_context()) if parts.scheme == "https" else None
+        self.port = parts.port or (443 if self.tls else 80)
         self.authority = parts.netloc.encode()
         self.max_idle = max_idle
         self._idle: deque[_Conn] = deque()
@@ -281,7 +283,8 @@ class UpstreamPool:
     async def _connect(self, timeout: float) -> _Conn:
         loop = asyncio.get_running_loop()
         try:
-            _, conn = await asyncio.wait_for(loop.create_connection(lambda: _Conn(self), self.host, self.port),
+            _, conn = await asyncio.wait_for(loop.create_connection(lambda: _Conn(self), self.host, self.port,
+                                                                    ssl=self.tls),
                                              timeout)
         except TimeoutError:
             raise UpstreamTimeout(f"connect to {self.host}:{self.port} timed out") from None
