@@ -123,8 +123,8 @@ class BreakerConfig(_Strict):
 class TLSConfig(_Strict):
     """TLS on the gateway's listener."""
 
-    cert_file: str
-    key_file: str
+    cert_file: str = Field(description="PEM certificate chain the listener presents")
+    key_file: str = Field(description="PEM private key of that certificate")
 
     def context(self) -> ssl.SSLContext:
         """A server context; unreadable or mismatched files are an error naming them."""
