@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from kvroute import yamlconf
 from kvroute.gateway.auth import KeyRing, KeyState, TokenBucket, digest
 from kvroute.gateway.http import HTTPLimits
+from kvroute.gateway.tracing import Tracer
 from kvroute.policy import DEFAULT_TICK_S, ConfigError, policy_from_config
 
 
@@ -142,6 +143,18 @@ class TLSConfig(_Strict):
         return self
 
 
+class TracingConfig(_Strict):
+    """OpenTelemetry spans per request (needs the ``otel`` extra)."""
+
+    enabled: bool = False
+
+    @model_validator(mode="after")
+    def _installed(self) -> TracingConfig:
+        if self.enabled:
+            Tracer(True)  # fails at load, naming the extra, when OpenTelemetry is missing
+        return self
+
+
 class HTTPConfig(_Strict):
     """Limits on what one client can hold (see ``gateway/http.py``)."""
 
@@ -235,6 +248,7 @@ class GatewayConfig(_Strict):
     http: HTTPConfig = Field(default_factory=HTTPConfig)
     auth: AuthConfig = Field(default_factory=AuthConfig)
     tls: TLSConfig | None = None  # serve HTTPS (cert_file, key_file)
+    tracing: TracingConfig = Field(default_factory=lambda: TracingConfig())
     max_body_bytes: int = Field(16 * 1024 * 1024, gt=0, description="largest request body; beyond: 413")
     replica_header: bool = True  # x-kvroute-replica on responses
     session_headers: list[str] = Field(default_factory=lambda: ["x-session-id", "x-hash-key", "x-user-id"],

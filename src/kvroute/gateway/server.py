@@ -37,6 +37,7 @@ from kvroute.gateway.config import GatewayConfig, load_config
 from kvroute.gateway.http import HTTPServer, Responder
 from kvroute.gateway.http import Request as HTTPRequest
 from kvroute.gateway.runtime import Outcome, PolicyError, QueueFull, QueueTimeout, Runtime
+from kvroute.gateway.tracing import Tracer
 from kvroute.gateway.upstream import (
     UpstreamConnectError,
     UpstreamError,
@@ -144,6 +145,7 @@ class Proxy:
         self.rng = random.Random()
         self.id_prefix = f"{uuid.uuid4().hex[:8]}-"  # request ids: unique per process, cheap per request
         self.ids = itertools.count(1)
+        self.tracer = Tracer(runtime.config.tracing.enabled)
         self.reconfigure(runtime.config)
 
     def reconfigure(self, config: GatewayConfig) -> list[str]:
@@ -212,6 +214,7 @@ class Proxy:
         body: dict = {}
         req: Request | None = None
         served: dict[str, Any] = {"excluded": []}  # where it went, for the access line
+        span = self.tracer.start(route)
         try:
             try:
                 body, req = self.parse(request.body, kind, request.headers)
@@ -252,6 +255,12 @@ class Proxy:
                 rt.metrics.e2e.observe(time.monotonic() - t0)
             if rt.config.access_log and req is not None:
                 self._access(resp, route, body, req, served, t0, request.headers.get("x-request-id"))
+            if span is not None:
+                self.tracer.end(span, {
+                    "request_id": req.id if req else None, "model": body.get("model"), "policy": rt.policy_name,
+                    "branch": served.get("branch"), "replica": served.get("replica"),
+                    "failed_on": ",".join(served["excluded"]) or None, "status": resp.status or 499,
+                    "aborted": resp.started and not resp.finished, "stream": bool(body.get("stream"))})
 
     def _access(self, resp: Responder, route: str, body: dict, req: Request, served: dict, t0: float,
                 client_rid: str | None) -> None:
