@@ -146,7 +146,7 @@ class TLSConfig(_Strict):
 class TracingConfig(_Strict):
     """OpenTelemetry spans per request (needs the ``otel`` extra)."""
 
-    enabled: bool = False
+    enabled: bool = Field(False, description="one span per proxied request, to the process's tracer provider")
 
     @model_validator(mode="after")
     def _installed(self) -> TracingConfig:
