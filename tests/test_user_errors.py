@@ -30,6 +30,13 @@ def test_an_unknown_workload_lists_the_kinds(capsys):
     assert "--workload 'foo'" in line and "chat, tot, mixed, chat-poisson, mooncake, azure, openai" in line
 
 
+def test_a_scenario_given_as_workload_says_how_to_run_it(tmp_path, capsys):
+    f = tmp_path / "s.yaml"
+    f.write_text("replicas: [{count: 1}]\n")
+    assert main(["simulate", "--workload", str(f)]) == 2
+    assert f"a YAML file is a scenario, not a trace; run it as `kvroute simulate {f}`" in one_error(capsys)
+
+
 def test_a_directory_as_workload_says_so(tmp_path, capsys):
     assert main(["simulate", "--workload", str(tmp_path)]) == 2
     assert f"{tmp_path}: is a directory" in one_error(capsys)

@@ -350,6 +350,9 @@ def workload_flag(value: str) -> tuple[str, str | None]:
     if not p.exists():
         raise ScenarioError(f"--workload {value!r}: not a workload kind nor an existing file; kinds: "
                             f"{', '.join(WORKLOAD_KINDS)}; or a trace file ({TRACE_FORMATS})")
+    if p.suffix in (".yaml", ".yml"):
+        raise ScenarioError(f"--workload {value!r}: a YAML file is a scenario, not a trace; run it as "
+                            f"`kvroute simulate {value}`")
     return detect_trace_kind(str(p)), str(p)
 
 
