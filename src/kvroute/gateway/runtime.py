@@ -393,8 +393,9 @@ class Runtime:
             self.metrics.probe_failures.labels(ep.id).inc()
             if ep.healthy and up.probe_fail_streak >= pc.unhealthy_after:
                 ep.healthy = False
-                log.warning("replica %s ejected after %d failed probes: %s", ep.id, up.probe_fail_streak,
-                            exc.__class__.__name__)
+                why = str(exc) or ("timed out" if isinstance(exc, TimeoutError) else exc.__class__.__name__)
+                log.warning("replica %s (%s) ejected after %d failed probes: %s", ep.id, up.config.url,
+                            up.probe_fail_streak, why)
             return
         rtt = time.monotonic() - t0
         up.rtt_ewma_s = rtt if up.rtt_ewma_s is None else pc.rtt_ewma * rtt + (1 - pc.rtt_ewma) * up.rtt_ewma_s
