@@ -425,8 +425,10 @@ def test_frozen_engine_mid_prefill_is_retried_after_the_first_byte_timeout(engin
     other = next(k for k, name in owner.items() if name != target.name)  # 2 engines: 16 keys on one, p = 2^-15
     long_chat = chat("go", system_prompt(3, 3700))
     # the other engine already holds the long prompt, so the retry's prefill is short even on a busy machine
-    gw.client().chat.completions.create(model=MODEL, messages=long_chat, max_tokens=1,
-                                        extra_headers={"x-session-id": other})
+    # (sent to it directly: a cold prefill on a busy machine may outlast the gateway's 2 s first-byte timeout)
+    warm = httpx.post(f"{by_name[owner[other]].url}/v1/chat/completions", timeout=CLIENT_TIMEOUT,
+                      json={"model": MODEL, "messages": long_chat, "max_tokens": 1})
+    assert warm.status_code == 200, warm.text
     result: dict = {}
 
     def send() -> None:
