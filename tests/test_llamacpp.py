@@ -311,6 +311,49 @@ def _raw_stream(url: str) -> tuple[bytes, bytes]:
     return head, tail
 
 
+def _wait_idle(engine: LlamaServer, timeout: float = 20.0) -> str:
+    deadline = time.monotonic() + timeout
+    while True:
+        m = httpx.get(f"{engine.url}/metrics", timeout=5).text
+        if sample(m, "llamacpp:requests_processing") == 0.0 or time.monotonic() > deadline:
+            return m
+        time.sleep(0.05)
+
+
+def test_llama_server_habits_the_gateway_must_handle(engines):
+    """What this llama.cpp does, asserted directly (the emulator's llama.cpp mode copies it):
+    a 200 head long before the first token, no KV-usage gauge or start time in /metrics, and a
+    non-stream request that keeps generating after its client left."""
+    (eng,) = engines(1)
+    host, port = eng.url.removeprefix("http://").split(":")
+    body = json.dumps({"prompt": system_prompt(4, 3000), "max_tokens": 2, "stream": True}).encode()
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        t0 = time.monotonic()
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        arrivals = []
+        data = b""
+        while b"data: " not in data:
+            piece = s.recv(65536)
+            assert piece, data
+            data += piece
+            arrivals.append((time.monotonic() - t0, b"\r\n\r\n" in data, b"data: " in data))
+    head_at = next(t for t, head, _ in arrivals if head)
+    first_token_at = next(t for t, _, token in arrivals if token)
+    assert first_token_at - head_at > 0.1, arrivals  # the head went out before the ~3,000-token prefill
+
+    m = _wait_idle(eng)
+    assert sample(m, "llamacpp:requests_processing") == 0.0 and sample(m, "llamacpp:requests_deferred") == 0.0
+    assert "kv_cache_usage" not in m and "process_start_time_seconds" not in m, m
+
+    before = sample(m, "llamacpp:tokens_predicted_total") or 0.0
+    with pytest.raises(httpx.TimeoutException):  # the client gives up long before 1,500 tokens
+        httpx.post(f"{eng.url}/v1/completions", json={"prompt": "left", "max_tokens": 1500}, timeout=0.2)
+    time.sleep(0.3)
+    m = _wait_idle(eng)
+    assert sample(m, "llamacpp:tokens_predicted_total") - before == 1500  # generated to the end anyway
+
+
 def test_engine_closing_after_every_stream_despite_keepalive_costs_nothing(engines, gateway):
     (eng,) = engines(1)
     head, _ = _raw_stream(eng.url)  # the engine's behaviour, seen directly: Keep-Alive advertised, then EOF
