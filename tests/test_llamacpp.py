@@ -41,9 +41,19 @@ CLIENT_TIMEOUT = 30.0
 # --- fixtures ------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="session")
-def llama_server_binary() -> Path:
-    # builds on a fresh machine (~5 min, progress on the terminal); a failed build raises, never skips
-    return build.ensure_llama_server(log=lambda line: print(line, file=sys.__stderr__, flush=True))
+def llama_server_binary(request) -> Path:
+    """Builds on a fresh machine (~7 min on 2 cores, progress on the terminal); a failed build raises
+    `BuildError` with the tool's output, so every test here errors with the reason (never a skip)."""
+    capture = request.config.pluginmanager.getplugin("capturemanager")
+
+    def log(line: str) -> None:
+        if capture is None:
+            print(line, file=sys.stderr, flush=True)
+            return
+        with capture.global_and_fixture_disabled():  # past pytest's output capture
+            print(line, file=sys.stderr, flush=True)
+
+    return build.ensure_llama_server(log=log)
 
 
 @pytest.fixture(scope="session")

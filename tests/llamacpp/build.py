@@ -3,7 +3,7 @@
 Nothing but the package registries is reachable from CI, so the server is built from the
 llama.cpp sources vendored in the PyPI sdist of llama-cpp-python (no wheel ships a Linux
 binary): `pip download` the sdist, configure `vendor/llama.cpp` with cmake + ninja and build
-only the `llama-server` target (a static binary, ~15 MB). That takes about 5 minutes on two
+only the `llama-server` target (a static binary, ~15 MB). That takes about 5-7 minutes on two
 cores, so the binary is cached outside the work tree, keyed by version:
 
     $KVROUTE_CACHE (default ~/.cache/kvroute)/llama.cpp/<version>/llama-server
@@ -113,9 +113,11 @@ def ensure_llama_server(version: str = VERSION, log=None) -> Path:
     with open(dest.parent / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if we die
         if not _usable(dest):  # another process may have built it while we waited
+            for leftover in dest.parent.glob("build-*"):  # from a build that was killed
+                shutil.rmtree(leftover, ignore_errors=True)
             if log is not None:
                 log(f"[llama-server build] {dest} is absent: building llama.cpp from "
-                    f"llama-cpp-python=={version}'s sdist (about 5 minutes on 2 cores, once)")
+                    f"llama-cpp-python=={version}'s sdist (about 7 minutes on 2 cores, once)")
             _build(version, dest, log)
     return dest
 
