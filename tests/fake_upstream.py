@@ -108,11 +108,14 @@ class ScriptedUpstream:
 class FaultyDeployment:
     """A gateway in front of scripted upstreams, on a background loop."""
 
-    def __init__(self, scripts: list[Script], **overrides):
+    def __init__(self, scripts: list[Script], engine: str = "vllm", metrics: bytes = METRICS, **overrides):
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         self.upstreams = [ScriptedUpstream(s) for s in scripts]
+        for u in self.upstreams:
+            u.metrics = metrics
+        self.engine = engine
         self.gateway = self.call(self._start(overrides))
         self.url = f"http://127.0.0.1:{self.gateway.port}"
         self.runtime = self.gateway.runtime
@@ -121,10 +124,11 @@ class FaultyDeployment:
         for u in self.upstreams:
             await u.start()
         settings = {"policy": "round_robin", "probe": {"interval_s": 0.05, "timeout_s": 0.5},
-                    "timeouts": {"connect_s": 1.0, "first_byte_s": 2.0, "idle_s": 2.0},
+                    "timeouts": {"connect_s": 1.0, "first_byte_s": 2.0, "idle_s": 2.0, "non_stream_s": 2.0,
+                                 "non_stream_total_s": 4.0},
                     "retry": {"backoff_s": 0.0}, **overrides}
         config = GatewayConfig(host="127.0.0.1", port=0,
-                               replicas=[ReplicaConfig(url=f"http://127.0.0.1:{u.port}", id=f"r{i}", engine="vllm")
+                               replicas=[ReplicaConfig(url=f"http://127.0.0.1:{u.port}", id=f"r{i}", engine=self.engine)
                                          for i, u in enumerate(self.upstreams)], **settings)
         gw = Gateway(config)
         await gw.start()

@@ -20,7 +20,8 @@ LONG = "You are the on-call assistant for the storage team. " * 60
 @pytest.fixture
 def live():
     dep = LiveDeployment(replicas=3, policy="skywalker",
-                         timeouts={"connect_s": 1.0, "first_byte_s": 2.0, "idle_s": 2.0},
+                         timeouts={"connect_s": 1.0, "first_byte_s": 2.0, "idle_s": 2.0, "non_stream_s": 2.0,
+                                   "non_stream_total_s": 20.0},
                          probe={"interval_s": 0.05, "timeout_s": 0.3, "unhealthy_after": 2},
                          breaker={"failures": 2, "cooldown_s": 30.0})
     yield dep

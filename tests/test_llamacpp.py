@@ -446,7 +446,8 @@ def test_frozen_engine_before_the_head_is_retried_after_the_first_byte_timeout(e
     eng = engines(2)
     by_name = {e.name: e for e in eng}
     gw = gateway(eng, "consistent_hash",
-                 timeouts={"connect_s": 1.0, "first_byte_s": 1.0, "first_byte_total_s": 10.0, "idle_s": 5.0},
+                 timeouts={"connect_s": 1.0, "first_byte_s": 1.0, "first_byte_total_s": 10.0, "idle_s": 5.0,
+                           "non_stream_s": 1.0, "non_stream_total_s": 10.0},
                  probe={"interval_s": 0.5, "timeout_s": 0.5, "unhealthy_after": 3})
     target = by_name[_served_by(gw, "user-a")]
     target.freeze()

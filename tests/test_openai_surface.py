@@ -100,3 +100,19 @@ def test_responses_pass_through_streaming_and_not(dep):
 def test_tokenize_pass_through(dep):
     r = httpx.post(f"{dep.url}/tokenize", json={"model": "chatter", "prompt": "hello"})
     assert r.status_code == 200 and r.json()["tokens"] == [1, 2, 3] and r.json()["engine"] in ("a", "b")
+
+
+def test_llama_server_serves_its_one_model_whatever_name_the_client_uses():
+    d = FaultyDeployment([engine("a")], engine="llamacpp",
+                         metrics=b"llamacpp:requests_processing 0\nllamacpp:requests_deferred 0\n")
+    try:
+        d.upstreams[0].models = ["/models/tiny.gguf"]  # llama-server lists its file path
+
+        async def reread():
+            await d.runtime._read_models(d.runtime.upstreams["r0"])
+        d.call(reread())
+        r = client(d).completions.with_raw_response.create(model="gpt-4o", prompt="hi")
+        assert r.status_code == 200 and r.headers["x-kvroute-replica"] == "r0"
+    finally:
+        d.settle()
+        d.close()

@@ -115,7 +115,7 @@ def test_a_hung_upstream_costs_at_most_the_first_byte_budget(deploy):
     async def hang(head, body, w):
         await asyncio.sleep(30)
         return False
-    dep = deploy(hang, hang, timeouts={"connect_s": 1.0, "first_byte_s": 0.6, "first_byte_total_s": 1.0})
+    dep = deploy(hang, hang, timeouts={"connect_s": 1.0, "non_stream_s": 0.6, "non_stream_total_s": 1.0})
     t0 = time.monotonic()
     r = post(dep)
     took = time.monotonic() - t0
@@ -273,3 +273,18 @@ def test_queued_requests_leave_one_per_tick_when_a_replica_frees_up(deploy):
         assert [f.result().status_code for f in futures] == [200] * 6
     gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
     assert len(arrivals) == 6 and min(gaps) >= 0.045, gaps
+
+
+def test_a_slow_non_streamed_answer_is_neither_cut_short_nor_generated_twice(deploy):
+    async def head_now_body_later(head, body, w):  # llama-server: head at once, body when generation ends
+        w.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(OK_JSON))
+        await w.drain()
+        await asyncio.sleep(1.5)
+        w.write(OK_JSON)
+        await w.drain()
+        return True
+    dep = deploy(head_now_body_later, head_now_body_later,
+                 timeouts={"connect_s": 1, "first_byte_s": 0.5, "non_stream_s": 10, "non_stream_total_s": 10})
+    r = post(dep)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == "ok"
+    assert sum(u.requests for u in dep.upstreams) == 1  # the first-byte timeout of streams did not apply

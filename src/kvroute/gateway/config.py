@@ -113,6 +113,11 @@ class TimeoutConfig(_Strict):
     first_byte_total_s: float = Field(120.0, gt=0, description="until the first body byte, over every attempt "
                                       "of one request")
     idle_s: float = Field(60.0, gt=0)  # between body pieces once the response has begun
+    non_stream_s: float = Field(600.0, gt=0, description="a whole non-streamed response, per attempt: an "
+                                "engine answers it when generation ends, so first_byte_s would cut it short")
+    non_stream_total_s: float = Field(600.0, gt=0, description="a non-streamed response over every attempt; "
+                                      "equal to non_stream_s by default, so a slow generation that times out "
+                                      "is not started again on another replica")
 
 
 class BreakerConfig(_Strict):

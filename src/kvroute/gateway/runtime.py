@@ -137,10 +137,12 @@ class Runtime:
 
     def serving(self, model: str) -> list[str] | None:
         """Replicas that may serve ``model``; None when no replica's models are known (route
-        anywhere). A replica whose list is unknown yet is kept as a candidate."""
+        anywhere). A replica whose list is unknown yet is kept as a candidate, and so is a
+        llama-server: it serves its one model whatever name a request gives."""
         if all(up.models is None for up in self.upstreams.values()):
             return None
-        return [name for name, up in self.upstreams.items() if up.models is None or model in up.models]
+        return [name for name, up in self.upstreams.items()
+                if up.models is None or model in up.models or up.engine == "llamacpp"]
 
     def model_cards(self) -> list[dict[str, Any]]:
         """The union of the healthy replicas' /v1/models entries, one per model id."""

@@ -8,11 +8,13 @@ that fails before producing anything is retried like one that never answered.
 Retries: an attempt that fails before any byte reached the client is retried on another replica
 when the failure is on the allow-list (connect errors, timeouts, broken HTTP, and the statuses
 408, 429, 500, 502, 503, 504), with exponential backoff and jitter between attempts and never
-after the last. The first-byte timeout applies per attempt and, as ``first_byte_total_s``, to all attempts of a
-request together. When no
-attempt succeeds the client gets the last failure as 502 (504 for timeouts, 429 passed on); once
-bytes are out, an upstream failure ends the stream with an SSE error event and ``[DONE]``. Every
-exit path undoes the router's accounting exactly once and counts the request once.
+after the last. For streams the first-byte timeout applies per attempt and, as ``first_byte_total_s``,
+to all attempts of a request together; a non-streamed response arrives only when generation ends,
+so it has its own limits (``non_stream_s``, ``non_stream_total_s``: by default a timed-out one is not
+generated again elsewhere). When no attempt succeeds the client gets the last failure as 502 (504
+for timeouts, 429 passed on); once bytes are out, an upstream failure ends the stream with an SSE
+error event and ``[DONE]``. Every exit path undoes the router's accounting exactly once and counts
+the request once.
 HTTP itself is ``gateway/http.py``; upstreams are ``gateway/upstream.py``.
 """
 
@@ -288,7 +290,8 @@ class Proxy:
         rc = rt.config.retry
         excluded = served["excluded"]  # replicas that failed this request
         unfit = req.exclude  # replicas that do not serve its model
-        deadline = time.monotonic() + rt.config.timeouts.first_byte_total_s  # one budget for every attempt
+        to = rt.config.timeouts
+        deadline = time.monotonic() + (to.first_byte_total_s if stream else to.non_stream_total_s)  # all attempts
         failure: Failure | None = None
         for attempt in range(1, rc.max_attempts + 1):
             try:
@@ -351,7 +354,7 @@ class Proxy:
         served = False  # the engine took the request (so it holds the prompt's prefix now)
         try:
             try:
-                attempt_deadline = min(deadline, time.monotonic() + to.first_byte_s)
+                attempt_deadline = min(deadline, time.monotonic() + (to.first_byte_s if stream else to.non_stream_s))
                 upstream = await up.pool.post(request.path, request.body, headers, connect_s=to.connect_s,
                                               first_byte_s=max(attempt_deadline - time.monotonic(), 0.001),
                                               idle_s=to.idle_s)
