@@ -73,7 +73,7 @@ class Policy(ABC):
     def decide(self, req: Request, view: View) -> Decision:
         if not view.endpoints:
             return Decision.none("no endpoints configured")
-        if not req.has_prompt:
+        if req.prompt_tokens <= 0 and not req.block_hashes:  # not req.has_prompt, inlined (hot path)
             return Decision.none("request has no prompt or messages", branch="bad-request")
         zone = req.residency
         if zone is None:
@@ -104,12 +104,16 @@ class Policy(ABC):
 def argmin(eps: list[Endpoint], values: Sequence[float], rng: random.Random) -> Endpoint:
     """Endpoint with the smallest value; ties broken at random (never "first wins")."""
     best = min(values)
+    if best == best and values.count(best) == 1:  # a unique minimum (not NaN): no tie to break
+        return eps[values.index(best)]
     ties = [e for e, v in zip(eps, values) if v == best]
     return ties[0] if len(ties) == 1 else rng.choice(ties)
 
 
 def argmax(eps: list[Endpoint], values: Sequence[float], rng: random.Random) -> Endpoint:
     best = max(values)
+    if best == best and values.count(best) == 1:
+        return eps[values.index(best)]
     ties = [e for e, v in zip(eps, values) if v == best]
     return ties[0] if len(ties) == 1 else rng.choice(ties)
 

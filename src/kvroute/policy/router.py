@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from kvroute.model import Decision, Endpoint, Request
+from kvroute.model import Decision, DecisionKind, Endpoint, Request
 from kvroute.policy.base import Policy, View
 from kvroute.prefix import DEFAULT_BLOCK_TOKENS, HashRing, PrefixIndex
 from kvroute.prefix.index import DEFAULT_MAX_BLOCKS
@@ -99,7 +99,7 @@ class Router:
 
     def route(self, req: Request) -> Decision:
         decision = self.policy.decide(req, self.view)
-        if decision.dispatched and decision.target is not None:  # a dispatch always has a target
+        if decision.kind is DecisionKind.DISPATCH and decision.target is not None:  # it always has one
             # a policy that does not match prefixes reports 0: match here, so every preset's
             # accounting (queued prefill, hit ratio) reads the same
             self.commit(req, decision.target, decision.matched_blocks or None)
@@ -111,7 +111,9 @@ class Router:
         ep = self._eps[endpoint_id]
         if matched_blocks is None:
             matched_blocks = self.prefix.match_one(endpoint_id, req.block_hashes)
-        prefill = req.new_prefill_tokens(matched_blocks)
+        prefill = req.prompt_tokens - matched_blocks * req.block_tokens  # req.new_prefill_tokens, inlined
+        if prefill < 0:
+            prefill = 0
         ep.inflight += 1
         ep.inflight_tokens += req.prompt_tokens
         ep.queued_prefill_tokens += prefill

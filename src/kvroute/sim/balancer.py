@@ -43,7 +43,9 @@ class SimBalancer:
                                 max_running=p.max_running, rtt_s=sim.network.rtt(region, rep.region)))
         self.router = Router(build_policy(preset, params, seed=seed), eps,
                              index_block_tokens=index_block_tokens)
-        self._probed = [(ep, sim.replicas[ep.id].engine) for ep in self.router.endpoints]
+        # [endpoint, engine, engine.changes at the last probe]: an engine whose waiting and running
+        # sets did not change since keeps its probed counts (most probes find most replicas unchanged)
+        self._probed: list[list] = [[ep, sim.replicas[ep.id].engine, -1] for ep in self.router.endpoints]
         self.peers: Router | None = None
         self.peer_lbs: dict[str, SimBalancer] = {}
         self._preset, self._params = preset, params
@@ -114,9 +116,12 @@ class SimBalancer:
         """
         now = self.sim.loop.now
         kv = self.router.policy.reads_kv_usage  # mid-jump KV usage costs a square root
-        for ep, eng in self._probed:
-            ep.running = len(eng.prefilling) + len(eng.decoding)
-            ep.waiting = len(eng.waiting)
+        for item in self._probed:
+            ep, eng, seen = item
+            if eng.changes != seen:
+                item[2] = eng.changes
+                ep.running = len(eng.prefilling) + len(eng.decoding)
+                ep.waiting = len(eng.waiting)
             if kv:
                 ep.kv_usage = eng.kv_usage(now)
             ep.dispatched_since_probe = 0

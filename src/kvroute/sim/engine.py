@@ -74,6 +74,10 @@ class Engine:
         self.on_step = on_step
         self.max_jump_steps = max_jump_steps
         self.p = profile
+        # the step-time constants, read on every plan (the profile is frozen)
+        self._consts = (profile.c0_s, profile.c_prefill_s, profile.c_decode_s, profile.c_attn_s,
+                        profile.c_prefill_attn_s, profile.c_attn_fixed_s, profile.h_cv, profile.h_max,
+                        profile.max_batched_tokens)
         self.loop = loop
         self.on_first_token = on_first_token
         self.on_finish = on_finish
@@ -90,6 +94,7 @@ class Engine:
         self.evictable: OrderedDict[int, None] = OrderedDict()  # refcount-0 cache blocks, LRU first
         self.cache_bt = 0  # tokens per cache block (the requests' block size)
         self._order = 0
+        self.changes = 0  # bumped whenever the waiting or running sets may have changed (probes skip the rest)
         self._busy = False
         self._preempted = False
         self._version = 0
@@ -122,6 +127,7 @@ class Engine:
 
     def cancel(self, seq: Seq) -> None:
         """Drop a sequence (its client went away), wherever it is, and free what it holds."""
+        self.changes += 1
         if seq.state == WAITING:
             with contextlib.suppress(ValueError):  # already admitted meanwhile
                 self.waiting.remove(seq)
@@ -134,6 +140,7 @@ class Engine:
         seq.state = DONE
 
     def submit(self, seq: Seq) -> None:
+        self.changes += 1
         self.waiting.append(seq)
         if not self._busy:
             self._plan()
@@ -143,21 +150,22 @@ class Engine:
     # -- the scheduler ---------------------------------------------------------------------------
     def _admit(self) -> None:
         cap = self.p.max_running
-        while self.waiting and self.running < cap:
-            seq = self.waiting[0]
-            refcnt = self.refcnt
+        waiting, prefilling, decoding = self.waiting, self.prefilling, self.decoding
+        refcnt, evictable = self.refcnt, self.evictable
+        while waiting and len(prefilling) + len(decoding) < cap:
+            seq = waiting[0]
             hashes = seq.hashes
             m = cached_prefix(hashes, refcnt)  # the cache is prefix-closed: blocks leave tail first
             matched = min(m * seq.bt, seq.prompt)
             need = seq.prompt - matched
-            if not self._make_room(need, protect=hashes[:m]):
+            if need > self.capacity - self.used and not self._make_room(need, hashes[:m]):
                 return  # head-of-line: wait for memory
-            self.waiting.popleft()
-            evictable = self.evictable
+            waiting.popleft()
             for h in hashes[:m]:
-                if refcnt[h] == 0:
+                c = refcnt[h]
+                if c == 0:
                     del evictable[h]
-                refcnt[h] += 1
+                refcnt[h] = c + 1
             seq.refs = m
             cached = min(matched, seq.prompt - 1)  # the last prompt token is always computed
             if seq.cached < 0:
@@ -170,7 +178,7 @@ class Engine:
             seq.state = PREFILL
             self._order += 1
             seq.order = self._order
-            self.prefilling.append(seq)
+            prefilling.append(seq)
 
     def _make_room(self, need: int, protect: tuple[int, ...] = ()) -> bool:
         free = self.capacity - self.used
@@ -178,18 +186,18 @@ class Engine:
             return True
         evictable = self.evictable
         reclaimable = len(evictable) * self.cache_bt
-        guarded = [h for h in protect if h in evictable]
+        guarded = [h for h in protect if h in evictable] if protect else ()
         if need > free + reclaimable - len(guarded) * self.cache_bt:
             return False
         for h in guarded:  # about to be referenced: keep them out of the eviction order
             del evictable[h]
-        refcnt, bt = self.refcnt, self.cache_bt
-        short = need - (self.capacity - self.used)
+        bt = self.cache_bt
+        short = need - free
         if short > 0:  # evict exactly the blocks that cover the shortfall, LRU first
-            pop = evictable.popitem
             k = -(-short // bt)
+            refcnt, pop = self.refcnt, evictable.popitem
             for _ in range(k):
-                del refcnt[pop(last=False)[0]]
+                del refcnt[pop(False)[0]]
             self.used -= k * bt
         for h in guarded:
             evictable[h] = None
@@ -197,10 +205,11 @@ class Engine:
 
     def _plan(self) -> None:
         """At a step boundary: admit, then schedule the next step or decode jump."""
+        decoding = self.decoding
         # vLLM v1 admits nothing in a step that had to preempt (unless the engine went idle)
-        if self.waiting and (not self._preempted or not (self.prefilling or self.decoding)):
+        if self.waiting and (not self._preempted or not (self.prefilling or decoding)):
             self._admit()
-        n_dec = len(self.decoding)
+        n_dec = len(decoding)
         prefilling = self.prefilling
         if not prefilling and not n_dec:
             self._busy = False
@@ -208,56 +217,65 @@ class Engine:
             return
         self._busy = True
         self._version += 1
-        p = self.p
+        c0, c_prefill, c_decode, c_attn, c_prefill_attn, c_attn_fixed, h_cv, h_max, max_tokens = self._consts
         T = self.steps
         h = 1.0
         ctx_sum = 0
         if n_dec:
             if self.capacity - self.used < n_dec and not self._decode_room(n_dec):
                 return self._plan()  # a preemption changed the batch
-            ctx_sum = self.ctx_a + n_dec * T
-            if n_dec > 1 and p.h_cv:  # batch heterogeneity (see profile.py)
+            ctx_a = self.ctx_a
+            ctx_sum = ctx_a + n_dec * T
+            if n_dec > 1 and h_cv:  # batch heterogeneity (see profile.py)
                 mean = ctx_sum / n_dec
-                var = (self.ctx_a2 + 2 * T * self.ctx_a + n_dec * T * T) / n_dec - mean * mean
+                var = (self.ctx_a2 + 2 * T * ctx_a + n_dec * T * T) / n_dec - mean * mean
                 if var > 0:
-                    h = 1.0 + p.h_cv * math.sqrt(var) / mean
-                    if h > p.h_max:
-                        h = p.h_max
+                    h = 1.0 + h_cv * math.sqrt(var) / mean
+                    if h > h_max:
+                        h = h_max
+        loop = self.loop
         if prefilling:
-            budget = p.max_batched_tokens - n_dec
+            budget = max_tokens - n_dec
             chunks, tokens, attn = [], 0, 0.0
             for seq in prefilling:
                 if budget <= 0:
                     break
-                c = seq.prefill_left if seq.prefill_left < budget else budget
+                left = seq.prefill_left
+                c = left if left < budget else budget
                 chunks.append((seq, c))
                 tokens += c
-                attn += c * (seq.prompt - seq.prefill_left + c / 2)
+                attn += c * (seq.prompt - left + c / 2)
                 budget -= c
             self._chunks = chunks
             self._jump = None
-            dt = (p.c0_s + p.c_prefill_s * tokens + p.c_decode_s * n_dec
-                  + p.c_attn_s * h * ctx_sum + p.c_prefill_attn_s * attn)
+            dt = (c0 + c_prefill * tokens + c_decode * n_dec
+                  + c_attn * h * ctx_sum + c_prefill_attn * attn)
             if n_dec:
-                dt += p.c_attn_fixed_s
+                dt += c_attn_fixed
             self.busy_s += dt
-            self.loop.at(self.loop.now + dt, self._end_step, (self._version, 1))
+            loop.at(loop.now + dt, self._end_step, (self._version, 1))
             return
         # decode only: jump to the next finish or memory limit
         k_finish = self.finishes[0][0] - T
         k_mem = (self.capacity - self.used) // n_dec
         if k_mem < k_finish:
-            k_mem = max(1, k_mem + len(self.evictable) * self.cache_bt // n_dec)
-        K = max(1, min(k_finish, k_mem))
+            k_mem += len(self.evictable) * self.cache_bt // n_dec
+            if k_mem < 1:
+                k_mem = 1
+        K = k_finish if k_finish < k_mem else k_mem
+        if K < 1:
+            K = 1
         if self.max_jump_steps is not None and K > self.max_jump_steps:
             K = self.max_jump_steps
-        alpha = p.c0_s + p.c_attn_fixed_s + p.c_decode_s * n_dec + p.c_attn_s * h * ctx_sum
-        beta = p.c_attn_s * h * n_dec
-        self._chunks = []
-        self._jump = (self.loop.now, K, alpha, beta, n_dec)
+        alpha = c0 + c_attn_fixed + c_decode * n_dec + c_attn * h * ctx_sum
+        beta = c_attn * h * n_dec
+        if self._chunks:
+            self._chunks = []
+        now = loop.now
+        self._jump = (now, K, alpha, beta, n_dec)
         dt = K * alpha + beta * K * (K - 1) / 2
         self.busy_s += dt
-        self.loop.at(self.loop.now + dt, self._end_step, (self._version, K))
+        loop.at(now + dt, self._end_step, (self._version, K))
 
     def _decode_room(self, n_dec: int) -> bool:
         """Memory for one more decode step; evict cache, else preempt the newest sequence."""
@@ -293,31 +311,39 @@ class Engine:
         version, k = token
         if version != self._version:
             return  # superseded by an interrupt
+        self.changes += 1
         now = self.loop.now
         n_dec = len(self.decoding)
         on_step = self.on_step
         advanced = list(self.decoding.values()) if on_step is not None and n_dec else None
+        steps = self.steps
         if n_dec:
-            self.steps += k
+            self.steps = steps = steps + k
             self.used += n_dec * k
             if self.used > self.capacity:  # the jump grew into evictable cache blocks
                 self._make_room(0)
         self._jump = None
         self._preempted = False
-        for seq, c in self._chunks:
-            if seq.state != PREFILL:
-                continue  # cancelled during the step
-            seq.prefill_left -= c
-            if seq.prefill_left == 0:
-                self._prefill_done(seq, now)
-        self._chunks = []
-        if self.prefilling and self.prefilling[0].state != PREFILL:
-            self.prefilling = [s for s in self.prefilling if s.state == PREFILL]
+        chunks = self._chunks
+        if chunks:
+            for seq, c in chunks:
+                if seq.state != PREFILL:
+                    continue  # cancelled during the step
+                left = seq.prefill_left - c
+                seq.prefill_left = left
+                if left == 0:
+                    self._prefill_done(seq, now)
+            self._chunks = []
+        prefilling = self.prefilling
+        if prefilling and prefilling[0].state != PREFILL:
+            self.prefilling = [s for s in prefilling if s.state == PREFILL]
         finishes = self.finishes
-        while finishes and finishes[0][0] <= self.steps:
-            at, _, seq = heapq.heappop(finishes)
-            if seq.state == DECODE and seq.finish_at == at:
-                self._finish(seq, now)
+        if finishes and finishes[0][0] <= steps:
+            pop = heapq.heappop
+            while finishes and finishes[0][0] <= steps:
+                at, _, seq = pop(finishes)
+                if seq.state == DECODE and seq.finish_at == at:
+                    self._finish(seq, now)
         if advanced and on_step is not None:
             on_step(advanced)
         self._plan()
@@ -326,7 +352,8 @@ class Engine:
         bt = seq.bt
         self.cache_bt = bt
         full = min(len(seq.hashes), seq.prompt // bt)
-        refcnt, evictable = self.refcnt, self.evictable
+        refcnt = self.refcnt
+        evictable = self.evictable
         for h in seq.hashes[seq.refs:full]:
             c = refcnt.get(h)
             if c is None:
@@ -337,7 +364,8 @@ class Engine:
                 refcnt[h] = c + 1
                 self.used -= bt
             seq.private -= bt
-        seq.refs = max(seq.refs, full)
+        if full > seq.refs:
+            seq.refs = full
         seq.state = DECODE
         # KV now holds the prompt; each decode step adds the previous token's KV, so the
         # context is a + steps and a sequence's tokens beyond its prompt are generated − 1
@@ -363,12 +391,15 @@ class Engine:
         self._unref(seq)
 
     def _unref(self, seq: Seq) -> None:
-        refcnt, evictable = self.refcnt, self.evictable
-        for h in reversed(seq.hashes[:seq.refs]):  # tail first: the head stays cached longest
-            c = refcnt[h] - 1
-            refcnt[h] = c
-            if c == 0:
-                evictable[h] = None
+        refs = seq.refs
+        if refs:
+            refcnt, evictable = self.refcnt, self.evictable
+            tail_first = seq.hashes[refs - 1::-1]  # tail first: the head stays cached longest
+            for h in tail_first:
+                c = refcnt[h] - 1
+                refcnt[h] = c
+                if c == 0:
+                    evictable[h] = None
         seq.refs = 0
         seq.private = 0
 

@@ -35,15 +35,22 @@ class EventLoop:
         heap, pop = self._heap, heapq.heappop
         n = 0
         try:
-            while heap:
-                if heap[0][0] > until:
-                    break
-                t, _, fn, arg = pop(heap)
-                self.now = t
-                n += 1
-                fn(arg)
-                if stop is not None and stop():
-                    break
+            if stop is None:  # the simulator's case: no per-event check
+                while heap and heap[0][0] <= until:
+                    t, _, fn, arg = pop(heap)
+                    self.now = t
+                    n += 1
+                    fn(arg)
+            else:
+                while heap:
+                    if heap[0][0] > until:
+                        break
+                    t, _, fn, arg = pop(heap)
+                    self.now = t
+                    n += 1
+                    fn(arg)
+                    if stop():
+                        break
         finally:
             self.events += n
 

@@ -19,6 +19,7 @@ class Network:
         self._rtt: dict[tuple[str, str], float] = {}
         for (a, b), ms in (DEFAULT_RTT_MS if rtt_ms is None else rtt_ms).items():
             self._rtt[(a, b)] = self._rtt[(b, a)] = ms
+        self._one_way: dict[tuple[str, str], float] = {}  # memo: one_way runs several times per request
 
     def rtt(self, a: str, b: str) -> float:
         """Round-trip time in seconds."""
@@ -27,4 +28,7 @@ class Network:
         return self._rtt.get((a, b), self.default_ms) / 1000.0
 
     def one_way(self, a: str, b: str) -> float:
-        return self.rtt(a, b) / 2.0
+        v = self._one_way.get((a, b))
+        if v is None:
+            v = self._one_way[(a, b)] = self.rtt(a, b) / 2.0
+        return v
