@@ -26,7 +26,6 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Container, Iterable, Sequence
-from itertools import compress
 
 
 def cached_prefix(hashes: Sequence[int], table: Container[int]) -> int:
@@ -128,7 +127,8 @@ class PrefixIndex:
         self._tick += 1
         tick = self._tick
         blocks = table.blocks
-        blocks.update(dict.fromkeys(hashes, tick))
+        for h in hashes:  # no temporary dict (dict.fromkeys + update costs more)
+            blocks[h] = tick
         table.log.append((tick, hashes))
         table.logged += len(hashes)
         log = table.log
@@ -139,9 +139,11 @@ class PrefixIndex:
                 log.appendleft((old_tick, old))
                 table.logged += len(old)
                 break
-            # C-level: keep the record's blocks whose tick is still its own, then drop them
-            stale = compress(old, map(old_tick.__eq__, map(blocks.get, old)))
-            deque(map(blocks.pop, stale), maxlen=0)
+            # drop the record's blocks whose tick is still its own (a plain loop: fewer
+            # instructions than compress/map/deque for the few blocks of one record)
+            for h in old:
+                if blocks.get(h) == old_tick:
+                    del blocks[h]
         return tick
 
     def forget(self, endpoint_id: str, hashes: Sequence[int], start: int, tick: int) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import heapq
+import itertools
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -23,13 +24,12 @@ class EventLoop:
     def __init__(self) -> None:
         self.now = 0.0
         self._heap: list[tuple[float, int, Callable[[Any], None], Any]] = []
-        self._seq = 0
+        self._seq = itertools.count(1)  # tie-breaker: events at one time run in scheduling order
         self.events = 0
 
     def at(self, t: float, fn: Callable[[Any], None], arg: Any = None) -> None:
         """Run ``fn(arg)`` at time ``t`` (never before now); ties run in scheduling order."""
-        self._seq += 1
-        heapq.heappush(self._heap, (t if t > self.now else self.now, self._seq, fn, arg))
+        heapq.heappush(self._heap, (t if t > self.now else self.now, next(self._seq), fn, arg))
 
     def run(self, until: float = float("inf"), stop: Callable[[], bool] | None = None) -> None:
         heap, pop = self._heap, heapq.heappop
