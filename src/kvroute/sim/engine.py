@@ -354,7 +354,9 @@ class Engine:
         full = min(len(seq.hashes), seq.prompt // bt)
         refcnt = self.refcnt
         evictable = self.evictable
-        for h in seq.hashes[seq.refs:full]:
+        new = seq.hashes[seq.refs:full]
+        shared = 0
+        for h in new:
             c = refcnt.get(h)
             if c is None:
                 refcnt[h] = 1
@@ -362,8 +364,10 @@ class Engine:
                 if c == 0:
                     del evictable[h]
                 refcnt[h] = c + 1
-                self.used -= bt
-            seq.private -= bt
+                shared += 1
+        if shared:
+            self.used -= bt * shared
+        seq.private -= bt * len(new)  # its prompt blocks are cache blocks now
         if full > seq.refs:
             seq.refs = full
         seq.state = DECODE
