@@ -4,6 +4,7 @@ import asyncio
 import time
 
 import httpx
+import openai
 
 from tests.fake_upstream import FaultyDeployment, http_response, replies
 
@@ -27,9 +28,10 @@ def test_readiness_goes_false_before_the_drain_while_requests_are_still_served()
 def test_the_clients_request_id_is_echoed_and_forwarded():
     dep = FaultyDeployment([replies(http_response(extra=b"X-Request-Id: engine-side\r\n"))])
     try:
-        r = httpx.post(f"{dep.url}/v1/completions", json={"prompt": "id", "max_tokens": 1},
-                       headers={"X-Request-Id": "client-abc-123"})
-        assert r.headers.get_list("x-request-id") == ["client-abc-123"]
+        c = openai.OpenAI(base_url=f"{dep.url}/v1", api_key="unused", max_retries=0)
+        raw = c.completions.with_raw_response.create(model="m", prompt="id", max_tokens=1,
+                                                      extra_headers={"X-Request-Id": "client-abc-123"})
+        assert raw.headers.get_list("x-request-id") == ["client-abc-123"]
         assert b"x-request-id: client-abc-123" in dep.upstreams[0].heads[-1].lower()
         r = httpx.post(f"{dep.url}/v1/completions", json={"prompt": "id", "max_tokens": 1})
         assert len(r.headers.get_list("x-request-id")) == 1 and r.headers["x-request-id"] != "engine-side"

@@ -5,6 +5,7 @@ import ssl
 import subprocess
 
 import httpx
+import openai
 import pytest
 
 from kvroute.gateway.config import GatewayConfig, ReplicaConfig
@@ -26,9 +27,9 @@ def test_gateway_serves_https(cert):
     dep = FaultyDeployment([replies(http_response())], tls={"cert_file": str(cert_file), "key_file": str(key_file)})
     try:
         url = dep.url.replace("http://", "https://")
-        r = httpx.post(f"{url}/v1/completions", json={"prompt": "secure"},
-                       verify=ssl.create_default_context(cafile=str(cert_file)))
-        assert r.status_code == 200 and r.json()["choices"][0]["text"] == "ok"
+        trusting = httpx.Client(verify=ssl.create_default_context(cafile=str(cert_file)))
+        c = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, http_client=trusting)
+        assert c.completions.create(model="m", prompt="secure").choices[0].text == "ok"
         with pytest.raises(httpx.ConnectError):  # an untrusted certificate is refused by the client
             httpx.get(f"{url}/health")
     finally:
