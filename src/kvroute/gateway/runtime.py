@@ -78,6 +78,8 @@ class Runtime:
         self.router = Router(config.build_policy(), index_block_tokens=config.block_tokens,
                              max_prefix_blocks=config.max_prefix_blocks)
         self.upstreams: dict[str, Upstream] = {}
+        self.drained: set[str] = set()  # replicas taking no new requests (admin API)
+        self._excluded: dict[str | None, tuple[str, ...] | None] = {}  # excluded_for, per model
         for rc in config.replicas:
             self._add(rc)
         self.queue: deque[Waiter] = deque()
@@ -86,7 +88,6 @@ class Runtime:
         self.prompt_tokens_routed = 0
         self.hit_tokens_routed = 0
         self.keys = config.auth.key_ring(time.monotonic())
-        self.drained: set[str] = set()  # replicas taking no new requests (admin API)
         self.ready = True  # /readyz; false from the moment a drain begins
         self.draining = False
         self.metrics = GatewayMetrics(self)
@@ -103,6 +104,9 @@ class Runtime:
         return config.policy if isinstance(config.policy, str) else config.policy["preset"]
 
     # -- replicas -------------------------------------------------------------------------------
+    def _replicas_changed(self) -> None:
+        self._excluded.clear()
+
     def _add(self, rc: ReplicaConfig) -> None:
         ep = Endpoint(rc.name, region=rc.region, weight=rc.weight, block_size=1, kv_blocks=rc.kv_tokens or 0)
         if rc.max_running:
@@ -112,6 +116,7 @@ class Runtime:
         breaker = CircuitBreaker(bc.failures, bc.cooldown_s, bc.successes)
         up = self.upstreams[rc.name] = Upstream(rc, ep, breaker, UpstreamPool(rc.url, tls=rc.tls_context()),
                                                 engine=rc.engine)
+        self._replicas_changed()
         if rc.models is not None:
             up.models = frozenset(rc.models)
             up.model_cards = [{"id": m, "object": "model", "owned_by": rc.name} for m in rc.models]
@@ -126,23 +131,31 @@ class Runtime:
         self.router.remove_endpoint(name)
         self.upstreams.pop(name).pool.close()
         self.drained.discard(name)
+        self._replicas_changed()
         log.info("replica %s removed at run time", name)
 
     def set_drained(self, name: str, drained: bool) -> None:
         """A drained replica takes no new requests; its in-flight ones finish."""
         (self.drained.add if drained else self.drained.discard)(name)
+        self._replicas_changed()
         log.info("replica %s %s", name, "drained" if drained else "taking requests again")
         if not drained:
             self.drain_queue()
 
-    def serving(self, model: str) -> list[str] | None:
-        """Replicas that may serve ``model``; None when no replica's models are known (route
-        anywhere). A replica whose list is unknown yet is kept as a candidate, and so is a
-        llama-server: it serves its one model whatever name a request gives."""
-        if all(up.models is None for up in self.upstreams.values()):
-            return None
-        return [name for name, up in self.upstreams.items()
-                if up.models is None or model in up.models or up.engine == "llamacpp"]
+    def excluded_for(self, model: str | None) -> tuple[str, ...] | None:
+        """Replicas a request for ``model`` must not go to (drained ones, and those not serving
+        the model); None when no replica serves it. A replica whose model list is not known yet
+        may serve anything, and so may a llama-server: it serves its one model whatever name a
+        request gives. Cached per model: this runs for every request."""
+        if model in self._excluded:
+            return self._excluded[model]
+        out: tuple[str, ...] | None = tuple(self.drained)
+        if model is not None and any(up.models is not None for up in self.upstreams.values()):
+            unfit = tuple(name for name, up in self.upstreams.items()
+                          if not (up.models is None or model in up.models or up.engine == "llamacpp"))
+            out = None if len(unfit) == len(self.upstreams) else (*self.drained, *unfit)
+        self._excluded[model] = out
+        return out
 
     def model_cards(self) -> list[dict[str, Any]]:
         """The union of the healthy replicas' /v1/models entries, one per model id."""
@@ -202,6 +215,7 @@ class Runtime:
             changes.append("api keys")
         self.config = new
         self.pacer = self._pacer(new)
+        self._replicas_changed()
         self.drain_queue()
         return changes
 
@@ -404,6 +418,7 @@ class Runtime:
         ep.rtt_s = up.rtt_ewma_s
         if up.engine == "auto":
             up.engine = reading.engine
+            self._replicas_changed()
         if restarted(up.reading, reading):  # a restart faster than ejection: the cache is gone
             up.restarts += 1
             self.router.prefix.clear(ep.id)
@@ -442,4 +457,7 @@ class Runtime:
         if isinstance(data, list):
             cards = [c for c in data if isinstance(c, dict) and isinstance(c.get("id"), str)]
             up.model_cards = cards
-            up.models = frozenset(c["id"] for c in cards)
+            models = frozenset(c["id"] for c in cards)
+            if models != up.models:
+                up.models = models
+                self._replicas_changed()

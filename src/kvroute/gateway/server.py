@@ -233,18 +233,15 @@ class Proxy:
                                     "rate_limit_error", code="rate_limit_exceeded",
                                     headers=[("Retry-After", str(wait))])
                     return
-            if rt.drained:
-                req.exclude = tuple(rt.drained)
             model = body.get("model")
-            if model is not None:
-                candidates = rt.serving(model)
-                if candidates is not None and not candidates:
-                    known = ", ".join(sorted(str(c.get("id")) for c in rt.model_cards())) or "none"
-                    resp.send_error(404, f"The model '{model}' does not exist; available: {known}",
-                                    param="model", code="model_not_found")
-                    return
-                if candidates is not None:  # the policy only sees replicas serving the model
-                    req.exclude = (*req.exclude, *(name for name in rt.upstreams if name not in candidates))
+            exclude = rt.excluded_for(model)
+            if exclude is None:
+                known = ", ".join(sorted(str(c.get("id")) for c in rt.model_cards())) or "none"
+                resp.send_error(404, f"The model '{model}' does not exist; available: {known}",
+                                param="model", code="model_not_found")
+                return
+            if exclude:  # drained replicas, and those not serving the model: the policy never sees them
+                req.exclude = exclude
             if rt.config.access_log:  # the client's own id when it sent one (forwarded upstream as is)
                 resp.extra_headers.append(("x-request-id", request.headers.get("x-request-id") or req.id))
             headers = _forwarded(request.headers)
@@ -255,7 +252,7 @@ class Proxy:
             rt.metrics.count_request(route, resp.status or 499, rt.policy_name)  # 499: the client left
             if served.get("replica") is not None and resp.started:  # proxied, even if the client left
                 rt.metrics.e2e.observe(time.monotonic() - t0)
-            if rt.config.access_log and req is not None:
+            if rt.config.access_log and req is not None and access.isEnabledFor(logging.INFO):
                 self._access(resp, route, body, req, served, t0, request.headers.get("x-request-id"))
             if span is not None:
                 self.tracer.end(span, {
