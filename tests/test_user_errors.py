@@ -98,7 +98,7 @@ def test_policies_into_a_closed_pipe_exits_quietly():
 
 def test_emulate_fail_rate_out_of_range(capsys):
     assert main(["emulate", "--fail-rate", "2"]) == 2
-    assert "fail_rate must be a number from 0 to 1, got 2.0" in one_error(capsys)
+    assert "--fail-rate must be a number from 0 to 1, got 2.0" in one_error(capsys)
 
 
 def test_clients_in_a_region_without_replicas(tmp_path, capsys):

@@ -324,8 +324,9 @@ def cmd_emulate(args: argparse.Namespace) -> int:
         faults.update({"fail_rate": args.fail_rate, "hang": args.hang, "close_after_tokens": args.close_after_tokens,
                        "slowdown": args.slowdown, "close_after_stream": args.close_after_stream,
                        "ignore_disconnect": args.ignore_disconnect})
-    except ValueError as exc:
-        return error(str(exc))
+    except ValueError as exc:  # name the flag the user typed, not the fault's field
+        field = str(exc).split(" ", 1)[0]
+        return error(f"--{field.replace('_', '-')}" + str(exc)[len(field):])
 
     async def main() -> None:
         import asyncio
