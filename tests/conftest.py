@@ -3,6 +3,13 @@ import pytest
 from kvroute.model import Endpoint, Request
 from kvroute.policy import Router, build_policy
 from kvroute.prefix import BlockHasher, chat_key
+from kvroute.sim.scenario import DATA_DIR
+
+# The real Mooncake trace is data, not code: it lives in shared/ beside a checkout (or where
+# KVROUTE_TRACES points). CI and developer machines have it; a lone clone skips these tests.
+MOONCAKE = DATA_DIR / "mooncake" / "conversation_trace.jsonl"
+needs_trace = pytest.mark.skipif(not MOONCAKE.exists(),
+                                 reason=f"needs the Mooncake trace at {MOONCAKE} (set KVROUTE_TRACES)")
 
 
 def make_request(rid: str, text: str = "", *, key: str | None = None, tokens: int | None = None,

@@ -2,18 +2,13 @@
 that run out of conversations."""
 
 import json
-from pathlib import Path
 
-import pytest
-from conftest import make_request
+from conftest import MOONCAKE, make_request, needs_trace
 
 from kvroute.model import Endpoint
 from kvroute.policy import Router, build_policy
 from kvroute.sim.runner import run_scenario
 from kvroute.sim.scenario import parse_scenario
-
-MOONCAKE = Path(__file__).resolve().parents[2] / "shared/data/traces/mooncake/conversation_trace.jsonl"
-needs_trace = pytest.mark.skipif(not MOONCAKE.exists(), reason="shared/ traces are not beside this checkout")
 
 
 def _two_replicas(miss: str) -> Router:

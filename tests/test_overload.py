@@ -1,18 +1,15 @@
 """Overload made visible: pre-flight check, served vs offered, stable verdict, goodput, sweep."""
 
 import json
-from pathlib import Path
 
 import pytest
+from conftest import MOONCAKE, needs_trace
 
 from kvroute.cli import main
 from kvroute.sim.overload import preflight, warnings
 from kvroute.sim.runner import run_scenario
 from kvroute.sim.scenario import parse_scenario
 from kvroute.sim.sweep import find_knee, scaled, sweep
-
-MOONCAKE = Path(__file__).resolve().parents[2] / "shared/data/traces/mooncake/conversation_trace.jsonl"
-needs_trace = pytest.mark.skipif(not MOONCAKE.exists(), reason="shared/ traces are not beside this checkout")
 
 
 def poisson(rate: float, n: int = 300, replicas: int = 4, **kw):

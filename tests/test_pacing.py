@@ -1,9 +1,8 @@
 """Selective pushing: paced queue dispatch, room counted since the probe, SkyWalker's peer gate."""
 
-from pathlib import Path
 
 import pytest
-from conftest import make_request
+from conftest import MOONCAKE, make_request, needs_trace
 
 from kvroute.model import Endpoint, EndpointKind
 from kvroute.policy import DispatchPacer, Router, build_policy
@@ -11,9 +10,6 @@ from kvroute.policy.admission import PEER_QUEUE_LIMIT, peer_available, replica_a
 from kvroute.sim.runner import run_scenario
 from kvroute.sim.scenario import parse_scenario
 from kvroute.sim.simulation import Simulation
-
-MOONCAKE = Path(__file__).resolve().parents[2] / "shared/data/traces/mooncake/conversation_trace.jsonl"
-needs_trace = pytest.mark.skipif(not MOONCAKE.exists(), reason="shared/ traces are not beside this checkout")
 
 
 def test_pacer_allows_one_dispatch_per_tick():

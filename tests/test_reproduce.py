@@ -1,18 +1,14 @@
 """`kvroute reproduce`: every row filled, and the directions the model supports (never exact numbers)."""
 
 import json
-from pathlib import Path
 
-import pytest
+from conftest import needs_trace
 
 from kvroute.cli import main
 from kvroute.reproduce import PAPERS, markdown, reproduce
 from kvroute.reproduce.common import NOT_IMPLEMENTED, YES, Lab, ratio_agreement, similar
 from kvroute.reproduce.lmetric import capacity
 from kvroute.sim.scenario import SCENARIO_DIR
-
-TRACE = Path(__file__).resolve().parents[2] / "shared/data/traces/mooncake/conversation_trace.jsonl"
-needs_trace = pytest.mark.skipif(not TRACE.exists(), reason="shared/ traces are not beside this checkout")
 
 
 def test_agreement_rules():

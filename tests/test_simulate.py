@@ -1,18 +1,15 @@
 """Whole simulations: conservation, sanity, determinism, workloads, forwarding, bad input."""
 
 import json
-from pathlib import Path
 
 import pytest
+from conftest import MOONCAKE, needs_trace
 
 from kvroute.cli import main
 from kvroute.sim.runner import run_scenario
 from kvroute.sim.scenario import ScenarioError, load_scenario, parse_scenario
 from kvroute.workload.synthetic import ChatWorkload, ThoughtTree
 from kvroute.workload.traces import MooncakeTrace, TraceError
-
-MOONCAKE = Path(__file__).resolve().parents[2] / "shared/data/traces/mooncake/conversation_trace.jsonl"
-needs_trace = pytest.mark.skipif(not MOONCAKE.exists(), reason="shared/ traces are not beside this checkout")
 
 
 def scenario(**kw):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 
@@ -551,10 +552,8 @@ def main(argv: list[str] | None = None) -> int:
         # stdout at /dev/null so the interpreter's final flush does not raise again.
         import os
 
-        try:
+        with contextlib.suppress(OSError, ValueError):  # stdout without a file descriptor: nothing to do
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        except (OSError, ValueError):  # pragma: no cover - stdout without a file descriptor
-            pass
         return 0
     except ModuleNotFoundError as exc:
         if exc.name not in ("numpy", "matplotlib"):
