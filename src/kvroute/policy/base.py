@@ -61,6 +61,11 @@ class Policy(ABC):
         ``Router.on_first_token`` changes (lets the simulator skip that event for the others)."""
         return False
 
+    def context_limit(self, endpoint_id: str) -> int | None:
+        """Largest sequence length (prompt + generated tokens) ``endpoint_id``'s stage serves;
+        a stream growing past it migrates to a later stage (CascadeInfer §3.2). None: no limit."""
+        return None
+
     def __init__(self, params: PolicyParams | None = None, seed: int = 0):
         self.params = params if params is not None else self.Params()
         self.rng = random.Random(seed)
