@@ -8,7 +8,7 @@ import threading
 
 import aiohttp
 
-from kvroute.gateway.embedded import start_deployment
+from kvroute.live.embedded import start_deployment
 
 
 class LiveDeployment:

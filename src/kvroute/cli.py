@@ -292,7 +292,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         import asyncio
         import signal
 
-        from kvroute.gateway.embedded import start_deployment
+        from kvroute.live.embedded import start_deployment
 
         dep = await start_deployment(replicas=args.replicas, policy=args.policy or "skywalker",
                                      host=args.host or "127.0.0.1", port=args.port if args.port is not None else 8000)

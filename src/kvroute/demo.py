@@ -122,8 +122,8 @@ def live_comparison(policies: list[str], seconds: float, max_requests: int) -> d
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from kvroute.gateway.embedded import start_deployment
-    from kvroute.gateway.loadgen import run_chat_load
+    from kvroute.live.embedded import start_deployment
+    from kvroute.live.loadgen import run_chat_load
 
     results: dict[str, dict] = {}
     with Progress(TextColumn("{task.description:<22}"), BarColumn(), MofNCompleteColumn(),
