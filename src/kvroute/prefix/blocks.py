@@ -31,10 +31,12 @@ def _chain(data: bytes, block_bytes: int) -> tuple[int, ...]:
 
 
 def hash_text(text: str, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> tuple[int, ...]:
+    """Chained block hashes of text, a block being ``block_tokens`` × 4 bytes (the token estimate)."""
     return _chain(text.encode("utf-8", "surrogatepass"), block_tokens * CHARS_PER_TOKEN)
 
 
 def hash_token_ids(ids: list[int], block_tokens: int = DEFAULT_BLOCK_TOKENS) -> tuple[int, ...]:
+    """Chained block hashes of token ids, ``block_tokens`` ids per block."""
     return _chain(array("I", ids).tobytes(), block_tokens * 4)
 
 

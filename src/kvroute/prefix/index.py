@@ -80,6 +80,7 @@ class PrefixIndex:
 
     # -- membership ---------------------------------------------------------------------------
     def add_endpoint(self, endpoint_id: str, capacity_blocks: int | None = None) -> None:
+        """Start tracking an endpoint, or change its capacity in blocks (None: the index default)."""
         cap = capacity_blocks or self.default_capacity
         table = self._tables.get(endpoint_id)
         if table is None:
@@ -88,6 +89,7 @@ class PrefixIndex:
         table.capacity = cap
 
     def remove_endpoint(self, endpoint_id: str) -> None:
+        """Stop tracking an endpoint and drop everything it held."""
         self._tables.pop(endpoint_id, None)
         self._blocks.pop(endpoint_id, None)
 
@@ -100,12 +102,15 @@ class PrefixIndex:
 
     @property
     def endpoints(self) -> list[str]:
+        """Ids of the tracked endpoints."""
         return list(self._tables)
 
     def blocks(self, endpoint_id: str) -> int:
+        """Number of blocks the index believes the endpoint holds."""
         return len(self._blocks.get(endpoint_id, ()))
 
     def capacity(self, endpoint_id: str) -> int:
+        """The endpoint's capacity in blocks (older inserts are evicted beyond it)."""
         return self._tables[endpoint_id].capacity
 
     def __len__(self) -> int:
@@ -200,6 +205,7 @@ class PrefixIndex:
         return out
 
     def match_one(self, endpoint_id: str, hashes: Sequence[int]) -> int:
+        """Leading blocks of hashes cached on one endpoint (the same bound as match)."""
         table = self._blocks.get(endpoint_id)
         if table is None:
             return 0

@@ -18,6 +18,7 @@ DEFAULT_VNODES = 1024
 
 
 def ring_hash(key: str | bytes | int) -> int:
+    """64-bit xxh64 of a ring key (ints as 8 little-endian bytes, strings as UTF-8)."""
     if isinstance(key, int):
         key = key.to_bytes(8, "little", signed=False)
     elif isinstance(key, str):
@@ -26,6 +27,7 @@ def ring_hash(key: str | bytes | int) -> int:
 
 
 class HashRing:
+    """Consistent-hash ring with ``vnodes`` points per endpoint; lookups walk clockwise."""
     def __init__(self, endpoint_ids: Iterable[str] = (), vnodes: int = DEFAULT_VNODES):
         if vnodes <= 0:
             raise ValueError(f"vnodes must be positive, got {vnodes}")
@@ -41,6 +43,7 @@ class HashRing:
         self._owners = [o for _, o in self._pairs]
 
     def add_many(self, endpoint_ids: Iterable[str]) -> None:
+        """Add endpoints (ones already present are ignored) in one merge of the sorted points."""
         new = [eid for eid in dict.fromkeys(endpoint_ids) if eid not in self._members]
         if not new:
             return
@@ -50,9 +53,11 @@ class HashRing:
         self._publish()
 
     def add(self, endpoint_id: str) -> None:
+        """Add one endpoint; only about 1/N of keys move to it."""
         self.add_many((endpoint_id,))
 
     def remove(self, endpoint_id: str) -> None:
+        """Remove an endpoint; only its keys move (to their clockwise successors)."""
         if endpoint_id in self._members:
             self._members.discard(endpoint_id)
             self._pairs = [pair for pair in self._pairs if pair[1] != endpoint_id]
@@ -66,6 +71,7 @@ class HashRing:
 
     @property
     def points(self) -> int:
+        """Number of points on the ring (members × vnodes)."""
         return len(self._points)
 
     def lookup(self, key: str | bytes | int, allowed: Container[str] | None = None) -> str | None:
