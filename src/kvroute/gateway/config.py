@@ -37,6 +37,7 @@ class ReplicaConfig(_Strict):
     id: str | None = Field(None, description="its name in metrics, logs and x-kvroute-replica; default: host:port "
                            "of the url (two replicas at one address need one each)")
     region: str = Field("local", description="the replica's region")
+    zone: str | None = Field(None, description="the replica's residency zone; default: its region")
     engine: Literal["auto", "vllm", "sglang", "llamacpp"] = Field(
         "auto", description="which engine's metrics the probes read; auto: detected from /metrics")
     weight: float = Field(1.0, gt=0, description="relative share for policies that weigh replicas")
@@ -182,6 +183,8 @@ class KeyConfig(_Strict):
                                            "beyond: 429 with Retry-After")
     tokens_per_min: float | None = Field(None, gt=0)  # prompt estimate + max_tokens, at admission
     admin: bool = False  # may use the admin API
+    zone: str | None = Field(None, description="residency: this key's requests are served only by replicas "
+                             "and peers in this zone (as if every request carried x-kvroute-zone)")
 
     @model_validator(mode="after")
     def _one_source(self) -> KeyConfig:
@@ -237,6 +240,56 @@ class AuthConfig(_Strict):
         return ring
 
 
+class PeerConfig(_Strict):
+    """Another region's gateway this one may forward to (and probes)."""
+
+    name: str = Field(description="the peer's name in metrics, logs and x-kvroute-peer")
+    url: str = Field(description="the peer gateway's base URL, http://host:port")
+    region: str = Field(description="the peer's region")
+    zone: str | None = Field(None, description="the peer's residency zone; default: its region")
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        parts = urlsplit(v)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise ValueError(f"url must be http://host:port or https://host:port, got {v!r}")
+        return v.rstrip("/")
+
+
+class PeerAuthConfig(_Strict):
+    """The token gateways share to authenticate forwards and status probes to each other."""
+
+    token_env: str | None = Field(None, description="an environment variable holding the shared peer token")
+    token_file: str | None = Field(None, description="a file holding the shared peer token (surrounding "
+                                   "whitespace ignored)")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> PeerAuthConfig:
+        if (self.token_env is None) == (self.token_file is None):
+            raise ValueError("peer_auth needs exactly one of token_env, token_file")
+        self.token()  # a missing variable or file fails at load, naming it
+        return self
+
+    def token(self) -> str:
+        """The shared token; unset, unreadable or empty is an error naming its source."""
+        if self.token_env is not None:
+            value = os.environ.get(self.token_env, "").strip()
+            if not value:
+                raise ValueError(f"peer_auth: environment variable {self.token_env} is unset or empty")
+            return value
+        try:
+            value = Path(str(self.token_file)).read_text().strip()
+        except OSError as exc:
+            raise ValueError(f"peer_auth: cannot read {self.token_file}: {exc.strerror}") from None
+        if not value:
+            raise ValueError(f"peer_auth: {self.token_file} is empty")
+        return value
+
+
+RoutingMode = Literal["local", "skywalker", "gorgo_distributed", "gorgo_proxy"]
+
+
 class GatewayConfig(_Strict):
     host: str = Field("127.0.0.1", description="address to listen on (`--host`)")
     port: int = Field(8000, ge=0, le=65535, description="port to listen on; 0: any free port (`--port`)")
@@ -244,6 +297,16 @@ class GatewayConfig(_Strict):
     policy: str | dict[str, Any] = Field("skywalker", description="a preset name or `{preset, params, admission}`; "
                                          "`kvroute policies` lists presets and their params")
     replicas: list[ReplicaConfig] = Field(default_factory=list, description="the engines behind the gateway")
+    zone: str | None = Field(None, description="the gateway's residency zone; default: its region")
+    peers: list[PeerConfig] = Field(default_factory=list, description="other regions' gateways; "
+                                    "`skywalker` and `gorgo_distributed` forward to them, other modes ignore them")
+    peer_auth: PeerAuthConfig | None = Field(None, description="the shared peer token; without it forwarded "
+                                             "requests and peer status probes are refused (401)")
+    routing_mode: RoutingMode = Field("local", description="local: own replicas only; skywalker: forward to a "
+                                      "peer when no local replica admits; gorgo_distributed: forward when a "
+                                      "peer's advertised cost plus RTT is lower; gorgo_proxy: one gateway over "
+                                      "every region's replicas, RTT in the cost, no peers")
+    max_hops: int = Field(1, ge=1, description="how many gateways a request may be forwarded through")
     probe: ProbeConfig = Field(default_factory=ProbeConfig, description="how the engines' metrics are read")
     queue: QueueConfig = Field(default_factory=QueueConfig, description="the gateway's queue of requests the "
                                "policy holds")
@@ -307,6 +370,29 @@ class GatewayConfig(_Strict):
             raise ValueError("tokenizer_path needs the optional 'tokenizers' package: "
                              "pip install 'kvroute[tokenizers]'")
         return v
+
+    @field_validator("peers")
+    @classmethod
+    def _unique_peers(cls, peers: list[PeerConfig]) -> list[PeerConfig]:
+        names = [p.name for p in peers]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"peer names must be unique; repeated: {', '.join(dup)}")
+        return peers
+
+    @model_validator(mode="after")
+    def _peer_mode(self) -> GatewayConfig:
+        if self.routing_mode in ("skywalker", "gorgo_distributed"):
+            if not self.peers:
+                raise ValueError(f"routing_mode {self.routing_mode} forwards to peers: list them under peers")
+            if self.peer_auth is None:
+                raise ValueError(f"routing_mode {self.routing_mode} needs peer_auth (token_env or token_file)")
+        return self
+
+    @property
+    def home_zone(self) -> str:
+        """The gateway's residency zone (its region unless set)."""
+        return self.zone or self.region
 
     def http_limits(self) -> HTTPLimits:
         """The HTTP server's limits, body size included."""
