@@ -28,6 +28,7 @@ def ring_hash(key: str | bytes | int) -> int:
 
 class HashRing:
     """Consistent-hash ring with ``vnodes`` points per endpoint; lookups walk clockwise."""
+
     def __init__(self, endpoint_ids: Iterable[str] = (), vnodes: int = DEFAULT_VNODES):
         if vnodes <= 0:
             raise ValueError(f"vnodes must be positive, got {vnodes}")
