@@ -15,6 +15,7 @@ PERCENTILES = (50, 90, 95, 99)
 
 
 def summarize(values) -> dict[str, float]:
+    """Mean and p50/p90/p95/p99 of ``values`` (zeros when there are none), rounded to µs."""
     arr = np.asarray(values, dtype=np.float64)
     if arr.size == 0:
         return {"mean": 0.0, **{f"p{q}": 0.0 for q in PERCENTILES}}
@@ -25,6 +26,8 @@ def summarize(values) -> dict[str, float]:
 
 
 class Recorder:
+    """Per-request measurements of one simulated run, in flat arrays, and the summaries built from them."""
+
     def __init__(self, replica_ids: list[str], regions: list[str] | None = None):
         self.replica_ids = replica_ids
         self.replica_regions = regions or ["local"] * len(replica_ids)
@@ -56,6 +59,7 @@ class Recorder:
     def complete(self, sent: float, first: float, done: float, out: int, prompt: int, cached: int,
                  queue_s: float, replica: str, cross: bool, client_region: str = "local",
                  forwarded: bool = False) -> None:
+        """Record one served request: its times (sent, first token, done), tokens, queueing and where it ran."""
         self.sent_at.append(sent)
         self.ttft.append(first - sent)
         self.e2e.append(done - sent)
@@ -99,11 +103,13 @@ class Recorder:
         return {"by_client_region": by_region, "by_path": by_path}
 
     def fail(self, reason: str) -> None:
+        """Count a failed request under the reason's kind (the text before the first colon)."""
         kind = reason.split(":", 1)[0]
         self.failed[kind] = self.failed.get(kind, 0) + 1
 
     def sample(self, t: float, running: list[int], backlog: int = 0, lb_queue: int = 0,
                issued: int = 0) -> None:
+        """Record one periodic sample: running requests per replica, backlog, LB queue, requests issued."""
         self.sample_t.append(t)
         for col, r in zip(self.sample_running, running):
             col.append(r)
@@ -165,6 +171,7 @@ class Recorder:
 
     @property
     def completed(self) -> int:
+        """Number of requests served."""
         return len(self.ttft)
 
     def imbalance(self) -> tuple[float, float]:
@@ -181,6 +188,7 @@ class Recorder:
         return cv, ratio
 
     def result(self, replica_hours: float) -> dict:
+        """The run's summary: latency percentiles, throughput, hit rate, imbalance, failures, load verdict."""
         n = self.completed
         start = min(self.sent_at) if n else 0.0
         span = (max(self.done_at) - start) if n else 0.0

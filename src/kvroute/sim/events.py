@@ -13,12 +13,15 @@ class Scheduler(Protocol):
     simulator's :class:`EventLoop` and the emulator's real-time loop both provide it."""
 
     @property
-    def now(self) -> float: ...
+    def now(self) -> float:
+        """Current time in seconds."""
 
-    def at(self, t: float, fn: Callable[[Any], None], arg: Any = None) -> None: ...
+    def at(self, t: float, fn: Callable[[Any], None], arg: Any = None) -> None:
+        """Run ``fn(arg)`` at time ``t``."""
 
 
 class EventLoop:
+    """The simulator's discrete-event loop: a heap of (time, sequence, callback, argument)."""
     __slots__ = ("now", "_heap", "_seq", "events")
 
     def __init__(self) -> None:
@@ -32,6 +35,7 @@ class EventLoop:
         heapq.heappush(self._heap, (t if t > self.now else self.now, next(self._seq), fn, arg))
 
     def run(self, until: float = float("inf"), stop: Callable[[], bool] | None = None) -> None:
+        """Run events in time order up to ``until``, or until ``stop()`` returns true."""
         heap, pop = self._heap, heapq.heappop
         n = 0
         try:

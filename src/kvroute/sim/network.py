@@ -12,6 +12,8 @@ DEFAULT_CROSS_MS = 150.0  # regions with no configured pair
 
 
 class Network:
+    """Symmetric RTT matrix between regions, with an in-region RTT and a default for unlisted pairs."""
+
     def __init__(self, rtt_ms: dict[tuple[str, str], float] | None = None,
                  in_region_ms: float = DEFAULT_IN_REGION_MS, default_ms: float = DEFAULT_CROSS_MS):
         self.in_region_ms = in_region_ms
@@ -28,6 +30,7 @@ class Network:
         return self._rtt.get((a, b), self.default_ms) / 1000.0
 
     def one_way(self, a: str, b: str) -> float:
+        """One-way delay in seconds (half the RTT), memoised."""
         v = self._one_way.get((a, b))
         if v is None:
             v = self._one_way[(a, b)] = self.rtt(a, b) / 2.0
