@@ -18,6 +18,7 @@ err = Console(stderr=True, width=None if sys.stderr.isatty() else int(os.environ
 
 
 def write_json(path: str | None, data: dict) -> None:
+    """Write ``data`` as indented, key-sorted JSON to ``path`` (nothing when no path is given)."""
     if path:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
@@ -25,6 +26,7 @@ def write_json(path: str | None, data: dict) -> None:
 
 
 def routing_table(result: dict) -> Table:
+    """The `kvroute bench routing` result as a table: decision cost percentiles per preset."""
     table = Table(title=f"decision cost, {result['endpoints']} endpoints, "
                         f"{result['index_blocks']:,} indexed blocks (µs)")
     for col in ("preset", "p50 8K", "p99 8K", "p50 32K", "p99 32K"):
@@ -103,6 +105,7 @@ def error(line: str) -> int:
 
 
 def run_simulation(sc, json_path: str | None = None, plots: str | None = None) -> dict:
+    """Run a scenario's policies with a progress display on stderr; print the comparison, write JSON and plots."""
     import time
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn

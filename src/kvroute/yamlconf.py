@@ -67,6 +67,7 @@ def allowed_keys(model: type[BaseModel], loc: tuple) -> list[str]:
 
 
 def validate(model: type[M], data: Any, source: str, text: str | None = None) -> M:
+    """Validate parsed YAML against ``model``; errors name source:line, the field and the allowed values."""
     if data is None:
         data = {}
     if not isinstance(data, dict):
@@ -108,5 +109,6 @@ def read(path: str | Path) -> tuple[Any, str]:
 
 
 def load(model: type[M], path: str | Path) -> M:
+    """Read and validate a YAML file into ``model``."""
     data, text = read(path)
     return validate(model, data, str(path), text)

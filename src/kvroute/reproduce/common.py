@@ -36,6 +36,7 @@ class Row:
     experiment: str = ""
 
     def as_dict(self) -> dict:
+        """The row as a plain dict (for JSON)."""
         return asdict(self)
 
 
@@ -49,6 +50,7 @@ class Lab:
     meta: dict = field(default_factory=dict)  # experiment key → scenario file, requests, wall time
 
     def scenario(self, name: str, overrides: dict | None = None, requests: int | None = None):
+        """A reproduction scenario with overrides merged in and the request count scaled for --quick."""
         sc = load_scenario(str(SCENARIO_DIR / "reproduce" / f"{name}.yaml"))
         data = sc.model_dump(exclude_none=True)
         for key, value in (overrides or {}).items():
@@ -65,6 +67,7 @@ class Lab:
 
     def run(self, name: str, key: str | None = None, overrides: dict | None = None,
             requests: int | None = None) -> dict:
+        """Run every policy of a scenario once (cached by key); returns results by policy label."""
         key = key or name
         if key in self.runs:
             return self.runs[key]
@@ -107,6 +110,7 @@ def similar(value: float, tolerance: float = 0.10) -> str:
 
 
 def fmt_range(values: list[float], fmt: str = "{:.2f}×") -> str:
+    """A value, or lo–hi when the values differ."""
     if not values:
         return "–"
     lo, hi = min(values), max(values)
@@ -114,9 +118,11 @@ def fmt_range(values: list[float], fmt: str = "{:.2f}×") -> str:
 
 
 def pct(x: float) -> str:
+    """A fraction as a percentage with one decimal."""
     return f"{x * 100:.1f} %"
 
 
 def unstable_note(lab: Lab, key: str) -> str:
+    """A note naming the experiment's runs whose load verdict was unstable (empty when none)."""
     bad = lab.meta.get(key, {}).get("unstable") or []
     return f" (UNSTABLE runs: {', '.join(bad)}; their latencies measure a queue)" if bad else ""
