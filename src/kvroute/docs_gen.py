@@ -69,6 +69,7 @@ def source_comments(cls: type) -> dict[str, str]:
 
 
 def meaning(model: type[BaseModel], name: str, field: FieldInfo) -> str:
+    """A field's description for the table: its ``description=``, else the comment beside it in the source."""
     if field.description:
         return " ".join(field.description.split())
     for cls in model.__mro__:
@@ -84,6 +85,7 @@ def _members(ann: Any) -> list[Any]:
 
 
 def type_text(ann: Any) -> str:
+    """A type annotation in words a YAML author reads (int, list of str, one of ...)."""
     parts = []
     for a in _members(ann):
         origin, args = typing.get_origin(a), typing.get_args(a)
@@ -106,6 +108,7 @@ def type_text(ann: Any) -> str:
 
 
 def bounds_text(field: FieldInfo) -> str:
+    """A field's numeric bounds as text (≥ 0, < 1)."""
     out = []
     for m in field.metadata:
         for kind, attr, sign in _BOUNDS:
@@ -124,6 +127,7 @@ def _flow(value: Any) -> str:
 
 
 def default_text(field: FieldInfo) -> str:
+    """A field's default as inline YAML (– when required)."""
     if field.default_factory is not None:
         value = field.default_factory()  # type: ignore[call-arg]
     elif field.default is PydanticUndefined:
@@ -171,6 +175,7 @@ def _cell(text: str) -> str:
 
 
 def table(model: type[BaseModel]) -> str:
+    """A markdown table of one model's keys: type, default, meaning."""
     lines = ["| key | type | default | meaning |", "|---|---|---|---|"]
     for key, typ, default, desc in rows(model):
         lines.append(f"| `{key}` | {_cell(typ)} | {_cell(default)} | {_cell(desc)} |")

@@ -43,10 +43,12 @@ class Attack:
         self.observed: dict = {}
 
     def start(self) -> None:
+        """Start the attack's event-loop thread and open its connections."""
         self.thread.start()
         asyncio.run_coroutine_threadsafe(self._open(), self.loop).result(60)
 
     def stop(self) -> dict:
+        """Close the attack's connections, stop its thread and return what it observed."""
         asyncio.run_coroutine_threadsafe(self._close(), self.loop).result(120)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)

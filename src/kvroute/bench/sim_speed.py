@@ -46,6 +46,7 @@ def _trace_rate() -> float:
 
 
 def million(requests: int = 1_000_000, replicas: int = 16, rate: float = 125.0) -> dict:
+    """Simulate a million-request chat run; wall time, peak RSS and simulated requests per wall second."""
     sc = parse_scenario({"replicas": [{"region": "us", "count": replicas, "profile": "h20-qwen3-30b-a3b"}],
                          "workload": {"kind": "chat-poisson", "rate": rate, "clients": {"us": 1}},
                          "policies": ["lmetric"], "limits": {"max_requests": requests}, "seed": 1})
@@ -60,6 +61,7 @@ def million(requests: int = 1_000_000, replicas: int = 16, rate: float = 125.0) 
 
 
 def run(progress=print, with_million: bool = True, million_requests: int = 1_000_000) -> dict:
+    """Simulated requests per wall second on Mooncake at several loads, then (optionally) the 1M run."""
     saturated, _ = _mooncake(0.02, "round_robin")
     capacity = saturated["throughput_rps"]
     trace_rate = _trace_rate()

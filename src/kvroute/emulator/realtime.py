@@ -22,6 +22,7 @@ class RealtimeLoop:
 
     @property
     def slowdown(self) -> float:
+        """Wall seconds per model second."""
         return self._slowdown
 
     @slowdown.setter
@@ -34,9 +35,11 @@ class RealtimeLoop:
 
     @property
     def now(self) -> float:
+        """Model time: monotonic, continuous across slowdown changes."""
         return self._model0 + (time.monotonic() - self._wall0) / self._slowdown
 
     def at(self, t: float, fn: Callable[[Any], None], arg: Any = None) -> None:
+        """Call ``fn(arg)`` when model time reaches ``t`` (at once if it has passed)."""
         loop = self._loop or asyncio.get_running_loop()
         delay = max(0.0, (t - self.now) * self._slowdown)
         loop.call_later(delay, fn, arg)
