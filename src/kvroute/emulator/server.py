@@ -9,17 +9,26 @@ Fault knobs, for tests and chaos drills (flags, or ``POST /_fault`` with the sam
 ``fail_rate`` (fraction answered 500 before any byte), ``hang`` (accept, never answer),
 ``close_after_tokens`` (drop the connection mid-stream), ``slowdown`` (model time ×N),
 ``probe_hang`` (``/metrics`` and ``/health`` never answer).
+
+Generated text is deterministic in its context: each token is a word chosen by a hash of every
+word before it (prompt, then what was generated), so a request continued elsewhere with its
+prompt plus the text generated so far produces exactly what an uninterrupted run would have.
+Chat requests continue a trailing assistant message the way each engine does: vLLM and SGLang
+with ``continue_final_message: true`` (and ``add_generation_prompt: false``), llama-server always
+(its default assistant prefill).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import math
 import random
 import time
 import uuid
 from dataclasses import dataclass, field
 
+import xxhash
 from aiohttp import web
 
 from kvroute.emulator.realtime import RealtimeLoop
@@ -72,6 +81,52 @@ def _check_fault(name: str, value: object) -> object:
     return value
 
 
+class TextModel:
+    """The emulated model's output: token i is a three-letter word (with a leading space, so one
+    token is four characters and counts as one token by kvroute's estimate) picked by a hash
+    chained over the context's whitespace-separated words. The chain makes the next word a
+    function of the text so far, however that text was split between prompt and output."""
+
+    def __init__(self, context: str):
+        state = 0
+        for word in context.split():
+            state = xxhash.xxh3_64_intdigest(word.encode("utf-8", "surrogatepass"), seed=state)
+        self.state = state
+
+    def next(self) -> str:
+        """The next token's text, advancing the context by it."""
+        s = self.state
+        word = chr(97 + s % 26) + chr(97 + s // 26 % 26) + chr(97 + s // 676 % 26)
+        self.state = xxhash.xxh3_64_intdigest(word.encode(), seed=s)
+        return " " + word
+
+
+def emulated_text(context: str, tokens: int) -> str:
+    """The text the emulator generates for ``context`` (a completion prompt, or a chat key)."""
+    model = TextModel(context)
+    return "".join(model.next() for _ in range(tokens))
+
+
+def chat_context(body: dict, engine_type: str) -> tuple[str, str | None]:
+    """The key a chat request is processed under, and an error message when the engine would
+    refuse it. A trailing assistant message is continued (its text becomes the start of the
+    answer) when the engine does so: vLLM and SGLang on ``continue_final_message``, llama-server
+    by default."""
+    messages = body.get("messages")
+    continued = bool(body.get("continue_final_message"))
+    if engine_type != "llamacpp" and continued and body.get("add_generation_prompt", True):
+        return "", "continue_final_message and add_generation_prompt cannot both be true"
+    last = messages[-1] if isinstance(messages, list) and messages else None
+    trailing = isinstance(last, dict) and last.get("role") == "assistant"
+    if continued and not trailing:
+        return "", "continue_final_message needs a final assistant message"
+    if trailing and (continued or engine_type == "llamacpp") and len(messages) > 1:
+        assert isinstance(last, dict)
+        content = last.get("content")
+        return chat_key(messages[:-1]) + (content if isinstance(content, str) else ""), None
+    return chat_key(messages), None
+
+
 @dataclass
 class _Stream:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
@@ -81,7 +136,8 @@ class _Stream:
 
 class Emulator:
     def __init__(self, profile: HardwareProfile, engine_type: str = "vllm", model: str = "emulated",
-                 faults: Faults | None = None, seed: int = 0, block_tokens: int = 64):
+                 faults: Faults | None = None, seed: int = 0, block_tokens: int = 64,
+                 bytes_per_token: float = 4.0):
         if engine_type not in ENGINES:
             raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {engine_type!r}")
         self.profile = profile
@@ -90,6 +146,11 @@ class Emulator:
         self.faults = faults or Faults()
         self.rng = random.Random(seed)
         self.hasher = BlockHasher(block_tokens)
+        if not 0.5 <= bytes_per_token <= 16:
+            raise ValueError(f"bytes_per_token must be from 0.5 to 16, got {bytes_per_token}")
+        # a tokenizer other than kvroute's bytes/4 estimate: text prompts count bytes / this
+        # many tokens (prefix blocks stay the hasher's byte spans, worth more or fewer tokens)
+        self.bytes_per_token = bytes_per_token
         self.clock = RealtimeLoop(slowdown=self.faults.slowdown)
         self.streams: dict[str, _Stream] = {}
         self.restart()
@@ -135,8 +196,12 @@ class Emulator:
     async def generate(self, key, max_tokens: int, usage: dict):
         """Yields token indexes as the model produces them; fills ``usage`` when done."""
         hashes, prompt_tokens = self.hasher(key)
+        block_tokens = self.hasher.block_tokens
+        if isinstance(key, str) and self.bytes_per_token != 4.0:
+            prompt_tokens = math.ceil(len(key.encode("utf-8", "surrogatepass")) / self.bytes_per_token)
+            block_tokens = max(1, round(block_tokens * 4.0 / self.bytes_per_token))
         rid = uuid.uuid4().hex
-        seq = Seq(rid, max(1, prompt_tokens), max(1, max_tokens), hashes, self.hasher.block_tokens)
+        seq = Seq(rid, max(1, prompt_tokens), max(1, max_tokens), hashes, block_tokens)
         if not self.engine.fits(seq.prompt, seq.output):
             raise web.HTTPBadRequest(
                 text=json.dumps({"error": {"message": f"prompt ({seq.prompt} tokens) + max_tokens "
@@ -233,9 +298,15 @@ def build_app(emu: Emulator) -> web.Application:
         if f.fail_rate and emu.rng.random() < f.fail_rate:
             return _error(500, "injected failure", "server_error")
         try:
-            key = chat_key(body.get("messages")) if chat else completion_key(body.get("prompt"))
+            if chat:
+                key, refused = chat_context(body, emu.engine_type)
+                if refused:
+                    return _error(400, refused, param="messages")
+            else:
+                key = completion_key(body.get("prompt"))
         except PromptError as exc:
             return _error(400, str(exc), param="messages" if chat else "prompt")
+        words = TextModel(key if isinstance(key, str) else " ".join(map(str, key)))
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens", DEFAULT_MAX_TOKENS))
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             return _error(400, "max_tokens must be a positive integer", param="max_tokens")
@@ -254,7 +325,7 @@ def build_app(emu: Emulator) -> web.Application:
             work = asyncio.ensure_future(run_to_end())
             # llama-server keeps generating a non-stream answer after its client left
             n = await (asyncio.shield(work) if f.ignore_disconnect else work)
-            text = " ".join(f"t{i}" for i in range(n))
+            text = "".join(words.next() for _ in range(n))
             choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}
                       if chat else {"index": 0, "text": text, "finish_reason": "length", "logprobs": None})
             return web.json_response({"id": cid, "object": obj, "created": created, "model": emu.model,
@@ -272,9 +343,10 @@ def build_app(emu: Emulator) -> web.Application:
                     request.transport.close()  # abrupt: no terminating chunk
                 await gen.aclose()
                 return resp
-            delta = ({"index": 0, "delta": ({"role": "assistant", "content": f"t{i} "} if i == 0
-                                             else {"content": f"t{i} "}), "finish_reason": None}
-                     if chat else {"index": 0, "text": f"t{i} ", "finish_reason": None})
+            token = words.next()
+            delta = ({"index": 0, "delta": ({"role": "assistant", "content": token} if i == 0
+                                             else {"content": token}), "finish_reason": None}
+                     if chat else {"index": 0, "text": token, "finish_reason": None})
             payload = {"id": cid, "object": chunk_obj, "created": created, "model": emu.model, "choices": [delta]}
             await resp.write(f"data: {json.dumps(payload)}\n\n".encode())
             i += 1
@@ -340,9 +412,9 @@ def build_app(emu: Emulator) -> web.Application:
 
 async def start_emulator(host: str, port: int, profile: str | HardwareProfile = "l4-llama3.1-8b",
                          engine_type: str = "vllm", faults: Faults | None = None,
-                         model: str = "emulated") -> tuple[web.AppRunner, Emulator, int]:
+                         model: str = "emulated", bytes_per_token: float = 4.0) -> tuple[web.AppRunner, Emulator, int]:
     prof = load_profile(profile) if isinstance(profile, str) else profile
-    emu = Emulator(prof, engine_type, model, faults)
+    emu = Emulator(prof, engine_type, model, faults, bytes_per_token=bytes_per_token)
     runner = web.AppRunner(build_app(emu), handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
