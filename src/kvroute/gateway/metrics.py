@@ -110,4 +110,11 @@ class _LiveCollector:
             key_tokens.add_metric([k.name], k.used_tokens)
             key_limited.add_metric([k.name], k.limited)
         yield from (key_requests, key_tokens, key_limited)
+        state = rt.router.policy_state()
+        if state:  # stateful policy plugins only (an ES tuner's weights, a detector's window)
+            gauge = GaugeMetricFamily("kvroute_policy_state", "Numeric state of the policy's plugins",
+                                      labels=["key"])
+            for key, value in state.items():
+                gauge.add_metric([key], value)
+            yield gauge
         yield from (inflight, circuit, healthy, running, waiting, kv, rtt, engine, restarts, ratio)

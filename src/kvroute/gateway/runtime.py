@@ -313,20 +313,22 @@ class Runtime:
         """A decision is about to be forwarded."""
         self.metrics.count_branch(self.policy_name, d.branch)
 
-    def first_token(self, rid: str) -> None:
-        self.router.on_first_token(rid)
+    def first_token(self, rid: str, ttft_s: float | None = None) -> None:
+        """The first token of ``rid`` arrived, ``ttft_s`` after the request reached the gateway."""
+        self.router.on_first_token(rid, ttft_s)
 
-    def release(self, rid: str, served: bool = True) -> None:
+    def release(self, rid: str, served: bool = True, e2e_s: float | None = None, output_tokens: int = 0) -> None:
         """An attempt ended. ``served``: the engine took the request, so its prompt counts in the
         hit ratio and stays indexed; otherwise (failed, refused) the index forgets what this
-        dispatch taught it."""
+        dispatch taught it. ``e2e_s``: the request completed, this long after it reached the
+        gateway (the policy's plugins learn from it)."""
         router = self.router
         ticket = router.tickets.get(rid)
         if ticket is not None and served:
             tokens = ticket.tokens
             self.prompt_tokens_routed += tokens
             self.hit_tokens_routed += min(tokens, ticket.matched_blocks * router.index_block_tokens)
-            router.on_finish(rid)
+            router.on_finish(rid, e2e_s, output_tokens)
         else:
             router.on_failed(rid)
         if self.queue:

@@ -380,13 +380,14 @@ class Proxy:
             if first is not None:
                 outcome = await self._stream(resp, upstream, first, req, target, t0, kind.stream_end)
                 return None
-            rt.first_token(req.id)
-            rt.metrics.ttft.observe(time.monotonic() - t0)
+            ttft = time.monotonic() - t0
+            rt.first_token(req.id, ttft)
+            rt.metrics.ttft.observe(ttft)
             outcome = Outcome.OK if upstream.status < 500 else Outcome.NEUTRAL
             resp.send(upstream.status, payload, self._resp_headers(upstream, target), content_type=None)
             return None
         finally:
-            rt.release(req.id, served)
+            rt.release(req.id, served, time.monotonic() - t0 if outcome is Outcome.OK else None)
             rt.attempt_done(target, outcome)
             if upstream is not None:
                 upstream.release()  # kept alive when fully read; closed (cancelling upstream) otherwise
@@ -395,8 +396,9 @@ class Proxy:
                       target: str, t0: float, end_marker: bytes | None) -> Outcome:
         """Pass an SSE stream through; a failure after bytes are out ends it with an error event."""
         rt = self.rt
-        rt.first_token(req.id)
-        rt.metrics.ttft.observe(time.monotonic() - t0)
+        ttft = time.monotonic() - t0
+        rt.first_token(req.id, ttft)
+        rt.metrics.ttft.observe(ttft)
         resp.start(upstream.status, self._resp_headers(upstream, target))
         chunk: bytes | None = first
         tail = b""  # the stream's last bytes: is it at an event boundary, did [DONE] arrive?

@@ -15,12 +15,8 @@ num_available_replicas > 0``). The pace at which a queue drains is the caller's
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from kvroute.model import Endpoint, EndpointKind
-
-if TYPE_CHECKING:
-    from kvroute.policy.base import PolicyParams
+from kvroute.policy.params import PolicyParams
 
 PEER_QUEUE_LIMIT = 10  # SkyWalker _STEAL_TRIGGER_THRESHOLD
 

@@ -12,13 +12,15 @@ import random
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar, Literal
-
-from pydantic import BaseModel, ConfigDict, Field
+from typing import ClassVar
 
 from kvroute.model import Decision, Endpoint, Request
 from kvroute.policy.admission import Admission, make_admission
+from kvroute.policy.hooks import Lifecycle
+from kvroute.policy.params import PolicyParams
 from kvroute.prefix import HashRing, PrefixIndex
+
+__all__ = ["Policy", "PolicyParams", "View", "argmax", "argmin", "explain", "softmax_pick"]
 
 
 @dataclass(slots=True)
@@ -31,17 +33,6 @@ class View:
     local_queue: int = 0  # requests waiting in this LB's own queue (the peer gate compares)
 
 
-class PolicyParams(BaseModel):
-    """Constants every preset accepts; presets extend this with their own."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    admission: Literal["blind", "pending", "outstanding"] = Field(
-        "blind", description="blind: dispatch at once; pending: only to replicas with no "
-        "waiting requests (SkyWalker); outstanding: only below max_outstanding in-flight")
-    max_outstanding: int = Field(16, ge=1, description="limit for admission=outstanding")
-
-
 class Policy(ABC):
     """Base class of every preset. Subclasses set the class attributes and implement ``choose``."""
 
@@ -49,6 +40,8 @@ class Policy(ABC):
     source: ClassVar[str] = ""  # paper or repository the behaviour comes from
     Params: ClassVar[type[PolicyParams]] = PolicyParams
     uses_ring: ClassVar[bool] = False
+    # plugins subscribed to request-lifecycle events (empty: the Router's hooks cost nothing)
+    listeners: tuple[Lifecycle, ...] = ()
 
     @property
     def reads_kv_usage(self) -> bool:

@@ -4,6 +4,11 @@ Both runtimes drive this one class. ``route`` decides *and* commits in one synch
 the next decision — even within the same burst — already sees this request's in-flight
 request, tokens and queued prefill. Every exit path calls ``on_finish`` (finish, error, client
 cancel, retry elsewhere); it is idempotent, so counters never drift or go negative.
+
+The same hooks feed the policy's stateful plugins (:mod:`kvroute.policy.hooks`): each dispatch,
+first token, completion and failure is forwarded to every plugin in ``policy.listeners``, with
+the endpoint taken from the request's ticket. Stateless presets have no listeners, so the hot
+path pays one empty-tuple test per event.
 """
 
 from __future__ import annotations
@@ -30,6 +35,14 @@ class Ticket:
 
 
 class Router:
+    """One load balancer's routing state: the policy, the endpoints, the prefix index and the
+    hash ring, and the accounting of every request it dispatched (its tickets).
+
+    ``route`` decides and commits; the runtime then reports the request's progress through
+    ``on_first_token``, ``on_finish`` and ``on_failed``. Nothing here reads a clock: measured
+    times (TTFT, end-to-end) come from the runtime as arguments.
+    """
+
     def __init__(self, policy: Policy, endpoints: Iterable[Endpoint] = (), *,
                  index_capacity_blocks: int | None = None,
                  index_block_tokens: int = DEFAULT_BLOCK_TOKENS,
@@ -93,11 +106,22 @@ class Router:
         return self.view.endpoints
 
     # -- decisions and accounting -------------------------------------------------------------
+    def policy_state(self) -> dict[str, float]:
+        """The numeric state of the policy's stateful plugins, as ``"plugin.key"`` names."""
+        out: dict[str, float] = {}
+        for plugin in self.policy.listeners:
+            prefix = plugin.name or type(plugin).__name__
+            for key, value in plugin.state().items():
+                out[f"{prefix}.{key}"] = value
+        return out
+
     def decide(self, req: Request) -> Decision:
         """Decide without committing (for explanation and dry runs)."""
         return self.policy.decide(req, self.view)
 
     def route(self, req: Request) -> Decision:
+        """Decide for ``req`` and, when the decision dispatches, commit it (counters, index,
+        ticket, ``on_dispatched`` to the policy's listeners) before returning."""
         decision = self.policy.decide(req, self.view)
         if decision.kind is DecisionKind.DISPATCH and decision.target is not None:  # it always has one
             # a policy that does not match prefixes reports 0: match here, so every preset's
@@ -106,6 +130,8 @@ class Router:
         return decision
 
     def commit(self, req: Request, endpoint_id: str, matched_blocks: int | None = None) -> None:
+        """Account ``req`` as dispatched to ``endpoint_id`` (a re-dispatch first undoes the old
+        one); ``matched_blocks`` is the prefix the decision found there (None: look it up)."""
         if req.id in self.tickets:  # re-dispatch (retry on another endpoint): undo the old one
             self.on_finish(req.id)
         ep = self._eps[endpoint_id]
@@ -121,16 +147,25 @@ class Router:
         hashes = req.block_hashes
         tick = self.prefix.insert(endpoint_id, hashes) if hashes else 0
         self.tickets[req.id] = Ticket(endpoint_id, req.prompt_tokens, prefill, matched_blocks, tick, hashes)
+        for plugin in self.policy.listeners:
+            plugin.on_dispatched(req, ep, prefill)
 
-    def on_first_token(self, req_id: str) -> None:
-        """Prefill is done: the request no longer adds to its endpoint's prefill backlog."""
+    def on_first_token(self, req_id: str, ttft_s: float | None = None) -> None:
+        """Prefill is done: the request no longer adds to its endpoint's prefill backlog.
+
+        ``ttft_s``: the runtime's measured time from the request reaching the load balancer to
+        its first token; forwarded to the policy's listeners when given."""
         t = self.tickets.get(req_id)
-        if t is None or not t.prefill_tokens:
+        if t is None:
             return
-        ep = self._eps.get(t.endpoint_id)
-        if ep is not None:
-            ep.queued_prefill_tokens -= t.prefill_tokens
-        t.prefill_tokens = 0
+        if t.prefill_tokens:
+            ep = self._eps.get(t.endpoint_id)
+            if ep is not None:
+                ep.queued_prefill_tokens -= t.prefill_tokens
+            t.prefill_tokens = 0
+        if ttft_s is not None:
+            for plugin in self.policy.listeners:
+                plugin.on_first_token(req_id, t.endpoint_id, ttft_s)
 
     def on_failed(self, req_id: str) -> None:
         """The endpoint did not serve the request (it failed or refused it): besides undoing the
@@ -141,14 +176,25 @@ class Router:
             self.prefix.forget(t.endpoint_id, t.hashes, t.matched_blocks, t.index_tick)
         self.on_finish(req_id)
 
-    def on_finish(self, req_id: str) -> None:
-        """Undo a dispatch: finished, failed, cancelled or re-routed. Safe to call twice."""
+    def on_finish(self, req_id: str, e2e_s: float | None = None, output_tokens: int = 0) -> None:
+        """Undo a dispatch: finished, failed, cancelled or re-routed. Safe to call twice.
+
+        With ``e2e_s`` (the measured end-to-end latency at the load balancer) the request
+        completed and the listeners hear ``on_finished``; without it they hear ``on_failed``.
+        ``output_tokens``: tokens generated, 0 when the runtime does not know."""
         t = self.tickets.pop(req_id, None)
         if t is None:
             return
         ep = self._eps.get(t.endpoint_id)
-        if ep is None:  # endpoint removed while the request ran
-            return
-        ep.inflight -= 1
-        ep.inflight_tokens -= t.tokens
-        ep.queued_prefill_tokens -= t.prefill_tokens
+        if ep is not None:  # else removed while the request ran
+            ep.inflight -= 1
+            ep.inflight_tokens -= t.tokens
+            ep.queued_prefill_tokens -= t.prefill_tokens
+        listeners = self.policy.listeners  # told after the counters are right again
+        if listeners:
+            if e2e_s is None:
+                for plugin in listeners:
+                    plugin.on_failed(req_id, t.endpoint_id)
+            else:
+                for plugin in listeners:
+                    plugin.on_finished(req_id, t.endpoint_id, e2e_s, output_tokens)

@@ -69,7 +69,7 @@ class Replica:
 
 
 class Flight:
-    __slots__ = ("sreq", "client_region", "sent", "reached_lb", "notify", "replica", "back_s",
+    __slots__ = ("sreq", "client_region", "sent", "reached_lb", "at_peer", "notify", "replica", "back_s",
                  "first", "net_s", "dispatched")
 
     def __init__(self, sreq: SimRequest, client_region: str, sent: float):
@@ -77,7 +77,9 @@ class Flight:
         self.client_region = client_region
         self.sent = sent
         self.reached_lb = -1.0  # when it first reached a load balancer
-        self.notify: list[tuple[Router, SimBalancer, float]] = []  # balancers on the way back
+        self.at_peer = -1.0  # when it reached the peer it was forwarded to (-1: not forwarded)
+        # balancers on the way back: (router, balancer, delay, when the request reached it)
+        self.notify: list[tuple[Router, SimBalancer, float, float]] = []
         self.replica = ""
         self.back_s = 0.0  # replica → client
         self.first = 0.0
@@ -104,9 +106,11 @@ class Simulation:
                     for b in setup.balancers]
         for lb in self.lbs:
             lb.connect_peers([p for p in self.lbs if p is not lb])
-        # whether any router reads what on_first_token changes (else first tokens notify nobody)
+        # whether any router reads what on_first_token changes or has plugins that listen
+        # (else first tokens notify nobody)
         self._first_token_matters = any(
-            r is not None and r.policy.reads_prefill_backlog for lb in self.lbs for r in (lb.router, lb.peers))
+            r is not None and (r.policy.reads_prefill_backlog or r.policy.listeners)
+            for lb in self.lbs for r in (lb.router, lb.peers))
         self._nearest: dict[str, SimBalancer] = {}
         self.issued = 0
         self.outstanding = 0
@@ -202,7 +206,8 @@ class Simulation:
         rec.branches[branch] = rec.branches.get(branch, 0) + 1
         flight.replica = replica_id
         flight.dispatched = self.loop.now
-        flight.notify.append((lb.router, lb, self.network.one_way(rep.region, lb.region)))
+        reached = flight.at_peer if flight.at_peer >= 0 else flight.reached_lb
+        flight.notify.append((lb.router, lb, self.network.one_way(rep.region, lb.region), reached))
         delay = self.network.one_way(lb.region, rep.region) + rep.engine.p.ttft_overhead_s
         self.loop.at(self.loop.now + delay, self._arrive_replica, flight)
 
@@ -210,13 +215,14 @@ class Simulation:
         """``src`` sends ``flight`` on to its peer ``dst``, chosen by ``via`` (``src.peers``)."""
         self.recorder.forwarded += 1
         flight.sreq.req.from_peer = True
-        flight.notify.append((via, src, 0.0))
+        flight.notify.append((via, src, 0.0, flight.reached_lb))
         hop = self.network.one_way(src.region, dst.region)
         flight.net_s += hop
+        flight.at_peer = self.loop.now + hop
         self.loop.at(self.loop.now + hop, dst.arrive, flight)
 
     def fail(self, flight: Flight, reason: str) -> None:
-        for router, _, _ in flight.notify:
+        for router, _, _, _ in flight.notify:
             router.on_finish(flight.sreq.req.id)
         self.recorder.fail(reason)
         self._done(flight)
@@ -235,9 +241,9 @@ class Simulation:
         eng = rep.engine
         # the way back: replica → each balancer on the path (last first) → client
         back, hops, here = 0.0, [], rep.region
-        for router, lb, _ in reversed(flight.notify):
+        for router, lb, _, reached in reversed(flight.notify):
             back += self.network.one_way(here, lb.region)
-            hops.append((router, lb, back))
+            hops.append((router, lb, back, reached))
             here = lb.region
         flight.notify = hops
         flight.back_s = back + self.network.one_way(here, flight.client_region)
@@ -255,18 +261,22 @@ class Simulation:
         flight.first = t + flight.back_s
         if not self._first_token_matters:
             return
-        for router, _lb, delay in flight.notify:
-            if router.policy.reads_prefill_backlog:  # nothing else reads what on_first_token changes
-                self.loop.at(t + delay, self._lb_first_token, (router, seq.rid))
+        for router, _lb, delay, reached in flight.notify:
+            policy = router.policy  # nobody else reads what on_first_token changes
+            if policy.reads_prefill_backlog or policy.listeners:
+                at = t + delay
+                self.loop.at(at, self._lb_first_token, (router, seq.rid, at - reached))
 
     @staticmethod
-    def _lb_first_token(arg: tuple[Router, str]) -> None:
-        arg[0].on_first_token(arg[1])
+    def _lb_first_token(arg: tuple[Router, str, float]) -> None:
+        arg[0].on_first_token(arg[1], arg[2])  # TTFT as that balancer measures it
 
     def _finish(self, seq: Seq, t: float) -> None:
         flight = seq.payload
-        for router, lb, delay in flight.notify:
-            self.loop.at(t + delay, self._lb_finish, (router, lb, seq.rid))
+        out = flight.sreq.output_tokens
+        for router, lb, delay, reached in flight.notify:
+            at = t + delay
+            self.loop.at(at, self._lb_finish, (router, lb, seq.rid, at - reached, out))
         done = t + flight.back_s
         queue_s = max(0.0, flight.dispatched - flight.reached_lb - flight.net_s)
         rep = self.replicas[flight.replica]
@@ -280,9 +290,9 @@ class Simulation:
             self.loop.at(done, self._done, flight)  # the client goes on when the answer reaches it
 
     @staticmethod
-    def _lb_finish(arg: tuple[Router, SimBalancer, str]) -> None:
-        router, lb, rid = arg
-        router.on_finish(rid)
+    def _lb_finish(arg: tuple[Router, SimBalancer, str, float, int]) -> None:
+        router, lb, rid, e2e_s, output_tokens = arg
+        router.on_finish(rid, e2e_s, output_tokens)
         if lb.queue:
             lb.drain()
 
@@ -343,4 +353,16 @@ class Simulation:
         result["load"] = self.recorder.load(max(0.0, self.first_issue), self.last_issue, self.issued,
                                             self.workload.closed_loop)
         result["slo"] = self.recorder.slo(self.setup.slo_ttft_s, self.setup.slo_tpot_s, self.issued)
+        state = self.policy_state()
+        if state:  # only policies with stateful plugins have any
+            result["policy_state"] = state
         return result
+
+    def policy_state(self) -> dict[str, float]:
+        """The stateful plugins' state at the end of the run, per router ("lb/plugin.key" when
+        several routers have some)."""
+        routers = [(f"{lb.id}{'/peers' if r is lb.peers else ''}", r)
+                   for lb in self.lbs for r in (lb.router, lb.peers) if r is not None and r.policy.listeners]
+        if len(routers) == 1:
+            return routers[0][1].policy_state()
+        return {f"{name}/{k}": v for name, r in routers for k, v in r.policy_state().items()}

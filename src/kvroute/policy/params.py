@@ -1,0 +1,21 @@
+"""The constants every policy accepts (its own module, so admission and the policy base can both
+import it without importing each other)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+AdmissionName = Literal["blind", "pending", "outstanding"]
+
+
+class PolicyParams(BaseModel):
+    """Constants every preset accepts; presets extend this with their own."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    admission: AdmissionName = Field(
+        "blind", description="blind: dispatch at once; pending: only to replicas with no "
+        "waiting requests (SkyWalker); outstanding: only below max_outstanding in-flight")
+    max_outstanding: int = Field(16, ge=1, description="limit for admission=outstanding")
