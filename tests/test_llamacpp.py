@@ -515,3 +515,33 @@ def test_frozen_engine_mid_prefill_is_retried_after_the_first_byte_timeout(engin
     assert result["body"].rstrip().endswith("data: [DONE]") and '"error"' not in result["body"], result
     assert result["elapsed"] < 10, result
     assert gw.wait_healthy(2) == 2
+
+
+# --- token counts (defect 9) -------------------------------------------------------------------------
+
+def test_token_estimate_converges_to_llama_servers_own_count(engines, gateway):
+    """No tokenizer.json in a GGUF deployment: the bytes/4 estimate is corrected from usage.prompt_tokens."""
+    from kvroute.gateway.server import PROXIED
+
+    gw = gateway(engines(1))
+    c = gw.client()
+    for i in range(10):
+        messages = chat(f"question {i}", system_prompt(100 + i, words=200 + 40 * i))
+        if i % 2:
+            for _ in c.chat.completions.create(model=MODEL, messages=messages, max_tokens=1, stream=True,
+                                               stream_options={"include_usage": True}):
+                pass
+        else:
+            c.chat.completions.create(model=MODEL, messages=messages, max_tokens=1)
+    scale = gw.runtime.tokens.scale
+    assert scale != 1.0
+    for i in range(3):
+        body = {"model": MODEL, "messages": chat(f"another {i}", system_prompt(200 + i, words=300)), "max_tokens": 1}
+        _, req = gw.call(_parse(gw, json.dumps(body).encode(), PROXIED["/v1/chat/completions"]))
+        engine = c.chat.completions.create(**body).usage.prompt_tokens
+        unscaled = round(req.prompt_tokens / scale)
+        assert abs(req.prompt_tokens - engine) <= 0.05 * engine < abs(unscaled - engine), (req.prompt_tokens, engine)
+
+
+async def _parse(gw: LiveGateway, raw: bytes, kind):
+    return gw.gateway.proxy.parse(raw, kind, {})

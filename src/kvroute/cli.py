@@ -320,6 +320,8 @@ def cmd_emulate(args: argparse.Namespace) -> int:
         profile = load_profile(args.profile)
     except ProfileError as exc:
         return error(str(exc))
+    if not 0.5 <= args.bytes_per_token <= 16:
+        return error(f"--bytes-per-token must be from 0.5 to 16, got {args.bytes_per_token:g}")
     faults = Faults()
     try:
         faults.update({"fail_rate": args.fail_rate, "hang": args.hang, "close_after_tokens": args.close_after_tokens,
@@ -333,7 +335,8 @@ def cmd_emulate(args: argparse.Namespace) -> int:
         import asyncio
         import signal
 
-        runner, emu, port = await start_emulator(args.host, args.port, profile, args.engine, faults, args.model)
+        runner, emu, port = await start_emulator(args.host, args.port, profile, args.engine, faults, args.model,
+                                                 args.bytes_per_token)
         err.print(f"emulated {args.engine} replica ({profile.name}) on http://{args.host}:{port}")
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -487,6 +490,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="close the connection after every stream while advertising Keep-Alive (llama-server)")
     em.add_argument("--ignore-disconnect", action="store_true", dest="ignore_disconnect",
                     help="non-stream requests run to the end after the client left (llama-server)")
+    em.add_argument("--bytes-per-token", type=float, default=4.0, dest="bytes_per_token",
+                    help="the emulated tokenizer's UTF-8 bytes per prompt token (0.5-16; kvroute estimates 4)")
     em.set_defaults(func=cmd_emulate)
 
     bg = bench.add_parser("gateway", help="gateway vs direct throughput and added latency")

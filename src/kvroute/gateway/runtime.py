@@ -20,6 +20,7 @@ from kvroute.gateway.breaker import CircuitBreaker
 from kvroute.gateway.config import GatewayConfig, ReplicaConfig
 from kvroute.gateway.metrics import GatewayMetrics
 from kvroute.gateway.probes import ProbeError, Reading, kv_capacity, parse_prometheus, read_indicators, restarted
+from kvroute.gateway.tokens import RESIZE_STEP, TokenRatio
 from kvroute.gateway.upstream import UpstreamPool
 from kvroute.model import Decision, DecisionKind, Endpoint, Request
 from kvroute.policy import DispatchPacer, Router
@@ -85,6 +86,8 @@ class Runtime:
         self.queue: deque[Waiter] = deque()
         self.pacer = self._pacer(config)
         self._wake: asyncio.TimerHandle | None = None  # a paced drain already scheduled
+        self.tokens = TokenRatio()  # engine tokens per estimated token (gateway/tokens.py)
+        self._index_scale = 1.0  # the ratio the index's capacity was last computed with
         self.prompt_tokens_routed = 0
         self.hit_tokens_routed = 0
         self.keys = config.auth.key_ring(time.monotonic())
@@ -130,6 +133,7 @@ class Runtime:
         """Remove a replica at run time; its in-flight requests finish where they are."""
         self.router.remove_endpoint(name)
         self.upstreams.pop(name).pool.close()
+        self.tokens.forget(name)
         self.drained.discard(name)
         self._replicas_changed()
         log.info("replica %s removed at run time", name)
@@ -197,6 +201,7 @@ class Runtime:
             changes.append(f"policy {self.policy_name}")
         if (new.block_tokens, new.max_prefix_blocks) != (self.config.block_tokens, self.config.max_prefix_blocks):
             self.router.reset_index(new.block_tokens, new.max_prefix_blocks)
+            self._index_scale = 1.0  # in nominal units again: the next probe round rescales it
             changes.append("prefix index (emptied: new block size or bound)")
         if new.breaker != self.config.breaker:
             bc = new.breaker
@@ -388,7 +393,19 @@ class Runtime:
         for up in ups:
             up.breaker.tick(now)
             up.endpoint.circuit_open = not up.breaker.allows
+        self._rescale_index()
         self.drain_queue()
+
+    def _rescale_index(self) -> None:
+        """A prefix block is a fixed span of bytes; when the learned token ratio has moved, its
+        worth in tokens, and so each index's capacity in blocks, follows (gateway/tokens.py)."""
+        scale = self.tokens.scale
+        if abs(scale / self._index_scale - 1) <= RESIZE_STEP:
+            return
+        self._index_scale = scale
+        self.router.index_block_tokens = self.tokens.block_tokens(self.config.block_tokens)
+        for ep in self.router.endpoints:
+            self.router.resize_index(ep.id)
 
     async def _probe(self, up: Upstream) -> None:
         pc = self.config.probe

@@ -39,6 +39,7 @@ from kvroute.gateway.config import GatewayConfig, load_config
 from kvroute.gateway.http import HTTPServer, Responder
 from kvroute.gateway.http import Request as HTTPRequest
 from kvroute.gateway.runtime import Outcome, PolicyError, QueueFull, QueueTimeout, Runtime
+from kvroute.gateway.tokens import reported_prompt_tokens
 from kvroute.gateway.tracing import Tracer
 from kvroute.gateway.upstream import (
     UpstreamConnectError,
@@ -82,6 +83,7 @@ PROXIED = {
 }
 RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
 MAX_INT32 = 2**31 - 1
+STREAM_TAIL = 4096  # bytes of a stream kept to find its [DONE] and its final usage chunk
 MAX_N = 128  # OpenAI's limit on choices per request
 
 
@@ -147,6 +149,7 @@ class Proxy:
         self.rng = random.Random()
         self.id_prefix = f"{uuid.uuid4().hex[:8]}-"  # request ids: unique per process, cheap per request
         self.ids = itertools.count(1)
+        self.estimates: dict[str, int] = {}  # request id → its unscaled token estimate, while it runs
         self.tracer = Tracer(runtime.config.tracing.enabled)
         self.reconfigure(runtime.config)
 
@@ -197,14 +200,21 @@ class Proxy:
         except RecursionError:
             raise BadInput(f"field '{field}' is nested too deeply", field) from None
         hashes, tokens = self.hasher(key)
+        block_tokens = self.hasher.block_tokens
+        estimated = 0  # the bytes/4 estimate, when that is what counted the prompt
+        if isinstance(key, str) and not self.config.tokenizer_path:
+            ratio = self.rt.tokens  # corrected online from the engines' usage (gateway/tokens.py)
+            estimated, tokens, block_tokens = tokens, ratio.tokens(tokens), ratio.block_tokens(block_tokens)
         routing_key = next((headers[h] for h in self.session_headers if h in headers), None)
         if routing_key is None and isinstance(body.get("user"), str):
             routing_key = body["user"]
         max_out = body.get("max_completion_tokens") or body.get("max_tokens") or 256
         req = Request(id=f"{self.id_prefix}{next(self.ids)}", arrival_s=time.monotonic(),
-                      routing_key=routing_key, block_hashes=hashes, block_tokens=self.hasher.block_tokens,
+                      routing_key=routing_key, block_hashes=hashes, block_tokens=block_tokens,
                       prompt_tokens=tokens, max_output_tokens=max_out,
                       region=headers.get("x-kvroute-region"), residency=headers.get("x-kvroute-residency"))
+        if estimated:
+            self.estimates[req.id] = estimated
         return body, req
 
     # -- the handler ----------------------------------------------------------------------------
@@ -249,6 +259,8 @@ class Proxy:
                 headers = [(k, v) for k, v in headers if k != "authorization"]  # the client's key is ours
             await self._route_and_forward(request, resp, kind, bool(body.get("stream")), req, headers, served, t0)
         finally:
+            if req is not None:
+                self.estimates.pop(req.id, None)
             rt.metrics.count_request(route, resp.status or 499, rt.policy_name)  # 499: the client left
             if served.get("replica") is not None and resp.started:  # proxied, even if the client left
                 rt.metrics.e2e.observe(time.monotonic() - t0)
@@ -329,6 +341,14 @@ class Proxy:
         retry_after = [("Retry-After", "1")] if failure.status in (429, 503) else []
         resp.send_error(failure.status, failure.message, "server_error", code=failure.code, headers=retry_after)
 
+    def _count_tokens(self, target: str, rid: str, body: bytes) -> None:
+        """Teach the token ratio the engine's own prompt count (``usage.prompt_tokens``)."""
+        estimated = self.estimates.get(rid)
+        if estimated:
+            reported = reported_prompt_tokens(body)
+            if reported is not None:
+                self.rt.tokens.observe(target, estimated, reported)
+
     def _resp_headers(self, upstream: UpstreamResponse, target: str) -> list[tuple[str, str]]:
         skip = HOP_HEADERS | {"x-request-id"} if self.rt.config.access_log else HOP_HEADERS  # set by us
         out = [(k, v) for k, v in upstream.headers if k.lower() not in skip]
@@ -384,6 +404,8 @@ class Proxy:
             rt.first_token(req.id, ttft)
             rt.metrics.ttft.observe(ttft)
             outcome = Outcome.OK if upstream.status < 500 else Outcome.NEUTRAL
+            if upstream.status == 200:
+                self._count_tokens(target, req.id, payload)
             resp.send(upstream.status, payload, self._resp_headers(upstream, target), content_type=None)
             return None
         finally:
@@ -405,11 +427,12 @@ class Proxy:
         try:
             while chunk is not None:
                 await resp.write(chunk)
-                tail = (tail + chunk)[-32:]
+                tail = (tail + chunk)[-STREAM_TAIL:]
                 chunk = await upstream.next_chunk()
-            if end_marker is not None and end_marker not in tail:
+            if end_marker is not None and end_marker not in tail[-32:]:
                 raise UpstreamError(f"upstream ended the stream without {end_marker.decode()}")
             outcome = Outcome.OK
+            self._count_tokens(target, req.id, tail)
         except UpstreamError as exc:
             outcome = Outcome.FAILED
             log.warning("upstream %s failed mid-stream: %s", target, exc)

@@ -34,8 +34,10 @@ class Deployment:
 
 
 async def start_emulators(n: int, profile: str = DEFAULT_PROFILE, engine: str = "vllm",
-                          host: str = "127.0.0.1") -> list[tuple[web.AppRunner, Emulator, int]]:
-    return [await start_emulator(host, 0, profile, engine, Faults()) for _ in range(n)]
+                          host: str = "127.0.0.1", bytes_per_token: float = 4.0,
+                          ) -> list[tuple[web.AppRunner, Emulator, int]]:
+    return [await start_emulator(host, 0, profile, engine, Faults(), bytes_per_token=bytes_per_token)
+            for _ in range(n)]
 
 
 async def start_deployment(replicas: int = 4, policy: str | dict = "skywalker", host: str = "127.0.0.1",

@@ -1,0 +1,75 @@
+"""Online correction of the gateway's prompt-token estimate from what engines report.
+
+Without a tokenizer the gateway counts a prompt as ``ceil(bytes / 4)`` tokens (GORGO's
+estimate). GGUF deployments ship no ``tokenizer.json``, and a real tokenizer's bytes per token
+differ from 4 (issue 12: 11 % low in front of llama.cpp). Every successful response carries the
+engine's own count in ``usage.prompt_tokens``; :class:`TokenRatio` keeps, per replica, an EWMA of
+engine tokens per estimated token, bounded, and scales the estimate by it.
+
+Choice (the prefix index's unit): a prefix block stays a fixed number of *bytes* of the prompt
+key (``block_tokens × 4``), so block hashes, and therefore the index's contents, never change
+when the ratio moves. What moves is how many tokens one block is worth: a request carries
+``block_tokens = round(nominal block tokens × ratio)``, so matched blocks convert to cached
+tokens in the engine's units, and the index's capacity (engine KV tokens ÷ tokens per block) is
+recomputed when the ratio has moved by more than :data:`RESIZE_STEP`.
+
+Choice (which replica's ratio): a prompt's estimate is made before routing, so it uses the mean
+of the replicas' ratios (replicas behind one gateway normally serve one tokenizer); a replica
+with no observation yet does not count. Each replica keeps its own ratio so that one serving
+another model does not pull the others' when it is forgotten (removed, restarted).
+"""
+
+from __future__ import annotations
+
+import re
+
+ALPHA = 0.2  # EWMA weight of a new observation: ~90 % converged after 10 responses
+LOW, HIGH = 0.25, 4.0  # engine tokens per estimated token: 1 to 16 bytes per token
+MIN_TOKENS = 8  # smaller prompts say more about the chat template than about the tokenizer
+RESIZE_STEP = 0.05  # index capacity is recomputed when the ratio moves this much (relative)
+
+_PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
+
+
+def reported_prompt_tokens(payload: bytes) -> int | None:
+    """The last ``"prompt_tokens": N`` in a response body or stream tail (``usage`` comes last
+    in OpenAI responses and in the final stream chunk), or None."""
+    found = _PROMPT_TOKENS.findall(payload)
+    return int(found[-1]) if found else None
+
+
+class TokenRatio:
+    """Per-replica EWMA of engine-reported prompt tokens per estimated token, bounded to
+    [``LOW``, ``HIGH``]."""
+
+    def __init__(self, alpha: float = ALPHA):
+        self.alpha = alpha
+        self.ratios: dict[str, float] = {}
+        self.scale = 1.0  # the mean over replicas with observations (1.0: none yet)
+
+    def observe(self, replica: str, estimated: int, reported: int) -> None:
+        """One response: the gateway estimated ``estimated`` tokens (unscaled), the engine
+        counted ``reported``."""
+        if estimated < MIN_TOKENS or reported <= 0:
+            return
+        sample = min(HIGH, max(LOW, reported / estimated))
+        old = self.ratios.get(replica)
+        self.ratios[replica] = sample if old is None else old + self.alpha * (sample - old)
+        self._update()
+
+    def forget(self, replica: str) -> None:
+        """The replica was removed: its ratio no longer counts."""
+        if self.ratios.pop(replica, None) is not None:
+            self._update()
+
+    def _update(self) -> None:
+        r = self.ratios
+        self.scale = sum(r.values()) / len(r) if r else 1.0
+
+    def tokens(self, estimated: int) -> int:
+        """An estimate in the engines' units."""
+        return max(1, round(estimated * self.scale)) if estimated else 0
+
+    def block_tokens(self, nominal: int) -> int:
+        """How many engine tokens one prefix block (``nominal × 4`` bytes) holds."""
+        return max(1, round(nominal * self.scale))

@@ -1,0 +1,80 @@
+"""Defect 9 of issue 12: the gateway's bytes/4 token estimate is corrected online from the
+engines' own ``usage.prompt_tokens`` (gateway/tokens.py), in front of emulated engines whose
+tokenizer counts 3 bytes per token."""
+
+import asyncio
+import json
+
+import openai
+
+from kvroute.emulator.server import Faults, start_emulator
+from kvroute.gateway.config import GatewayConfig, ReplicaConfig
+from kvroute.gateway.server import PROXIED, Gateway
+from kvroute.gateway.tokens import HIGH, TokenRatio, reported_prompt_tokens
+
+BYTES_PER_TOKEN = 3.0  # the emulated tokenizer; kvroute's estimate assumes 4
+
+
+def _messages(i: int) -> list[dict]:
+    return [{"role": "system", "content": f"conversation {i}: " + "a shared system prompt. " * 60},
+            {"role": "user", "content": f"question {i} " * (10 + i)}]
+
+
+async def _run() -> tuple[float, list[tuple[int, int]], int]:
+    emus = [await start_emulator("127.0.0.1", 0, "h100-llama3.2-3b", "llamacpp", Faults(close_after_stream=True),
+                                 bytes_per_token=BYTES_PER_TOKEN) for _ in range(2)]
+    gw = Gateway(GatewayConfig(host="127.0.0.1", port=0, policy="sglang_cache_aware", replicas=[
+        ReplicaConfig(url=f"http://127.0.0.1:{p}", id=f"e{i}", engine="llamacpp") for i, (_, _, p) in enumerate(emus)]))
+    await gw.start()
+    try:
+        client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{gw.port}/v1", api_key="x", max_retries=0)
+        for i in range(12):  # half streamed (usage in the last chunk), half not
+            if i % 2:
+                async for _ in await client.chat.completions.create(model="m", messages=_messages(i),
+                                                                    max_tokens=2, stream=True):
+                    pass
+            else:
+                await client.chat.completions.create(model="m", messages=_messages(i), max_tokens=2)
+        pairs = []  # (the gateway's estimate, the engine's count) for prompts it has not seen
+        for i in range(100, 104):
+            body = {"model": "m", "messages": _messages(i), "max_tokens": 1}
+            _, req = gw.proxy.parse(json.dumps(body).encode(), PROXIED["/v1/chat/completions"], {})
+            r = await client.chat.completions.create(**body)
+            pairs.append((req.prompt_tokens, r.usage.prompt_tokens))
+        await gw.runtime.probe_all()  # the index's block worth follows the ratio on a probe round
+        return gw.runtime.tokens.scale, pairs, gw.runtime.router.index_block_tokens
+    finally:
+        await gw.stop()
+        for runner, _, _ in emus:
+            await runner.cleanup()
+
+
+def test_estimate_converges_to_the_engines_count():
+    scale, pairs, block_tokens = asyncio.run(asyncio.wait_for(_run(), 30))
+    assert abs(scale - 4 / BYTES_PER_TOKEN) < 0.03
+    for estimate, engine in pairs:  # bytes/4 alone would be 25 % low
+        assert abs(estimate - engine) <= 0.02 * engine, pairs
+    assert block_tokens == round(64 * 4 / BYTES_PER_TOKEN)  # a 256-byte block now holds 85 tokens
+
+
+def test_ratio_is_an_ewma_per_replica_bounded_and_forgotten():
+    r = TokenRatio(alpha=0.5)
+    r.observe("a", 100, 120)
+    assert r.scale == 1.2 and r.tokens(100) == 120
+    r.observe("a", 100, 100)
+    assert r.ratios["a"] == 1.1
+    r.observe("b", 100, 10_000)  # a broken count is clamped, not believed
+    assert r.ratios["b"] == HIGH
+    r.observe("c", 3, 300)  # too short to say anything
+    assert "c" not in r.ratios
+    r.forget("b")
+    assert r.scale == 1.1 and r.block_tokens(64) == 70
+    assert r.tokens(0) == 0
+
+
+def test_reported_prompt_tokens_reads_the_last_usage():
+    tail = (b'data: {"choices":[{"delta":{"content":"x"}}]}\n\n'
+            b'data: {"choices":[],"usage":{"prompt_tokens": 1234,"completion_tokens":2}}\n\ndata: [DONE]\n\n')
+    assert reported_prompt_tokens(tail) == 1234
+    assert reported_prompt_tokens(b'{"usage": {"prompt_tokens":7, "total_tokens": 9}}') == 7
+    assert reported_prompt_tokens(b"data: [DONE]\n\n") is None
