@@ -1,0 +1,234 @@
+"""Length-aware stage partition, CascadeInfer §4.2: the exact DP and the two-phase heuristic.
+
+A plan splits E instances into consecutive stages; stage s serves sequence lengths [lo_s, hi_s)
+with k_s instances. Its quality is Σ_s k_s·Q^{n_s/k_s} + Σ_cuts c_cut (lower is better), where
+
+* n_s is what stage s batches: every profiled request whose life [I, I + O) overlaps the range,
+  as the fragment it spends there — input length I where it starts in this stage (its prefill
+  runs here) and 0 otherwise (it arrives by migration, no prefill), and sequence length the
+  fragment's midpoint (the mean context while it decodes there). *Choice*: the paper says only
+  "requests whose sequence lengths lie in [l', l]".
+* n_s/k divides the set among k instances as the paper's footnote does: sort by length, start at
+  the (k/2)-th element and take every k-th; Q^{…} is the batch QoE of Eq. (1).
+* c_cut is the delay of moving every sequence that straddles the cut: its KV at the cut
+  (cut·bytes per token ÷ bandwidth), divided by the request's output tokens so that it is in the
+  unit of the QoE (normalized latency). *Choice*: the paper gives "volume of transferred tokens
+  and system bandwidth", not the unit.
+
+Lengths are bucketed into exponentially growing tiers (cut candidates at min_cut·2^i), which makes
+the candidate cuts O(log L). ``exact`` solves the recursion
+f[s,e,l] = min_{e',l'} f[s−1,e',l'] + (e−e')·Q^{n_{l',l}/(e−e')} + c_{l'}; since the best plan
+is the minimum over every stage count s, the stage count is carried as the plan's length rather
+than as a table dimension (the same minimum, E times fewer cells). ``heuristic`` is the paper's
+fast path: a DP that gives every stage exactly one instance, then greedy merges of adjacent
+stages by largest positive gain.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvroute.cascade.qoe import QoEModel
+
+
+@dataclass(frozen=True)
+class Stage:
+    """``instances`` instances serving sequence lengths [lo, hi)."""
+
+    instances: int
+    lo: int
+    hi: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Stages in length order and the plan's predicted quality (lower is better)."""
+
+    stages: tuple[Stage, ...]
+    cost: float
+
+    @property
+    def sizes(self) -> list[int]:
+        """Instances per stage."""
+        return [s.instances for s in self.stages]
+
+    @property
+    def bounds(self) -> list[int]:
+        """Upper length bound of every stage but the last."""
+        return [s.hi for s in self.stages[:-1]]
+
+
+def cut_points(max_len: int, min_cut: int = 1) -> list[int]:
+    """0, then min_cut·2^i up to the first power that covers ``max_len``: the exponential tiers
+    ([1, 2), [2, 4), … as §4.2 writes them)."""
+    cuts, c = [0], min_cut
+    while True:
+        cuts.append(c)
+        if c >= max_len:
+            return cuts
+        c *= 2
+
+
+class StageCosts:
+    """Stage and cut costs over a set of profiled requests, computed once per (range, k)."""
+
+    def __init__(self, model: QoEModel, requests: Sequence[tuple[int, int]], cuts: Sequence[int],
+                 transfer_s_per_token: float):
+        """``requests``: (input tokens, output tokens) pairs; ``cuts``: candidate cut lengths."""
+        self.model = model
+        self.requests = [(i, max(1, o)) for i, o in requests]
+        self.cuts = list(cuts)
+        self.transfer_s_per_token = transfer_s_per_token
+        self._ranges: dict[tuple[int, int], tuple[list[float], list[float], list[float]]] = {}
+        self._q: dict[tuple[int, int, int], float] = {}
+        self._cut: dict[int, float] = {}
+
+    def _fragments(self, a: int, b: int) -> tuple[list[float], list[float], list[float]]:
+        key = (a, b)
+        got = self._ranges.get(key)
+        if got is None:
+            lo, hi = self.cuts[a], self.cuts[b]
+            frags = []
+            for i, o in self.requests:
+                end = i + o
+                if i < hi and end > lo:
+                    start = i if i >= lo else lo
+                    stop = end if end < hi else hi
+                    frags.append(((start + stop) / 2, i if i >= lo else 0))
+            frags.sort()
+            got = ([f[1] for f in frags], [f[1] * f[1] for f in frags], [f[0] for f in frags])
+            self._ranges[key] = got
+        return got
+
+    def stage(self, a: int, b: int, k: int) -> float:
+        """k·Q^{n/k} of a stage over cuts[a]..cuts[b] with k instances."""
+        key = (a, b, k)
+        q = self._q.get(key)
+        if q is None:
+            ins, ins2, lens = self._fragments(a, b)
+            start = k // 2 if k // 2 < len(lens) else 0
+            sub = lens[start::k]
+            f = (1.0, float(len(sub)), float(sum(ins[start::k])), float(sum(ins2[start::k])), float(sum(sub)))
+            q = self._q[key] = k * self.model.batch(f)
+        return q
+
+    def cut(self, j: int) -> float:
+        """c at cuts[j]: moving the KV of every request straddling it, per output token."""
+        if j == 0:
+            return 0.0
+        c = self._cut.get(j)
+        if c is None:
+            at = self.cuts[j]
+            per = at * self.transfer_s_per_token
+            c = self._cut[j] = sum(per / o for i, o in self.requests if i < at < i + o)
+        return c
+
+
+def _plan(costs: StageCosts, pieces: list[tuple[int, int, int]]) -> Plan:
+    """A plan from (k, a, b) triples in length order, with its cost."""
+    cuts = costs.cuts
+    cost = sum(costs.stage(a, b, k) + costs.cut(a) for k, a, b in pieces)
+    return Plan(tuple(Stage(k, cuts[a], cuts[b]) for k, a, b in pieces), cost)
+
+
+def exact(costs: StageCosts, instances: int) -> Plan:
+    """The optimal plan over every stage count, instance split and cut (the §4.2 recursion)."""
+    m = len(costs.cuts) - 1
+    inf = float("inf")
+    f = [[inf] * (m + 1) for _ in range(instances + 1)]
+    back: list[list[tuple[int, int] | None]] = [[None] * (m + 1) for _ in range(instances + 1)]
+    f[0][0] = 0.0
+    for e in range(1, instances + 1):
+        for j in range(1, m + 1):
+            best, arg = inf, None
+            for e0 in range(e):
+                row = f[e0]
+                for j0 in range(j):
+                    base = row[j0]
+                    if base == inf:
+                        continue
+                    v = base + costs.stage(j0, j, e - e0) + costs.cut(j0)
+                    if v < best:
+                        best, arg = v, (e0, j0)
+            f[e][j], back[e][j] = best, arg
+    pieces = []
+    e, j = instances, m
+    while e:
+        prev = back[e][j]
+        assert prev is not None
+        pieces.append((e - prev[0], prev[1], j))
+        e, j = prev
+    return _plan(costs, pieces[::-1])
+
+
+def heuristic(costs: StageCosts, instances: int) -> Plan:
+    """Two phases (§4.2): one instance per stage, then greedy merges of adjacent stages.
+
+    Phase 1 is the DP restricted to single-instance stages, with as many stages as there are
+    instances (or tiers, when there are fewer tiers; *choice*: the leftover instances then join,
+    one by one, the stage where an extra instance lowers the cost most). Phase 2 merges the
+    adjacent pair with the largest positive gain (their costs plus the cut between them, minus
+    the merged stage's cost) until no merge gains; with E ≤ a few dozen a scan per merge is as
+    fast as a heap.
+    """
+    stages_n = min(instances, len(costs.cuts) - 1)
+    pieces = _one_per_stage(costs, stages_n)
+    for _ in range(instances - stages_n):
+        gains = [costs.stage(a, b, k) - costs.stage(a, b, k + 1) for k, a, b in pieces]
+        i = gains.index(max(gains))
+        k, a, b = pieces[i]
+        pieces[i] = (k + 1, a, b)
+    while len(pieces) > 1:
+        best, at = 0.0, -1
+        for i in range(len(pieces) - 1):
+            (k1, a1, b1), (k2, a2, b2) = pieces[i], pieces[i + 1]
+            gain = (costs.stage(a1, b1, k1) + costs.stage(a2, b2, k2) + costs.cut(a2)
+                    - costs.stage(a1, b2, k1 + k2))
+            if gain > best:
+                best, at = gain, i
+        if at < 0:
+            break
+        (k1, a1, _), (k2, _, b2) = pieces[at], pieces[at + 1]
+        pieces[at:at + 2] = [(k1 + k2, a1, b2)]
+    return _plan(costs, pieces)
+
+
+def _one_per_stage(costs: StageCosts, stages: int) -> list[tuple[int, int, int]]:
+    """The single-instance DP: ``stages`` stages of one instance each, best cuts."""
+    m = len(costs.cuts) - 1
+    inf = float("inf")
+    g = [[inf] * (m + 1) for _ in range(stages + 1)]
+    back = [[0] * (m + 1) for _ in range(stages + 1)]
+    g[0][0] = 0.0
+    for s in range(1, stages + 1):
+        prev, row, brow = g[s - 1], g[s], back[s]
+        for j in range(s, m + 1):
+            for j0 in range(s - 1, j):
+                v = prev[j0] + costs.stage(j0, j, 1) + costs.cut(j0)
+                if v < row[j]:
+                    row[j], brow[j] = v, j0
+    pieces, j = [], m
+    for s in range(stages, 0, -1):
+        pieces.append((1, back[s][j], j))
+        j = back[s][j]
+    return pieces[::-1]
+
+
+def chain(costs: StageCosts, instances: int) -> Plan:
+    """The chain layout (§6.5): one instance per stage, cuts placed by the single-instance DP."""
+    if instances > len(costs.cuts) - 1:
+        raise ValueError(f"a chain of {instances} stages needs at least {instances} length tiers, "
+                         f"have {len(costs.cuts) - 1}")
+    return _plan(costs, _one_per_stage(costs, instances))
+
+
+def single_stage(costs: StageCosts, instances: int) -> Plan:
+    """The no-pipeline layout (§6.5): every instance in one stage covering every length."""
+    return _plan(costs, [(instances, 0, len(costs.cuts) - 1)])
+
+
+def stage_of(bounds: Sequence[int], length: int) -> int:
+    """Index of the earliest stage whose range covers ``length`` (stage s serves < bounds[s])."""
+    return bisect.bisect_right(bounds, length)
