@@ -15,6 +15,12 @@
 
 Memory is counted in tokens (blocks × block size), not rounded per sequence: a simplification
 worth at most block_size − 1 tokens per running sequence.
+
+Migration (CascadeInfer's length stages, Llumnix-like rebalancing; driven by ``sim/migration.py``)
+adds three things, all idle unless used: a context ``limit`` (a decode jump stops at the step
+where a sequence passes it, and ``on_limit`` hears of it), ``depart`` (a decoding sequence leaves
+at the next step boundary, releasing its KV) and ``adopt`` (a migrated sequence joins the decode
+batch at the next step boundary with its KV already present, no prefill).
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ class Seq:
 
     __slots__ = ("rid", "payload", "prompt", "output", "hashes", "bt", "state", "cached",
                  "prefill_left", "private", "refs", "a", "finish_at", "order", "first_token_done",
-                 "generated")
+                 "generated", "moving")
 
     def __init__(self, rid: str, prompt: int, output: int, hashes: tuple[int, ...], bt: int,
                  payload: Any = None):
@@ -59,7 +65,8 @@ class Seq:
         self.finish_at = 0
         self.order = 0
         self.first_token_done = False
-        self.generated = 0  # tokens generated before a preemption
+        self.generated = 0  # tokens generated before a preemption (or a migration)
+        self.moving = False  # past its engine's context limit, or chosen to migrate
 
 
 class Engine:
@@ -106,6 +113,12 @@ class Engine:
         self.hit_tokens = 0
         self.preemptions = 0
         self.busy_s = 0.0
+        # migration (sim/migration.py); None / empty when unused, so they cost one test per step
+        self.limit: int | None = None  # largest context this engine's stage serves
+        self.on_limit: Callable[[Engine, list[Seq]], None] | None = None
+        self.leaving: list[tuple[Seq, Callable[[Seq, int], None]]] = []
+        self.incoming: list[tuple[Seq, int]] = []
+        self.reserved = 0  # KV tokens held for migrations on their way in
 
     # -- indicators (what a probe reads) -------------------------------------------------------
     @property
@@ -206,6 +219,8 @@ class Engine:
     def _plan(self) -> None:
         """At a step boundary: admit, then schedule the next step or decode jump."""
         decoding = self.decoding
+        if self.incoming:
+            self._adopt_incoming()
         # vLLM v1 admits nothing in a step that had to preempt (unless the engine went idle)
         if self.waiting and (not self._preempted or not (self.prefilling or decoding)):
             self._admit()
@@ -221,14 +236,16 @@ class Engine:
         T = self.steps
         h = 1.0
         ctx_sum = 0
+        ctx_sq = 0
         if n_dec:
             if self.capacity - self.used < n_dec and not self._decode_room(n_dec):
                 return self._plan()  # a preemption changed the batch
             ctx_a = self.ctx_a
             ctx_sum = ctx_a + n_dec * T
-            if n_dec > 1 and h_cv:  # batch heterogeneity (see profile.py)
+            ctx_sq = self.ctx_a2 + 2 * T * ctx_a + n_dec * T * T
+            if n_dec > 1 and h_cv and not prefilling:  # batch heterogeneity (see profile.py)
                 mean = ctx_sum / n_dec
-                var = (self.ctx_a2 + 2 * T * ctx_a + n_dec * T * T) / n_dec - mean * mean
+                var = ctx_sq / n_dec - mean * mean
                 if var > 0:
                     h = 1.0 + h_cv * math.sqrt(var) / mean
                     if h > h_max:
@@ -237,6 +254,7 @@ class Engine:
         if prefilling:
             budget = max_tokens - n_dec
             chunks, tokens, attn = [], 0, 0.0
+            n_all, len_sum, len_sq = n_dec, ctx_sum, ctx_sq
             for seq in prefilling:
                 if budget <= 0:
                     break
@@ -246,10 +264,21 @@ class Engine:
                 tokens += c
                 attn += c * (seq.prompt - left + c / 2)
                 budget -= c
+                end = seq.prompt - left + c  # the chunk attends over this many keys
+                n_all += 1
+                len_sum += end
+                len_sq += end * end
+            if n_all > 1 and h_cv:  # one varlen attention pass over decodes and chunks
+                mean = len_sum / n_all
+                var = len_sq / n_all - mean * mean
+                if var > 0:
+                    h = 1.0 + h_cv * math.sqrt(var) / mean
+                    if h > h_max:
+                        h = h_max
             self._chunks = chunks
             self._jump = None
             dt = (c0 + c_prefill * tokens + c_decode * n_dec
-                  + c_attn * h * ctx_sum + c_prefill_attn * attn)
+                  + h * (c_attn * ctx_sum + c_prefill_attn * attn))
             if n_dec:
                 dt += c_attn_fixed
             self.busy_s += dt
@@ -263,6 +292,10 @@ class Engine:
             if k_mem < 1:
                 k_mem = 1
         K = k_finish if k_finish < k_mem else k_mem
+        if self.limit is not None:  # stop at the step where a sequence passes the stage's limit
+            top = max((q.a for q in decoding.values() if not q.moving), default=None)
+            if top is not None and self.limit - (top + T) + 1 < K:
+                K = self.limit - (top + T) + 1
         if K < 1:
             K = 1
         if self.max_jump_steps is not None and K > self.max_jump_steps:
@@ -341,12 +374,93 @@ class Engine:
         if finishes and finishes[0][0] <= steps:
             pop = heapq.heappop
             while finishes and finishes[0][0] <= steps:
-                at, _, seq = pop(finishes)
-                if seq.state == DECODE and seq.finish_at == at:
+                at, order, seq = pop(finishes)
+                if seq.state == DECODE and seq.finish_at == at and self.decoding.get(order) is seq:
                     self._finish(seq, now)
         if advanced and on_step is not None:
             on_step(advanced)
+        if self.leaving:
+            self._depart_leaving()
+        if self.limit is not None and self.on_limit is not None and self.decoding:
+            limit = self.limit
+            over = [q for q in self.decoding.values() if not q.moving and q.a + steps > limit]
+            if over:
+                for q in over:
+                    q.moving = True
+                self.on_limit(self, over)
         self._plan()
+
+    # -- migration ------------------------------------------------------------------------------
+    def context(self, seq: Seq) -> int:
+        """A decoding sequence's KV tokens now (mid-jump included); 0 when it does not decode here."""
+        if seq.state != DECODE or self.decoding.get(seq.order) is not seq:
+            return 0
+        jump = self._jump
+        done = self._steps_done(jump, self.loop.now - jump[0]) if jump is not None else 0
+        return seq.a + self.steps + done
+
+    def free_tokens(self) -> int:
+        """KV tokens a migration could take now: free plus evictable cache."""
+        return self.capacity - self.used + len(self.evictable) * self.cache_bt
+
+    def reserve(self, tokens: int) -> None:
+        """Hold ``tokens`` of KV for a migration on its way in (negative: release them)."""
+        self.reserved += tokens
+        self.used += tokens
+
+    def depart(self, seq: Seq, then: Callable[[Seq, int], None]) -> None:
+        """Let a decoding sequence leave at the next step boundary; ``then(seq, context)`` runs
+        once its KV is released (not at all if it finished or was preempted first)."""
+        self.leaving.append((seq, then))
+        if not self._busy:
+            self._depart_leaving()
+        elif self._jump is not None:
+            self._interrupt(self._jump)
+
+    def _depart_leaving(self) -> None:
+        leaving, self.leaving = self.leaving, []
+        for seq, then in leaving:
+            if seq.state != DECODE or self.decoding.get(seq.order) is not seq:
+                continue
+            self.changes += 1
+            ctx = seq.a + self.steps
+            produced = seq.generated + ctx - seq.prompt + 1  # tokens generated so far
+            self._release(seq)
+            seq.generated = produced - 1  # at the target the carried KV counts as its prompt
+            seq.prompt = ctx
+            seq.moving = False
+            then(seq, ctx)
+
+    def adopt(self, seq: Seq, ctx: int) -> None:
+        """Take over a migrated sequence whose ``ctx`` tokens of KV arrived; it decodes from the
+        next step boundary."""
+        self.incoming.append((seq, ctx))
+        self.changes += 1
+        if not self._busy:
+            self._plan()
+        elif self._jump is not None:
+            self._interrupt(self._jump)
+
+    def _adopt_incoming(self) -> None:
+        incoming, self.incoming = self.incoming, []
+        now = self.loop.now
+        for seq, ctx in incoming:
+            self._order += 1
+            seq.order = self._order
+            seq.state = DECODE
+            seq.refs = 0
+            seq.private = ctx
+            self.used += ctx
+            seq.a = ctx - self.steps
+            self.ctx_a += seq.a
+            self.ctx_a2 += seq.a * seq.a
+            self.decoding[seq.order] = seq
+            remaining = seq.output - seq.generated - 1
+            if remaining <= 0:
+                self._finish(seq, now)
+            else:
+                seq.finish_at = self.steps + remaining
+                heapq.heappush(self.finishes, (seq.finish_at, seq.order, seq))
 
     def _prefill_done(self, seq: Seq, now: float) -> None:
         bt = seq.bt

@@ -2,8 +2,8 @@
 
 One engine step runs P prefill tokens (chunked) and D decode sequences. Its time is
 
-    T = c0 + c_prefill·P + c_decode·D + [D > 0]·c_attn_fixed + c_attn·H·Σctx_decode
-           + c_prefill_attn·Σ_chunks p·(ctx_before + p/2)
+    T = c0 + c_prefill·P + c_decode·D + [D > 0]·c_attn_fixed
+           + H·(c_attn·Σctx_decode + c_prefill_attn·Σ_chunks p·(ctx_before + p/2))
 
 * c0: fixed per-step cost (weights read, launch, scheduling);
 * c_attn_fixed: the decode attention kernels' fixed cost per step (launches, split-KV
@@ -15,8 +15,12 @@ One engine step runs P prefill tokens (chunked) and D decode sequences. Its time
   chunk and linear in the context before it;
 * H ≥ 1: batch heterogeneity. Attention over a batch of mixed lengths is slower than over a
   uniform batch with the same total tokens (CascadeInfer §2.2: 1.1–2.1×). We use
-  H = min(h_max, 1 + h_cv · CV) where CV is the coefficient of variation of the decode batch's
-  context lengths; with the defaults (h_cv 0.8, h_max 2.1) CV 0.125 → 1.1× and CV ≥ 1.375 → 2.1×.
+  H = min(h_max, 1 + h_cv · CV) where CV is the coefficient of variation of the lengths the
+  step's attention runs over: every decode's context and, in a mixed step, every prefill chunk's
+  end (ctx_before + p; chunked prefill and decodes share one varlen attention pass, so a long
+  chunk beside short decodes is the same imbalance). The paper measured the decode pass; that the
+  factor carries to mixed steps is kvroute's assumption. With the defaults (h_cv 0.8, h_max 2.1)
+  CV 0.125 → 1.1× and CV ≥ 1.375 → 2.1×.
 
 ``ttft_overhead_s`` is a per-request latency outside the engine's step loop (HTTP, tokenizing,
 scheduling); it adds to the first token's time without occupying the engine.
@@ -79,7 +83,7 @@ class HardwareProfile(BaseModel):
         """Seconds for one step; ``prefill_attn`` = Σ chunk·(ctx_before + chunk/2)."""
         return (self.c0_s + self.c_prefill_s * prefill_tokens + self.c_decode_s * decode
                 + (self.c_attn_fixed_s if decode else 0.0)
-                + self.c_attn_s * h * decode_ctx + self.c_prefill_attn_s * prefill_attn)
+                + h * (self.c_attn_s * decode_ctx + self.c_prefill_attn_s * prefill_attn))
 
     def prefill_time(self, tokens: int) -> float:
         """One prompt prefilled alone in a single step (no decodes in the batch)."""
