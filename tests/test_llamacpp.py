@@ -545,3 +545,23 @@ def test_token_estimate_converges_to_llama_servers_own_count(engines, gateway):
 
 async def _parse(gw: LiveGateway, raw: bytes, kind):
     return gw.gateway.proxy.parse(raw, kind, {})
+
+
+# --- kvroute calibrate against real engines ----------------------------------------------------------
+
+def test_calibrate_fits_real_llama_servers_loaded_together(engines, tmp_path):
+    from kvroute.calibrate import Sweep, fit_profile, measure, write_profile
+    from kvroute.sim.profile import load_profile
+
+    eng = engines(2)
+    sweep = Sweep(prefill_lengths=(128, 512, 1024), batch_sizes=(1, 2), contexts=(128, 512), decode_tokens=12,
+                  repeats=1, timeout_s=CLIENT_TIMEOUT)
+    m = asyncio.run(asyncio.wait_for(measure([e.url for e in eng], sweep=sweep), 60))
+    assert {f.slots for f in m.engines} == {4} and all(f.kv_tokens == 16384 for f in m.engines)  # from /props
+    profile, report = fit_profile(m, "llama-tiny", "this machine", sweep=sweep)
+    assert profile.max_running == 4 and profile.c_prefill_s > 0 and profile.c0_s > 0
+    assert profile.prefill_time(1024) > profile.prefill_time(128)
+    # a noisy shared machine: the model still describes what it measured
+    assert report["rms_error"] < 0.25, report["points"]
+    write_profile(tmp_path / "llama.yaml", profile, report)
+    assert load_profile(str(tmp_path / "llama.yaml")).points == report["points"]

@@ -348,6 +348,78 @@ def cmd_emulate(args: argparse.Namespace) -> int:
     return _listen(main(), f"{args.host}:{args.port}")
 
 
+def _int_list(text: str) -> tuple[int, ...]:
+    """argparse type: comma-separated positive integers, e.g. 128,512,2048."""
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: every value must be a positive integer")
+    return values
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from kvroute.calibrate import CalibrationError, Sweep, fit_profile, measure, write_profile
+
+    why = _unwritable(args.out, False)
+    if why:
+        return error(f"--out {args.out}: cannot write there: {why}")
+    sweep = Sweep(args.prefill_lengths, args.batch_sizes, args.contexts, args.decode_tokens, args.repeats,
+                  args.timeout)
+    import asyncio
+
+    try:
+        m = asyncio.run(measure(args.url, args.model, sweep, log=lambda line: err.print(line)))
+        hardware = args.hardware or f"measured: {len(args.url)} engine(s) loaded together"
+        profile, report = fit_profile(m, args.name, hardware, args.max_batched_tokens, kv_tokens=args.kv_tokens,
+                                      max_running=args.max_running, sweep=sweep)
+    except (CalibrationError, ValueError) as exc:
+        return error(str(exc))
+    write_profile(args.out, profile, report)
+    table = Table(title=f"{args.out}: RMS error {report['rms_error']:.1%}, max {report['max_error']:.1%}")
+    for col in ("point", "measured", "fit", "error"):
+        table.add_column(col, justify="right")
+    for pt in report["points"]:
+        what = f"prefill {pt['prefill']}" if "prefill" in pt else f"decode x{pt['decode']} @ {pt['ctx']}"
+        measured = pt.get("ttft_s", pt.get("expect_s"))
+        table.add_row(what, f"{measured * 1000:.2f} ms", f"{pt['fit_s'] * 1000:.2f} ms", f"{pt['error']:+.1%}")
+    console.print(table)
+    fields = ("c0_s", "c_prefill_s", "c_decode_s", "c_attn_s", "c_prefill_attn_s", "ttft_overhead_s")
+    console.print(", ".join(f"{f} {getattr(profile, f):.3g}" for f in fields))
+    return 0
+
+
+def cmd_controller(args: argparse.Namespace) -> int:
+    from kvroute import yamlconf
+    from kvroute.controller import load_deployment, start_controller
+    from kvroute.gateway.server import configure_logging
+
+    configure_logging(args.log_level)
+    try:
+        dep = load_deployment(args.config)
+    except yamlconf.ConfigFileError as exc:
+        return error(str(exc))
+    dep = dep.model_copy(update={k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None})
+
+    async def main() -> None:
+        import asyncio
+        import signal
+
+        ctl, runner, port = await start_controller(dep)
+        err.print(f"kvroute controller on http://{dep.host}:{port} ({len(dep.gateways)} gateways, "
+                  f"{len(dep.replicas)} replicas)")
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        await runner.cleanup()
+        await ctl.stop()
+
+    return _listen(main(), f"{dep.host}:{dep.port}")
+
+
 def cmd_reproduce(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -522,6 +594,29 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--md", metavar="FILE", help="write the table as Markdown")
     rp.set_defaults(func=cmd_reproduce)
 
+    ca = sub.add_parser("calibrate", help="measure live engines together and fit a hardware profile for simulate")
+    ca.add_argument("--url", action="append", required=True, help="an engine's base URL (repeat for each)")
+    ca.add_argument("--out", required=True, help="the profile YAML to write (use it as --profile PATH)")
+    ca.add_argument("--model", help="model name in requests (default: the first engine's first /v1/models id)")
+    ca.add_argument("--name", default="calibrated", help="the profile's name")
+    ca.add_argument("--hardware", help="what the engines run on, for the profile's record")
+    ca.add_argument("--prefill-lengths", type=_int_list, default=(128, 512, 1024, 2048), dest="prefill_lengths",
+                    metavar="N,N,...", help="prompt lengths in tokens (default 128,512,1024,2048)")
+    ca.add_argument("--batch-sizes", type=_int_list, default=(1, 2, 4), dest="batch_sizes", metavar="N,N,...",
+                    help="decode batch sizes per engine (default 1,2,4)")
+    ca.add_argument("--contexts", type=_int_list, default=(128, 1024), metavar="N,N,...",
+                    help="decode context lengths in tokens (default 128,1024)")
+    ca.add_argument("--decode-tokens", type=int, default=24, dest="decode_tokens",
+                    help="tokens generated per decode measurement (default 24)")
+    ca.add_argument("--repeats", type=int, default=2, help="repeats of each prefill length (default 2)")
+    ca.add_argument("--max-batched-tokens", type=int, default=8192, dest="max_batched_tokens",
+                    help="the engines' per-step token budget, for the profile (default 8192)")
+    ca.add_argument("--kv-tokens", type=int, dest="kv_tokens", help="KV capacity per engine (default: from the engine)")
+    ca.add_argument("--max-running", type=int, dest="max_running",
+                    help="concurrent sequences per engine (default: llama-server's slots, else 256)")
+    ca.add_argument("--timeout", type=float, default=120.0, help="seconds allowed for any one request")
+    ca.set_defaults(func=cmd_calibrate)
+
     cr = sub.add_parser("config-reference",
                         help="every gateway and scenario config key as Markdown tables (type, default, meaning)")
     cr.add_argument("--write", nargs="?", const="", metavar="FILE",
@@ -529,6 +624,18 @@ def build_parser() -> argparse.ArgumentParser:
     cr.add_argument("--check", nargs="?", const="", metavar="FILE",
                     help="exit 1 when FILE's generated section differs from the models")
     cr.set_defaults(func=cmd_config_reference)
+
+    ct = sub.add_parser("controller", help="probe gateways and replicas, fail over gateways, answer /resolve")
+    ct.add_argument("--config", required=True, help="deployment YAML (regions, gateways, replicas)")
+    ct.add_argument("--host")
+    ct.add_argument("--port", type=_port)
+    ct.add_argument("--log-level", default="INFO", dest="log_level", type=str.upper,
+                    choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    ct.set_defaults(func=cmd_controller)
+
+    from kvroute.live.command import add_parser as add_live
+
+    add_live(sub)
 
     demo = sub.add_parser("demo", help="the main job: walk-through, benchmark, simulation, gateway")
     demo.add_argument("--out", default="out", help="folder for JSON results and plots")

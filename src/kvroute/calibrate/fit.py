@@ -1,0 +1,120 @@
+"""Fit the simulator's step-time model (:mod:`kvroute.sim.profile`) to measured points, and write
+the profile with the fit's error at every point.
+
+Decode steps fit ``T = c0 + c_decode·B + c_attn·B·ctx`` (a uniform batch: heterogeneity 1), so
+``c0`` is the step's fixed cost. A prefill of ``L`` tokens alone is one step plus what lies
+outside the step loop: ``TTFT = ttft_overhead + c0 + c_prefill·L + c_prefill_attn·L²/2``; with
+``c0`` from the decode fit, the prefill fit gives the overhead (HTTP, tokenizing, scheduling) and
+the two prefill costs. ``c_attn_fixed`` is folded into ``c0``: both are paid once per decoding
+step, and a sweep of decode steps cannot tell them apart.
+
+Both fits are least squares on relative error (every point counts the same whatever its size),
+with coefficients kept ≥ 0 (a term whose best value is negative is dropped and the rest refitted:
+the model's terms are physical costs, and a negative one would only fit noise).
+"""
+
+from __future__ import annotations
+
+import datetime
+import statistics
+from collections import defaultdict
+from pathlib import Path
+
+import yaml
+
+from kvroute.calibrate.measure import Measurements, Sweep
+from kvroute.sim.profile import HardwareProfile
+
+
+def nonneg_lstsq(rows: list[list[float]], y: list[float]) -> list[float]:
+    """Least squares on relative error with non-negative coefficients (small active set)."""
+    import numpy as np
+
+    a = np.array(rows, dtype=float) / np.array(y, dtype=float)[:, None]
+    b = np.ones(len(y))
+    active = list(range(a.shape[1]))
+    while active:
+        x, *_ = np.linalg.lstsq(a[:, active], b, rcond=None)
+        if (x >= 0).all():
+            out = [0.0] * a.shape[1]
+            for i, v in zip(active, x, strict=True):
+                out[i] = float(v)
+            return out
+        active.pop(int(np.argmin(x)))
+    return [0.0] * a.shape[1]
+
+
+def _medians(points: dict[tuple, list[tuple[float, ...]]]) -> list[tuple[tuple, tuple[float, ...]]]:
+    return [(k, tuple(statistics.median(col) for col in zip(*v, strict=True))) for k, v in sorted(points.items())]
+
+
+def fit_profile(m: Measurements, name: str, hardware: str, max_batched_tokens: int = 8192,
+                block_size: int = 16, kv_tokens: int | None = None, max_running: int | None = None,
+                sweep: Sweep | None = None) -> tuple[HardwareProfile, dict]:
+    """The fitted profile and a report (per-point errors, RMS error, what was measured)."""
+    if len(m.decode) < 3 or len(m.prefill) < 3:
+        raise ValueError(f"too few points to fit ({len(m.prefill)} prefill, {len(m.decode)} decode; "
+                         "need 3 of each): widen the sweep")
+    c0, c_decode, c_attn = nonneg_lstsq([[1.0, b, b * ctx] for b, _, ctx, _ in m.decode], [s for *_, s in m.decode])
+    rest = [s - c0 for _, _, s in m.prefill]
+    if min(rest) <= 0:
+        raise ValueError("prefill took less than one decode step: the measurements are inconsistent "
+                         "(is something else loading the engines?)")
+    overhead, c_prefill, c_pattn = nonneg_lstsq([[1.0, t, t * t / 2] for _, t, _ in m.prefill], rest)
+    facts = m.engines
+    kv = kv_tokens or min((f.kv_tokens for f in facts if f.kv_tokens), default=None) or 65536
+    running = max_running or min((f.slots for f in facts if f.slots), default=None) or 256
+    profile = HardwareProfile(
+        name=name, hardware=hardware, model=m.model, c0_s=c0, c_prefill_s=c_prefill, c_decode_s=c_decode,
+        c_attn_s=c_attn, c_prefill_attn_s=c_pattn, ttft_overhead_s=overhead, kv_blocks=max(1, kv // block_size),
+        block_size=block_size, max_running=running, max_batched_tokens=max_batched_tokens)
+    source = f"measured by kvroute calibrate, {len(facts)} engine(s) loaded together"
+    points, errors = [], []
+    by_len: dict[tuple, list[tuple[float, ...]]] = defaultdict(list)
+    for n, tokens, s in m.prefill:
+        by_len[(n,)].append((tokens, s))
+    for _, (length, s) in _medians(by_len):
+        got = profile.ttft_overhead_s + profile.prefill_time(round(length))
+        errors.append(got / s - 1)
+        points.append({"prefill": round(length), "ttft_s": round(s, 6), "fit_s": round(got, 6),
+                       "error": round(got / s - 1, 4), "source": source})
+    by_step: dict[tuple, list[tuple[float, ...]]] = defaultdict(list)
+    for b, ctx, mean_ctx, s in m.decode:
+        by_step[(b, ctx)].append((mean_ctx, s))
+    for (b, _), (mean_ctx, s) in _medians(by_step):
+        got = profile.step_time(decode=b, decode_ctx=b * mean_ctx)
+        errors.append(got / s - 1)
+        points.append({"decode": b, "ctx": round(mean_ctx), "expect_s": round(s, 6), "fit_s": round(got, 6),
+                       "error": round(got / s - 1, 4), "source": source})
+    rms = (sum(e * e for e in errors) / len(errors)) ** 0.5
+    profile = profile.model_copy(update={
+        "points": points,
+        "no_independent_anchor": "a calibration fits every point it measures; re-run it to check a profile"})
+    report = {"rms_error": rms, "max_error": max(abs(e) for e in errors), "points": points,
+              "engines": [f.__dict__ for f in facts], "wall_s": m.wall_s,
+              "sweep": (sweep or Sweep()).__dict__, "raw_prefill": len(m.prefill), "raw_decode": len(m.decode)}
+    return profile, report
+
+
+def write_profile(path: str | Path, profile: HardwareProfile, report: dict) -> None:
+    """A profile YAML that ``--profile PATH`` loads, with a header saying how it was measured."""
+    facts = report["engines"]
+    sweep = report["sweep"]
+    header = [
+        f"# Calibrated {datetime.datetime.now(datetime.UTC).strftime('%Y-%m-%d %H:%M UTC')} by `kvroute calibrate` "
+        f"in {report['wall_s']:.0f} s against {len(facts)} engine(s), all loaded together:",
+        *(f"#   {f['url']} ({f['bytes_per_token']:.2f} bytes/token, KV tokens {f['kv_tokens']}, slots {f['slots']})"
+          for f in facts),
+        f"# sweep: prefill {list(sweep['prefill_lengths'])} x{sweep['repeats']}, decode batches "
+        f"{list(sweep['batch_sizes'])} at contexts {list(sweep['contexts'])}, {sweep['decode_tokens']} tokens each",
+        "# Step time T = c0 + c_prefill*P + c_decode*D + c_attn*sum(ctx) + c_prefill_attn*sum(p*(ctx+p/2));",
+        "# decode steps fit c0, c_decode, c_attn; prefills fit ttft_overhead, c_prefill, c_prefill_attn",
+        "# (least squares on relative error, coefficients >= 0). c_attn_fixed is folded into c0.",
+        f"# fit error over {len(report['points'])} points: RMS {report['rms_error']:.1%}, "
+        f"max {report['max_error']:.1%} (per point below: fit_s, error = fit/measured - 1).",
+        "# kv_blocks, max_running: from the engines (/props, /metrics) or the command line; "
+        "max_batched_tokens from the command line.",
+    ]
+    data = profile.model_dump(exclude_defaults=False)
+    body = yaml.safe_dump(data, sort_keys=False, width=120)
+    Path(path).write_text("\n".join(header) + "\n" + body)

@@ -1,0 +1,210 @@
+"""Measure live engines for `kvroute calibrate`: prefill time against prompt length, decode step
+time against batch size and context — every point on all listed engines at once, because engines
+that share a machine (cores, memory bandwidth, the network stack) slow each other down, and that
+contention is part of what a deployment's profile must describe.
+
+Prompts are fresh text (a unique nonce first, so no engine has any of it cached) sized from each
+engine's own token count (``usage.prompt_tokens`` of a first request), so a point's length is in
+the engine's tokens, never an estimate.
+
+* **Prefill**: a non-streamed request with ``max_tokens: 1``; its latency is the time to the first
+  token (one prefill step; HTTP and scheduling are in it, as they are for every client).
+* **Decode**: ``batch`` prompts of ``ctx`` tokens are first sent once (``max_tokens: 1``), so the
+  engine holds them in its prefix cache; then all are streamed together with ``decode_tokens``
+  tokens each. Once every stream has its first token and before any has finished, all sequences
+  decode in one batch, one token per step: the median gap between tokens in that window is the
+  step time, at the context ``ctx`` plus half the tokens generated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import statistics
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import aiohttp
+
+WORDS = ("the", "a", "of", "and", "to", "in", "is", "for", "on", "that", "with", "as", "it", "at",
+         "by", "from", "this", "be", "are", "or", "an", "was", "not", "but", "all", "can", "has",
+         "more", "one", "time", "data", "model", "system", "value", "state", "point", "number")
+
+
+class CalibrationError(RuntimeError):
+    """An engine could not be measured; the message names it and why."""
+
+
+@dataclass
+class Sweep:
+    """What to measure; the defaults take about 30 s against three CPU llama-servers."""
+
+    prefill_lengths: tuple[int, ...] = (128, 512, 1024, 2048)
+    batch_sizes: tuple[int, ...] = (1, 2, 4)
+    contexts: tuple[int, ...] = (128, 1024)
+    decode_tokens: int = 24
+    repeats: int = 2
+    timeout_s: float = 120.0  # any one request
+
+
+@dataclass
+class EngineFacts:
+    """What an engine says about itself (None: it does not say)."""
+
+    url: str
+    bytes_per_token: float
+    kv_tokens: int | None = None
+    slots: int | None = None
+
+
+@dataclass
+class Measurements:
+    """The raw points, each with the sweep value it was taken for: ``prefill`` (target length,
+    engine's prompt tokens, seconds), ``decode`` (batch, target context, mean context, step s)."""
+
+    engines: list[EngineFacts]
+    model: str = ""
+    prefill: list[tuple[int, int, float]] = field(default_factory=list)
+    decode: list[tuple[int, int, float, float]] = field(default_factory=list)
+    wall_s: float = 0.0
+
+
+def _text(n_bytes: int, rng: random.Random) -> str:
+    out, size = [f"calibration {uuid.uuid4().hex}."], 0
+    while size < n_bytes:
+        w = rng.choice(WORDS)
+        out.append(w)
+        size += len(w) + 1
+    return " ".join(out)
+
+
+class _Engine:
+    """One engine's completions endpoint."""
+
+    def __init__(self, session: aiohttp.ClientSession, url: str, model: str, sweep: Sweep, api_key: str | None):
+        self.session, self.url, self.model, self.sweep = session, url.rstrip("/"), model, sweep
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.bytes_per_token = 4.0
+        self.rng = random.Random(url)
+
+    def prompt(self, tokens: int) -> str:
+        return _text(int(tokens * self.bytes_per_token), self.rng)
+
+    async def complete(self, prompt: str, max_tokens: int) -> tuple[float, int]:
+        """Non-streamed: (seconds, the engine's prompt tokens)."""
+        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+        t0 = time.perf_counter()
+        try:
+            async with self.session.post(f"{self.url}/v1/completions", json=body, headers=self.headers,
+                                         timeout=aiohttp.ClientTimeout(total=self.sweep.timeout_s)) as r:
+                data = await r.json(content_type=None)
+                if r.status != 200:
+                    raise CalibrationError(f"{self.url}: /v1/completions answered {r.status}: {str(data)[:200]}")
+        except (aiohttp.ClientError, TimeoutError, json.JSONDecodeError) as exc:
+            raise CalibrationError(f"{self.url}: {exc.__class__.__name__}: {exc}") from None
+        elapsed = time.perf_counter() - t0
+        try:
+            return elapsed, int(data["usage"]["prompt_tokens"])
+        except (KeyError, TypeError, ValueError):
+            raise CalibrationError(f"{self.url}: the answer has no usage.prompt_tokens") from None
+
+    async def stream_times(self, prompt: str, max_tokens: int) -> list[float]:
+        """Streamed: the arrival time of every token event."""
+        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                "stream": True}
+        times = []
+        try:
+            async with self.session.post(f"{self.url}/v1/completions", json=body, headers=self.headers,
+                                         timeout=aiohttp.ClientTimeout(total=self.sweep.timeout_s)) as r:
+                if r.status != 200:
+                    raise CalibrationError(f"{self.url}: streaming /v1/completions answered {r.status}")
+                async for line in r.content:
+                    if line.startswith(b"data:") and b"[DONE]" not in line and b'"text"' in line:
+                        times.append(time.perf_counter())
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise CalibrationError(f"{self.url}: {exc.__class__.__name__}: {exc}") from None
+        return times
+
+    async def facts(self) -> EngineFacts:
+        """Its tokenizer's bytes per token (from a first request) and capacity, where it says."""
+        text = _text(2000, self.rng)
+        _, tokens = await self.complete(text, 1)
+        self.bytes_per_token = len(text.encode()) / max(1, tokens)
+        facts = EngineFacts(self.url, self.bytes_per_token)
+        try:  # llama-server: slots and context per slot
+            async with self.session.get(f"{self.url}/props", timeout=aiohttp.ClientTimeout(total=5)) as r:
+                props = await r.json(content_type=None) if r.status == 200 else {}
+            slots = props.get("total_slots")
+            n_ctx = (props.get("default_generation_settings") or {}).get("n_ctx")
+            if isinstance(slots, int) and slots > 0:
+                facts.slots = slots
+                if isinstance(n_ctx, int) and n_ctx > 0:
+                    facts.kv_tokens = slots * n_ctx
+        except (aiohttp.ClientError, TimeoutError, json.JSONDecodeError, AttributeError):
+            pass
+        if facts.kv_tokens is None:
+            from kvroute.gateway.probes import kv_capacity
+
+            try:  # vLLM's cache_config_info, SGLang's max_total_num_tokens
+                async with self.session.get(f"{self.url}/metrics", timeout=aiohttp.ClientTimeout(total=5)) as r:
+                    facts.kv_tokens = kv_capacity(await r.text()) if r.status == 200 else None
+            except (aiohttp.ClientError, TimeoutError, UnicodeDecodeError):
+                pass
+        return facts
+
+
+def _step_time(streams: list[list[float]]) -> float | None:
+    """Median token gap while every stream decodes together (see the module docstring)."""
+    if any(len(t) < 3 for t in streams):
+        return None
+    start, end = max(t[0] for t in streams), min(t[-1] for t in streams)
+    gaps = [b - a for t in streams for a, b in zip(t, t[1:], strict=False) if a >= start and b <= end]
+    return statistics.median(gaps) if len(gaps) >= 2 else None
+
+
+async def _model_name(session: aiohttp.ClientSession, url: str) -> str:
+    """The first model the engine lists (llama-server takes any name; vLLM needs its own)."""
+    try:
+        async with session.get(f"{url.rstrip('/')}/v1/models", timeout=aiohttp.ClientTimeout(total=10)) as r:
+            data = await r.json(content_type=None)
+        return str(data["data"][0]["id"])
+    except (aiohttp.ClientError, TimeoutError, json.JSONDecodeError, KeyError, IndexError, TypeError) as exc:
+        raise CalibrationError(f"{url}: cannot read /v1/models ({exc.__class__.__name__}: {exc}); "
+                               "is an engine listening there?") from None
+
+
+async def measure(urls: list[str], model: str | None = None, sweep: Sweep | None = None,
+                  api_key: str | None = None, log=None) -> Measurements:
+    """Run the sweep against every engine at once (see the module docstring)."""
+    sweep = sweep or Sweep()
+    say = log or (lambda _msg: None)
+    t0 = time.perf_counter()
+    # a fresh connection per request: llama-server closes after every stream while advertising
+    # keep-alive, and a reused dead connection would fail a point
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as session:
+        if model is None:
+            model = await _model_name(session, urls[0])
+        engines = [_Engine(session, u, model, sweep, api_key) for u in urls]
+        facts = list(await asyncio.gather(*(e.facts() for e in engines)))
+        m = Measurements(facts, model)
+        for rep in range(sweep.repeats):
+            for n in sweep.prefill_lengths:
+                got = await asyncio.gather(*(e.complete(e.prompt(n), 1) for e in engines))
+                m.prefill.extend((n, tokens, s) for s, tokens in got)
+                say(f"prefill {n} tokens (repeat {rep + 1}): " + ", ".join(f"{s * 1000:.1f} ms" for s, _ in got))
+        for ctx in sweep.contexts:
+            for batch in sweep.batch_sizes:
+                prompts = [[e.prompt(ctx) for _ in range(batch)] for e in engines]
+                warm = await asyncio.gather(*(e.complete(p, 1) for e, ps in zip(engines, prompts, strict=True)
+                                              for p in ps))
+                mean_ctx = statistics.fmean(tokens for _, tokens in warm) + sweep.decode_tokens / 2
+                streams = await asyncio.gather(*(e.stream_times(p, sweep.decode_tokens)
+                                                 for e, ps in zip(engines, prompts, strict=True) for p in ps))
+                steps = [_step_time(list(streams[i * batch:(i + 1) * batch])) for i in range(len(engines))]
+                m.decode.extend((batch, ctx, mean_ctx, s) for s in steps if s is not None)
+                say(f"decode batch {batch} at ~{ctx} tokens: " + ", ".join(
+                    "-" if s is None else f"{s * 1000:.2f} ms" for s in steps))
+    m.wall_s = time.perf_counter() - t0
+    return m

@@ -1,0 +1,67 @@
+"""`kvroute calibrate` against emulated engines whose step-time profile is known: the fit must
+recover it. (tests/test_llamacpp.py calibrates real llama-servers.)"""
+
+import asyncio
+
+import pytest
+
+from kvroute.calibrate import Sweep, fit_profile, measure, write_profile
+from kvroute.calibrate.fit import nonneg_lstsq
+from kvroute.cli import main
+from kvroute.emulator.server import Faults, start_emulator
+from kvroute.sim.profile import HardwareProfile, load_profile
+
+# CPU-engine-like costs: steps of milliseconds, so the emulator's real-time clock resolves them
+KNOWN = HardwareProfile(name="known", hardware="test", model="test", c0_s=0.004, c_prefill_s=8e-5,
+                        c_decode_s=1.5e-3, c_attn_s=2e-6, c_prefill_attn_s=4e-8, kv_blocks=20000,
+                        block_size=16, max_running=8)
+SWEEP = Sweep(prefill_lengths=(256, 1024, 2048), batch_sizes=(1, 2, 4), contexts=(128, 1024),
+              decode_tokens=16, repeats=1, timeout_s=20)
+
+
+async def _calibrate():
+    emus = [await start_emulator("127.0.0.1", 0, KNOWN, "llamacpp", Faults()) for _ in range(2)]
+    try:
+        return await measure([f"http://127.0.0.1:{port}" for _, _, port in emus], sweep=SWEEP)
+    finally:
+        for runner, _, _ in emus:
+            await runner.cleanup()
+
+
+def test_fit_recovers_the_emulators_known_profile(tmp_path):
+    m = asyncio.run(asyncio.wait_for(_calibrate(), 30))
+    assert len(m.prefill) == 6 and len(m.decode) == 12  # every point on both engines
+    fitted, report = fit_profile(m, "mine", "emulated", sweep=SWEEP)
+    for field in ("c_prefill_s", "c_attn_s", "c_prefill_attn_s"):
+        assert getattr(fitted, field) == pytest.approx(getattr(KNOWN, field), rel=0.15), field
+    # c0 and c_decode trade off a little (the emulator's own per-step cost lands in c0); the
+    # step times they predict across the sweep are what the simulator uses
+    for b in (1, 4, 8):
+        for ctx in (100, 1000, 3000):
+            assert fitted.step_time(decode=b, decode_ctx=b * ctx) == pytest.approx(
+                KNOWN.step_time(decode=b, decode_ctx=b * ctx), rel=0.15)
+    for n in (200, 1000, 3000):
+        assert fitted.ttft_overhead_s + fitted.prefill_time(n) == pytest.approx(KNOWN.prefill_time(n), rel=0.1)
+    assert report["max_error"] < 0.1 and len(report["points"]) == 9
+    out = tmp_path / "mine.yaml"
+    write_profile(out, fitted, report)
+    loaded = load_profile(str(out))  # a profile `simulate --profile PATH` takes as it is
+    assert loaded.c_prefill_s == fitted.c_prefill_s and loaded.model == "emulated"
+    assert all("error" in pt and "fit_s" in pt and pt["source"] for pt in loaded.points)
+    assert out.read_text().startswith("# Calibrated ")
+
+
+def test_nonnegative_fit_drops_a_term_that_would_fit_noise():
+    rows = [[1.0, x] for x in (1, 2, 3, 4)]
+    assert nonneg_lstsq(rows, [3.0, 5.0, 7.0, 9.0]) == pytest.approx([1.0, 2.0])
+    c, slope = nonneg_lstsq(rows, [5.0, 4.9, 5.1, 4.8])  # a falling line: no negative cost
+    assert slope == 0.0 and c == pytest.approx(4.95, rel=0.02)
+
+
+def test_calibrate_errors_are_one_line(tmp_path, capsys):
+    assert main(["calibrate", "--url", "http://127.0.0.1:9", "--out", str(tmp_path / "p.yaml")]) == 2
+    msg = capsys.readouterr().err
+    assert "http://127.0.0.1:9" in msg and "Traceback" not in msg
+    with pytest.raises(SystemExit) as exc:
+        main(["calibrate", "--url", "http://x", "--out", str(tmp_path / "p.yaml"), "--batch-sizes", "1,zero"])
+    assert exc.value.code == 2
