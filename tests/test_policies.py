@@ -291,8 +291,8 @@ def test_lmetric_score_formula(router_for):
     assert router.decide(r2).target == "e0"
 
 
-def test_llm_d_weighted_scorers_prefer_cache_and_free_kv(router_for):
-    router = router_for("llm_d", n=3)
+def test_weighted_llm_d_profile_prefers_cache_and_free_kv(router_for):
+    router = router_for("weighted", n=3)  # defaults: llm-d's scorer profile
     router.commit(make_request("warm", LONG), "e2")
     router.on_finish("warm")
     assert router.route(make_request("a", LONG)).target == "e2"

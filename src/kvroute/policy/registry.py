@@ -19,18 +19,20 @@ from kvroute.policy.presets.aibrix import AIBrixPrefixCache
 from kvroute.policy.presets.basic import LeastLoad, LeastRequest, PowerOfTwo, RandomPolicy, RoundRobin
 from kvroute.policy.presets.dynamo import DynamoKV
 from kvroute.policy.presets.gorgo import Gorgo
+from kvroute.policy.presets.gorgo_tuned import GorgoTuned
 from kvroute.policy.presets.hashing import ConsistentHash, PrefixHash
+from kvroute.policy.presets.llm_d import LLMD
 from kvroute.policy.presets.lmetric import LMetric
 from kvroute.policy.presets.sglang import SGLangCacheAware
 from kvroute.policy.presets.skywalker import SkyWalker, SkyWalkerCH
 from kvroute.policy.presets.vllm import BailianLinear, VLLMJoinShortestQueue
-from kvroute.policy.presets.weighted import LLMD, Weighted
+from kvroute.policy.presets.weighted import Weighted
 
 PRESETS: dict[str, type[Policy]] = {cls.name: cls for cls in (
     RoundRobin, RandomPolicy, LeastRequest, LeastLoad, PowerOfTwo,
     ConsistentHash, PrefixHash, SGLangCacheAware, AIBrixPrefixCache,
     VLLMJoinShortestQueue, BailianLinear, DynamoKV, LLMD, Weighted,
-    SkyWalker, SkyWalkerCH, Gorgo, LMetric,
+    SkyWalker, SkyWalkerCH, Gorgo, GorgoTuned, LMetric,
 )}
 
 

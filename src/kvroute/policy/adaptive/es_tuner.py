@@ -97,6 +97,7 @@ class OnePlusOneES:
         self.accepted = 0
         self.outcomes: deque[bool] = deque(maxlen=SUCCESS_HISTORY)
         self.converged = False
+        self.converged_at = 0  # samples seen when σ fell below sigma_min (0: not yet)
 
     @property
     def searching(self) -> bool:
@@ -129,7 +130,7 @@ class OnePlusOneES:
             rate = sum(self.outcomes) / len(self.outcomes)
             self.sigma = self.sigma / SUCCESS_FACTOR if rate > 0.2 else self.sigma * SUCCESS_FACTOR
             if self.sigma < self.sigma_min:
-                self.converged = True
+                self.converged, self.converged_at = True, self.samples
                 self.weights = dict(self.parent)
                 return
         self.weights = self._offspring()
@@ -148,5 +149,6 @@ class OnePlusOneES:
         s.update({f"parent_{k}": v for k, v in self.parent.items()})
         s.update(sigma=self.sigma, window_p95_s=self.window_p95, accepted=float(self.accepted),
                  proposed=float(self.proposed), samples=float(self.samples),
-                 converged=float(self.converged), frozen=float(self.frozen))
+                 converged=float(self.converged), converged_at=float(self.converged_at),
+                 frozen=float(self.frozen))
         return s

@@ -1,8 +1,9 @@
 """Weighted scorers and a max-score picker (llm-d's endpoint picker), user-configurable.
 
 Each scorer maps endpoints to [0, 1], higher is better; the combiner is a weighted sum; the
-picker takes the maximum (random tie-break) or samples a softmax. ``llm_d`` is this pipeline with
-llm-d's default profile; ``weighted`` lets a user pick scorers and weights in YAML.
+picker takes the maximum (random tie-break) or samples a softmax. Its defaults are llm-d's default
+scheduling profile (prefix 3, queue 2, KV 2); a user picks scorers and weights in YAML. (The
+``llm_d`` preset is llm-d's latency-predicting scheduler instead: ``presets/llm_d.py``.)
 """
 
 from __future__ import annotations
@@ -93,9 +94,3 @@ class Weighted(Policy):
             ep = argmax(eps, total, self.rng)
         return Decision.dispatch(ep.id, "weighted", matches.get(ep.id, 0), explain(eps, total))
 
-
-class LLMD(Weighted):
-    """llm-d default profile: prefix-cache 3, queue 2, kv-cache-util 2, max-score picker."""
-
-    name = "llm_d"
-    source = "llm-d-inference-scheduler default scheduling profile"

@@ -1,0 +1,70 @@
+"""GORGO v2 with its online tuner: the GORGO cost, weights learned by a (1+1)-ES on p95 TTFT."""
+
+from __future__ import annotations
+
+from pydantic import Field, model_validator
+
+from kvroute.policy.adaptive.es_tuner import GORGO_RANGES, OnePlusOneES, WeightRange
+from kvroute.policy.adaptive.plugins import TunerPlugin
+from kvroute.policy.base import PolicyParams
+from kvroute.policy.presets.gorgo import Gorgo, GorgoParams
+
+
+class GorgoTunedParams(GorgoParams):
+    """GORGO's weights as the tuner's starting point, plus the tuner's ranges and schedule."""
+
+    w_rtt_range: tuple[float, float] = Field(
+        (GORGO_RANGES["w_rtt"].lo, GORGO_RANGES["w_rtt"].hi),
+        description="[lo, hi] the tuner keeps w_rtt in (GORGO v2: [0.05, 2.0]; lo > 0, log space)")
+    w_queue_range: tuple[float, float] = Field(
+        (GORGO_RANGES["w_queue"].lo, GORGO_RANGES["w_queue"].hi),
+        description="[lo, hi] the tuner keeps w_queue in (GORGO v2: [0.05, 0.5]; a lo near 0 lets "
+                    "it drop the queue term, the paper's reward-hacking failure)")
+    window: int = Field(128, ge=8, description="first tokens in the rolling window (GORGO v2: 128)")
+    hop: int = Field(32, ge=1, description="first tokens between tuner steps (GORGO v2: 32)")
+    sigma0: float = Field(0.5, gt=0, description="initial log-space step size σ")
+    sigma_min: float = Field(0.05, gt=0, description="the search stops once σ falls below this")
+    frozen: bool = Field(False, description="serve w_rtt and w_queue as given, never tune (held-out "
+                         "evaluation with learned weights)")
+
+    @model_validator(mode="after")
+    def _check(self) -> GorgoTunedParams:
+        for name, (lo, hi), start in (("w_rtt", self.w_rtt_range, self.w_rtt),
+                                      ("w_queue", self.w_queue_range, self.w_queue)):
+            if self.frozen:
+                continue
+            if not 0 < lo <= start <= hi:
+                raise ValueError(f"{name}_range must satisfy 0 < lo <= {name} <= hi, got "
+                                 f"[{lo}, {hi}] with {name} {start}")
+        if self.hop > self.window:
+            raise ValueError(f"hop ({self.hop}) must not exceed window ({self.window})")
+        return self
+
+
+class GorgoTuned(Gorgo):
+    """GORGO's cost with w_rtt and w_queue tuned online by GORGO v2's (1+1)-ES on p95 TTFT.
+
+    Every first token's TTFT (measured by the runtime, LB queueing included) feeds the tuner; it
+    scores the weights it serves on a window's p95 and mutates them in log space within the
+    ranges (see :mod:`kvroute.policy.adaptive.es_tuner`). Its RNG is seeded from the policy seed,
+    so a simulation is deterministic. ``frozen: true`` serves the given weights unchanged.
+    """
+
+    name = "gorgo_tuned"
+    source = "GORGO v2 §2.2 and §4: (1+1)-ES, rolling 128 window hop 32, 1/5 rule, ranges"
+    Params = GorgoTunedParams
+    params: GorgoTunedParams
+
+    def __init__(self, params: PolicyParams | None = None, seed: int = 0):
+        super().__init__(params, seed)
+        p = self.params
+        ranges = {"w_rtt": WeightRange(p.w_rtt, *p.w_rtt_range) if not p.frozen else GORGO_RANGES["w_rtt"],
+                  "w_queue": WeightRange(p.w_queue, *p.w_queue_range) if not p.frozen else GORGO_RANGES["w_queue"]}
+        self.es = OnePlusOneES(ranges, window=p.window, hop=p.hop, sigma0=p.sigma0, sigma_min=p.sigma_min,
+                               seed=seed, frozen={"w_rtt": p.w_rtt, "w_queue": p.w_queue} if p.frozen else None)
+        self.listeners = (*self.listeners, TunerPlugin(self.es))
+
+    def weights(self) -> tuple[float, float, float]:
+        """The weights the tuner serves now (t_p stays fixed: only ratios matter, GORGO v2 §2.2)."""
+        w = self.es.weights
+        return w["w_rtt"], self.params.t_p, w["w_queue"]
