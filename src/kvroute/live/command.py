@@ -1,0 +1,114 @@
+"""The ``kvroute live`` command: flags → scenario → live run → the simulator's tables and JSON."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+from typing import Any
+
+from kvroute.report import breakdown_table, console, err, error, sim_table, warn, write_json
+
+
+def add_parser(sub: Any) -> None:
+    """Register ``live`` on the CLI's subparsers."""
+    lv = sub.add_parser("live", help="run a scenario for real on 127.0.0.1: emulated replicas, gateways, "
+                                     "controller, delayed cross-region links, clients over HTTP")
+    lv.add_argument("scenario", help="scenario YAML, or the name of a bundled one (kvroute/scenarios/)")
+    lv.add_argument("--policy", help="comma-separated presets (default: the scenario's policies)")
+    lv.add_argument("--max-requests", type=int, dest="max_requests", help="per policy (default: the scenario's)")
+    lv.add_argument("--duration", type=float, default=120.0, metavar="S",
+                    help="stop issuing after S seconds per policy (default 120)")
+    lv.add_argument("--replicas", type=int, help="replicas per replica group (per region)")
+    lv.add_argument("--profile", help="hardware profile for every replica")
+    lv.add_argument("--seed", type=int)
+    lv.add_argument("--kill", action="append", default=[], metavar="KIND:NAME@Ts[+Ds]",
+                    help="SIGKILL a gateway:REGION, replica:ID or the controller at T s into each policy's run; "
+                         "+D: start it again D s later (repeatable)")
+    lv.add_argument("--pause", action="append", default=[], metavar="KIND:NAME@Ts[+Ds]",
+                    help="SIGSTOP it at T s, SIGCONT D s later (default: at the end) (repeatable)")
+    lv.add_argument("--compare-sim", action="store_true", dest="compare_sim",
+                    help="also simulate the scenario and print sim vs live side by side")
+    lv.add_argument("--logs", metavar="DIR", help="keep the processes' logs and configs here "
+                                                  "(default: a temporary folder, removed after a good run)")
+    lv.add_argument("--json", metavar="FILE")
+    lv.set_defaults(func=main, workload=None, time_scale=None, rate=None, skip_bad=False, slo_ttft=None,
+                    slo_tpot=None, slo_target=None, sweep=False)
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run it; bad input is one line and exit 2."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
+
+    from kvroute.cli import _scenario_from_args
+    from kvroute.live.faults import parse_fault
+    from kvroute.live.processes import ProcessError
+    from kvroute.live.run import run_live
+    from kvroute.sim.scenario import ScenarioError
+
+    try:
+        sc = _scenario_from_args(args)
+        sc.policy_list()
+        sc.setup()
+    except ScenarioError as exc:
+        return error(str(exc))
+    if sc.workload.kind in ("openai",):
+        return error(f"{args.scenario}: live runs synthetic and Mooncake/Azure workloads; {sc.workload.kind!r} "
+                     "conversations carry text the clients do not replay yet")
+    try:
+        faults = [parse_fault("kill", f) for f in args.kill] + [parse_fault("pause", f) for f in args.pause]
+    except ValueError as exc:
+        return error(str(exc))
+    if args.duration is not None and args.duration <= 0:
+        return error(f"--duration must be > 0 seconds, got {args.duration:g}")
+    total = args.max_requests or sc.limits.max_requests
+    tasks: dict[str, TaskID] = {}
+    t0 = time.perf_counter()
+    try:
+        with Progress(TextColumn("{task.description:<28}"), BarColumn(), MofNCompleteColumn(),
+                      TimeElapsedColumn(), console=err, transient=False) as progress:
+            def on_start(label: str) -> None:
+                tasks[label] = progress.add_task(f"live {label}", total=total)
+
+            def on_progress(label: str, n: int) -> None:
+                progress.update(tasks[label], completed=n)
+
+            rep = asyncio.run(run_live(sc, max_requests=args.max_requests or sc.limits.max_requests,
+                                       duration_s=args.duration, faults=faults, logs=args.logs,
+                                       on_start=on_start, on_progress=on_progress))
+    except (ValueError, ProcessError) as exc:
+        return error(str(exc))
+    console.print(sim_table(rep))
+    groups = breakdown_table(rep)
+    if groups is not None:
+        console.print(groups)
+    for label, r in rep["results"].items():
+        live = r["live"]
+        if live["errors"]:
+            warn(f"{label}: {sum(live['errors'].values())} request(s) failed: "
+                 + "; ".join(f"{n}× {k}" for k, n in live["errors"].items()))
+        for f in live["faults"]:
+            console.print(f"[dim]{label}: {f}[/dim]")
+    done = sum(r["requests"] for r in rep["results"].values())
+    console.print(f"[dim]{done:,} live requests in {time.perf_counter() - t0:.1f} s wall[/dim]")
+    if args.compare_sim:
+        rep["compare"] = compare_with_sim(sc, rep)
+    write_json(args.json, rep)
+    return 0
+
+
+def compare_with_sim(sc, live_report: dict) -> dict:
+    """Simulate the same scenario (same policies, same request limit) and print both side by side."""
+    from kvroute.live.compare import compare, compare_table
+    from kvroute.sim.runner import report, run_scenario
+
+    data = sc.model_dump(exclude_none=True)
+    issued = max((r["issued"] for r in live_report["results"].values()), default=0)
+    data.setdefault("limits", {})["max_requests"] = issued or sc.limits.max_requests
+    from kvroute.sim.scenario import parse_scenario
+
+    sim_sc = parse_scenario(data, "compare")
+    sim_rep = report(sim_sc, run_scenario(sim_sc))
+    cmp = compare(sim_rep, live_report)
+    console.print(compare_table(cmp))
+    return {"sim": sim_rep, "table": cmp}

@@ -1,0 +1,359 @@
+"""`kvroute live SCENARIO`: the scenario of `kvroute simulate`, run for real on 127.0.0.1.
+
+For the whole run: one ``kvroute emulate`` process per replica (the scenario's profiles; caches
+emptied between policies through the emulator's ``/_restart``), and a ``DelayProxy`` in front of
+every gateway and replica for each other region, adding half the scenario's RTT each way. Per
+policy: one ``kvroute serve`` gateway per load balancer of its topology (``regional``,
+``two-layer``, ``distributed``: one per region; ``global``: one), a ``kvroute controller``
+over them, then the scenario's clients (``live/clients.py``) through ``/resolve``, bounded by
+``--max-requests`` and ``--duration``; faults by flag (``live/faults.py``). Results go into the
+simulator's ``Recorder``, so the table and JSON are ``kvroute simulate``'s.
+
+Where live differs from the simulator by construction (said again in the closing note): the
+in-region RTT (2 ms in the scenarios) is not added on loopback; client-side TTFT includes the
+gateway's and the Python clients' own CPU time on a shared machine; an emulated engine steps in
+real time, so a late event loop stretches its steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import secrets
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import yaml
+
+from kvroute.gateway.config import GatewayConfig
+from kvroute.live.clients import Driver, sample_replicas
+from kvroute.live.delay import DelayProxy
+from kvroute.live.faults import Fault
+from kvroute.live.processes import Child, Fleet
+from kvroute.metrics import Recorder
+from kvroute.sim.network import Network
+from kvroute.sim.scenario import PolicyEntry, Scenario
+
+ADMIN_ENV = "KVROUTE_LIVE_ADMIN_KEY"
+CLIENT_ENV = "KVROUTE_LIVE_CLIENT_KEY"
+PEER_ENV = "KVROUTE_LIVE_PEER_TOKEN"
+ROUTING_MODES = {"two-layer": "skywalker", "distributed": "gorgo_distributed", "global": "gorgo_proxy"}
+
+
+@dataclass
+class Topology:
+    """The gateways one policy runs on: region → the replica regions it manages."""
+
+    gateways: dict[str, list[str]]
+    kind: str
+    forward: bool
+
+
+@dataclass
+class LiveRun:
+    """Everything a live run started, and how to reach it."""
+
+    sc: Scenario
+    folder: Path
+    network: Network
+    fleet: Fleet
+    replicas: dict[str, Child] = field(default_factory=dict)  # id → emulator
+    replica_region: dict[str, str] = field(default_factory=dict)
+    proxies: dict[tuple[str, str], DelayProxy] = field(default_factory=dict)  # (endpoint, from region) → link
+    regions: list[str] = field(default_factory=list)
+
+    # -- links ------------------------------------------------------------------------------------
+    async def link(self, endpoint: str, region: str, from_region: str, target: tuple[str, int] | None) -> str:
+        """The delay proxy that ``from_region`` uses to reach ``endpoint`` (in ``region``); opened on
+        first use, re-pointed at ``target`` afterwards (a gateway restarted for the next policy)."""
+        key = (endpoint, from_region)
+        proxy = self.proxies.get(key)
+        if proxy is None:
+            proxy = self.proxies[key] = DelayProxy(self.network.one_way(region, from_region), target,
+                                                   name=f"{from_region}->{endpoint}")
+            await proxy.start()
+        proxy.target = target
+        return proxy.url
+
+    async def urls_from(self, endpoint: str, region: str, url: str) -> dict[str, str]:
+        """Per other region, the proxy URL by which it reaches ``url``."""
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        return {r: await self.link(endpoint, region, r, (host, int(port))) for r in self.regions if r != region}
+
+    # -- replicas ---------------------------------------------------------------------------------
+    async def start_replicas(self) -> None:
+        """One emulator process per replica of the scenario, started together."""
+        for g in self.sc.replicas:
+            n0 = sum(1 for r in self.replica_region.values() if r == g.region)
+            for i in range(g.count):
+                rid = f"{g.region}-{n0 + i}"
+                self.replica_region[rid] = g.region
+                self.replicas[rid] = self.fleet.add(f"replica {rid}", ["emulate", "--host", "127.0.0.1", "--port",
+                                                                       "0", "--profile", g.profile,
+                                                                       "--engine", "vllm", "--model", "emulated"])
+        await self.fleet.start([c.name for c in self.replicas.values()], timeout_s=60)
+        for child in self.replicas.values():
+            _pin_port(child)
+
+    async def reset_replicas(self) -> None:
+        """Before each policy: dead or frozen replicas come back, every cache is emptied."""
+        for child in self.replicas.values():
+            if child.paused:
+                child.resume()
+            if not child.alive:
+                await child.start(60)
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as s:
+            for child in self.replicas.values():
+                async with s.post(f"{child.url}/_restart") as r:
+                    r.raise_for_status()
+
+
+def _pin_port(child: Child) -> None:
+    """After the first start, restarts reuse the port it got (peers, proxies and the controller
+    hold its address)."""
+    args = child.args
+    if "--port" in args:
+        args[args.index("--port") + 1] = str(child.port)
+
+
+def topology_of(sc: Scenario, entry: PolicyEntry) -> Topology:
+    """The gateways for one policy: the simulator's balancer layout for its topology."""
+    groups = sc.balancer_groups(entry.topology)
+    kind = entry.topology or (sc.topology.kind if sc.topology else "regional")
+    gws = {}
+    for b in groups:
+        manages = sc.regions() if b.manages == "all" else (b.manages or [b.region])
+        gws[b.region] = list(manages)
+    return Topology(gws, kind, any(b.forward for b in groups))
+
+
+def gateway_config(run: LiveRun, entry: PolicyEntry, topo: Topology, region: str,
+                   replica_urls: dict[str, dict[str, str]], peers: list[dict[str, str]]) -> dict[str, Any]:
+    """The YAML of one gateway: its replicas as seen from its region, keys, peers when the
+    gateway supports them."""
+    spec = run.sc.topology
+    policy: str | dict[str, Any] = entry.preset if not entry.params else {"preset": entry.preset,
+                                                                         "params": entry.params}
+    replicas = [{"url": replica_urls[rid].get(region, run.replicas[rid].url), "id": rid,
+                 "region": run.replica_region[rid], "engine": "vllm"}
+                for rid in run.replicas if run.replica_region[rid] in topo.gateways[region]]
+    cfg: dict[str, Any] = {
+        "host": "127.0.0.1", "port": 0, "region": region, "policy": policy, "replicas": replicas,
+        "probe": {"interval_s": spec.probe_interval_s if spec else 0.1},
+        "queue": {"dispatch_tick_s": spec.dispatch_tick_s if spec else 0.01},
+        "auth": {"keys": [{"name": "controller", "env": ADMIN_ENV, "admin": True},
+                          {"name": "clients", "env": CLIENT_ENV}]},
+        "access_log": False, "seed": run.sc.seed,
+    }
+    fields = GatewayConfig.model_fields
+    if "routing_mode" in fields:
+        cfg["routing_mode"] = ROUTING_MODES.get(topo.kind, "local") if len(topo.gateways) > 1 or \
+            topo.kind == "global" else "local"
+        if topo.kind == "global" and not entry.preset.startswith("gorgo"):
+            cfg["routing_mode"] = "local"
+        if topo.kind == "two-layer" and not topo.forward:
+            cfg["routing_mode"] = "local"
+    if "peers" in fields and peers and topo.kind in ("two-layer", "distributed"):
+        cfg["peers"] = peers
+        if "peer_auth" in fields:
+            cfg["peer_auth"] = {"token_env": PEER_ENV}
+    return cfg
+
+
+@dataclass
+class PolicyRun:
+    """One policy's gateways and controller."""
+
+    gateways: dict[str, Child]
+    controller: Child
+    gateway_urls: dict[str, str]
+
+
+async def start_policy(run: LiveRun, entry: PolicyEntry, topo: Topology) -> PolicyRun:
+    """Gateways (ports first, so peers can name each other), then the controller."""
+    fleet, folder = run.fleet, run.folder
+    replica_urls = {rid: await run.urls_from(rid, run.replica_region[rid], c.url) for rid, c in run.replicas.items()}
+    # Gateways listen on ports chosen now, so every peer link can be opened before any starts.
+    ports = {region: _free_port() for region in topo.gateways}
+    peer_links: dict[str, list[dict[str, str]]] = {}
+    for region in topo.gateways:
+        peer_links[region] = [
+            {"name": f"gw-{other}", "region": other,
+             "url": await run.link(f"gw-{other}", other, region, ("127.0.0.1", ports[other]))}
+            for other in topo.gateways if other != region]
+    gateways: dict[str, Child] = {}
+    for region in topo.gateways:
+        cfg = gateway_config(run, entry, topo, region, replica_urls, peer_links[region])
+        cfg["port"] = ports[region]
+        GatewayConfig.model_validate(cfg)  # a mistake here is kvroute's, not the user's: fail loudly
+        path = folder / f"{entry.label}-gw-{region}.yaml".replace("/", "_")
+        path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+        name = f"{entry.label} gw-{region}"
+        fleet.children.pop(name, None)
+        gateways[region] = fleet.add(name, ["serve", "--config", str(path), "--log-level", "WARNING"])
+    await fleet.start([c.name for c in gateways.values()], timeout_s=60)
+    gateway_urls = {region: c.url for region, c in gateways.items()}
+    deployment = {
+        "host": "127.0.0.1", "port": 0, "admin_key": {"env": ADMIN_ENV},
+        "network": run.sc.network.model_dump(),
+        "gateways": [{"name": f"gw-{region}", "region": region, "url": url,
+                      "manages": topo.gateways[region],
+                      "urls_from": await run.urls_from(f"gw-{region}", region, url)}
+                     for region, url in gateway_urls.items()],
+        "replicas": [{"id": rid, "region": run.replica_region[rid], "url": c.url, "engine": "vllm",
+                      "urls_from": replica_urls[rid]} for rid, c in run.replicas.items()],
+    }
+    dep_path = folder / f"{entry.label}-deployment.yaml".replace("/", "_")
+    dep_path.write_text(yaml.safe_dump(deployment, sort_keys=False))
+    name = f"{entry.label} controller"
+    fleet.children.pop(name, None)
+    controller = fleet.add(name, ["controller", "--config", str(dep_path), "--port", "0"])
+    await controller.start(60)
+    _pin_port(controller)
+    return PolicyRun(gateways, controller, gateway_urls)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def fault_child(run: LiveRun, pol: PolicyRun, fault: Fault) -> Child:
+    """The process a fault names; an unknown name is a ValueError listing the known ones."""
+    if fault.kind == "controller":
+        return pol.controller
+    if fault.kind == "replica":
+        if fault.target not in run.replicas:
+            raise ValueError(f"--{fault.action} replica:{fault.target}: no such replica; replicas: "
+                             f"{', '.join(run.replicas)}")
+        return run.replicas[fault.target]
+    target = (fault.target or "").removeprefix("gw-")
+    if target not in pol.gateways:
+        raise ValueError(f"--{fault.action} gateway:{fault.target}: this policy's gateways are in "
+                         f"{', '.join(pol.gateways)}")
+    return pol.gateways[target]
+
+
+async def inject(child: Child, fault: Fault, t0: float, log: list[dict[str, Any]]) -> None:
+    """Apply one fault at its time (relative to ``t0``) and undo it after ``for_s``."""
+    await asyncio.sleep(max(0.0, t0 + fault.at_s - time.monotonic()))
+    if fault.action == "kill":
+        await child.kill()
+    else:
+        child.pause()
+    log.append({"fault": fault.describe(), "pid": child.pid, "at_s": round(time.monotonic() - t0, 3)})
+    if fault.for_s is None:
+        return
+    await asyncio.sleep(fault.for_s)
+    if fault.action == "kill":
+        await child.start(60)
+        what = "restarted"
+    else:
+        child.resume()
+        what = "resumed"
+    log.append({"fault": fault.describe(), what: child.pid, "at_s": round(time.monotonic() - t0, 3)})
+
+
+async def forwards_from_metrics(urls: list[str]) -> int | None:
+    """Requests the gateways forwarded to peers, summed from their ``/metrics`` (None when
+    they export no such counter)."""
+    total, seen = 0.0, False
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as s:
+        for url in urls:
+            with contextlib.suppress(aiohttp.ClientError, TimeoutError, OSError):
+                async with s.get(f"{url}/metrics") as r:
+                    for line in (await r.text()).splitlines():
+                        if line.startswith("kvroute_forward") and "_total" in line.split(" ")[0]:
+                            name = line.split("{")[0].split(" ")[0]
+                            if name in ("kvroute_forwarded_total", "kvroute_forwards_total",
+                                        "kvroute_forwarded_requests_total"):
+                                total += float(line.rsplit(" ", 1)[1])
+                                seen = True
+    return int(total) if seen else None
+
+
+async def run_policy(run: LiveRun, entry: PolicyEntry, *, max_requests: int | None, duration_s: float | None,
+                     faults: list[Fault], client_key: str, on_progress=None) -> dict[str, Any]:
+    """One policy, from fresh caches to its result row."""
+    sc = run.sc
+    await run.reset_replicas()
+    topo = topology_of(sc, entry)
+    pol = await start_policy(run, entry, topo)
+    for f in faults:
+        fault_child(run, pol, f)  # unknown names fail before any load
+    recorder = Recorder(list(run.replicas), [run.replica_region[r] for r in run.replicas])
+    driver = Driver(sc.make_workload(), recorder, dict(run.replica_region), pol.controller.url, client_key,
+                    max_requests, duration_s, on_done=on_progress)
+    stop = asyncio.Event()
+    fault_log: list[dict[str, Any]] = []
+    t0 = time.monotonic()
+    sampler = asyncio.create_task(sample_replicas(recorder, {r: c.url for r, c in run.replicas.items()},
+                                                  sc.sample_interval_s, driver.now, stop))
+    injectors = [asyncio.create_task(inject(fault_child(run, pol, f), f, t0, fault_log)) for f in faults]
+    try:
+        await driver.run()
+    finally:
+        stop.set()
+        for t in injectors:
+            t.cancel()
+        await asyncio.gather(sampler, *injectors, return_exceptions=True)
+    wall = time.monotonic() - t0
+    forwards = await forwards_from_metrics([c.url for c in pol.gateways.values() if c.alive])
+    for c in [*pol.gateways.values(), pol.controller]:
+        await c.stop()
+    result = recorder.result(len(run.replicas) * wall / 3600.0)
+    result["issued"] = driver.issued
+    result["load"] = recorder.load(max(0.0, driver.first_issue), driver.last_issue, driver.issued,
+                                   driver.workload.closed_loop)
+    result["slo"] = recorder.slo(sc.slo.ttft_s, sc.slo.tpot_s, driver.issued)
+    if forwards is not None:
+        result["cross_region_forwards"] = max(forwards, recorder.forwarded)
+    result["live"] = {"wall_s": round(wall, 3), "retries": driver.retries,
+                      "errors": dict(sorted(driver.errors.items())), "resolve_lookups": driver.lookups,
+                      "faults": fault_log, "gateways": sorted(f"gw-{r}" for r in topo.gateways),
+                      "topology": topo.kind,
+                      "forwards_source": "gateway metrics" if forwards is not None else "response headers"}
+    return result
+
+
+async def run_live(sc: Scenario, *, max_requests: int | None, duration_s: float | None, faults: list[Fault],
+                   logs: str | None = None, on_start=None, on_progress=None) -> dict[str, Any]:
+    """Every policy of the scenario, live; the report has ``kvroute simulate``'s shape."""
+    folder = Path(logs) if logs else Path(tempfile.mkdtemp(prefix="kvroute-live-"))
+    folder.mkdir(parents=True, exist_ok=True)
+    admin, client, peer = (secrets.token_hex(16) for _ in range(3))
+    keys = {ADMIN_ENV: admin, CLIENT_ENV: client, PEER_ENV: peer}
+    os.environ.update(keys)  # the gateway configs name these variables; validated here, read by the children
+    fleet = Fleet(folder, keys)
+    network = sc.setup().network
+    regions = list(dict.fromkeys([*sc.regions(), *sc.clients(), *(b.region for b in sc.balancer_groups())]))
+    run = LiveRun(sc, folder, network, fleet, regions=regions)
+    results: dict[str, Any] = {}
+    ok = False
+    try:
+        await run.start_replicas()
+        for entry in sc.policy_list():
+            if on_start is not None:
+                on_start(entry.label)
+            progress = (lambda n, label=entry.label: on_progress(label, n)) if on_progress else None
+            results[entry.label] = await run_policy(run, entry, max_requests=max_requests, duration_s=duration_s,
+                                                    faults=faults, client_key=client, on_progress=progress)
+        ok = True
+    finally:
+        await fleet.stop_all()
+        for proxy in run.proxies.values():
+            await proxy.stop()
+        if ok and not logs:
+            shutil.rmtree(folder, ignore_errors=True)
+    return {"scenario": sc.name, "seed": sc.seed, "replicas": sum(g.count for g in sc.replicas),
+            "workload": sc.workload.kind, "slo": sc.slo.model_dump(), "results": results, "mode": "live",
+            "logs": str(folder) if (logs or not ok) else None}
