@@ -86,3 +86,15 @@ def load_policy_file(path: str | Path, seed: int = 0) -> Policy:
     except yamlconf.ConfigFileError as exc:
         raise ConfigError(str(exc)) from None
     return policy_from_config(data, seed=seed, where=str(path))
+
+
+def _register_staged() -> None:
+    """CascadeInfer's length stages and its Llumnix-like baseline (registered apart: the stage
+    preset builds its inner preset through this registry)."""
+    from kvroute.policy.presets.cascadeinfer import CascadeInfer
+    from kvroute.policy.presets.llumnix import LlumnixLike
+
+    PRESETS.update({cls.name: cls for cls in (CascadeInfer, LlumnixLike)})
+
+
+_register_staged()
