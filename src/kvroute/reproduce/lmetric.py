@@ -9,6 +9,10 @@ claim.
 
 from __future__ import annotations
 
+import random
+from collections.abc import Iterator
+
+from kvroute.model import Request
 from kvroute.reproduce.common import (
     DIRECTION,
     NO,
@@ -19,6 +23,40 @@ from kvroute.reproduce.common import (
     Row,
     unstable_note,
 )
+from kvroute.workload import SimRequest, Workload
+
+
+class HotspotWorkload(Workload):
+    """LMetric §5.2's failure pattern, synthetic: Poisson arrivals where a share ``hot`` of the
+    requests carry one long shared prefix (``prefix_blocks`` blocks) and a one-block unique tail,
+    and the rest are short unique prompts — the class whose P-token on its cache holder is a
+    small fraction of its prompt. Mooncake-style 512-token blocks; deterministic under ``seed``."""
+
+    name = "hotspot"
+
+    def __init__(self, rate: float, requests: int, hot: float = 0.7, prefix_blocks: int = 40,
+                 cold_blocks: int = 4, output_tokens: int = 128, region: str = "us", seed: int = 0):
+        self.rate, self.requests, self.hot = rate, requests, hot
+        self.prefix_blocks, self.cold_blocks, self.output_tokens = prefix_blocks, cold_blocks, output_tokens
+        self.region, self.seed = region, seed
+
+    def arrivals(self) -> Iterator[SimRequest]:
+        """The requests, in arrival order."""
+        rng = random.Random(self.seed)
+        shared = tuple(range(1, self.prefix_blocks + 1))
+        t, fresh = 0.0, 1 << 40  # unique block ids start far above the shared ones
+        for i in range(self.requests):
+            t += rng.expovariate(self.rate)
+            if rng.random() < self.hot:
+                ids = (*shared, fresh)
+                fresh += 1
+            else:
+                ids = tuple(range(fresh, fresh + self.cold_blocks))
+                fresh += self.cold_blocks
+            req = Request(id=f"h{i}", arrival_s=t, region=self.region, block_hashes=ids, block_tokens=512,
+                          prompt_tokens=512 * len(ids), max_output_tokens=self.output_tokens)
+            yield SimRequest(req, self.output_tokens)
+
 
 BASELINES = ("vllm_jsq", "bailian_linear", "dynamo_kv", "aibrix_prefix_cache", "llm_d")
 SWEEP = (0.3, 0.5, 0.7, 0.9)
