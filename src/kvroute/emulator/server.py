@@ -13,9 +13,9 @@ Fault knobs, for tests and chaos drills (flags, or ``POST /_fault`` with the sam
 Generated text is deterministic in its context: each token is a word chosen by a hash of every
 word before it (prompt, then what was generated), so a request continued elsewhere with its
 prompt plus the text generated so far produces exactly what an uninterrupted run would have.
-Chat requests continue a trailing assistant message the way each engine does: vLLM and SGLang
-with ``continue_final_message: true`` (and ``add_generation_prompt: false``), llama-server always
-(its default assistant prefill).
+Chat requests continue a trailing assistant message the way the engines do: on
+``continue_final_message: true`` with ``add_generation_prompt: false`` (vLLM, SGLang and
+llama-server alike), and in llama-server also unasked (its default assistant prefill).
 """
 
 from __future__ import annotations
@@ -110,11 +110,11 @@ def emulated_text(context: str, tokens: int) -> str:
 def chat_context(body: dict, engine_type: str) -> tuple[str, str | None]:
     """The key a chat request is processed under, and an error message when the engine would
     refuse it. A trailing assistant message is continued (its text becomes the start of the
-    answer) when the engine does so: vLLM and SGLang on ``continue_final_message``, llama-server
-    by default."""
+    answer) on ``continue_final_message`` (vLLM, SGLang, llama-server), and by llama-server also
+    unasked; every engine refuses ``continue_final_message`` together with a generation prompt."""
     messages = body.get("messages")
     continued = bool(body.get("continue_final_message"))
-    if engine_type != "llamacpp" and continued and body.get("add_generation_prompt", True):
+    if continued and body.get("add_generation_prompt", True):
         return "", "continue_final_message and add_generation_prompt cannot both be true"
     last = messages[-1] if isinstance(messages, list) and messages else None
     trailing = isinstance(last, dict) and last.get("role") == "assistant"

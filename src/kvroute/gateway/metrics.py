@@ -27,6 +27,10 @@ class GatewayMetrics:
         self.probe_failures = Counter("kvroute_probe_failures", "Failed probes", ["replica"], registry=r)
         self.retries = Counter("kvroute_retries", "Upstream attempts retried on another replica", ["reason"],
                                registry=r)
+        self.continuations = Counter("kvroute_continuations", "Streams carried on to another replica by "
+                                     "continuation (reason: migrate, recover; result: continued, completed, "
+                                     "refused at the limit or when not continuable, failed)", ["reason", "result"],
+                                     registry=r)
         self.policy_errors = Counter("kvroute_policy_errors", "Routing decisions that raised (answered 503)",
                                      registry=r)
         self.rejected = Counter("kvroute_queue_rejected", "Requests refused by the LB queue", ["reason"],

@@ -1,0 +1,287 @@
+"""Stream continuation: one client stream spliced from several upstream legs.
+
+Engines cannot hand a running sequence's KV cache to another engine, so the gateway moves a
+stream by *continuation*: it stops the upstream leg at an event (token) boundary and asks another
+replica to go on from the prompt plus the text generated so far, with ``max_tokens`` reduced by
+what was already generated. Completions append the text to the prompt; chat appends it as a
+trailing assistant message that the engine continues instead of answering, asked for with
+``continue_final_message: true`` and ``add_generation_prompt: false`` — the same two fields in
+vLLM, SGLang and llama-server (which also continues a trailing assistant message unasked, and
+refuses ``continue_final_message`` with a generation prompt, as vLLM does). The new replica
+prefills the whole context again (its prefix cache may hold the prompt): that is the price of a
+move without KV transfer.
+
+Two things move a stream (in CascadeInfer, §3 "runtime request processing", a sequence whose
+length passes its instance's range migrates to the next stage, by KV live migration, §4.4;
+behind an HTTP API this continuation is the gateway's form of that move):
+
+- **migrate**: the sequence (prompt + generated tokens) reached the ``context_limit`` of its
+  replica's stage;
+- **recover**: the replica failed after the client had bytes (connection lost, stream cut short,
+  an in-stream error event).
+
+The client sees one stream: only whole events are forwarded (a leg that dies mid-event leaves no
+fragment), later legs carry the ``id``, ``created`` and ``model`` the client saw first, the
+assistant role is announced once, ``[DONE]`` comes once, and a final usage chunk counts the
+original prompt (the leg's prompt minus the tokens it was given back) and every generated token.
+A token is one content-bearing event — the engines kvroute fronts stream one token per event.
+
+Not continued (the stream ends with an SSE error as before): ``n``/``best_of`` > 1, ``echo``,
+token-id or batched prompts, structured output (a grammar would restart in mid-answer), and
+streams that produced tool calls or reasoning deltas, which no engine accepts back as a prefill.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Literal
+
+Reason = Literal["migrate", "recover"]
+_STRUCTURED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "json_schema", "regex", "ebnf")
+
+
+@dataclass
+class Break:
+    """A leg that stopped after the client had bytes: why, and what to log or tell the client."""
+
+    reason: Reason
+    message: str
+
+
+class Splice:
+    """The state of one streamed request across its legs (see the module docstring)."""
+
+    def __init__(self, chat: bool, body: dict[str, Any], prompt_tokens: int):
+        self.chat = chat
+        self.body = body
+        self.prompt_tokens = prompt_tokens  # the original prompt, as the gateway counted it
+        self.pieces: list[str] = []  # generated text forwarded to the client, per token
+        self.leg_start = 0  # tokens generated before the current leg
+        self.legs = 1
+        self.ident: dict[str, Any] | None = None  # id, created, model, ... of the first event
+        self.partial = b""  # an event not complete yet
+        self.done = False  # [DONE] forwarded
+        self.continuable = True  # false once the stream carries what a prefill cannot restore
+        self.error: str | None = None  # an in-stream error event the engine sent
+
+    @classmethod
+    def open(cls, route: str, body: dict[str, Any], prompt_tokens: int) -> Splice | None:
+        """A splice for a streamed chat or completions request that can be continued, else None."""
+        if route not in ("chat", "completions") or not body.get("stream"):
+            return None
+        if (body.get("n") or 1) > 1 or (body.get("best_of") or 1) > 1 or body.get("echo"):
+            return None
+        if route == "completions" and not isinstance(body.get("prompt"), str):
+            return None  # token ids or a batch: nothing to append text to
+        fmt = body.get("response_format")
+        if (isinstance(fmt, dict) and fmt.get("type") not in (None, "text")) or any(body.get(k) for k in _STRUCTURED):
+            return None
+        return cls(route == "chat", body, prompt_tokens)
+
+    @property
+    def tokens(self) -> int:
+        """Tokens generated (and forwarded) so far, over every leg."""
+        return len(self.pieces)
+
+    @property
+    def text(self) -> str:
+        """The text generated so far."""
+        return "".join(self.pieces)
+
+    def max_tokens(self) -> int | None:
+        """The client's output limit, if it set one."""
+        value = self.body.get("max_completion_tokens") or self.body.get("max_tokens")
+        return value if isinstance(value, int) else None
+
+    def length(self) -> int:
+        """The sequence's length now: prompt plus generated tokens."""
+        return self.prompt_tokens + self.tokens
+
+    def outgrew(self, limit: int | None) -> bool:
+        """Whether the sequence reached ``limit`` with tokens still to generate (a stream that is
+        about to finish anyway is not moved)."""
+        if limit is None or self.done or self.length() < limit:
+            return False
+        top = self.max_tokens()
+        return top is None or self.tokens < top
+
+    # -- one leg's bytes ------------------------------------------------------------------------
+    def feed(self, chunk: bytes) -> bytes:
+        """The bytes of ``chunk`` to forward: whole events only, rewritten on later legs."""
+        data = self.partial + chunk
+        if b"\r" in data:
+            data = data.replace(b"\r\n", b"\n")
+        cut = data.rfind(b"\n\n")
+        if cut < 0:
+            self.partial = data
+            return b""
+        self.partial = data[cut + 2:]
+        out = []
+        for event in data[:cut].split(b"\n\n"):
+            kept = self._event(event) if event.strip() else None
+            if kept is not None:
+                out.append(kept + b"\n\n")
+            if self.error is not None:
+                break  # nothing after an error event is forwarded
+        return b"".join(out)
+
+    def _event(self, event: bytes) -> bytes | None:
+        if not event.startswith(b"data:"):
+            return event  # comments, event names: passed as they are
+        payload = event[5:].strip()
+        if payload == b"[DONE]":
+            self.done = True
+            return event
+        try:
+            obj = json.loads(payload)
+        except ValueError:
+            self.continuable = False  # cannot tell what it generated: pass it on, never continue
+            return event
+        if not isinstance(obj, dict):
+            return event
+        if "error" in obj and "choices" not in obj:
+            self.error = str((obj.get("error") or {}).get("message", obj["error"]))[:300]
+            return None
+        later = self.legs > 1
+        if self.ident is None:
+            self.ident = {k: obj[k] for k in ("id", "created", "model", "system_fingerprint") if k in obj}
+        elif later:
+            obj.update({k: v for k, v in self.ident.items() if k in obj})
+        for choice in obj.get("choices") or ():
+            if not isinstance(choice, dict):
+                continue
+            piece = self._piece(choice, later)
+            if piece:
+                self.pieces.append(piece)
+        if not later:
+            return event
+        usage = obj.get("usage")
+        if isinstance(usage, dict):
+            self._correct(usage)
+        elif self.chat and obj.get("choices") and all(_empty(c) for c in obj["choices"]) and not usage:
+            return None  # the new leg's role announcement: the client has had one
+        return b"data: " + json.dumps(obj).encode()
+
+    def _piece(self, choice: dict[str, Any], later: bool) -> str:
+        if not self.chat:
+            return str(choice.get("text") or "")
+        delta = choice.get("delta")
+        if not isinstance(delta, dict):
+            return ""
+        if later:
+            delta.pop("role", None)
+        if delta.get("tool_calls") or delta.get("function_call") or delta.get("reasoning_content") \
+                or delta.get("reasoning"):
+            self.continuable = False
+        return str(delta.get("content") or "")
+
+    def _correct(self, usage: dict[str, Any]) -> None:
+        """Usage of the whole request from a later leg's: that leg's prompt held the tokens it was
+        given back, which the client counts as completion tokens."""
+        before = self.leg_start
+        prompt = max(0, int(usage.get("prompt_tokens") or 0) - before)
+        completion = int(usage.get("completion_tokens") or 0) + before
+        usage.update(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+        details = usage.get("prompt_tokens_details")
+        if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+            details["cached_tokens"] = min(details["cached_tokens"], prompt)
+
+    # -- the next leg ---------------------------------------------------------------------------
+    def next_body(self) -> dict[str, Any] | None:
+        """The body that continues this stream on any replica; None when the client's limit is
+        already spent (the stream is complete but for its ending)."""
+        body = dict(self.body)
+        top = self.max_tokens()
+        if top is not None and self.tokens >= top:
+            return None
+        for field in ("max_tokens", "max_completion_tokens"):
+            if isinstance(body.get(field), int):
+                body[field] -= self.tokens
+        if isinstance(body.get("min_tokens"), int):
+            body["min_tokens"] = max(0, body["min_tokens"] - self.tokens)
+        if self.chat:
+            body["messages"] = [*body["messages"], {"role": "assistant", "content": self.text}]
+            body.update(continue_final_message=True, add_generation_prompt=False)
+        else:
+            body["prompt"] = body["prompt"] + self.text
+        return body
+
+    def begin_leg(self) -> None:
+        """Start counting a new leg."""
+        self.legs += 1
+        self.leg_start = self.tokens
+        self.partial = b""
+        self.error = None
+
+    # -- endings the gateway writes itself ------------------------------------------------------
+    def length_ending(self) -> bytes:
+        """The final chunk and ``[DONE]`` of a stream whose every token was delivered before its
+        replica failed: ``finish_reason`` is ``length``, as the engine would have said."""
+        ident = self.ident or {}
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        choice: dict[str, Any] = ({"index": 0, "delta": {}, "finish_reason": "length"} if self.chat
+                                  else {"index": 0, "text": "", "finish_reason": "length"})
+        event = {**ident, "object": obj, "choices": [choice]}
+        return f"data: {json.dumps(event)}\n\ndata: [DONE]\n\n".encode()
+
+
+def _empty(choice: Any) -> bool:
+    """A chat choice that carries nothing (its delta had only the role)."""
+    if not isinstance(choice, dict) or choice.get("finish_reason") or choice.get("logprobs"):
+        return False
+    delta = choice.get("delta")
+    return not isinstance(delta, dict) or not any(v for v in delta.values())
+
+
+def error_event(message: str, code: str) -> bytes:
+    """An OpenAI-style SSE error event followed by ``[DONE]``: how a stream that cannot go on ends."""
+    event = {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
+    return f"data: {json.dumps(event)}\n\ndata: [DONE]\n\n".encode()
+
+
+class LegResponder:
+    """The client's response as a continuation leg writes to it: already started, so a leg's
+    ``start`` is a no-op and what would have been an error response is kept (``refusal``) for
+    the gateway to end the stream with as an SSE error event."""
+
+    def __init__(self, resp: Any):
+        self.resp = resp
+        self.started = True
+        self.refusal: tuple[str, str] | None = None  # (message, code)
+        self.extra_headers = resp.extra_headers
+
+    @property
+    def status(self) -> int:
+        """The status the client got (the first leg's)."""
+        return int(self.resp.status)
+
+    @property
+    def finished(self) -> bool:
+        """Whether the client's response has ended."""
+        return bool(self.resp.finished)
+
+    def start(self, status: int, headers: Any = (), content_type: str | None = None) -> None:
+        """Already started: nothing to do."""
+
+    async def write(self, data: bytes) -> None:
+        """Pass a chunk to the client's stream."""
+        await self.resp.write(data)
+
+    async def end(self) -> None:
+        """End the client's stream."""
+        await self.resp.end()
+
+    def send(self, status: int, body: bytes, headers: Any = (), content_type: str | None = None) -> None:
+        """A whole response cannot follow a started one: keep its message as the refusal."""
+        try:
+            error = json.loads(body).get("error") or {}
+            message, code = str(error.get("message")), str(error.get("code") or "upstream_error")
+        except (ValueError, AttributeError):
+            message, code = body[:200].decode("utf-8", "replace"), "upstream_error"
+        self.refusal = (f"continuation answered {status}: {message}", code)
+
+    def send_error(self, status: int, message: str, type_: str = "server_error", param: str | None = None,
+                   code: str | None = None, headers: Any = ()) -> None:
+        """Keep an error the gateway would have answered with as the refusal."""
+        self.refusal = (message, code or "continuation_failed")
