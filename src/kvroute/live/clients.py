@@ -94,6 +94,10 @@ class StreamCut(Exception):
     """The stream ended or broke after the answer had begun."""
 
 
+class Refused(Exception):
+    """The gateway refused the request itself (a 4xx): retrying elsewhere would not help."""
+
+
 @dataclass
 class Outcome:
     """One completed request as the client saw it."""
@@ -271,6 +275,9 @@ class Driver:
                 except StreamCut as exc:
                     self._error(f"cut mid-stream: {exc}")
                     return
+                except Refused as exc:
+                    self._error(f"refused: {exc}")
+                    return
                 else:
                     self._record(out, region)
                     return
@@ -295,7 +302,7 @@ class Driver:
                     raise RetryableError(f"HTTP {r.status}")
                 if r.status != 200:
                     text = (await r.read())[:200]
-                    raise StreamCut(f"HTTP {r.status}: {text!r}")  # not retried: the request itself is refused
+                    raise Refused(f"HTTP {r.status}: {text!r}")
                 replica = r.headers.get("x-kvroute-replica", "?")
                 forwarded = r.headers.get("x-kvroute-forwarded") is not None or \
                     r.headers.get("x-kvroute-peer") is not None
