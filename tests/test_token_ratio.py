@@ -6,6 +6,7 @@ import asyncio
 import json
 
 import openai
+import pytest
 
 from kvroute.emulator.server import Faults, start_emulator
 from kvroute.gateway.config import GatewayConfig, ReplicaConfig
@@ -78,3 +79,23 @@ def test_reported_prompt_tokens_reads_the_last_usage():
     assert reported_prompt_tokens(tail) == 1234
     assert reported_prompt_tokens(b'{"usage": {"prompt_tokens":7, "total_tokens": 9}}') == 7
     assert reported_prompt_tokens(b"data: [DONE]\n\n") is None
+
+
+def test_openai_trace_counts_engine_tokens_with_the_ratio(tmp_path):
+    from kvroute.sim.scenario import ScenarioError, parse_scenario
+    from kvroute.workload.traces import OpenAIConversations
+
+    conv = {"messages": [{"role": "system", "content": "s " * 400}, {"role": "user", "content": "q " * 50},
+                         {"role": "assistant", "content": "a long answer " * 20}, {"role": "user", "content": "more"}],
+            "max_tokens": 16}
+    trace = tmp_path / "c.jsonl"
+    trace.write_text(json.dumps(conv) + "\n")
+    plain = OpenAIConversations(trace, {"local": 1}).queues["local"][0].turns
+    scaled = OpenAIConversations(trace, {"local": 1}, token_ratio=1.25).queues["local"][0].turns
+    for (a, out_a), (b, out_b) in zip(plain, scaled, strict=True):
+        assert b.prompt_tokens == round(a.prompt_tokens * 1.25) and b.block_tokens == 80
+        assert b.block_hashes == a.block_hashes  # blocks stay byte spans: the same hashes
+        assert out_a == out_b == 16  # the line's max_tokens caps the scripted answer (an engine stops there)
+    bad = {"replicas": [{"region": "local", "count": 1}], "workload": {"kind": "chat", "token_ratio": 1.2}}
+    with pytest.raises(ScenarioError, match="token_ratio"):
+        parse_scenario(bad).setup()

@@ -55,6 +55,7 @@ class KeyState:
     used_requests: int = 0
     used_tokens: int = 0
     limited: int = 0
+    zone: str | None = None  # residency: its requests stay in this zone
 
     def admit(self, tokens: int, now: float) -> int:
         """0 when the request may go (and is counted), else whole seconds to wait."""

@@ -184,7 +184,7 @@ class KeyConfig(_Strict):
     tokens_per_min: float | None = Field(None, gt=0)  # prompt estimate + max_tokens, at admission
     admin: bool = False  # may use the admin API
     zone: str | None = Field(None, description="residency: this key's requests are served only by replicas "
-                             "and peers in this zone (as if every request carried x-kvroute-zone)")
+                             "and peers in this zone (as if every request carried x-kvroute-residency)")
 
     @model_validator(mode="after")
     def _one_source(self) -> KeyConfig:
@@ -236,7 +236,7 @@ class AuthConfig(_Strict):
         for k in self.keys:
             ring.keys[k.key_digest()] = KeyState(
                 k.name, k.admin, TokenBucket(k.requests_per_min, now) if k.requests_per_min else None,
-                TokenBucket(k.tokens_per_min, now) if k.tokens_per_min else None)
+                TokenBucket(k.tokens_per_min, now) if k.tokens_per_min else None, zone=k.zone)
         return ring
 
 
@@ -382,6 +382,9 @@ class GatewayConfig(_Strict):
 
     @model_validator(mode="after")
     def _peer_mode(self) -> GatewayConfig:
+        clash = sorted({p.name for p in self.peers} & {r.name for r in self.replicas})
+        if clash:
+            raise ValueError(f"peer names must differ from replica ids; both: {', '.join(clash)}")
         if self.routing_mode in ("skywalker", "gorgo_distributed"):
             if not self.peers:
                 raise ValueError(f"routing_mode {self.routing_mode} forwards to peers: list them under peers")

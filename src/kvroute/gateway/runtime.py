@@ -19,6 +19,7 @@ import aiohttp
 from kvroute.gateway.breaker import CircuitBreaker
 from kvroute.gateway.config import GatewayConfig, ReplicaConfig
 from kvroute.gateway.metrics import GatewayMetrics
+from kvroute.gateway.peers import Peering
 from kvroute.gateway.probes import ProbeError, Reading, kv_capacity, parse_prometheus, read_indicators, restarted
 from kvroute.gateway.tokens import RESIZE_STEP, TokenRatio
 from kvroute.gateway.upstream import UpstreamPool
@@ -94,6 +95,7 @@ class Runtime:
         self.ready = True  # /readyz; false from the moment a drain begins
         self.draining = False
         self.metrics = GatewayMetrics(self)
+        self.peering = Peering(self)  # peer gateways and forwarding (gateway/peers.py)
         self._probe_task: asyncio.Task | None = None
         self.session: aiohttp.ClientSession | None = None
 
@@ -111,7 +113,8 @@ class Runtime:
         self._excluded.clear()
 
     def _add(self, rc: ReplicaConfig) -> None:
-        ep = Endpoint(rc.name, region=rc.region, weight=rc.weight, block_size=1, kv_blocks=rc.kv_tokens or 0)
+        ep = Endpoint(rc.name, region=rc.region, zone=rc.zone, weight=rc.weight, block_size=1,
+                      kv_blocks=rc.kv_tokens or 0)
         if rc.max_running:
             ep.max_running = rc.max_running
         self.router.add_endpoint(ep)
@@ -191,6 +194,7 @@ class Runtime:
                     up.pool = UpstreamPool(fresh[name].url, tls=fresh[name].tls_context())
                 up.config, up.engine = fresh[name], fresh[name].engine
                 up.endpoint.region, up.endpoint.weight = fresh[name].region, fresh[name].weight
+                up.endpoint.zone = fresh[name].zone or fresh[name].region
                 changes.append(f"updated {name}")
         if new.policy != self.config.policy:
             policy = new.build_policy()
@@ -218,6 +222,8 @@ class Runtime:
                         old_state.used_requests, old_state.used_tokens, old_state.limited)
             self.keys = fresh_keys
             changes.append("api keys")
+        if self.peering.reconfigure(new):
+            changes.append("peers")
         self.config = new
         self.pacer = self._pacer(new)
         self._replicas_changed()
@@ -227,6 +233,9 @@ class Runtime:
     # -- admission and accounting ----------------------------------------------------------------
     async def admit(self, req: Request) -> Decision:
         """Route now, or wait in FIFO order while the policy holds (selective pushing)."""
+        forward = self.peering.before_local(req)  # GORGO distributed: a cheaper peer
+        if forward is not None:
+            return forward
         if not self.queue:
             d = self._route(req)
             if d.kind is not DecisionKind.HOLD:
@@ -299,7 +308,9 @@ class Runtime:
                 w.future.set_exception(exc)
                 continue
             if d.kind is DecisionKind.HOLD:
-                return
+                d = self.peering.on_hold(w.request, len(queue) - 1)  # SkyWalker: a peer that admits it
+                if d is None:
+                    return
             queue.popleft()
             if pacer is not None and d.kind is DecisionKind.DISPATCH:
                 pacer.dispatched(time.monotonic())
@@ -336,6 +347,7 @@ class Runtime:
             router.on_finish(rid, e2e_s, output_tokens)
         else:
             router.on_failed(rid)
+        self.peering.release(rid, served)
         if self.queue:
             self.drain_queue()
 
@@ -343,6 +355,7 @@ class Runtime:
         """Feed one attempt's outcome to the replica's breaker."""
         up = self.upstreams.get(name)
         if up is None:
+            self.peering.attempt_done(name, outcome.value)
             return
         breaker = up.breaker
         if outcome is Outcome.OK:
@@ -362,6 +375,7 @@ class Runtime:
             auto_decompress=False)
         await self.probe_all()
         self._probe_task = asyncio.create_task(self._probe_loop())
+        self.peering.start()
 
     async def stop(self) -> None:
         if self._wake is not None:
@@ -370,6 +384,7 @@ class Runtime:
             self._probe_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._probe_task
+        await self.peering.stop()
         for w in self.queue:
             if not w.future.done():
                 w.future.set_exception(QueueTimeout("gateway is shutting down"))

@@ -38,6 +38,8 @@ from kvroute.gateway.breaker import CircuitState
 from kvroute.gateway.config import GatewayConfig, load_config
 from kvroute.gateway.http import HTTPServer, Responder
 from kvroute.gateway.http import Request as HTTPRequest
+from kvroute.gateway.peers import PEER_HEADERS, STATUS_PATH
+from kvroute.gateway.residency import ResidencyConflict
 from kvroute.gateway.runtime import Outcome, PolicyError, QueueFull, QueueTimeout, Runtime
 from kvroute.gateway.tokens import reported_prompt_tokens
 from kvroute.gateway.tracing import Tracer
@@ -56,7 +58,7 @@ access = logging.getLogger("kvroute.access")
 # never forwarded in either direction (RFC 9110 §7.6.1), plus what the gateway sets itself
 HOP_HEADERS = frozenset({"host", "content-length", "transfer-encoding", "connection", "keep-alive", "expect",
                          "accept-encoding", "upgrade", "te", "trailer", "proxy-authorization",
-                         "proxy-authenticate", "proxy-connection", "server", "date"})
+                         "proxy-authenticate", "proxy-connection", "server", "date"}) | PEER_HEADERS
 RESTART_ONLY = ("host", "port")  # the listening socket; everything else reloads
 ROUTES = {"/v1/chat/completions": "POST", "/v1/completions": "POST", "/v1/embeddings": "POST",
           "/v1/responses": "POST", "/tokenize": "POST", "/detokenize": "POST", "/v1/models": "GET",
@@ -254,6 +256,11 @@ class Proxy:
                 req.exclude = exclude
             if rt.config.access_log:  # the client's own id when it sent one (forwarded upstream as is)
                 resp.extra_headers.append(("x-request-id", request.headers.get("x-request-id") or req.id))
+            try:
+                rt.peering.accept(req, request.headers, key)  # hops, residency pin (gateway/peers.py)
+            except ResidencyConflict as exc:
+                resp.send_error(403, str(exc), "permission_error", code="residency_conflict")
+                return
             headers = _forwarded(request.headers)
             if rt.keys.enabled and not rt.config.auth.forward_authorization:
                 headers = [(k, v) for k, v in headers if k != "authorization"]  # the client's key is ours
@@ -326,7 +333,8 @@ class Proxy:
             assert target is not None  # a dispatch names its target
             served["replica"], served["branch"] = target, decision.branch
             rt.dispatched(req, decision)
-            failure = await self._forward(request, resp, kind, headers, req, target, stream, t0, deadline)
+            sent = rt.peering.outbound(headers, req, request.headers) if target in rt.peering.links else headers
+            failure = await self._forward(request, resp, kind, sent, req, target, stream, t0, deadline)
             if failure is None:
                 return
             excluded.append(target)
@@ -352,7 +360,7 @@ class Proxy:
     def _resp_headers(self, upstream: UpstreamResponse, target: str) -> list[tuple[str, str]]:
         skip = HOP_HEADERS | {"x-request-id"} if self.rt.config.access_log else HOP_HEADERS  # set by us
         out = [(k, v) for k, v in upstream.headers if k.lower() not in skip]
-        if self.rt.config.replica_header:
+        if self.rt.config.replica_header and target in self.rt.upstreams:  # a peer's answer names its own
             out.append(("x-kvroute-replica", target))
         return out
 
@@ -361,7 +369,7 @@ class Proxy:
         """Proxy one attempt. Returns None once the client has a response, or the failure if
         nothing was sent."""
         rt = self.rt
-        up = rt.upstreams.get(target)
+        up = rt.upstreams.get(target) or rt.peering.links.get(target)
         if up is None:  # removed by a reload between decision and now
             rt.release(req.id, served=False)
             return Failure(RetryReason.REPLICA_REMOVED, f"replica {target} was removed", 503, "replica_removed")
@@ -461,6 +469,8 @@ class Gateway:
         method = ROUTES.get(request.path)
         if request.path.startswith("/admin/"):
             handle_admin(self.runtime, request, resp)
+        elif request.path == STATUS_PATH:
+            self.runtime.peering.serve_status(request, resp)
         elif method is None:
             resp.send_error(404, f"unknown path {request.path}", code="not_found")
         elif request.method != method:
@@ -490,6 +500,9 @@ class Gateway:
 
     def _authenticate(self, request: HTTPRequest, resp: Responder) -> KeyState | None | Literal[False]:
         """The request's API key; None when the gateway has no keys; False when refused (answered)."""
+        peer = self.runtime.peering.check_forwarded(request, resp)  # a forward: the origin checked the key
+        if peer is not None:
+            return None if peer else False
         keys = self.runtime.keys
         if not keys.enabled:
             return None

@@ -26,6 +26,7 @@ class Request:
     max_output_tokens: int = 256
     residency: str | None = None  # data-residency zone the request must stay in
     from_peer: bool = False  # arrived from another load balancer: never forwarded again
+    hops: int = 0  # load balancers that forwarded it so far (live gateways; GORGO's max_hops)
     exclude: tuple[str, ...] = ()  # endpoints not to use (already failed for this request)
 
     @property

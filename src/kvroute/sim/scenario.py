@@ -136,6 +136,11 @@ class WorkloadSpec(_Strict):
     shapes: dict[str, ShapeSpec] = Field(default_factory=dict)  # per client region (chat/tot/mixed)
     max_prompt_tokens: int | None = Field(None, gt=0, description="traces: drop longer prompts (GORGO v2: 24,000)")
     max_output_tokens: int | None = Field(None, gt=0, description="traces: cap output lengths (GORGO v2: 128)")
+    token_ratio: float | None = Field(None, ge=0.25, le=4, description="`openai` traces: engine tokens per bytes/4 "
+                                      "estimated token (what the gateway learns from usage.prompt_tokens), so the "
+                                      "simulator counts the engine's tokens")
+    tokenizer_path: str | None = Field(None, description="`openai` traces: a local HF tokenizer.json to count "
+                                       "prompt tokens exactly (instead of token_ratio)")
 
 
 class LimitSpec(_Strict):
@@ -313,13 +318,22 @@ class Scenario(_Strict):
             if (w.max_prompt_tokens or w.max_output_tokens) and w.kind not in ("mooncake", "azure"):
                 raise ScenarioError(f"workload.max_prompt_tokens / max_output_tokens apply to mooncake and "
                                     f"azure traces, not {w.kind!r}")
+            if (w.token_ratio or w.tokenizer_path) and w.kind != "openai":
+                raise ScenarioError(f"workload.token_ratio / tokenizer_path apply to openai traces (text), not "
+                                    f"{w.kind!r}, whose requests are counted in tokens already")
             if w.kind == "mooncake":
                 return MooncakeTrace(path, w.time_scale, w.rate, clients, self.seed, w.skip_bad,
                                      self.limits.max_requests, w.max_prompt_tokens, w.max_output_tokens)
             if w.kind == "azure":
                 return AzureTrace(path, w.time_scale, w.rate, clients, self.seed, w.skip_bad,
                                   self.limits.max_requests, w.max_prompt_tokens, w.max_output_tokens)
-            return OpenAIConversations(path, clients, self.seed, w.skip_bad)
+            try:
+                return OpenAIConversations(path, clients, self.seed, w.skip_bad, token_ratio=w.token_ratio,
+                                           tokenizer_path=w.tokenizer_path)
+            except ValueError as exc:
+                if isinstance(exc, TraceError):
+                    raise
+                raise ScenarioError(f"workload.{exc}") from None
         except TraceError as exc:
             raise ScenarioError(str(exc)) from None
 

@@ -300,7 +300,14 @@ class OpenAIConversations(Workload):
     ``{"messages": [...], "user": "...", "region": "...", "max_tokens": n}``.
 
     Each user message becomes a request whose prompt is the conversation up to it; the
-    assistant message that follows gives its output length (else ``max_tokens`` or 256).
+    assistant message that follows gives its output length (else ``max_tokens`` or 256), capped
+    at the line's ``max_tokens`` when it has one, as an engine would stop there.
+
+    Prompts are counted by kvroute's bytes/4 estimate; ``token_ratio`` (engine tokens per
+    estimated token, what the gateway learns online from ``usage.prompt_tokens``) or a local
+    ``tokenizer_path`` makes the simulator count the engine's tokens. With a ratio, a prefix
+    block stays the same span of bytes and is worth ``block_tokens × ratio`` tokens, as in the
+    gateway (gateway/tokens.py).
     ``clients`` conversations run concurrently per region; lines without a region go to the
     first region.
     """
@@ -308,11 +315,13 @@ class OpenAIConversations(Workload):
     name = "openai"
 
     def __init__(self, path: str | Path, clients: dict[str, int], seed: int = 0,
-                 skip_bad: bool = False, block_tokens: int = 64):
+                 skip_bad: bool = False, block_tokens: int = 64, token_ratio: float | None = None,
+                 tokenizer_path: str | None = None):
         self.path = check_trace_file(path)
         self.clients = dict(clients) or {"local": 8}
         self.bad = _BadLines(skip_bad)
-        self.hasher = BlockHasher(block_tokens)
+        self.hasher = BlockHasher(block_tokens, tokenizer_path)
+        self.token_ratio = None if tokenizer_path else token_ratio
         self.default_region = next(iter(self.clients))
         self.queues: dict[str, list[_Replay]] = {r: [] for r in self.clients}
         self._load()
@@ -334,9 +343,11 @@ class OpenAIConversations(Workload):
             raise TraceError(f"{where}: field 'region' is {region!r}; regions with clients: "
                              f"{', '.join(self.clients)}")
         user = obj.get("user")
-        default_out = obj.get("max_tokens", 256)
+        cap = obj.get("max_tokens")
+        default_out = 256 if cap is None else cap
         if not isinstance(default_out, int) or default_out <= 0:
             raise TraceError(f"{where}: field 'max_tokens' must be a positive integer")
+        ratio = self.token_ratio
         turns = []
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or m.get("role") != "user":
@@ -348,11 +359,15 @@ class OpenAIConversations(Workload):
             nxt = messages[i + 1] if i + 1 < len(messages) else None
             if isinstance(nxt, dict) and nxt.get("role") == "assistant" and isinstance(nxt.get("content"), str):
                 out = max(1, estimate_tokens(nxt["content"]))
+                out = min(out, cap) if cap is not None else out
             else:
                 out = default_out
             hashes, tokens = self.hasher(key)
+            block_tokens = self.hasher.block_tokens
+            if ratio:
+                tokens, block_tokens = max(1, round(tokens * ratio)), max(1, round(block_tokens * ratio))
             req = Request(id=f"o{lineno}.{i}", region=region, tenant=user, routing_key=user,
-                          block_hashes=hashes, block_tokens=self.hasher.block_tokens,
+                          block_hashes=hashes, block_tokens=block_tokens,
                           prompt_tokens=tokens, max_output_tokens=out)
             turns.append((req, out))
         if not turns:
