@@ -360,3 +360,23 @@ def test_gorgo_proxy_routes_with_measured_rtt(mesh):
         assert gw.runtime.router.endpoint("near").rtt_s < far_ep.rtt_s
     finally:
         server.close()
+
+
+def test_peer_config_errors_name_the_field(tmp_path, monkeypatch):
+    from kvroute.gateway.config import load_config
+    from kvroute.yamlconf import ConfigFileError
+
+    monkeypatch.delenv("KVROUTE_NO_SUCH_TOKEN", raising=False)
+    cases = {
+        "peer_auth:\n  token_env: KVROUTE_NO_SUCH_TOKEN\n": "KVROUTE_NO_SUCH_TOKEN is unset",
+        "routing_mode: skywalker\n": "list them under peers",
+        "routing_mode: skywalker\npeers:\n  - {name: eu, url: 'http://127.0.0.1:1', region: eu}\n": "needs peer_auth",
+        "routing_mode: nearest\n": "routing_mode",
+        "peers:\n  - {name: eu, url: 'ftp://x', region: eu}\n": "url must be",
+    }
+    for text, expected in cases.items():
+        path = tmp_path / "gw.yaml"
+        path.write_text("region: us\n" + text)
+        with pytest.raises(ConfigFileError) as err:
+            load_config(str(path))
+        assert expected in str(err.value) and "gw.yaml" in str(err.value)

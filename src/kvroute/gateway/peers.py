@@ -146,6 +146,28 @@ def gorgo_peer_choice(req: Request, local: list[Endpoint], local_matches: dict[s
     return best
 
 
+def peer_router(policy: str | dict[str, Any], peers: list[Endpoint], seed: int, block_tokens: int,
+                max_prefix_blocks: int) -> Router:
+    """The peer layer of SkyWalker's two-layer routing, built as ``sim/balancer.py`` builds it:
+    the local preset and params over the peer endpoints, with the pending gate (the peer
+    condition) and seed + 1; its prefix index is the regional snapshot (what went where)."""
+    preset, params = (policy, {}) if isinstance(policy, str) else (policy["preset"], policy.get("params") or {})
+    return Router(build_policy(preset, dict(params, admission="pending"), seed=seed + 1), peers,
+                  index_block_tokens=block_tokens, max_prefix_blocks=max_prefix_blocks)
+
+
+def skywalker_peer_choice(router: Router, req: Request, behind: int) -> str | None:
+    """SkyWalker's second layer: the peer the preset picks among those that admit ``req`` now,
+    or None. ``behind``: requests in the local queue after it. A pick is committed to
+    ``router`` (the snapshot index learns the prefix went there). A forwarded request never
+    goes on."""
+    if req.from_peer or not router.endpoints:
+        return None
+    router.view.local_queue = behind
+    d = router.route(req)
+    return d.target if d.dispatched else None
+
+
 @dataclass
 class PeerLink:
     """One peer gateway: its endpoint in the peer Router, breaker, connection pool and probe state."""
@@ -181,8 +203,6 @@ class Peering:
         self.config = config
         self.mode = config.routing_mode
         self.token = config.peer_auth.token() if config.peer_auth is not None else None
-        preset, params = ((config.policy, {}) if isinstance(config.policy, str)
-                          else (config.policy["preset"], config.policy.get("params") or {}))
         self.weights = GorgoWeights.of(self.rt.router.policy.params)
         bc = config.breaker
         self.links: dict[str, PeerLink] = {}
@@ -190,11 +210,8 @@ class Peering:
             ep = Endpoint(pc.name, region=pc.region, zone=pc.zone, kind=EndpointKind.PEER)
             self.links[pc.name] = PeerLink(pc, ep, CircuitBreaker(bc.failures, bc.cooldown_s, bc.successes),
                                            UpstreamPool(pc.url))
-        # the peer layer of SkyWalker's two-layer routing: the same preset over the peers, the
-        # pending gate (the peer condition), and an index of what was forwarded where
-        self.router = Router(build_policy(preset, dict(params, admission="pending"), seed=config.seed + 1),
-                             [link.endpoint for link in self.links.values()],
-                             index_block_tokens=config.block_tokens, max_prefix_blocks=config.max_prefix_blocks)
+        self.router = peer_router(config.policy, [link.endpoint for link in self.links.values()], config.seed,
+                                  config.block_tokens, config.max_prefix_blocks)
 
     def reconfigure(self, new: GatewayConfig) -> bool:
         """Rebuild the peer table when a reload changed it (in-flight forwards finish as they are)."""
@@ -249,13 +266,10 @@ class Peering:
     def on_hold(self, req: Request, behind: int) -> Decision | None:
         """SkyWalker: the queue's head found no local replica; a peer that admits it, or None.
         ``behind``: requests in the local queue after it (the peer condition compares)."""
-        if self.mode != "skywalker" or req.from_peer or not self.links:
+        if self.mode != "skywalker":
             return None
-        self.router.view.local_queue = behind
-        d = self.router.route(req)  # commits: the snapshot index learns the prefix went there
-        if not d.dispatched or d.target is None:
-            return None
-        return self._forwarding(req, d.target, "no-local-replica")
+        target = skywalker_peer_choice(self.router, req, behind)
+        return None if target is None else self._forwarding(req, target, "no-local-replica")
 
     def before_local(self, req: Request) -> Decision | None:
         """GORGO distributed: a peer cheaper than every local replica, or None to route locally."""
