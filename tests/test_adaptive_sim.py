@@ -102,3 +102,20 @@ def test_hotspot_detector_is_silent_without_a_hot_class():
     _, res = _hotspot_run({"hotspot": True}, hot=0.0)
     assert res["policy_state"]["hotspot.phase1_requests"] == 0.0
     assert "hotspot-filtered" not in res["branches"]
+
+
+def test_balancers_keep_rtt_as_an_ewma_of_probe_round_trips():
+    """Like the gateway: each probe's round trip (the network's RTT ± jitter) enters an EWMA."""
+    from kvroute.sim.network import Network
+
+    sc = parse_scenario({"name": "rtt", "seed": 1, "policies": ["gorgo"], **CROSS_REGION,
+                         "limits": {"max_requests": 200}}, "test")
+    setup = sc.setup(None)
+    setup.network = Network({("near", "far1"): 300.0, ("near", "far2"): 400.0, ("far1", "far2"): 300.0},
+                            in_region_ms=2.0, jitter=0.2, seed=3)
+    sim = Simulation(setup, "gorgo", None, sc.make_workload())
+    sim.run()
+    rtts = {ep.id: ep.rtt_s for ep in sim.lbs[0].router.endpoints}
+    far = [v for k, v in rtts.items() if "far1" in k]
+    assert far and 0.24 <= far[0] <= 0.36 and far[0] != 0.3  # smoothed samples of 0.3 s ± 20 %
+    assert Network(jitter=0.0).probe_rtt("us", "eu") == 0.08

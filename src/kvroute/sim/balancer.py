@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from kvroute.model import DecisionKind, Endpoint, EndpointKind
 from kvroute.policy import DEFAULT_TICK_S, DispatchPacer, Router, build_policy
 from kvroute.policy.admission import replica_available
+from kvroute.sim.network import RTT_EWMA
 
 if TYPE_CHECKING:
     from kvroute.sim.simulation import Flight, Simulation
@@ -109,7 +110,8 @@ class SimBalancer:
 
     # -- probes ---------------------------------------------------------------------------------
     def probe(self) -> None:
-        """Read every replica's running, waiting and KV usage, as a /metrics scrape would.
+        """Read every replica's running, waiting and KV usage, as a /metrics scrape would, and
+        fold a probe round trip into each replica's RTT EWMA (when the network has jitter).
 
         This runs ten times a simulated second per balancer, so it writes the probed fields
         directly (what ``Endpoint.apply_probe`` does) instead of calling per endpoint.
@@ -125,6 +127,10 @@ class SimBalancer:
             if kv:
                 ep.kv_usage = eng.kv_usage(now)
             ep.dispatched_since_probe = 0
+        net = self.sim.network
+        if net.jitter:  # RTT as the gateway keeps it: an EWMA of probe round trips
+            for ep in self.router.endpoints:
+                ep.rtt_s = RTT_EWMA * net.probe_rtt(self.region, ep.region) + (1.0 - RTT_EWMA) * ep.rtt_s
         if self.peers is not None:
             for ep in self.peers.endpoints:
                 peer = self.peer_lbs[ep.id]

@@ -2,20 +2,33 @@
 
 Defaults (SkyWalker §2 and public inter-region latencies): US–EU ~80 ms, US–Asia ~150 ms,
 EU–Asia ~200 ms, within a region 2 ms (1–3 ms). A hop costs half the RTT each way.
+
+Load balancers see RTTs the way the gateway does: as an EWMA (α = 0.3, GORGO's smoothing and
+the gateway's default) of probe round trips. A probe's round trip is the configured RTT, varied
+by ``jitter`` (a uniform ±share, seeded) when set; with no jitter the EWMA is the RTT itself.
 """
 
 from __future__ import annotations
 
+import random
+
 DEFAULT_RTT_MS = {("us", "eu"): 80.0, ("us", "asia"): 150.0, ("eu", "asia"): 200.0}
 DEFAULT_IN_REGION_MS = 2.0
 DEFAULT_CROSS_MS = 150.0  # regions with no configured pair
+RTT_EWMA = 0.3  # weight of a new probe round trip in a balancer's RTT estimate
 
 
 class Network:
-    """Symmetric RTT matrix between regions, with an in-region RTT and a default for unlisted pairs."""
+    """Symmetric RTT matrix between regions, with an in-region RTT and a default for unlisted
+    pairs; ``jitter`` varies each probe's round trip by up to ± that share (seeded)."""
 
     def __init__(self, rtt_ms: dict[tuple[str, str], float] | None = None,
-                 in_region_ms: float = DEFAULT_IN_REGION_MS, default_ms: float = DEFAULT_CROSS_MS):
+                 in_region_ms: float = DEFAULT_IN_REGION_MS, default_ms: float = DEFAULT_CROSS_MS,
+                 jitter: float = 0.0, seed: int = 0):
+        if not 0.0 <= jitter < 1.0:
+            raise ValueError(f"jitter must be in [0, 1), got {jitter}")
+        self.jitter = jitter
+        self._rng = random.Random(seed)
         self.in_region_ms = in_region_ms
         self.default_ms = default_ms
         self._rtt: dict[tuple[str, str], float] = {}
@@ -28,6 +41,11 @@ class Network:
         if a == b:
             return self.in_region_ms / 1000.0
         return self._rtt.get((a, b), self.default_ms) / 1000.0
+
+    def probe_rtt(self, a: str, b: str) -> float:
+        """One probe's measured round trip in seconds (the RTT, ± jitter)."""
+        rtt = self.rtt(a, b)
+        return rtt * (1.0 + self.jitter * (2.0 * self._rng.random() - 1.0)) if self.jitter else rtt
 
     def one_way(self, a: str, b: str) -> float:
         """One-way delay in seconds (half the RTT), memoised."""
