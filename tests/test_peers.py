@@ -380,3 +380,29 @@ def test_peer_config_errors_name_the_field(tmp_path, monkeypatch):
         with pytest.raises(ConfigFileError) as err:
             load_config(str(path))
         assert expected in str(err.value) and "gw.yaml" in str(err.value)
+
+
+def test_forward_path_hops_and_no_way_back(mesh):
+    gw = mesh.gateway("us", [mesh.scripted()], ["eu", "asia"], mode="gorgo_distributed", max_hops=2,
+                      policy="gorgo")
+    peering = gw.runtime.peering
+    from kvroute.model import Request
+
+    req = Request(id="r1", prompt_tokens=64, block_hashes=(1,))
+    inbound = {FORWARDED_HEADER: "eu", TOKEN_HEADER: TOKEN}
+    peering.accept(req, inbound, None)
+    assert (req.hops, req.from_peer, req.exclude) == (1, True, ("eu",))  # never back to eu
+    out = dict(peering.outbound([("content-type", "application/json"), (TOKEN_HEADER, "stale")], req, inbound))
+    assert out[FORWARDED_HEADER] == "eu,us" and out[TOKEN_HEADER] == TOKEN
+    req.hops = 2
+    assert peering.before_local(req) is None  # max_hops reached: served here
+
+
+def test_reload_rebuilds_the_peer_table(mesh):
+    gw = mesh.gateway("us", [mesh.scripted()], ["eu"])
+    mesh.gateway("asia", [mesh.scripted()], ["us"])
+    new = gw.config.model_copy(update={"peers": [PeerConfig(name="asia", url=mesh.url("asia"), region="asia")]})
+    assert "peers" in mesh.call(_read(lambda: gw.runtime.reconfigure(new)))
+    assert list(gw.runtime.peering.links) == ["asia"]
+    peer_ready(mesh, "us", "asia")
+    assert "peers" not in mesh.call(_read(lambda: gw.runtime.reconfigure(new)))
