@@ -116,12 +116,13 @@ def chat_context(body: dict, engine_type: str) -> tuple[str, str | None]:
     continued = bool(body.get("continue_final_message"))
     if continued and body.get("add_generation_prompt", True):
         return "", "continue_final_message and add_generation_prompt cannot both be true"
-    last = messages[-1] if isinstance(messages, list) and messages else None
+    if not isinstance(messages, list) or not messages:
+        return chat_key(messages), None  # raises the PromptError that names the problem
+    last = messages[-1]
     trailing = isinstance(last, dict) and last.get("role") == "assistant"
     if continued and not trailing:
         return "", "continue_final_message needs a final assistant message"
     if trailing and (continued or engine_type == "llamacpp") and len(messages) > 1:
-        assert isinstance(last, dict)
         content = last.get("content")
         return chat_key(messages[:-1]) + (content if isinstance(content, str) else ""), None
     return chat_key(messages), None
@@ -297,6 +298,7 @@ def build_app(emu: Emulator) -> web.Application:
             await asyncio.sleep(3600)
         if f.fail_rate and emu.rng.random() < f.fail_rate:
             return _error(500, "injected failure", "server_error")
+        key: str | list[int]
         try:
             if chat:
                 key, refused = chat_context(body, emu.engine_type)

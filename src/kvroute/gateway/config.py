@@ -105,6 +105,11 @@ class RetryConfig(_Strict):
                               "replica when one is left")
     backoff_s: float = Field(0.02, ge=0, description="wait before the first retry; doubles per attempt, with jitter")
     backoff_max_s: float = Field(0.5, ge=0, description="longest wait between attempts")
+    max_continuations: int = Field(2, ge=0, description="times one streamed chat or completions request may "
+                                   "be continued on another replica with its prompt plus the text generated so "
+                                   "far: when its replica fails mid-stream, or when it outgrows the replica's "
+                                   "stage (a policy's context_limit); 0: never (a mid-stream failure ends the "
+                                   "stream with an SSE error)")
 
 
 class TimeoutConfig(_Strict):

@@ -12,8 +12,10 @@ after the last. For streams the first-byte timeout applies per attempt and, as `
 to all attempts of a request together; a non-streamed response arrives only when generation ends,
 so it has its own limits (``non_stream_s``, ``non_stream_total_s``: by default a timed-out one is not
 generated again elsewhere). When no attempt succeeds the client gets the last failure as 502 (504
-for timeouts, 429 passed on); once bytes are out, an upstream failure ends the stream with an SSE
-error event and ``[DONE]``. Every exit path undoes the router's accounting exactly once and counts
+for timeouts, 429 passed on); once bytes are out, a streamed chat or completion is continued on
+another replica (``gateway/continuation.py``: after an upstream failure, or when it outgrows the
+replica's ``context_limit``), and a stream that cannot be continued ends with an SSE error event
+and ``[DONE]``. Every exit path undoes the router's accounting exactly once and counts
 the request once.
 HTTP itself is ``gateway/http.py``; upstreams are ``gateway/upstream.py``.
 """
@@ -28,7 +30,7 @@ import random
 import signal
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Any, Literal
 
@@ -36,6 +38,7 @@ from kvroute.gateway.admin import handle_admin
 from kvroute.gateway.auth import KeyState, bearer
 from kvroute.gateway.breaker import CircuitState
 from kvroute.gateway.config import GatewayConfig, load_config
+from kvroute.gateway.continuation import Break, LegResponder, Splice, error_event
 from kvroute.gateway.http import HTTPServer, Responder
 from kvroute.gateway.http import Request as HTTPRequest
 from kvroute.gateway.peers import PEER_HEADERS, STATUS_PATH
@@ -264,7 +267,11 @@ class Proxy:
             headers = _forwarded(request.headers)
             if rt.keys.enabled and not rt.config.auth.forward_authorization:
                 headers = [(k, v) for k, v in headers if k != "authorization"]  # the client's key is ours
-            await self._route_and_forward(request, resp, kind, bool(body.get("stream")), req, headers, served, t0)
+            splice = Splice.open(kind.label, body, req.prompt_tokens) if rt.config.retry.max_continuations else None
+            brk = await self._route_and_forward(request, resp, kind, bool(body.get("stream")), req, headers, served,
+                                                t0, splice)
+            if brk is not None and splice is not None:
+                await self._continue(request, resp, kind, headers, req, served, t0, splice, brk)
         finally:
             if req is not None:
                 self.estimates.pop(req.id, None)
@@ -299,9 +306,11 @@ class Proxy:
                                          "")))[:512]
         access.info("request", extra={"fields": fields})
 
-    async def _route_and_forward(self, request: HTTPRequest, resp: Responder, kind: Kind, stream: bool,
-                                 req: Request, headers: list[tuple[str, str]], served: dict[str, Any],
-                                 t0: float) -> None:
+    async def _route_and_forward(self, request: HTTPRequest, resp: Responder | LegResponder, kind: Kind,
+                                 stream: bool, req: Request, headers: list[tuple[str, str]], served: dict[str, Any],
+                                 t0: float, splice: Splice | None = None) -> Break | None:
+        """Route and proxy with retries; a stream that broke or outgrew its replica after bytes
+        were out comes back as a Break, for the caller to continue."""
         rt = self.rt
         rc = rt.config.retry
         excluded = served["excluded"]  # replicas that failed this request
@@ -315,28 +324,29 @@ class Proxy:
             except QueueFull as exc:
                 rt.metrics.rejected.labels("full").inc()
                 resp.send_error(429, str(exc), "rate_limit_error", code="queue_full", headers=[("Retry-After", "1")])
-                return
+                return None
             except QueueTimeout as exc:
                 rt.metrics.rejected.labels("timeout").inc()
                 resp.send_error(503, str(exc), "server_error", code="queue_timeout", headers=[("Retry-After", "2")])
-                return
+                return None
             except PolicyError as exc:
                 resp.send_error(503, f"{exc}; see the gateway log", "server_error", code="policy_error")
-                return
+                return None
             if decision.kind is DecisionKind.NONE:
                 if failure is not None:
                     break  # every replica that could take it has failed: the last failure answers
                 resp.send_error(503, f"no replica can serve this request: {decision.reason}", "server_error",
                                 code=decision.branch)
-                return
+                return None
             target = decision.target
             assert target is not None  # a dispatch names its target
             served["replica"], served["branch"] = target, decision.branch
             rt.dispatched(req, decision)
             sent = rt.peering.outbound(headers, req, request.headers) if target in rt.peering.links else headers
-            failure = await self._forward(request, resp, kind, sent, req, target, stream, t0, deadline)
-            if failure is None:
-                return
+            result = await self._forward(request, resp, kind, sent, req, target, stream, t0, deadline, splice)
+            if not isinstance(result, Failure):
+                return result  # the client has its answer, or the stream is to go on elsewhere
+            failure = result
             excluded.append(target)
             req.exclude = (*unfit, *excluded)
             left = deadline - time.monotonic()
@@ -348,6 +358,7 @@ class Proxy:
         assert failure is not None
         retry_after = [("Retry-After", "1")] if failure.status in (429, 503) else []
         resp.send_error(failure.status, failure.message, "server_error", code=failure.code, headers=retry_after)
+        return None
 
     def _count_tokens(self, target: str, rid: str, body: bytes) -> None:
         """Teach the token ratio the engine's own prompt count (``usage.prompt_tokens``)."""
@@ -364,10 +375,11 @@ class Proxy:
             out.append(("x-kvroute-replica", target))
         return out
 
-    async def _forward(self, request: HTTPRequest, resp: Responder, kind: Kind, headers: list[tuple[str, str]],
-                       req: Request, target: str, stream: bool, t0: float, deadline: float) -> Failure | None:
-        """Proxy one attempt. Returns None once the client has a response, or the failure if
-        nothing was sent."""
+    async def _forward(self, request: HTTPRequest, resp: Responder | LegResponder, kind: Kind,
+                       headers: list[tuple[str, str]], req: Request, target: str, stream: bool, t0: float,
+                       deadline: float, splice: Splice | None = None) -> Failure | Break | None:
+        """Proxy one attempt. Returns None once the client has a response, the failure if
+        nothing was sent, or a Break when a stream is to go on elsewhere."""
         rt = self.rt
         up = rt.upstreams.get(target) or rt.peering.links.get(target)
         if up is None:  # removed by a reload between decision and now
@@ -406,8 +418,8 @@ class Proxy:
                 log.warning("upstream %s failed before responding: %s", target, exc)
                 return _failure_of(exc, target)
             if first is not None:
-                outcome = await self._stream(resp, upstream, first, req, target, t0, kind.stream_end)
-                return None
+                outcome, brk = await self._stream(resp, upstream, first, req, target, t0, kind.stream_end, splice)
+                return brk
             ttft = time.monotonic() - t0
             rt.first_token(req.id, ttft)
             rt.metrics.ttft.observe(ttft)
@@ -422,21 +434,35 @@ class Proxy:
             if upstream is not None:
                 upstream.release()  # kept alive when fully read; closed (cancelling upstream) otherwise
 
-    async def _stream(self, resp: Responder, upstream: UpstreamResponse, first: bytes, req: Request,
-                      target: str, t0: float, end_marker: bytes | None) -> Outcome:
-        """Pass an SSE stream through; a failure after bytes are out ends it with an error event."""
+    async def _stream(self, resp: Responder | LegResponder, upstream: UpstreamResponse, first: bytes, req: Request,
+                      target: str, t0: float, end_marker: bytes | None,
+                      splice: Splice | None = None) -> tuple[Outcome, Break | None]:
+        """Pass an SSE stream through. With a splice (a continuable request): whole events only,
+        and a failure after bytes are out, or a sequence outgrowing the replica's context limit,
+        returns a Break for the caller to continue elsewhere; without, a failure ends the stream
+        with an error event."""
         rt = self.rt
         ttft = time.monotonic() - t0
         rt.first_token(req.id, ttft)
-        rt.metrics.ttft.observe(ttft)
-        resp.start(upstream.status, self._resp_headers(upstream, target))
+        if not resp.started:  # a continuation leg writes on into the client's stream
+            rt.metrics.ttft.observe(ttft)
+            resp.start(upstream.status, self._resp_headers(upstream, target))
+        limit = rt.router.policy.context_limit(target) if splice is not None else None
         chunk: bytes | None = first
         tail = b""  # the stream's last bytes: is it at an event boundary, did [DONE] arrive?
         try:
             while chunk is not None:
-                await resp.write(chunk)
+                await resp.write(chunk if splice is None else splice.feed(chunk))
                 tail = (tail + chunk)[-STREAM_TAIL:]
+                if splice is not None:
+                    if splice.error is not None:
+                        raise UpstreamError(f"error event: {splice.error}")
+                    if splice.outgrew(limit):
+                        return Outcome.NEUTRAL, Break("migrate", f"the sequence reached {limit} tokens, the context "
+                                                 f"limit of {target}")
                 chunk = await upstream.next_chunk()
+            if splice is not None and splice.partial.strip():  # a last event without its blank line
+                await resp.write(splice.feed(b"\n\n"))
             if end_marker is not None and end_marker not in tail[-32:]:
                 raise UpstreamError(f"upstream ended the stream without {end_marker.decode()}")
             outcome = Outcome.OK
@@ -444,13 +470,58 @@ class Proxy:
         except UpstreamError as exc:
             outcome = Outcome.FAILED
             log.warning("upstream %s failed mid-stream: %s", target, exc)
+            if splice is not None and splice.continuable and not splice.done:
+                return outcome, Break("recover", f"upstream {target} failed mid-stream: {exc}")
             event = {"error": {"message": f"upstream {target} failed mid-stream: {exc}",
                                "type": "server_error", "param": None, "code": "upstream_stream_error"}}
             # never glue the error onto a partial event
             sep = b"" if tail.endswith((b"\n\n", b"\r\n\r\n")) or not tail else b"\n\n"
             await resp.write(sep + f"data: {json.dumps(event)}\n\ndata: [DONE]\n\n".encode())
         await resp.end()
-        return outcome
+        return outcome, None
+
+    async def _continue(self, request: HTTPRequest, resp: Responder, kind: Kind, headers: list[tuple[str, str]],
+                        req: Request, served: dict[str, Any], t0: float, splice: Splice, brk: Break | None) -> None:
+        """Carry a stream on, leg by leg, after it broke or outgrew its replica
+        (``gateway/continuation.py``): each leg is routed like a request whose prompt is the
+        original plus the text generated so far, and retried like one; a replica that failed is
+        not used again. At most ``retry.max_continuations`` legs; then an SSE error ends it."""
+        rt = self.rt
+        leg_resp = LegResponder(resp)
+        while brk is not None:
+            reason, cause = brk.reason, brk.message
+            body = splice.next_body()
+            if body is None:  # every token the client asked for is out: only the ending was lost
+                rt.metrics.continuations.labels(reason, "completed").inc()
+                await resp.write(splice.length_ending())
+                break
+            if splice.legs > rt.config.retry.max_continuations or not splice.continuable:
+                rt.metrics.continuations.labels(reason, "refused").inc()
+                why = (f"{rt.config.retry.max_continuations} continuation(s) already made"
+                       if splice.continuable else "this stream cannot be continued")
+                await resp.write(error_event(f"{brk.message}; {why}", "upstream_stream_error"))
+                break
+            log.info("continuing %s (%s) after %d token(s): %s", req.id, reason, splice.tokens, brk.message)
+            if reason == "recover" and served.get("replica"):
+                served["excluded"].append(served["replica"])
+            splice.begin_leg()
+            leg = HTTPRequest(request.method, request.path, request.headers, request.keep_alive)
+            leg.body = json.dumps(body).encode()
+            field = "messages" if splice.chat else "prompt"
+            hashes, _ = self.hasher(_prompt_key(field, body[field]))
+            leg_req = replace(req, id=f"{req.id}.{splice.legs}", arrival_s=time.monotonic(), block_hashes=hashes,
+                              prompt_tokens=splice.length(),
+                              max_output_tokens=max(1, req.max_output_tokens - splice.tokens),
+                              exclude=tuple(dict.fromkeys((*req.exclude, *served["excluded"]))))
+            brk = await self._route_and_forward(leg, leg_resp, kind, True, leg_req, headers, served, t0, splice)
+            if leg_resp.refusal is not None:
+                rt.metrics.continuations.labels(reason, "failed").inc()
+                message, code = leg_resp.refusal
+                await resp.write(error_event(f"{cause}; the stream could not be continued: {message} "
+                                             f"({code})", "upstream_stream_error"))
+                break
+            rt.metrics.continuations.labels(reason, "continued").inc()
+        await resp.end()
 
 
 class Gateway:

@@ -1,0 +1,309 @@
+"""Stream continuation through the gateway (gateway/continuation.py): a stream that outgrows its
+replica's stage migrates, a stream whose replica dies recovers, and either way the client gets
+one stream equal token for token to an uninterrupted run. Real HTTP on 127.0.0.1, emulated
+engines (whose text is a function of its context), the openai SDK as client."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from kvroute.emulator.server import emulated_text
+from kvroute.gateway.config import GatewayConfig, ReplicaConfig
+from kvroute.gateway.continuation import Splice
+from kvroute.gateway.server import Gateway
+from kvroute.model import Decision, Endpoint, Request
+from kvroute.policy.base import Policy, View
+from kvroute.prefix import chat_key, estimate_tokens
+from tests.gateway_harness import LiveDeployment
+
+CHAT = [{"role": "system", "content": "You summarise incident reports."},
+        {"role": "user", "content": "Summarise the outage of the storage cluster on Tuesday."}]
+PROMPT = "The storage cluster went down on Tuesday because"
+
+
+class TwoStages(Policy):
+    """A tiny length-staged policy: emulated-0 serves sequences shorter than ``cut`` tokens,
+    emulated-1 the rest (the contract CascadeInfer's preset fulfils with ``context_limit``)."""
+
+    name = "two_stages"
+
+    def __init__(self, cut: int | None):
+        super().__init__()
+        self.cut = cut
+
+    def context_limit(self, endpoint_id: str) -> int | None:
+        """emulated-0's stage ends at ``cut``; the last stage is unbounded."""
+        return self.cut if endpoint_id == "emulated-0" else None
+
+    def choose(self, req: Request, eps: list[Endpoint], view: View) -> Decision:
+        """The first admitted endpoint of the request's stage (or any, once its stage failed)."""
+        stage = "emulated-0" if self.cut is None or req.prompt_tokens < self.cut else "emulated-1"
+        ep = next((e for e in eps if e.id == stage), eps[0])
+        return Decision.dispatch(ep.id, "stage")
+
+
+@pytest.fixture
+def live():
+    dep = LiveDeployment(replicas=2, policy="round_robin")
+    yield dep
+    counters = dep.settle()
+    dep.close()
+    assert counters == (0, 0, 0), f"in-flight / queue / tickets not back to zero: {counters}"
+
+
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=10)
+
+
+def continuations(url: str) -> dict[tuple[str, str], float]:
+    out = {}
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        if line.startswith("kvroute_continuations_total{"):
+            labels, value = line[len("kvroute_continuations_total{"):].split("} ")
+            parts = dict(p.split("=") for p in labels.split(","))
+            out[(parts["reason"].strip('"'), parts["result"].strip('"'))] = float(value)
+    return out
+
+
+def requests_served(dep: LiveDeployment) -> list[int]:
+    return [emu.requests_total for _, emu, _ in dep.dep.emulators]
+
+
+def chat_stream(url: str, max_tokens: int, **extra):
+    stream = client(url).chat.completions.create(model="emulated", messages=CHAT, max_tokens=max_tokens,
+                                                 stream=True, stream_options={"include_usage": True}, **extra)
+    return list(stream)
+
+
+def test_a_migrated_chat_stream_equals_an_unmigrated_one(live):
+    live.runtime.router.policy = TwoStages(None)
+    plain = chat_stream(live.url, 20)
+    assert continuations(live.url) == {}
+    cut = estimate_tokens(chat_key(CHAT)) + 7  # emulated-0's stage ends 7 tokens into the answer
+    live.runtime.router.policy = TwoStages(cut)
+    before = requests_served(live)
+    moved = chat_stream(live.url, 20)
+    assert [b - a for a, b in zip(before, requests_served(live))] == [1, 1]  # one leg on each stage
+    assert continuations(live.url) == {("migrate", "continued"): 1.0}
+
+    def text(chunks):
+        return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+    assert text(moved) == text(plain) == emulated_text(chat_key(CHAT), 20)
+    assert len({(c.id, c.created, c.model) for c in moved}) == 1  # what the client saw first, throughout
+    assert [c.choices[0].delta.role for c in moved if c.choices and c.choices[0].delta.role] == ["assistant"]
+    assert [c.choices[0].finish_reason for c in moved if c.choices and c.choices[0].finish_reason] == ["length"]
+    usage = [c.usage for c in moved if c.usage]
+    assert len(usage) == 1 and usage[0].completion_tokens == 20
+    assert usage[0].prompt_tokens == next(c.usage for c in plain if c.usage).prompt_tokens
+    assert usage[0].total_tokens == usage[0].prompt_tokens + 20
+
+
+def test_a_migrated_completion_stream_equals_an_unmigrated_one(live):
+    cut = estimate_tokens(PROMPT) + 4
+    live.runtime.router.policy = TwoStages(cut)
+    with httpx.stream("POST", f"{live.url}/v1/completions", timeout=10,
+                      json={"model": "emulated", "prompt": PROMPT, "max_tokens": 15, "stream": True}) as r:
+        body = r.read().decode()
+    events = [line[6:] for line in body.split("\n") if line.startswith("data: ")]
+    assert events.count("[DONE]") == 1 and events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == emulated_text(PROMPT, 15)
+    assert len({c["id"] for c in chunks}) == 1
+    assert chunks[-1]["usage"]["prompt_tokens"] == estimate_tokens(PROMPT)  # the original prompt
+    assert chunks[-1]["usage"]["completion_tokens"] == 15
+    assert continuations(live.url) == {("migrate", "continued"): 1.0}
+
+
+def test_non_stream_requests_are_not_continued(live):
+    live.runtime.router.policy = TwoStages(estimate_tokens(PROMPT) + 2)
+    raw = client(live.url).completions.with_raw_response.create(model="emulated", prompt=PROMPT, max_tokens=12)
+    assert raw.headers["x-kvroute-replica"] == "emulated-0"
+    assert raw.parse().choices[0].text == emulated_text(PROMPT, 12)
+    assert continuations(live.url) == {}
+
+
+def test_a_stream_cut_mid_way_recovers_on_another_replica(live):
+    live.runtime.router.policy = TwoStages(None)  # everything to emulated-0 while it is up
+    live.fault(0, close_after_tokens=5)
+    chunks = chat_stream(live.url, 18)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == emulated_text(chat_key(CHAT), 18)
+    assert next(c.usage for c in chunks if c.usage).completion_tokens == 18
+    assert continuations(live.url) == {("recover", "continued"): 1.0}
+
+
+def test_the_continuation_bound_ends_the_stream_with_one_sse_error(live):
+    live.runtime.config.retry.max_continuations = 1
+    for i in range(2):
+        live.fault(i, close_after_tokens=3)
+    with httpx.stream("POST", f"{live.url}/v1/chat/completions", timeout=10,
+                      json={"model": "emulated", "messages": CHAT, "max_tokens": 30, "stream": True}) as r:
+        assert r.status_code == 200
+        body = r.read().decode()
+    assert body.endswith("\n\n")
+    events = [line[6:] for line in body.split("\n") if line.startswith("data: ")]
+    assert events.count("[DONE]") == 1 and events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["code"] == "upstream_stream_error" and "1 continuation(s) already made" in error["message"]
+    text = "".join(json.loads(e)["choices"][0]["delta"].get("content", "") for e in events[:-2])
+    assert text == emulated_text(chat_key(CHAT), 6)  # 3 tokens from each leg, none lost or repeated
+    assert continuations(live.url) == {("recover", "continued"): 1.0, ("recover", "refused"): 1.0}
+
+
+def test_emulated_engines_refuse_a_continuation_with_a_generation_prompt(live):
+    body = {"model": "emulated", "max_tokens": 2, "continue_final_message": True,
+            "messages": [*CHAT, {"role": "assistant", "content": " abc"}]}
+    assert httpx.post(f"{live.emulator_url(0)}/v1/chat/completions", json=body).status_code == 400
+    body["add_generation_prompt"] = False
+    r = httpx.post(f"{live.emulator_url(0)}/v1/chat/completions", json=body)
+    assert r.json()["choices"][0]["message"]["content"] == emulated_text(chat_key(CHAT) + " abc", 2)
+
+
+# -- a replica process killed mid-stream --------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _wait_up(url: str, deadline: float) -> None:
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url, timeout=0.5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            time.sleep(0.05)
+    raise TimeoutError(url)
+
+
+def test_a_replica_process_killed_mid_stream_leaves_the_client_a_whole_stream():
+    ports = [_free_port(), _free_port()]
+    emus = [subprocess.Popen([sys.executable, "-m", "kvroute.cli", "emulate", "--port", str(p), "--slowdown", "6"],
+                             stderr=subprocess.DEVNULL) for p in ports]
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    gw = None
+    try:
+        deadline = time.monotonic() + 8
+        for p in ports:
+            _wait_up(f"http://127.0.0.1:{p}/health", deadline)
+        config = GatewayConfig(port=0, policy="round_robin", probe={"interval_s": 0.05},
+                               replicas=[ReplicaConfig(url=f"http://127.0.0.1:{p}", id=f"r{i}", engine="vllm")
+                                         for i, p in enumerate(ports)])
+        gw = Gateway(config)
+        port = asyncio.run_coroutine_threadsafe(gw.start(), loop).result(10)
+        raw = client(f"http://127.0.0.1:{port}").completions.with_raw_response.create(
+            model="emulated", prompt=PROMPT, max_tokens=30, stream=True)
+        victim = emus[int(raw.headers["x-kvroute-replica"][1:])]
+        text = ""
+        for chunk in raw.parse():
+            text += chunk.choices[0].text if chunk.choices else ""
+            if len(text) == 4 * 5 and victim.poll() is None:  # five tokens in: the engine dies
+                os.kill(victim.pid, signal.SIGKILL)
+        assert victim.poll() is not None
+        assert text == emulated_text(PROMPT, 30)
+        assert continuations(f"http://127.0.0.1:{port}") == {("recover", "continued"): 1.0}
+    finally:
+        if gw is not None:
+            asyncio.run_coroutine_threadsafe(gw.stop(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+        for p in emus:
+            if p.poll() is None:
+                p.terminate()
+                p.wait(5)
+
+
+# -- the splice on its own ----------------------------------------------------------------------
+
+def _splice(**body) -> Splice:
+    splice = Splice.open("chat", {"messages": CHAT, "stream": True, "max_tokens": 10, **body}, 30)
+    assert splice is not None
+    return splice
+
+
+def _event(obj) -> bytes:
+    return f"data: {json.dumps(obj)}\n\n".encode()
+
+
+def test_splice_forwards_whole_events_only_and_rewrites_later_legs():
+    s = _splice()
+    first = _event({"id": "a", "created": 1, "model": "m", "choices": [{"index": 0, "delta": {"role": "assistant",
+                                                                                             "content": " x"}}]})
+    assert s.feed(first[:10]) == b"" and s.feed(first[10:]) == first
+    assert s.feed(b'data: {"id": "a", "cho') == b""  # a leg dying here leaves no fragment
+    s.begin_leg()
+    role = _event({"id": "b", "created": 2, "model": "m2", "choices": [{"index": 0, "delta": {"role": "assistant",
+                                                                                              "content": ""}}]})
+    assert s.feed(role.replace(b"\n\n", b"\r\n\r\n")) == b""  # a second role announcement is dropped
+    out = s.feed(_event({"id": "b", "created": 2, "model": "m2", "choices": [{"index": 0, "delta": {"content": " y"}}],
+                         "usage": {"prompt_tokens": 41, "completion_tokens": 1, "total_tokens": 42}}))
+    event = json.loads(out[6:])
+    assert (event["id"], event["created"], event["model"]) == ("a", 1, "m")
+    assert event["usage"] == {"prompt_tokens": 40, "completion_tokens": 2, "total_tokens": 42}
+    assert s.text == " x y" and s.tokens == 2
+
+
+def test_splice_stops_on_an_error_event_and_on_tool_calls():
+    s = _splice()
+    assert s.feed(b'data: {"error": {"message": "engine died"}}\n\n') == b""
+    assert s.error == "engine died"
+    s = _splice()
+    s.feed(_event({"id": "a", "choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0}]}}]}))
+    assert not s.continuable
+
+
+def test_what_cannot_be_continued_is_not():
+    assert Splice.open("chat", {"messages": CHAT, "stream": True, "n": 2}, 10) is None
+    assert Splice.open("completions", {"prompt": [1, 2, 3], "stream": True}, 3) is None
+    assert Splice.open("completions", {"prompt": "x", "stream": True, "echo": True}, 1) is None
+    structured = {"messages": CHAT, "stream": True, "response_format": {"type": "json_object"}}
+    assert Splice.open("chat", structured, 1) is None
+    assert Splice.open("embeddings", {"input": "x", "stream": True}, 1) is None
+
+
+def test_the_next_leg_asks_for_the_rest_and_continues_the_assistant_message():
+    s = _splice(min_tokens=4)
+    s.feed(_event({"id": "a", "choices": [{"index": 0, "delta": {"content": " x"}}]}))
+    body = s.next_body()
+    assert body is not None and body["max_tokens"] == 9 and body["min_tokens"] == 3
+    assert body["messages"][-1] == {"role": "assistant", "content": " x"}
+    assert body["continue_final_message"] is True and body["add_generation_prompt"] is False
+    assert s.outgrew(31) and not s.outgrew(32) and not s.outgrew(None)
+
+
+def test_cascadeinfer_routes_by_length_and_migrates_a_growing_stream():
+    """The cascadeinfer preset in the gateway: two one-instance stages split at ``cut`` tokens; a
+    short prompt starts in stage 1 and moves to stage 2 as its answer grows, a long one starts there."""
+    cut = estimate_tokens(chat_key(CHAT)) + 6
+    dep = LiveDeployment(replicas=2, policy={"preset": "cascadeinfer",
+                                             "params": {"stage_sizes": [1, 1], "bounds": [cut]}})
+    try:
+        before = requests_served(dep)
+        chunks = chat_stream(dep.url, 16)
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == \
+            emulated_text(chat_key(CHAT), 16)
+        assert [b - a for a, b in zip(before, requests_served(dep))] == [1, 1]
+        assert continuations(dep.url) == {("migrate", "continued"): 1.0}
+        long_chat = [*CHAT, {"role": "user", "content": "And list every affected volume. " * 4}]
+        raw = client(dep.url).chat.completions.with_raw_response.create(model="emulated", messages=long_chat,
+                                                                        max_tokens=4)
+        assert raw.headers["x-kvroute-replica"] == "emulated-1"  # past the cut: the second stage
+    finally:
+        counters = dep.settle()
+        dep.close()
+    assert counters == (0, 0, 0)
