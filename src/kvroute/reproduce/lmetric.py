@@ -4,25 +4,29 @@ Setup: ``kvroute/scenarios/reproduce/lmetric.yaml`` — 16 H20 / Qwen3-30B-A3B r
 conversation trace. As in the paper, the load is set from the testbed's maximum: kvroute first
 measures the deployment's saturated throughput (round robin, trace compressed until the
 backlog grows), then replays the trace at half of it, and sweeps 30–90 % for the "every rate"
-claim.
+claim. ``llm_d`` is the predicted-TTFT baseline (matched and mismatched profile, Figs. 15-16);
+the §5.2 hotspot detector runs at 2× capacity and at half load on the trace, and on a synthetic
+hot-prefix workload (:class:`HotspotWorkload`).
 """
 
 from __future__ import annotations
 
 import random
+from collections import Counter
 from collections.abc import Iterator
 
 from kvroute.model import Request
 from kvroute.reproduce.common import (
     DIRECTION,
     NO,
-    NOT_IMPLEMENTED,
-    NOT_MODELLED,
     YES,
     Lab,
     Row,
     unstable_note,
 )
+from kvroute.sim.runner import PolicyRun, run_scenario
+from kvroute.sim.scenario import parse_scenario
+from kvroute.sim.simulation import Simulation
 from kvroute.workload import SimRequest, Workload
 
 
@@ -60,6 +64,8 @@ class HotspotWorkload(Workload):
 
 BASELINES = ("vllm_jsq", "bailian_linear", "dynamo_kv", "aibrix_prefix_cache", "llm_d")
 SWEEP = (0.3, 0.5, 0.7, 0.9)
+
+
 def why_trace(res: dict) -> str:
     """Evidence for the LMetric rows: how much prefix reuse the stand-in trace offers."""
     hits = ", ".join(f"{lbl} {r['prefix_hit_rate']:.0%}" for lbl, r in res.items() if lbl in ("lmetric", "vllm_jsq"))
@@ -75,6 +81,113 @@ def capacity(lab: Lab) -> tuple[float, float]:
     sc = lab.scenario("lmetric")
     times = [s.req.arrival_s / sc.workload.time_scale for s in sc.make_workload().arrivals()]
     return sat["throughput_rps"], len(times) / (times[-1] - times[0])
+
+
+def top_share(run: PolicyRun) -> float:
+    """Share of all completed requests served by the busiest replica."""
+    counts = Counter(run.recorder.replica)
+    return max(counts.values()) / sum(counts.values()) if counts else 0.0
+
+
+def run_with_shares(lab: Lab, key: str, overrides: dict) -> dict[str, dict]:
+    """Like ``Lab.run`` on the lmetric scenario, adding each policy's busiest-replica share."""
+    if key not in lab.runs:
+        sc = lab.scenario("lmetric", overrides)
+        if lab.progress:
+            lab.progress(f"running {key} ({sc.limits.max_requests or 'all'} requests, {len(sc.policies)} policies)")
+        results = {}
+        for r in run_scenario(sc):
+            results[r.label] = {**r.result, "top_replica_share": top_share(r)}
+        lab.runs[key] = results
+        lab.meta[key] = {"scenario": "reproduce/lmetric", "overrides": overrides,
+                         "requests": sc.limits.max_requests, "wall_s": 0.0,
+                         "unstable": [lbl for lbl, x in results.items() if not x["load"]["stable"]]}
+    return lab.runs[key]
+
+
+def mismatch_row(lab: Lab, time_scale: float, half: dict) -> Row:
+    """LMetric Figs. 15-16: the predictor with a profile of other hardware mispredicts TTFT."""
+    other = "a100-mistral-7b"
+    res = lab.run("lmetric", key="lmetric-50-untuned", overrides={
+        "workload": {"time_scale": time_scale}, "policies": [{"preset": "llm_d", "params": {"profile": other}}]})
+    untuned = next(iter(res.values()))
+    tuned = half["llm_d"]
+
+    def err(r: dict) -> tuple[float, float]:
+        st = {k.rsplit(".", 1)[-1]: v for k, v in r.get("policy_state", {}).items()}
+        return st.get("mean_abs_rel_error", 0.0), st.get("share_over_20pct", 0.0)
+
+    (e_t, o_t), (e_u, o_u) = err(tuned), err(untuned)
+    d_ttft = tuned["ttft_s"]["p99"] / untuned["ttft_s"]["p99"] - 1
+    d_tpot = tuned["tpot_s"]["p99"] / untuned["tpot_s"]["p99"] - 1
+    agree = YES if e_t < e_u and d_ttft <= -0.38 and d_tpot <= -0.40 else DIRECTION if e_t < e_u else NO
+    return Row("Figs. 15-16: a well-tuned simulator predicts better than an untuned one, and the tails "
+               "improve with it (TTFT / TPOT P99)",
+               "much higher accuracy (still ~10 % of requests off by > 20 %); tails −75.6 % / −79.7 %",
+               f"mean abs. error {e_t:.0%} tuned (H20 profile; {o_t:.0%} off by > 20 %) vs {e_u:.0%} with the "
+               f"{other} profile ({o_u:.0%}); P99 TTFT {d_ttft * 100:+.1f} %, P99 TPOT {d_tpot * 100:+.1f} %",
+               agree, "" if agree == YES else "model: at half load most replicas have room, so even a badly "
+               "scaled prediction ranks them much as a good one does (the error is mostly a common factor), "
+               "and the tails barely move",
+               "lmetric")
+
+
+def hotspot_rows(lab: Lab, cap: float, trace_rate: float, half: dict) -> list[Row]:
+    """LMetric §5.2's detector: what it does at 2× overload and at half load on the trace, and on
+    a synthetic workload with the hot shared prefix the paper's analysis describes."""
+    both = ["lmetric", {"preset": "lmetric", "params": {"hotspot": True}}]
+    on = "lmetric(hotspot=True)"
+    over = run_with_shares(lab, "lmetric-200-hotspot", {"workload": {"time_scale": trace_rate / (2.0 * cap)},
+                                                        "policies": both})
+    calm = run_with_shares(lab, "lmetric-50-hotspot", {"workload": {"time_scale": trace_rate / (0.5 * cap)},
+                                                       "policies": both})
+
+    def fired(r: dict) -> float:
+        return sum(v for k, v in r.get("policy_state", {}).items() if k.endswith("filtered_requests"))
+
+    def line(r: dict) -> str:
+        return (f"busiest replica {r['top_replica_share']:.0%}, TTFT mean {r['ttft_s']['mean']:.2f} s, "
+                f"TPOT mean {r['tpot_s']['mean'] * 1000:.0f} ms")
+
+    offered = over["lmetric"]["load"]["offered_rps"]
+    served = ", ".join(f"{r['load']['served_rps']:.1f}" for r in over.values())
+    unstable = [lbl for lbl, r in over.items() if not r["load"]["stable"]]
+    sat = (f"served {served} of {offered:.1f} req/s offered; "
+           + (f"UNSTABLE ({', '.join(unstable)}): saturated, latencies measure a queue" if unstable
+              else "both stable"))
+    out = [Row("KV hotspot on the trace at 2× capacity (Mooncake conversation, 16 replicas): detector off / on",
+               "hotspots are rare; none in the paper's traces",
+               f"off: {line(over['lmetric'])}; on: {line(over[on])}, {fired(over[on]):.0f} requests filtered "
+               f"({sat})",
+               YES if fired(over[on]) == 0 else NO,
+               "" if fired(over[on]) == 0 else "model: the detector found a hotspot the paper's traces do not have",
+               "lmetric"),
+           Row("detector silent at half load (same trace)", "silent on benign traces",
+               f"{fired(calm[on]):.0f} requests filtered; {line(calm[on])}" + unstable_note(lab, "lmetric-50-hotspot"),
+               YES if fired(calm[on]) == 0 else NO, "", "lmetric")]
+    out.append(synthetic_hotspot_row())
+    return out
+
+
+def synthetic_hotspot_row() -> Row:
+    """The detector on a hot shared prefix (70 % of requests share 20K tokens, 16 H20s, 5 req/s)."""
+    sc = parse_scenario({"name": "hotspot", "seed": 1, "policies": ["lmetric"],
+                         "replicas": [{"region": "us", "count": 16, "profile": "h20-qwen3-30b-a3b"}]}, "hotspot")
+    res = {}
+    for params in ({}, {"hotspot": True}):
+        sim = Simulation(sc.setup(None), "lmetric", params, HotspotWorkload(5.0, 3000, hot=0.7, seed=1))
+        r = sim.run()
+        counts = Counter(sim.recorder.replica)
+        res[bool(params)] = (r, max(counts.values()) / sum(counts.values()))
+    (off, s_off), (on, s_on) = res[False], res[True]
+    filtered = on["branches"].get("hotspot-filtered", 0)
+    agree = YES if filtered and s_on < s_off else NO
+    return Row("synthetic hot prefix (70 % of requests share a 20K-token prefix, 16 replicas, 5 req/s): "
+               "detector off / on", "detects, filters the hotspot's instances, falls back to load balancing",
+               f"busiest replica {s_off:.0%} → {s_on:.0%}; {filtered} requests filtered; TTFT mean "
+               f"{off['ttft_s']['mean']:.3f} → {on['ttft_s']['mean']:.3f} s, TPOT mean "
+               f"{off['tpot_s']['mean'] * 1000:.1f} → {on['tpot_s']['mean'] * 1000:.1f} ms", agree,
+               "" if agree == YES else "model: the multiplication already spread the class", "lmetric")
 
 
 def rows(lab: Lab) -> list[Row]:
@@ -99,10 +212,14 @@ def rows(lab: Lab) -> list[Row]:
     d = half["llm_d"]
     dp99 = lm["tpot_s"]["p99"] / d["tpot_s"]["p99"] - 1
     dttft = lm["ttft_s"]["mean"] / d["ttft_s"]["mean"] - 1
+    agree = (YES if -0.26 <= dp99 <= -0.065 and abs(dttft) <= 0.25 else DIRECTION if dp99 < 0 else NO)
     out.append(Row("P99 TPOT vs llm-d (simulator-based, second best), similar TTFT", "−13 %",
-                   f"P99 TPOT {dp99 * 100:+.1f} %, mean TTFT {dttft * 100:+.1f} %" + note, NOT_MODELLED,
-                   "missing baseline: kvroute's llm_d is llm-d's weighted scorer (queue 2, kv 2, prefix 3), "
-                   "not the latency-predicting simulator LMetric compared against", "lmetric"))
+                   f"P99 TPOT {dp99 * 100:+.1f} %, mean TTFT {dttft * 100:+.1f} %" + note, agree,
+                   "" if agree == YES else "model: kvroute's llm_d predicts with the very step-time model "
+                   "the simulated replicas run (a perfectly tuned simulator, short of LB-side staleness), "
+                   "so its scheduling is closer to LMetric's than the paper's retrofitted VIDUR was",
+                   "lmetric"))
+    out.append(mismatch_row(lab, trace_rate / (0.5 * cap), half))
     best_at = []
     for level in SWEEP:
         key = f"lmetric-{round(level * 100)}"
@@ -114,9 +231,11 @@ def rows(lab: Lab) -> list[Row]:
     agree = YES if wins == len(SWEEP) else DIRECTION if wins >= len(SWEEP) / 2 else NO
     out.append(Row("best mean TTFT of all baselines at every rate", "yes (one exception: ToolAgent vs llm-d)",
                    ", ".join(f"{lvl:.0%}: {b}" for lvl, b in best_at), agree,
-                   "" if agree == YES else WHY_TRACE + "; at low load every policy finds an idle replica",
+                   "" if agree == YES else (
+                       "model: llm_d predicts with the simulator's own step-time model, an exact simulator of "
+                       "these replicas; the paper's margin over llm-d comes from its retrofitted simulator's "
+                       "errors (Figs. 15-16)" if any(b == "llm_d" for _, b in best_at)
+                       else WHY_TRACE + "; at low load every policy finds an idle replica"),
                    "lmetric"))
-    out.append(Row("multiplication fails only in rare, detectable conditions (KV hotspot)", "two-phase detector",
-                   "–", NOT_IMPLEMENTED, "LMetric's KV-hotspot detector is not built (no code published)",
-                   "lmetric"))
+    out.extend(hotspot_rows(lab, cap, trace_rate, half))
     return out
