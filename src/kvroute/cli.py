@@ -420,6 +420,45 @@ def cmd_controller(args: argparse.Namespace) -> int:
     return _listen(main(), f"{dep.host}:{dep.port}")
 
 
+def cmd_bench_fidelity(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from kvroute.bench.fidelity import METRICS, Workload, run_fidelity
+    from kvroute.sim.profile import ProfileError, load_profile
+
+    try:
+        load_profile(args.profile)
+    except ProfileError as exc:
+        return error(str(exc))
+    w = Workload(args.users, args.groups, args.system_tokens, (args.min_turns, args.max_turns), args.max_tokens,
+                 args.seed)
+    policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
+    try:
+        out = asyncio.run(run_fidelity(args.url, args.profile, policies, w, log=lambda line: err.print(line)))
+    except (RuntimeError, OSError) as exc:
+        return error(f"bench fidelity: {exc}")
+    table = Table(title=f"fidelity: live through the gateway vs simulate ({args.profile}); sim/live in brackets")
+    table.add_column("policy")
+    for _, label in METRICS:
+        table.add_column(label, justify="right")
+    for policy, row in out["policies"].items():
+        cells = []
+        for key, _ in METRICS:
+            live, sim, ratio = row["live"][key], row["sim"][key], row["sim_over_live"][key]
+            fmt = (lambda v: f"{v:.1%}") if key == "cached_share" else (
+                (lambda v: f"{v:.2f}") if key == "throughput" else (lambda v: f"{v * 1000:.0f} ms"))
+            cells.append(f"{fmt(live)} / {fmt(sim)} [{ratio:.2f}]" if ratio is not None else f"{fmt(live)} / {fmt(sim)}")
+        table.add_row(policy, *cells)
+    console.print(table)
+    rank = out["ranking_ttft_p99"]
+    console.print(f"TTFT p99 ranking, live: {' < '.join(rank['live'])}; sim: {' < '.join(rank['sim'])}"
+                  f" ({'same' if rank['live'] == rank['sim'] else 'different'}); "
+                  f"{out['within_20pct']} of {out['compared']} sim/live ratios within 20 %")
+    if args.json:
+        write_json(args.json, out)
+    return 0
+
+
 def cmd_reproduce(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -587,6 +626,19 @@ def build_parser() -> argparse.ArgumentParser:
                                                    "pipelined-200x1MiB")))
     bh.add_argument("--baseline-src", metavar="DIR", help="also attack a gateway imported from this source tree")
     bh.set_defaults(func=cmd_bench_hostile)
+    bf = bench.add_parser("fidelity", help="one workload live through the gateway and in simulate, side by side")
+    bf.add_argument("--url", action="append", required=True, help="an engine's base URL (repeat for each)")
+    bf.add_argument("--profile", required=True, help="the simulator's profile (from `kvroute calibrate`)")
+    bf.add_argument("--policies", default="round_robin,sglang_cache_aware,lmetric,skywalker")
+    bf.add_argument("--users", type=int, default=12)
+    bf.add_argument("--groups", type=int, default=3, help="user groups, each sharing one system prompt")
+    bf.add_argument("--system-tokens", type=int, default=1500, dest="system_tokens")
+    bf.add_argument("--min-turns", type=int, default=4, dest="min_turns")
+    bf.add_argument("--max-turns", type=int, default=6, dest="max_turns")
+    bf.add_argument("--max-tokens", type=int, default=16, dest="max_tokens")
+    bf.add_argument("--seed", type=int, default=0)
+    bf.add_argument("--json", metavar="FILE")
+    bf.set_defaults(func=cmd_bench_fidelity)
     rp = sub.add_parser("reproduce", help="a paper's claims beside kvroute's simulated numbers")
     rp.add_argument("paper", choices=["skywalker", "gorgo-v1", "gorgo-v2", "lmetric", "cascadeinfer"])
     rp.add_argument("--quick", action="store_true", help="fewer requests per run (≤ 3 minutes per paper)")

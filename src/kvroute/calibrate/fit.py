@@ -8,7 +8,8 @@ outside the step loop: ``TTFT = ttft_overhead + c0 + c_prefill·L + c_prefill_at
 the two prefill costs. ``c_attn_fixed`` is folded into ``c0``: both are paid once per decoding
 step, and a sweep of decode steps cannot tell them apart.
 
-Both fits are least squares on relative error (every point counts the same whatever its size),
+Each swept point is the median of its repeats on every engine; both fits are least squares on
+relative error over those medians (every point counts the same whatever its size),
 with coefficients kept ≥ 0 (a term whose best value is negative is dropped and the rest refitted:
 the model's terms are physical costs, and a negative one would only fit noise).
 """
@@ -55,12 +56,22 @@ def fit_profile(m: Measurements, name: str, hardware: str, max_batched_tokens: i
     if len(m.decode) < 3 or len(m.prefill) < 3:
         raise ValueError(f"too few points to fit ({len(m.prefill)} prefill, {len(m.decode)} decode; "
                          "need 3 of each): widen the sweep")
-    c0, c_decode, c_attn = nonneg_lstsq([[1.0, b, b * ctx] for b, _, ctx, _ in m.decode], [s for *_, s in m.decode])
-    rest = [s - c0 for _, _, s in m.prefill]
+    by_len: dict[tuple, list[tuple[float, ...]]] = defaultdict(list)
+    for n, tokens, s in m.prefill:
+        by_len[(n,)].append((tokens, s))
+    prefill = [v for _, v in _medians(by_len)]  # (tokens, seconds) per swept length
+    by_step: dict[tuple, list[tuple[float, ...]]] = defaultdict(list)
+    for b, ctx, mean_ctx, s in m.decode:
+        by_step[(b, ctx)].append((mean_ctx, s))
+    decode = [(k[0], *v) for k, v in _medians(by_step)]  # (batch, mean context, step s) per swept point
+    # medians per point, then the fit: on a shared machine single requests stall now and then, and
+    # a fit on relative error over raw points would chase those stalls
+    c0, c_decode, c_attn = nonneg_lstsq([[1.0, b, b * ctx] for b, ctx, _ in decode], [s for *_, s in decode])
+    rest = [s - c0 for _, s in prefill]
     if min(rest) <= 0:
         raise ValueError("prefill took less than one decode step: the measurements are inconsistent "
                          "(is something else loading the engines?)")
-    overhead, c_prefill, c_pattn = nonneg_lstsq([[1.0, t, t * t / 2] for _, t, _ in m.prefill], rest)
+    overhead, c_prefill, c_pattn = nonneg_lstsq([[1.0, t, t * t / 2] for t, _ in prefill], rest)
     facts = m.engines
     kv = kv_tokens or min((f.kv_tokens for f in facts if f.kv_tokens), default=None) or 65536
     running = max_running or min((f.slots for f in facts if f.slots), default=None) or 256
@@ -70,18 +81,12 @@ def fit_profile(m: Measurements, name: str, hardware: str, max_batched_tokens: i
         block_size=block_size, max_running=running, max_batched_tokens=max_batched_tokens)
     source = f"measured by kvroute calibrate, {len(facts)} engine(s) loaded together"
     points, errors = [], []
-    by_len: dict[tuple, list[tuple[float, ...]]] = defaultdict(list)
-    for n, tokens, s in m.prefill:
-        by_len[(n,)].append((tokens, s))
-    for _, (length, s) in _medians(by_len):
+    for length, s in prefill:
         got = profile.ttft_overhead_s + profile.prefill_time(round(length))
         errors.append(got / s - 1)
         points.append({"prefill": round(length), "ttft_s": round(s, 6), "fit_s": round(got, 6),
                        "error": round(got / s - 1, 4), "source": source})
-    by_step: dict[tuple, list[tuple[float, ...]]] = defaultdict(list)
-    for b, ctx, mean_ctx, s in m.decode:
-        by_step[(b, ctx)].append((mean_ctx, s))
-    for (b, _), (mean_ctx, s) in _medians(by_step):
+    for b, mean_ctx, s in decode:
         got = profile.step_time(decode=b, decode_ctx=b * mean_ctx)
         errors.append(got / s - 1)
         points.append({"decode": b, "ctx": round(mean_ctx), "expect_s": round(s, 6), "fit_s": round(got, 6),

@@ -156,12 +156,17 @@ class _Engine:
 
 
 def _step_time(streams: list[list[float]]) -> float | None:
-    """Median token gap while every stream decodes together (see the module docstring)."""
-    if any(len(t) < 3 for t in streams):
-        return None
+    """Time per token while every stream decodes together (see the module docstring): per stream,
+    the span between its first and last token inside that window over the tokens between; the
+    median over streams. Spans, not single gaps: an engine or the network may deliver tokens in
+    bursts, and the median gap of a bursty stream is far below the step time."""
     start, end = max(t[0] for t in streams), min(t[-1] for t in streams)
-    gaps = [b - a for t in streams for a, b in zip(t, t[1:], strict=False) if a >= start and b <= end]
-    return statistics.median(gaps) if len(gaps) >= 2 else None
+    steps = []
+    for t in streams:
+        inside = [x for x in t if start <= x <= end]
+        if len(inside) >= 3:
+            steps.append((inside[-1] - inside[0]) / (len(inside) - 1))
+    return statistics.median(steps) if steps else None
 
 
 async def _model_name(session: aiohttp.ClientSession, url: str) -> str:

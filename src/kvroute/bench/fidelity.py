@@ -1,0 +1,267 @@
+"""`kvroute bench fidelity`: one workload live through the gateway in front of real engines and in
+`kvroute simulate` with a calibrated profile, side by side (issue 12).
+
+The workload: ``users`` closed-loop users in ``groups`` groups; each group shares a system prompt
+of about ``system_tokens`` engine tokens; each user holds a conversation of 4-6 turns with
+``max_tokens`` output tokens per turn, streamed. Conversations are scripted in advance (the
+assistant turns in the history are fixed text, not what the model said), so the live run and the
+simulator replay exactly the same prompts: the simulator reads them as an OpenAI-messages trace.
+Every policy gets fresh system prompts, so no run starts with another's cache.
+
+Live, each request's TTFT (first content chunk) and E2E are timed by the client, and the
+engines' own ``usage.prompt_tokens`` / ``cached_tokens`` give the cached-token share. The
+gateway runs as its own process (`kvroute serve`), as in a deployment. The simulator counts
+prompts with the token ratio the live run observed (engine tokens per bytes/4 estimate: what the
+gateway learns online), so both count the engine's tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import yaml
+
+from kvroute.calibrate.measure import WORDS
+from kvroute.prefix import chat_key, estimate_tokens
+
+POLICIES = ("round_robin", "sglang_cache_aware", "lmetric", "skywalker")
+METRICS = (("ttft_p50", "TTFT p50"), ("ttft_p99", "TTFT p99"), ("e2e_p50", "E2E p50"),
+           ("throughput", "req/s"), ("cached_share", "cached"))
+
+
+@dataclass
+class Workload:
+    """The fidelity workload's shape (issue 12's defaults)."""
+
+    users: int = 12
+    groups: int = 3
+    system_tokens: int = 1500
+    turns: tuple[int, int] = (4, 6)
+    max_tokens: int = 16
+    seed: int = 0
+
+
+def conversations(w: Workload, bytes_per_token: float, salt: str) -> list[list[dict]]:
+    """One scripted conversation per user; ``salt`` makes the system prompts fresh."""
+    rng = random.Random(f"{w.seed}-{salt}")
+
+    def text(tokens: int) -> str:
+        words, size = [], 0
+        while size < tokens * bytes_per_token:
+            word = rng.choice(WORDS)
+            words.append(word)
+            size += len(word) + 1
+        return " ".join(words)
+
+    systems = [f"group {g} {salt}. " + text(w.system_tokens) for g in range(w.groups)]
+    out = []
+    for u in range(w.users):
+        messages: list[dict] = [{"role": "system", "content": systems[u % w.groups]}]
+        for t in range(rng.randint(*w.turns)):
+            if t:
+                messages.append({"role": "assistant", "content": text(w.max_tokens * 2)})
+            messages.append({"role": "user", "content": f"user {u} turn {t}: " + text(rng.randint(20, 60))})
+        out.append(messages)
+    return out
+
+
+@dataclass
+class LiveRequest:
+    """One live request as the client saw it."""
+
+    ttft: float
+    e2e: float
+    sent: float
+    done: float
+    prompt_tokens: int
+    cached_tokens: int
+    estimated_tokens: int
+
+
+@dataclass
+class LiveRun:
+    """All requests of one policy's live run."""
+
+    requests: list[LiveRequest] = field(default_factory=list)
+    errors: int = 0
+
+
+async def _one(session: aiohttp.ClientSession, url: str, messages: list[dict], max_tokens: int) -> LiveRequest:
+    body = {"model": "default", "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    ttft = None
+    usage: dict = {}
+    async with session.post(f"{url}/v1/chat/completions", json=body) as r:
+        if r.status != 200:
+            raise RuntimeError(f"gateway answered {r.status}: {(await r.text())[:200]}")
+        async for line in r.content:
+            if not line.startswith(b"data:") or line.startswith(b"data: [DONE]"):
+                continue
+            event = json.loads(line[5:])
+            if ttft is None and any((c.get("delta") or {}).get("content") for c in event.get("choices") or []):
+                ttft = time.perf_counter() - t0
+            if event.get("usage"):
+                usage = event["usage"]
+    done = time.perf_counter()
+    return LiveRequest(ttft if ttft is not None else done - t0, done - t0, t0, done,
+                       int(usage.get("prompt_tokens", 0)),
+                       int((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)),
+                       estimate_tokens(chat_key(messages)))
+
+
+async def _user(session: aiohttp.ClientSession, url: str, conv: list[dict], max_tokens: int, run: LiveRun) -> None:
+    for i, m in enumerate(conv):
+        if m["role"] != "user":
+            continue
+        try:
+            run.requests.append(await _one(session, url, conv[:i + 1], max_tokens))
+        except (aiohttp.ClientError, RuntimeError, TimeoutError):
+            run.errors += 1
+
+
+async def live_run(gateway_url: str, convs: list[list[dict]], max_tokens: int, timeout_s: float = 300) -> LiveRun:
+    """Every user's conversation at once, each turn after the previous answer (closed loop)."""
+    run = LiveRun()
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
+        await asyncio.gather(*(_user(session, gateway_url, c, max_tokens, run) for c in convs))
+    return run
+
+
+def _pct(values: list[float], p: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, round(p * (len(s) - 1)))] if s else 0.0
+
+
+def live_summary(run: LiveRun) -> dict:
+    """The comparison's metrics from a live run (nearest-rank percentiles)."""
+    r = run.requests
+    span = max(x.done for x in r) - min(x.sent for x in r) if r else 0.0
+    prompt = sum(x.prompt_tokens for x in r)
+    return {"requests": len(r), "errors": run.errors,
+            "ttft_p50": _pct([x.ttft for x in r], 0.5), "ttft_p99": _pct([x.ttft for x in r], 0.99),
+            "e2e_p50": _pct([x.e2e for x in r], 0.5), "throughput": len(r) / span if span else 0.0,
+            "cached_share": sum(x.cached_tokens for x in r) / prompt if prompt else 0.0,
+            "token_ratio": prompt / sum(x.estimated_tokens for x in r) if r else 1.0}
+
+
+class GatewayProcess:
+    """`kvroute serve` in its own process, stopped by its PID."""
+
+    def __init__(self, urls: list[str], policy: str, folder: Path):
+        self.config = folder / f"gateway-{policy}.yaml"
+        self.port = _free_port()
+        self.config.write_text(yaml.safe_dump({
+            "host": "127.0.0.1", "port": self.port, "policy": policy, "access_log": False,
+            "replicas": [{"url": u, "id": f"engine-{i}"} for i, u in enumerate(urls)]}))
+        self.log = folder / f"gateway-{policy}.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def start(self, timeout_s: float = 20) -> None:
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "kvroute.cli", "serve", "--config", str(self.config),
+                                          "--log-level", "WARNING"], stdout=log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout_s
+        async with aiohttp.ClientSession() as s:
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    break
+                try:
+                    async with s.get(f"{self.url}/health", timeout=aiohttp.ClientTimeout(total=1)) as r:
+                        if r.status == 200 and (await r.json()).get("healthy"):
+                            return
+                except (aiohttp.ClientError, TimeoutError):
+                    pass
+                await asyncio.sleep(0.1)
+        self.stop()
+        raise RuntimeError(f"the gateway did not become healthy; log: {self.log.read_text()[-800:]}")
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        os.kill(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(5)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def simulate(convs: list[list[dict]], policy: str, profile: str, replicas: int, token_ratio: float,
+             max_tokens: int, folder: Path, seed: int = 0) -> dict:
+    """The same conversations through `kvroute simulate` (an OpenAI-messages trace)."""
+    from kvroute.sim.runner import run_scenario
+    from kvroute.sim.scenario import parse_scenario
+
+    trace = folder / f"conversations-{policy}.jsonl"
+    trace.write_text("".join(json.dumps({"messages": c, "user": f"u{i}", "max_tokens": max_tokens}) + "\n"
+                             for i, c in enumerate(convs)))
+    sc = parse_scenario({"replicas": [{"region": "local", "count": replicas, "profile": profile}],
+                         "workload": {"kind": "openai", "path": str(trace), "clients": {"local": len(convs)},
+                                      "token_ratio": token_ratio},
+                         "policies": [policy], "seed": seed})
+    r = run_scenario(sc)[0].result
+    return {"requests": r["requests"], "errors": sum(r["failed"].values()),
+            "ttft_p50": r["ttft_s"]["p50"], "ttft_p99": r["ttft_s"]["p99"], "e2e_p50": r["e2e_s"]["p50"],
+            "throughput": r["throughput_rps"], "cached_share": r["prefix_hit_rate"]}
+
+
+async def _bytes_per_token(url: str) -> float:
+    from kvroute.calibrate.measure import Sweep, _Engine
+
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s:
+        return (await _Engine(s, url, "default", Sweep(), None).facts()).bytes_per_token
+
+
+async def run_fidelity(urls: list[str], profile: str, policies: tuple[str, ...] = POLICIES,
+                       workload: Workload | None = None, log=None) -> dict:
+    """Live and simulated runs of every policy; returns both sides and their ratios."""
+    w = workload or Workload()
+    say = log or (lambda _msg: None)
+    bpt = await _bytes_per_token(urls[0])
+    out: dict = {"workload": w.__dict__, "engines": urls, "profile": profile, "bytes_per_token": bpt,
+                 "policies": {}}
+    with tempfile.TemporaryDirectory(prefix="kvroute-fidelity-") as tmp:
+        folder = Path(tmp)
+        for policy in policies:
+            convs = conversations(w, bpt, salt=f"{policy}-{time.time_ns()}")
+            gw = GatewayProcess(urls, policy, folder)
+            await gw.start()
+            try:
+                live = live_summary(await live_run(gw.url, convs, w.max_tokens))
+            finally:
+                gw.stop()
+            sim = simulate(convs, policy, profile, len(urls), live["token_ratio"], w.max_tokens, folder, w.seed)
+            ratio = {k: (sim[k] / live[k] if live[k] else None) for k, _ in METRICS}
+            out["policies"][policy] = {"live": live, "sim": sim, "sim_over_live": ratio}
+            say(f"{policy}: live TTFT p99 {live['ttft_p99'] * 1000:.0f} ms, sim {sim['ttft_p99'] * 1000:.0f} ms")
+    rows = out["policies"]
+    out["ranking_ttft_p99"] = {side: sorted(rows, key=lambda p: rows[p][side]["ttft_p99"]) for side in ("live", "sim")}
+    ratios = [abs(r - 1) for p in rows.values() for r in p["sim_over_live"].values() if r is not None]
+    out["within_20pct"] = sum(x <= 0.2 for x in ratios)
+    out["compared"] = len(ratios)
+    return out

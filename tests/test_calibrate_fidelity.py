@@ -1,0 +1,45 @@
+"""`kvroute bench fidelity`'s pipeline in front of emulated engines whose profile is known: the
+live run (a `kvroute serve` process, streamed chat through it) and the simulator replay the same
+scripted conversations. (Real llama-servers: `kvroute bench fidelity --url ...`, see README.)"""
+
+import asyncio
+
+from test_calibrate import KNOWN
+
+from kvroute.bench.fidelity import Workload, conversations, run_fidelity
+from kvroute.emulator.server import Faults, start_emulator
+
+
+def test_conversations_are_scripted_groups_sharing_a_system_prompt():
+    w = Workload(users=6, groups=3, system_tokens=200, turns=(4, 6), max_tokens=16)
+    convs = conversations(w, bytes_per_token=4.0, salt="x")
+    assert len(convs) == 6 and convs[0][0] == convs[3][0] != convs[1][0]
+    assert all(4 <= sum(m["role"] == "user" for m in c) <= 6 for c in convs)
+    assert abs(len(convs[0][0]["content"]) / 4 - 200) < 20
+    assert conversations(w, 4.0, salt="y")[0][0] != convs[0][0]  # fresh prompts per run
+
+
+async def _run(tmp_path):
+    emus = [await start_emulator("127.0.0.1", 0, KNOWN, "llamacpp", Faults(close_after_stream=True))
+            for _ in range(3)]
+    profile = tmp_path / "known.yaml"
+    profile.write_text(KNOWN.model_dump_json())  # JSON is YAML
+    try:
+        w = Workload(users=6, groups=2, system_tokens=300, turns=(2, 3), max_tokens=8)
+        return await run_fidelity([f"http://127.0.0.1:{p}" for _, _, p in emus], str(profile),
+                                  ("round_robin", "sglang_cache_aware"), w)
+    finally:
+        for runner, _, _ in emus:
+            await runner.cleanup()
+
+
+def test_live_and_simulated_runs_replay_the_same_requests(tmp_path):
+    out = asyncio.run(asyncio.wait_for(_run(tmp_path), 60))
+    for policy, row in out["policies"].items():
+        live, sim = row["live"], row["sim"]
+        assert live["errors"] == sim["errors"] == 0 and live["requests"] == sim["requests"] >= 12, policy
+        assert abs(live["token_ratio"] - 1) < 0.05  # the emulator counts bytes/4, as kvroute does
+        assert abs(live["cached_share"] - sim["cached_share"]) < 0.15, (policy, live, sim)
+        assert set(row["sim_over_live"]) == {"ttft_p50", "ttft_p99", "e2e_p50", "throughput", "cached_share"}
+    assert out["policies"]["sglang_cache_aware"]["live"]["cached_share"] > 0.5
+    assert sorted(out["ranking_ttft_p99"]["live"]) == sorted(out["ranking_ttft_p99"]["sim"])
