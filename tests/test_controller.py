@@ -161,7 +161,7 @@ def test_clients_fail_over_through_resolve_and_lose_no_request_that_had_not_star
             ids = [f"{r}-0" for r in REGIONS]
             rec = Recorder(ids, list(REGIONS))
             workload = ChatWorkload({"us": 6, "eu": 2}, seed=3)
-            driver = Driver(workload, rec, dict(zip(ids, REGIONS)), c.ctl_url, CLIENT, max_requests=40,
+            driver = Driver(workload, rec, dict(zip(ids, REGIONS)), c.ctl_url, {}, CLIENT, max_requests=40,
                             duration_s=2.5, retry_budget_s=4.0)
             streaming_at_kill = 0
 

@@ -60,6 +60,7 @@ class Resolver:
         self.controller_url = controller_url
         self.session = session
         self._cache: dict[str, str] = {}
+        self.gateway_of: dict[str, str] = {}  # url → the gateway's name, from /resolve answers
         self.lookups = 0
 
     async def url(self, region: str) -> str | None:
@@ -74,7 +75,9 @@ class Resolver:
                                         timeout=aiohttp.ClientTimeout(total=2)) as r:
                 if r.status != 200:
                     return None
-                url = str((await r.json())["url"])
+                answer = await r.json()
+                url = str(answer["url"])
+                self.gateway_of[url] = str(answer["gateway"])
         except (TimeoutError, aiohttp.ClientError, OSError, ValueError, KeyError):
             return None
         self._cache[region] = url
@@ -109,8 +112,7 @@ class Outcome:
     prompt_tokens: int
     cached_tokens: int
     replica: str
-    gateway_region: str | None
-    forwarded: bool
+    gateway: str | None
     attempts: int
 
 
@@ -122,6 +124,8 @@ class Driver:
     recorder: Recorder
     replica_regions: dict[str, str]
     controller_url: str
+    # gateway name → the replica regions it manages: an answer from elsewhere was forwarded
+    manages: dict[str, set[str]] = field(default_factory=dict)
     api_key: str | None = None
     max_requests: int | None = None
     duration_s: float | None = None
@@ -304,9 +308,6 @@ class Driver:
                     text = (await r.read())[:200]
                     raise Refused(f"HTTP {r.status}: {text!r}")
                 replica = r.headers.get("x-kvroute-replica", "?")
-                forwarded = r.headers.get("x-kvroute-forwarded") is not None or \
-                    r.headers.get("x-kvroute-peer") is not None
-                gw_region = r.headers.get("x-kvroute-region")
                 ended = False
                 async for line in r.content:
                     if not line.startswith(b"data: "):
@@ -336,7 +337,7 @@ class Driver:
         return Outcome(sent, first if first is not None else done, done,
                        int(usage.get("completion_tokens", out_tokens)), int(usage.get("prompt_tokens", 0)),
                        int((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)),
-                       replica, gw_region, forwarded, attempts)
+                       replica, self._resolver.gateway_of.get(url), attempts)
 
     def _record(self, o: Outcome, client_region: str) -> None:
         rep_region = self.replica_regions.get(o.replica)
@@ -345,10 +346,13 @@ class Driver:
             rec.index[o.replica] = len(rec.replica_ids)
             rec.replica_ids.append(o.replica)
         cross = rep_region is not None and rep_region != client_region
+        # A replica outside the regions the client's gateway manages was reached through a peer
+        # (or, during a failover, lent to that gateway: counted as forwarded too).
+        managed = self.manages.get(o.gateway or "")
+        forwarded = managed is not None and rep_region is not None and rep_region not in managed
         rec.complete(o.sent, o.first, o.done, o.out_tokens, o.prompt_tokens, o.cached_tokens, 0.0,
-                     o.replica, cross, client_region, o.forwarded)
-        if o.forwarded:
-            rec.forwarded += 1
+                     o.replica, cross, client_region, forwarded)
+        rec.forwarded += forwarded
         if self.on_done is not None:
             self.on_done(rec.completed)
 

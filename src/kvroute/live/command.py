@@ -38,12 +38,10 @@ def add_parser(sub: Any) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """Run it; bad input is one line and exit 2."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
-
     from kvroute.cli import _scenario_from_args
     from kvroute.live.faults import parse_fault
     from kvroute.live.processes import ProcessError
-    from kvroute.live.run import run_live
+    from kvroute.live.run import check_faults
     from kvroute.sim.scenario import ScenarioError
 
     try:
@@ -57,27 +55,39 @@ def main(args: argparse.Namespace) -> int:
                      "conversations carry text the clients do not replay yet")
     try:
         faults = [parse_fault("kill", f) for f in args.kill] + [parse_fault("pause", f) for f in args.pause]
+        check_faults(sc, faults)
     except ValueError as exc:
         return error(str(exc))
     if args.duration is not None and args.duration <= 0:
         return error(f"--duration must be > 0 seconds, got {args.duration:g}")
-    total = args.max_requests or sc.limits.max_requests
-    tasks: dict[str, TaskID] = {}
-    t0 = time.perf_counter()
     try:
-        with Progress(TextColumn("{task.description:<28}"), BarColumn(), MofNCompleteColumn(),
-                      TimeElapsedColumn(), console=err, transient=False) as progress:
-            def on_start(label: str) -> None:
-                tasks[label] = progress.add_task(f"live {label}", total=total)
-
-            def on_progress(label: str, n: int) -> None:
-                progress.update(tasks[label], completed=n)
-
-            rep = asyncio.run(run_live(sc, max_requests=args.max_requests or sc.limits.max_requests,
-                                       duration_s=args.duration, faults=faults, logs=args.logs,
-                                       on_start=on_start, on_progress=on_progress))
+        rep = execute(sc, faults, max_requests=args.max_requests or sc.limits.max_requests,
+                      duration_s=args.duration, logs=args.logs, compare_sim=args.compare_sim)
     except (ValueError, ProcessError) as exc:
         return error(str(exc))
+    write_json(args.json, rep)
+    return 0
+
+
+def execute(sc, faults, *, max_requests: int | None, duration_s: float | None, logs: str | None = None,
+            compare_sim: bool = False, drain_s: float = 60.0) -> dict:
+    """Run live with a progress bar per policy, print the simulator's tables (and sim vs live)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
+
+    from kvroute.live.run import run_live
+
+    tasks: dict[str, TaskID] = {}
+    t0 = time.perf_counter()
+    with Progress(TextColumn("{task.description:<28}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=err, transient=False) as progress:
+        def on_start(label: str) -> None:
+            tasks[label] = progress.add_task(f"live {label}", total=max_requests)
+
+        def on_progress(label: str, n: int) -> None:
+            progress.update(tasks[label], completed=n)
+
+        rep = asyncio.run(run_live(sc, max_requests=max_requests, duration_s=duration_s, faults=faults, logs=logs,
+                                   drain_s=drain_s, on_start=on_start, on_progress=on_progress))
     console.print(sim_table(rep))
     groups = breakdown_table(rep)
     if groups is not None:
@@ -91,10 +101,9 @@ def main(args: argparse.Namespace) -> int:
             console.print(f"[dim]{label}: {f}[/dim]")
     done = sum(r["requests"] for r in rep["results"].values())
     console.print(f"[dim]{done:,} live requests in {time.perf_counter() - t0:.1f} s wall[/dim]")
-    if args.compare_sim:
+    if compare_sim:
         rep["compare"] = compare_with_sim(sc, rep)
-    write_json(args.json, rep)
-    return 0
+    return rep
 
 
 def compare_with_sim(sc, live_report: dict) -> dict:

@@ -44,6 +44,7 @@ class Child:
     port: int = 0
     paused: bool = False
     starts: int = 0
+    pids: list[int] = field(default_factory=list)  # every process this child has been
     _reader: asyncio.Task | None = None
 
     @property
@@ -64,6 +65,7 @@ class Child:
             stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE, env=env,
             preexec_fn=_die_with_parent if sys.platform == "linux" else None)
         self.starts += 1
+        self.pids.append(self.proc.pid)
         self.paused = False
         ready: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self._reader = asyncio.create_task(self._copy_log(ready))
@@ -161,6 +163,6 @@ class Fleet:
         """Stop every child by its PID, all at once."""
         await asyncio.gather(*(c.stop() for c in self.children.values()), return_exceptions=True)
 
-    def pids(self) -> dict[str, int | None]:
-        """Name → PID of every child that was started."""
-        return {n: c.pid for n, c in self.children.items() if c.proc is not None}
+    def all_pids(self) -> list[int]:
+        """Every PID this fleet started, restarts included."""
+        return [pid for c in self.children.values() for pid in c.pids]

@@ -43,7 +43,6 @@ from kvroute.sim.scenario import PolicyEntry, Scenario
 ADMIN_ENV = "KVROUTE_LIVE_ADMIN_KEY"
 CLIENT_ENV = "KVROUTE_LIVE_CLIENT_KEY"
 PEER_ENV = "KVROUTE_LIVE_PEER_TOKEN"
-ROUTING_MODES = {"two-layer": "skywalker", "distributed": "gorgo_distributed", "global": "gorgo_proxy"}
 
 
 @dataclass
@@ -133,6 +132,19 @@ def topology_of(sc: Scenario, entry: PolicyEntry) -> Topology:
     return Topology(gws, kind, any(b.forward for b in groups))
 
 
+def routing_mode(topo: Topology, preset: str) -> str:
+    """The gateway's mode for a simulator topology. ``two-layer`` with forwarding: SkyWalker's
+    peer forwarding. ``global`` and ``distributed`` gateways manage every region's replicas
+    themselves; with a GORGO preset they weigh the measured RTT (``gorgo_proxy``). The gateway's
+    ``gorgo_distributed`` mode (regional gateways forwarding on advertised cost) has no simulator
+    topology to mirror, so a scenario cannot ask for it here."""
+    if topo.kind == "two-layer" and topo.forward and len(topo.gateways) > 1:
+        return "skywalker"
+    if topo.kind in ("global", "distributed") and preset.startswith("gorgo"):
+        return "gorgo_proxy"
+    return "local"
+
+
 def gateway_config(run: LiveRun, entry: PolicyEntry, topo: Topology, region: str,
                    replica_urls: dict[str, dict[str, str]], peers: list[dict[str, str]]) -> dict[str, Any]:
     """The YAML of one gateway: its replicas as seen from its region, keys, peers when the
@@ -153,16 +165,10 @@ def gateway_config(run: LiveRun, entry: PolicyEntry, topo: Topology, region: str
     }
     fields = GatewayConfig.model_fields
     if "routing_mode" in fields:
-        cfg["routing_mode"] = ROUTING_MODES.get(topo.kind, "local") if len(topo.gateways) > 1 or \
-            topo.kind == "global" else "local"
-        if topo.kind == "global" and not entry.preset.startswith("gorgo"):
-            cfg["routing_mode"] = "local"
-        if topo.kind == "two-layer" and not topo.forward:
-            cfg["routing_mode"] = "local"
-    if "peers" in fields and peers and topo.kind in ("two-layer", "distributed"):
+        cfg["routing_mode"] = routing_mode(topo, entry.preset)
+    if cfg.get("routing_mode") == "skywalker" and "peers" in fields:
         cfg["peers"] = peers
-        if "peer_auth" in fields:
-            cfg["peer_auth"] = {"token_env": PEER_ENV}
+        cfg["peer_auth"] = {"token_env": PEER_ENV}
     return cfg
 
 
@@ -195,7 +201,6 @@ async def start_policy(run: LiveRun, entry: PolicyEntry, topo: Topology) -> Poli
         path = folder / f"{entry.label}-gw-{region}.yaml".replace("/", "_")
         path.write_text(yaml.safe_dump(cfg, sort_keys=False))
         name = f"{entry.label} gw-{region}"
-        fleet.children.pop(name, None)
         gateways[region] = fleet.add(name, ["serve", "--config", str(path), "--log-level", "WARNING"])
     await fleet.start([c.name for c in gateways.values()], timeout_s=60)
     gateway_urls = {region: c.url for region, c in gateways.items()}
@@ -212,7 +217,6 @@ async def start_policy(run: LiveRun, entry: PolicyEntry, topo: Topology) -> Poli
     dep_path = folder / f"{entry.label}-deployment.yaml".replace("/", "_")
     dep_path.write_text(yaml.safe_dump(deployment, sort_keys=False))
     name = f"{entry.label} controller"
-    fleet.children.pop(name, None)
     controller = fleet.add(name, ["controller", "--config", str(dep_path), "--port", "0"])
     await controller.start(60)
     _pin_port(controller)
@@ -227,8 +231,23 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def fault_child(run: LiveRun, pol: PolicyRun, fault: Fault) -> Child:
-    """The process a fault names; an unknown name is a ValueError listing the known ones."""
+def check_faults(sc: Scenario, faults: list[Fault]) -> None:
+    """Fail before anything starts when a fault names a replica or region the scenario lacks."""
+    replicas = [r.id for r in sc.setup().replicas]
+    regions = list(dict.fromkeys([*sc.regions(), *(b.region for e in sc.policy_list()
+                                                   for b in sc.balancer_groups(e.topology))]))
+    for f in faults:
+        if f.kind == "replica" and f.target not in replicas:
+            raise ValueError(f"--{f.action} replica:{f.target}: no such replica; replicas: {', '.join(replicas)}")
+        if f.kind == "gateway" and (f.target or "").removeprefix("gw-") not in regions:
+            raise ValueError(f"--{f.action} gateway:{f.target}: no such region; gateways are named by region: "
+                             f"{', '.join(regions)}")
+
+
+def fault_child(run: LiveRun, pol: PolicyRun, fault: Fault) -> Child | None:
+    """The process a fault names; None for a gateway region this policy's topology has no gateway
+    in (a global LB has one region); a name the scenario does not have is a ValueError listing
+    the known ones."""
     if fault.kind == "controller":
         return pol.controller
     if fault.kind == "replica":
@@ -237,10 +256,10 @@ def fault_child(run: LiveRun, pol: PolicyRun, fault: Fault) -> Child:
                              f"{', '.join(run.replicas)}")
         return run.replicas[fault.target]
     target = (fault.target or "").removeprefix("gw-")
-    if target not in pol.gateways:
-        raise ValueError(f"--{fault.action} gateway:{fault.target}: this policy's gateways are in "
-                         f"{', '.join(pol.gateways)}")
-    return pol.gateways[target]
+    if target not in run.regions:
+        raise ValueError(f"--{fault.action} gateway:{fault.target}: no such region; gateways are named by "
+                         f"region: {', '.join(run.regions)}")
+    return pol.gateways.get(target)
 
 
 async def inject(child: Child, fault: Fault, t0: float, log: list[dict[str, Any]]) -> None:
@@ -272,17 +291,14 @@ async def forwards_from_metrics(urls: list[str]) -> int | None:
             with contextlib.suppress(aiohttp.ClientError, TimeoutError, OSError):
                 async with s.get(f"{url}/metrics") as r:
                     for line in (await r.text()).splitlines():
-                        if line.startswith("kvroute_forward") and "_total" in line.split(" ")[0]:
-                            name = line.split("{")[0].split(" ")[0]
-                            if name in ("kvroute_forwarded_total", "kvroute_forwards_total",
-                                        "kvroute_forwarded_requests_total"):
-                                total += float(line.rsplit(" ", 1)[1])
-                                seen = True
+                        if line.split("{")[0].split(" ")[0] == "kvroute_peer_forwards_total":
+                            total += float(line.rsplit(" ", 1)[1])
+                            seen = True
     return int(total) if seen else None
 
 
 async def run_policy(run: LiveRun, entry: PolicyEntry, *, max_requests: int | None, duration_s: float | None,
-                     faults: list[Fault], client_key: str, on_progress=None) -> dict[str, Any]:
+                     faults: list[Fault], client_key: str, drain_s: float = 60.0, on_progress=None) -> dict[str, Any]:
     """One policy, from fresh caches to its result row."""
     sc = run.sc
     await run.reset_replicas()
@@ -291,16 +307,23 @@ async def run_policy(run: LiveRun, entry: PolicyEntry, *, max_requests: int | No
     for f in faults:
         fault_child(run, pol, f)  # unknown names fail before any load
     recorder = Recorder(list(run.replicas), [run.replica_region[r] for r in run.replicas])
-    driver = Driver(sc.make_workload(), recorder, dict(run.replica_region), pol.controller.url, client_key,
-                    max_requests, duration_s, on_done=on_progress)
+    driver = Driver(sc.make_workload(), recorder, dict(run.replica_region), pol.controller.url,
+                    {f"gw-{r}": set(m) for r, m in topo.gateways.items()}, client_key, max_requests, duration_s,
+                    on_done=on_progress)
     stop = asyncio.Event()
     fault_log: list[dict[str, Any]] = []
     t0 = time.monotonic()
     sampler = asyncio.create_task(sample_replicas(recorder, {r: c.url for r, c in run.replicas.items()},
                                                   sc.sample_interval_s, driver.now, stop))
-    injectors = [asyncio.create_task(inject(fault_child(run, pol, f), f, t0, fault_log)) for f in faults]
+    injectors = []
+    for f in faults:
+        child = fault_child(run, pol, f)
+        if child is None:
+            fault_log.append({"fault": f.describe(), "skipped": f"no gateway in {f.target} in this topology"})
+        else:
+            injectors.append(asyncio.create_task(inject(child, f, t0, fault_log)))
     try:
-        await driver.run()
+        await driver.run(drain_s)
     finally:
         stop.set()
         for t in injectors:
@@ -316,7 +339,7 @@ async def run_policy(run: LiveRun, entry: PolicyEntry, *, max_requests: int | No
                                    driver.workload.closed_loop)
     result["slo"] = recorder.slo(sc.slo.ttft_s, sc.slo.tpot_s, driver.issued)
     if forwards is not None:
-        result["cross_region_forwards"] = max(forwards, recorder.forwarded)
+        result["cross_region_forwards"] = forwards  # what the gateways decided, failed forwards included
     result["live"] = {"wall_s": round(wall, 3), "retries": driver.retries,
                       "errors": dict(sorted(driver.errors.items())), "resolve_lookups": driver.lookups,
                       "faults": fault_log, "gateways": sorted(f"gw-{r}" for r in topo.gateways),
@@ -326,7 +349,7 @@ async def run_policy(run: LiveRun, entry: PolicyEntry, *, max_requests: int | No
 
 
 async def run_live(sc: Scenario, *, max_requests: int | None, duration_s: float | None, faults: list[Fault],
-                   logs: str | None = None, on_start=None, on_progress=None) -> dict[str, Any]:
+                   logs: str | None = None, drain_s: float = 60.0, on_start=None, on_progress=None) -> dict[str, Any]:
     """Every policy of the scenario, live; the report has ``kvroute simulate``'s shape."""
     folder = Path(logs) if logs else Path(tempfile.mkdtemp(prefix="kvroute-live-"))
     folder.mkdir(parents=True, exist_ok=True)
@@ -346,7 +369,8 @@ async def run_live(sc: Scenario, *, max_requests: int | None, duration_s: float 
                 on_start(entry.label)
             progress = (lambda n, label=entry.label: on_progress(label, n)) if on_progress else None
             results[entry.label] = await run_policy(run, entry, max_requests=max_requests, duration_s=duration_s,
-                                                    faults=faults, client_key=client, on_progress=progress)
+                                                    faults=faults, client_key=client, drain_s=drain_s,
+                                                    on_progress=progress)
         ok = True
     finally:
         await fleet.stop_all()
@@ -356,4 +380,4 @@ async def run_live(sc: Scenario, *, max_requests: int | None, duration_s: float 
             shutil.rmtree(folder, ignore_errors=True)
     return {"scenario": sc.name, "seed": sc.seed, "replicas": sum(g.count for g in sc.replicas),
             "workload": sc.workload.kind, "slo": sc.slo.model_dump(), "results": results, "mode": "live",
-            "logs": str(folder) if (logs or not ok) else None}
+            "logs": str(folder) if (logs or not ok) else None, "pids": sorted(fleet.all_pids())}
