@@ -420,6 +420,12 @@ def cmd_controller(args: argparse.Namespace) -> int:
     return _listen(main(), f"{dep.host}:{dep.port}")
 
 
+def _fidelity_cell(key: str, value: float) -> str:
+    if key == "cached_share":
+        return f"{value:.1%}"
+    return f"{value:.2f}" if key == "throughput" else f"{value * 1000:.0f} ms"
+
+
 def cmd_bench_fidelity(args: argparse.Namespace) -> int:
     import asyncio
 
@@ -445,9 +451,8 @@ def cmd_bench_fidelity(args: argparse.Namespace) -> int:
         cells = []
         for key, _ in METRICS:
             live, sim, ratio = row["live"][key], row["sim"][key], row["sim_over_live"][key]
-            fmt = (lambda v: f"{v:.1%}") if key == "cached_share" else (
-                (lambda v: f"{v:.2f}") if key == "throughput" else (lambda v: f"{v * 1000:.0f} ms"))
-            cells.append(f"{fmt(live)} / {fmt(sim)} [{ratio:.2f}]" if ratio is not None else f"{fmt(live)} / {fmt(sim)}")
+            both = f"{_fidelity_cell(key, live)} / {_fidelity_cell(key, sim)}"
+            cells.append(f"{both} [{ratio:.2f}]" if ratio is not None else both)
         table.add_row(policy, *cells)
     console.print(table)
     rank = out["ranking_ttft_p99"]
