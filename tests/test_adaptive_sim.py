@@ -119,3 +119,19 @@ def test_balancers_keep_rtt_as_an_ewma_of_probe_round_trips():
     far = [v for k, v in rtts.items() if "far1" in k]
     assert far and 0.24 <= far[0] <= 0.36 and far[0] != 0.3  # smoothed samples of 0.3 s ± 20 %
     assert Network(jitter=0.0).probe_rtt("us", "eu") == 0.08
+
+
+def test_calibration_recovers_the_replicas_prefill_regression():
+    """GORGO v1 §4.2's TTFT = 150.72 ms + 0.0938 ms/token is what the A100 profile is fitted to;
+    fitted online from first tokens on lightly loaded replicas, the regression comes back."""
+    runs = _runs([{"preset": "gorgo", "params": {"calibrate": True, "w_rtt": 1.0, "t_p": 0.094, "w_queue": 0.094}}],
+                 replicas=[{"region": "us", "count": 2, "profile": "a100-mistral-7b"}],
+                 workload={"kind": "chat-poisson", "rate": 0.5}, limits={"max_requests": 300})
+    st = next(iter(runs.values())).result["policy_state"]
+    fitted = [k for k in st if k.endswith("ms_per_uncached_token")]
+    assert len(fitted) == 2
+    for k in fitted:
+        replica = k.rsplit(".", 1)[0]
+        assert st[f"{replica}.samples"] >= 8
+        assert abs(st[k] - 0.0938) / 0.0938 < 0.2
+        assert abs(st[f"{replica}.intercept_ms"] - 150.72) / 150.72 < 0.2
