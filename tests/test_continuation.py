@@ -307,3 +307,11 @@ def test_cascadeinfer_routes_by_length_and_migrates_a_growing_stream():
         counters = dep.settle()
         dep.close()
     assert counters == (0, 0, 0)
+
+
+def test_a_leg_stops_at_the_event_that_reaches_the_limit_even_inside_one_read():
+    s = _splice()
+    s.limit = 32  # prompt 30: the second token reaches it
+    events = b"".join(_event({"id": "a", "choices": [{"index": 0, "delta": {"content": f" w{i}"}}]}) for i in range(5))
+    out = s.feed(events + b"data: [DONE]\n\n")
+    assert s.outgrown and s.text == " w0 w1" and out.count(b"data: ") == 2 and not s.done

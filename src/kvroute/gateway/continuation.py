@@ -64,6 +64,8 @@ class Splice:
         self.done = False  # [DONE] forwarded
         self.continuable = True  # false once the stream carries what a prefill cannot restore
         self.error: str | None = None  # an in-stream error event the engine sent
+        self.limit: int | None = None  # the current leg's replica's context limit
+        self.outgrown = False  # the sequence reached ``limit``: the leg stops at this event
 
     @classmethod
     def open(cls, route: str, body: dict[str, Any], prompt_tokens: int) -> Splice | None:
@@ -100,15 +102,17 @@ class Splice:
 
     def outgrew(self, limit: int | None) -> bool:
         """Whether the sequence reached ``limit`` with tokens still to generate (a stream that is
-        about to finish anyway is not moved)."""
-        if limit is None or self.done or self.length() < limit:
+        about to finish anyway is not moved) and this leg generated one at least (so a stage
+        bound below the prompt cannot bounce a stream without progress)."""
+        if limit is None or self.done or self.length() < limit or self.tokens == self.leg_start:
             return False
         top = self.max_tokens()
         return top is None or self.tokens < top
 
     # -- one leg's bytes ------------------------------------------------------------------------
     def feed(self, chunk: bytes) -> bytes:
-        """The bytes of ``chunk`` to forward: whole events only, rewritten on later legs."""
+        """The bytes of ``chunk`` to forward: whole events only, rewritten on later legs, and
+        none past the event that brings the sequence to ``limit`` (then ``outgrown`` is set)."""
         data = self.partial + chunk
         if b"\r" in data:
             data = data.replace(b"\r\n", b"\n")
@@ -124,6 +128,9 @@ class Splice:
                 out.append(kept + b"\n\n")
             if self.error is not None:
                 break  # nothing after an error event is forwarded
+            if self.outgrew(self.limit):
+                self.outgrown, self.partial = True, b""  # the rest is this leg's, not the client's
+                break
         return b"".join(out)
 
     def _event(self, event: bytes) -> bytes | None:
@@ -213,6 +220,7 @@ class Splice:
         self.leg_start = self.tokens
         self.partial = b""
         self.error = None
+        self.outgrown = False
 
     # -- endings the gateway writes itself ------------------------------------------------------
     def length_ending(self) -> bytes:

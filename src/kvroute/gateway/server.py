@@ -447,7 +447,8 @@ class Proxy:
         if not resp.started:  # a continuation leg writes on into the client's stream
             rt.metrics.ttft.observe(ttft)
             resp.start(upstream.status, self._resp_headers(upstream, target))
-        limit = rt.router.policy.context_limit(target) if splice is not None else None
+        if splice is not None:
+            splice.limit = rt.router.policy.context_limit(target)
         chunk: bytes | None = first
         tail = b""  # the stream's last bytes: is it at an event boundary, did [DONE] arrive?
         try:
@@ -457,9 +458,9 @@ class Proxy:
                 if splice is not None:
                     if splice.error is not None:
                         raise UpstreamError(f"error event: {splice.error}")
-                    if splice.outgrew(limit):
-                        return Outcome.NEUTRAL, Break("migrate", f"the sequence reached {limit} tokens, the context "
-                                                 f"limit of {target}")
+                    if splice.outgrown:
+                        return Outcome.NEUTRAL, Break("migrate", f"the sequence reached {splice.limit} tokens, the "
+                                                 f"context limit of {target}")
                 chunk = await upstream.next_chunk()
             if splice is not None and splice.partial.strip():  # a last event without its blank line
                 await resp.write(splice.feed(b"\n\n"))
