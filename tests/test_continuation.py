@@ -135,13 +135,17 @@ def test_non_stream_requests_are_not_continued(live):
     assert continuations(live.url) == {}
 
 
-def test_a_stream_cut_mid_way_recovers_on_another_replica(live):
+def test_a_stream_cut_mid_way_recovers_on_another_replica(live, caplog):
     live.runtime.router.policy = TwoStages(None)  # everything to emulated-0 while it is up
     live.fault(0, close_after_tokens=5)
-    chunks = chat_stream(live.url, 18)
+    with caplog.at_level("INFO", logger="kvroute.access"):
+        chunks = chat_stream(live.url, 18)
+        live.settle()
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == emulated_text(chat_key(CHAT), 18)
     assert next(c.usage for c in chunks if c.usage).completion_tokens == 18
     assert continuations(live.url) == {("recover", "continued"): 1.0}
+    line = next(r.fields for r in caplog.records if r.name == "kvroute.access")
+    assert line["legs"] == 2 and line["replica"] == "emulated-1" and line["failed_on"] == ["emulated-0"]
 
 
 def test_the_continuation_bound_ends_the_stream_with_one_sse_error(live):

@@ -271,7 +271,7 @@ class Proxy:
             brk = await self._route_and_forward(request, resp, kind, bool(body.get("stream")), req, headers, served,
                                                 t0, splice)
             if brk is not None and splice is not None:
-                await self._continue(request, resp, kind, headers, req, served, t0, splice, brk)
+                await self._continue(request, resp, kind, headers, req, served, splice, brk)
         finally:
             if req is not None:
                 self.estimates.pop(req.id, None)
@@ -297,6 +297,8 @@ class Proxy:
                   "ms": round((time.monotonic() - t0) * 1000, 2)}
         if served["excluded"]:
             fields["failed_on"] = served["excluded"]
+        if served.get("legs"):
+            fields["legs"] = served["legs"]  # continued on other replicas; "replica" is the last
         if resp.started and not resp.finished:
             fields["aborted"] = True  # the client left mid-response
         if self.rt.config.log_prompts:
@@ -482,7 +484,7 @@ class Proxy:
         return outcome, None
 
     async def _continue(self, request: HTTPRequest, resp: Responder, kind: Kind, headers: list[tuple[str, str]],
-                        req: Request, served: dict[str, Any], t0: float, splice: Splice, brk: Break | None) -> None:
+                        req: Request, served: dict[str, Any], splice: Splice, brk: Break | None) -> None:
         """Carry a stream on, leg by leg, after it broke or outgrew its replica
         (``gateway/continuation.py``): each leg is routed like a request whose prompt is the
         original plus the text generated so far, and retried like one; a replica that failed is
@@ -514,7 +516,10 @@ class Proxy:
                               prompt_tokens=splice.length(),
                               max_output_tokens=max(1, req.max_output_tokens - splice.tokens),
                               exclude=tuple(dict.fromkeys((*req.exclude, *served["excluded"]))))
-            brk = await self._route_and_forward(leg, leg_resp, kind, True, leg_req, headers, served, t0, splice)
+            served["legs"] = splice.legs
+            # the leg's own clock: policies that learn from TTFT and E2E see this leg's, not the request's
+            brk = await self._route_and_forward(leg, leg_resp, kind, True, leg_req, headers, served, time.monotonic(),
+                                                splice)
             if leg_resp.refusal is not None:
                 rt.metrics.continuations.labels(reason, "failed").inc()
                 message, code = leg_resp.refusal
