@@ -32,12 +32,12 @@ def test_sglang_miss_goes_to_least_load_by_default_and_smallest_tree_on_request(
 def test_prefix_hash_key_reaches_past_a_shared_first_block():
     from kvroute.model import Request
 
-    policy = build_policy("prefix_hash")
+    key = build_policy("prefix_hash").rules[0].route.key  # the bounded_prefix_ring route's key
     a = Request(id="a", block_hashes=(0, 11, 12), block_tokens=512, prompt_tokens=1500)
     b = Request(id="b", block_hashes=(0, 21, 22), block_tokens=512, prompt_tokens=1500)
-    assert policy._key(a) != policy._key(b)  # one shared system-prompt block is not the key
+    assert key(a) != key(b)  # one shared system-prompt block is not the key
     short = Request(id="c", block_hashes=(7,), block_tokens=512, prompt_tokens=300)
-    assert policy._key(short) == 7
+    assert key(short) == 7
 
 
 @needs_trace

@@ -14,22 +14,46 @@ from kvroute.report import console, err, error, routing_table, run_simulation, w
 
 
 def cmd_policies(args: argparse.Namespace) -> int:
-    from kvroute.policy import PRESETS
+    from pathlib import Path
 
-    if args.json:
-        out = {name: {"description": cls.summary(), "source": cls.source,
-                      "params": {k: f.get_default(call_default_factory=True)
-                                 for k, f in cls.Params.model_fields.items()}}
-               for name, cls in PRESETS.items()}
-        print(json.dumps(out, indent=2, default=str))
-        return 0
-    table = Table(title="kvroute policy presets")
-    table.add_column("preset", style="bold cyan")
-    table.add_column("what it does")
-    table.add_column("source", style="dim")
-    for name, cls in PRESETS.items():
-        table.add_row(name, cls.summary(), cls.source)
-    console.print(table)
+    from kvroute.policy import ConfigError
+    from kvroute.policy.listing import describe_presets, presets_markdown
+    from kvroute.policy.registry import plugin_table
+
+    try:
+        if args.write is not None:
+            path = Path(args.write or Path(__file__).resolve().parents[2] / "docs" / "policies.md")
+            if not path.parent.is_dir():
+                return error(f"{path.parent}: no such directory; name the file, e.g. --write docs/policies.md")
+            path.write_text(presets_markdown())
+            err.print(f"wrote {path}")
+            return 0
+        if args.markdown:
+            print(presets_markdown(), end="")
+            return 0
+        if args.json:
+            out = plugin_table() if args.plugins else describe_presets()
+            print(json.dumps(out, indent=2, default=str))
+            return 0
+        if args.plugins:
+            table = Table(title="kvroute policy plugins")
+            table.add_column("kind", style="bold cyan")
+            table.add_column("plugin", style="bold")
+            table.add_column("what it does")
+            for kind, plugins in plugin_table().items():
+                for name, summary in plugins.items():
+                    table.add_row(kind, name, summary)
+            console.print(table)
+            return 0
+        table = Table(title="kvroute policy presets")
+        table.add_column("preset", style="bold cyan")
+        table.add_column("what it does")
+        table.add_column("source", style="dim")
+        for name, d in describe_presets().items():
+            table.add_row(name, d["description"], d["source"])
+        console.print(table)
+    except ConfigError as exc:  # a broken entry point or preset file
+        return error(str(exc))
     return 0
 
 
@@ -541,7 +565,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     sp = sub.add_parser("policies", help="list policy presets")
-    sp.add_argument("--json", action="store_true", help="machine-readable output with default params")
+    sp.add_argument("--json", action="store_true", help="machine-readable output: params and plugins of each")
+    sp.add_argument("--plugins", action="store_true", help="list the plugins presets are composed of")
+    sp.add_argument("--markdown", action="store_true", help="print docs/policies.md")
+    sp.add_argument("--write", nargs="?", const="", metavar="FILE",
+                    help="write docs/policies.md (default: the checkout's)")
     sp.set_defaults(func=cmd_policies)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import Enum, StrEnum
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -17,11 +17,42 @@ class DecisionKind(str, Enum):
     NONE = "none"  # no endpoint can serve it (empty pool, all filtered, bad request)
 
 
+class Branch(StrEnum):
+    """Which rule decided: the ``branch`` label of ``kvroute_policy_branch`` and the simulator's
+    branch counts. User presets may name their own branches; these are the built-in ones."""
+
+    PREFIX_HIT = "prefix-hit"  # followed the cache
+    PREFIX_MISS = "prefix-miss"  # too little cached: by load (SGLang, AIBrix)
+    IMBALANCE = "imbalance-fallback"  # load imbalance overrode the cache
+    LEAST_LOAD = "least-load"
+    LEAST_REQUEST = "least-request"
+    MIN_COST = "min-cost"
+    MIN_SCORE = "min-score"
+    MIN_PREDICTED_TTFT = "min-predicted-ttft"
+    HOTSPOT_FILTERED = "hotspot-filtered"  # LMetric's detector took a hotspot's instances out
+    SOFTMAX = "softmax"
+    WEIGHTED = "weighted"
+    LINEAR = "linear"
+    JSQ = "jsq"
+    ROUND_ROBIN = "rr"
+    RANDOM = "random"
+    POWER_OF_TWO = "p2c"
+    RING = "ring"  # consistent-hash owner
+    RING_OVERFLOW = "ring-overflow"  # bounded load passed the owner over
+    NO_KEY = "no-key-fallback"  # no routing key (or no owner on the ring)
+    HOLD = "hold"
+    NO_ENDPOINT = "no-endpoint"
+    BAD_REQUEST = "bad-request"
+    ALL_FILTERED = "all-filtered"
+    POLICY_ERROR = "policy-error"
+    NO_RULE = "no-rule"  # a composed preset whose rules all declined
+
+
 @dataclass(slots=True)
 class Decision:
     kind: DecisionKind
     target: str | None = None
-    branch: str = ""  # which rule decided, e.g. "prefix-hit", "imbalance-fallback", "ring"
+    branch: str = ""  # which rule decided: a Branch, or a user preset's own name
     reason: str = ""  # human-readable why, for HOLD / NONE
     matched_blocks: int = 0  # prefix blocks believed cached on the target
     # per-endpoint scores for explanation: kept as (endpoints, values) and turned into a dict
@@ -46,8 +77,8 @@ class Decision:
 
     @classmethod
     def hold(cls, reason: str) -> Decision:
-        return cls(DecisionKind.HOLD, None, "hold", reason)
+        return cls(DecisionKind.HOLD, None, Branch.HOLD, reason)
 
     @classmethod
-    def none(cls, reason: str, branch: str = "no-endpoint") -> Decision:
+    def none(cls, reason: str, branch: str = Branch.NO_ENDPOINT) -> Decision:
         return cls(DecisionKind.NONE, None, branch, reason)

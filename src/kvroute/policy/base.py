@@ -1,9 +1,10 @@
 """The policy interface and the pipeline every preset runs.
 
-``Policy.decide`` is the whole pipeline: hard filters (health, circuit, residency zone), then
-admission (selective pushing: which endpoints may take a request *now*; none → hold in the LB
-queue), then the preset's own ``choose`` (score, combine, pick). A policy never performs I/O and
-never reads a clock: everything it needs arrives in the :class:`View`.
+``Policy.decide`` is the whole pipeline: hard filters (health, circuit, residency zone, the
+request's excluded endpoints), then admission (selective pushing: which endpoints may take a
+request *now*; none → hold in the LB queue), then ``choose`` (every preset is a
+:class:`~kvroute.policy.compose.Pipeline`: its filters, then its rules). A policy never
+performs I/O and never reads a clock: everything it needs arrives in the :class:`View`.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
-from kvroute.model import Decision, Endpoint, Request
+from kvroute.model import Branch, Decision, Endpoint, Request
 from kvroute.policy.admission import Admission, make_admission
 from kvroute.policy.hooks import Lifecycle
 from kvroute.policy.params import PolicyParams
@@ -34,25 +35,31 @@ class View:
 
 
 class Policy(ABC):
-    """Base class of every preset. Subclasses set the class attributes and implement ``choose``."""
+    """A routing policy: ``decide`` maps a request and a :class:`View` to a :class:`Decision`.
 
-    name: ClassVar[str] = ""
-    source: ClassVar[str] = ""  # paper or repository the behaviour comes from
+    Every preset is a :class:`~kvroute.policy.compose.Pipeline` built by
+    :func:`~kvroute.policy.registry.build_policy`; subclassing this directly (implementing
+    ``choose``) still works for a policy that is not a composition of plugins.
+    """
+
+    name: str = ""
+    source: str = ""  # paper or repository the behaviour comes from
     Params: ClassVar[type[PolicyParams]] = PolicyParams
-    uses_ring: ClassVar[bool] = False
+    uses_ring: bool = False  # the Router must keep its consistent-hash ring filled
     # plugins subscribed to request-lifecycle events (empty: the Router's hooks cost nothing)
     listeners: tuple[Lifecycle, ...] = ()
+    inputs: frozenset[str] = frozenset()  # what its plugins read (kvroute.policy.plugins.INPUTS)
 
     @property
     def reads_kv_usage(self) -> bool:
         """Whether scoring reads ``Endpoint.kv_usage`` (lets a simulated probe skip it)."""
-        return False
+        return "kv_usage" in self.inputs
 
     @property
     def reads_prefill_backlog(self) -> bool:
         """Whether scoring reads ``Endpoint.queued_prefill_tokens``, the only counter that
         ``Router.on_first_token`` changes (lets the simulator skip that event for the others)."""
-        return False
+        return "prefill_backlog" in self.inputs
 
     def context_limit(self, endpoint_id: str) -> int | None:
         """Largest sequence length (prompt + generated tokens) ``endpoint_id``'s stage serves;
@@ -64,15 +71,14 @@ class Policy(ABC):
         self.rng = random.Random(seed)
         self.admission: Admission = make_admission(self.params)
 
-    @classmethod
-    def summary(cls) -> str:
-        return (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else ""
-
     def decide(self, req: Request, view: View) -> Decision:
+        """Filter, admit, then ``choose``: a dispatch, a hold (no endpoint admits the request
+        now: keep it queued), or none (nothing can serve it; ``reason`` says why). Never raises:
+        a policy bug becomes a ``policy-error`` decision."""
         if not view.endpoints:
             return Decision.none("no endpoints configured")
         if req.prompt_tokens <= 0 and not req.block_hashes:  # not req.has_prompt, inlined (hot path)
-            return Decision.none("request has no prompt or messages", branch="bad-request")
+            return Decision.none("request has no prompt or messages", branch=Branch.BAD_REQUEST)
         zone = req.residency
         if zone is None:
             eps = [e for e in view.endpoints if e.healthy and not e.circuit_open]
@@ -83,14 +89,14 @@ class Policy(ABC):
         if not eps:
             why = f"outside residency zone {zone!r}, " if zone else ""
             return Decision.none(f"every endpoint was filtered out ({why}unhealthy or circuit open)",
-                                 branch="all-filtered")
+                                 branch=Branch.ALL_FILTERED)
         ready = self.admission.ready(eps, view.local_queue)
         if not ready:
             return Decision.hold(f"no endpoint admits a request now ({self.admission.name})")
         try:
             return self.choose(req, ready, view)
         except Exception as exc:  # a policy bug must not take the router down with it
-            return Decision.none(f"policy {self.name} failed: {exc!r}", branch="policy-error")
+            return Decision.none(f"policy {self.name} failed: {exc!r}", branch=Branch.POLICY_ERROR)
 
     @abstractmethod
     def choose(self, req: Request, eps: list[Endpoint], view: View) -> Decision:
@@ -109,6 +115,7 @@ def argmin(eps: list[Endpoint], values: Sequence[float], rng: random.Random) -> 
 
 
 def argmax(eps: list[Endpoint], values: Sequence[float], rng: random.Random) -> Endpoint:
+    """Endpoint with the largest value; ties broken at random."""
     best = max(values)
     if best == best and values.count(best) == 1:
         return eps[values.index(best)]

@@ -1,0 +1,61 @@
+"""Conditions: when a rule applies."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from kvroute.model import Endpoint
+from kvroute.policy.catalog import register_plugin
+from kvroute.policy.plugins import Condition, DecisionState
+
+
+@register_plugin
+class Imbalanced(Condition):
+    """Load is imbalanced: max − min > ``abs`` and max > ``rel`` × min, over ``load`` (the
+    router's in-flight count, or the engine batch size)."""
+
+    name = "imbalanced"
+    inputs = frozenset({"load"})
+
+    def __init__(self, abs: float = 32, rel: float = 1.0, load: Literal["inflight", "batch_size"] = "inflight"):
+        if load not in ("inflight", "batch_size"):
+            raise ValueError(f"load must be 'inflight' or 'batch_size', got {load!r}")
+        self.abs, self.rel, self.load = abs, rel, load
+
+    def holds(self, st: DecisionState, eps: list[Endpoint]) -> bool:
+        if self.load == "inflight":
+            loads = [e.inflight for e in eps]
+        else:
+            loads = [e.running + e.waiting + e.dispatched_since_probe for e in eps]
+        hi, lo = max(loads), min(loads)
+        return hi - lo > self.abs and hi > self.rel * lo
+
+
+@register_plugin
+class HitRatioAtLeast(Condition):
+    """The best match among the candidates covers at least ``threshold`` of the prompt (and is
+    not empty)."""
+
+    name = "hit_ratio_at_least"
+    inputs = frozenset({"prefix"})
+
+    def __init__(self, threshold: float = 0.5):
+        self.threshold = threshold
+
+    def holds(self, st: DecisionState, eps: list[Endpoint]) -> bool:
+        best = st.best_match(eps)
+        return bool(best) and st.req.hit_ratio(best) >= self.threshold
+
+
+@register_plugin
+class HitRatioAbove(Condition):
+    """The best match among the candidates covers more than ``threshold`` of the prompt."""
+
+    name = "hit_ratio_above"
+    inputs = frozenset({"prefix"})
+
+    def __init__(self, threshold: float = 0.5):
+        self.threshold = threshold
+
+    def holds(self, st: DecisionState, eps: list[Endpoint]) -> bool:
+        return st.hit_ratio(eps) > self.threshold

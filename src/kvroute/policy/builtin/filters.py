@@ -1,0 +1,76 @@
+"""Filters: keep the candidates that pass (a preset's ``filters``, a rule's ``among``)."""
+
+from __future__ import annotations
+
+import statistics
+
+from kvroute.model import Endpoint
+from kvroute.policy.catalog import register_plugin
+from kvroute.policy.plugins import DecisionState, Filter
+
+
+@register_plugin
+class Residency(Filter):
+    """Endpoints in the request's residency zone (also one of the hard filters every policy runs)."""
+
+    name = "residency"
+
+    def filter(self, st: DecisionState, eps: list[Endpoint]) -> list[Endpoint]:
+        zone = st.req.residency
+        return eps if zone is None else [e for e in eps if e.zone == zone]
+
+
+@register_plugin
+class LowQueue(Filter):
+    """Endpoints with at most ``max_waiting`` waiting requests; all of them when none has so few
+    (llm-d's low-queue filter: a soft preference, never a reason to refuse)."""
+
+    name = "low_queue"
+    inputs = frozenset({"load"})
+
+    def __init__(self, max_waiting: int = 0):
+        if max_waiting < 0:
+            raise ValueError(f"max_waiting must be >= 0, got {max_waiting}")
+        self.max_waiting = max_waiting
+
+    def filter(self, st: DecisionState, eps: list[Endpoint]) -> list[Endpoint]:
+        limit = self.max_waiting
+        kept = [e for e in eps if e.waiting <= limit]
+        return kept or eps
+
+
+@register_plugin
+class BestPrefix(Filter):
+    """The endpoints holding the longest cached prefix of the prompt (none when nobody holds any)."""
+
+    name = "best_prefix"
+    inputs = frozenset({"prefix"})
+
+    def filter(self, st: DecisionState, eps: list[Endpoint]) -> list[Endpoint]:
+        best = st.best_match(eps)
+        if not best:
+            return []
+        get = st.matches.get
+        return [e for e in eps if get(e.id, 0) == best]
+
+
+@register_plugin
+class CachedWithinSpread(Filter):
+    """Endpoints holding some of the prefix whose batch is at most mean + ``std_factor`` × σ of
+    the candidates' batch sizes (AIBrix's prefix-cache router)."""
+
+    name = "cached_within_spread"
+    inputs = frozenset({"prefix", "load"})
+
+    def __init__(self, std_factor: float = 1.0):
+        if std_factor < 0:
+            raise ValueError(f"std_factor must be >= 0, got {std_factor}")
+        self.std_factor = std_factor
+
+    def filter(self, st: DecisionState, eps: list[Endpoint]) -> list[Endpoint]:
+        matches = st.matches
+        if not matches:
+            return []
+        loads = [e.running + e.waiting + e.dispatched_since_probe for e in eps]  # batch_size, inlined
+        limit = statistics.fmean(loads) + self.std_factor * statistics.pstdev(loads)
+        return [e for e, b in zip(eps, loads) if e.id in matches and b <= limit]

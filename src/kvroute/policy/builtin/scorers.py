@@ -1,0 +1,213 @@
+"""Scorers: one number per endpoint, each declaring what it reads.
+
+Raw values feed a ``cost`` (weighted sum, lower wins); :meth:`Scorer.normalised` feeds a
+``score`` (weighted sum of values in [0, 1], higher wins). Per-endpoint loops are list
+comprehensions over plain attributes: they run for every endpoint of every decision.
+"""
+
+from __future__ import annotations
+
+from kvroute.model import Endpoint
+from kvroute.policy.catalog import register_plugin
+from kvroute.policy.plugins import DecisionState, Scorer
+
+
+@register_plugin
+class PrefixRatio(Scorer):
+    """Share of the prompt cached on the endpoint (its longest prefix match), higher is better."""
+
+    name = "prefix"
+    inputs = frozenset({"prefix"})
+    lower_is_better = False
+
+    def values(self, st: DecisionState, eps: list[Endpoint]) -> list[float]:
+        per_block = st.req.hit_ratio(1)  # the share of the prompt one cached block covers
+        get = st.matches.get
+        return [get(e.id, 0) * per_block for e in eps]
+
+    def normalised(self, st: DecisionState, eps: list[Endpoint]) -> list[float]:
+        # already a share; a last partial block can take it past 1 by less than a block
+        return [min(1.0, v) for v in self.values(st, eps)]
+
+
+@register_plugin
+class PrefixBlocks(Scorer):
+    """Leading prompt blocks cached on the endpoint, higher is better."""
+
+    name = "prefix_blocks"
+    inputs = frozenset({"prefix"})
+    lower_is_better = False
+
+    def values(self, st: DecisionState, eps: list[Endpoint]) -> list[float]:
+        get = st.matches.get
+        return [get(e.id, 0) for e in eps]
+
+
+@register_plugin
+class Queue(Scorer):
+    """Waiting requests at the last probe (llm-d's queue scorer)."""
+
+    name = "queue"
+    inputs = frozenset({"load"})
+
+    def values(self, st: DecisionState, eps: list[Endpoint]) -> list[float]:
+        return [e.waiting for e in eps]
+
+
+@register_plugin
+class KVCacheUtil(Scorer):
+    """KV-cache usage at the last probe; normalised as the free share, 1 − usage (llm-d)."""
+
+    name = "kv_cache_util"
+    inputs = frozenset({"kv_usage"})
+
+    def values(self, st: DecisionState, eps: list[Endpoint]) -> list[float]:
+        return [e.kv_usage for e in eps]
+
+    def normalised(self, st: DecisionState, eps: list[Endpoint]) -> list[float]:
+        return [1.0 - e.kv_usage for e in eps]  # probes clamp usage to [0, 1]
+
+
+@register_plugin
+class Inflight(Scorer):
+    """Requests this router dispatched to the endpoint and not yet finished."""
+
+    name = "inflight"
+    inputs = frozenset({"load"})
+
+    def values(self, st: DecisionState, eps: list[Endpoint]) -> list[float]:
+        return [e.inflight for e in eps]
+
+
+@register_plugin
+class InflightTokens(Scorer):
+    """Prompt tokens of the requests in flight on the endpoint (GORGO's queued tokens)."""
+
+    name = "inflight_tokens"
+    inputs = frozenset({"load"})
+
+    def values(self, st: DecisionState, eps: list[Endpoint]) -> list[float]:
+        return [e.inflight_tokens for e in eps]
+
+
+@register_plugin
+class BatchSize(Scorer):
+    """Engine batch: running + waiting at the last probe, plus dispatches since (LMetric's BS)."""
+
+    name = "batch_size"
+    inputs = frozenset({"load"})
+
+    def values(self, st: DecisionState, eps: list[Endpoint]) -> list[float]:
+        return [e.running + e.waiting + e.dispatched_since_probe for e in eps]
+
+
+@register_plugin
+class BatchHeadroom(Scorer):
+    """Batch size; normalised as 1 − batch / the largest batch (Bailian's load term)."""
+
+    name = "batch_headroom"
+    inputs = frozenset({"load"})
+
+    def values(self, st: DecisionState, eps: list[Endpoint]) -> list[float]:
+        return [e.running + e.waiting + e.dispatched_since_probe for e in eps]
+
+    def normalised(self, st: DecisionState, eps: list[Endpoint]) -> list[float]:
+        sizes = self.values(st, eps)
+        top = max(1.0, max(sizes))
+        return [1.0 - b / top for b in sizes]
+
+
+@register_plugin
+class NewPrefill(Scorer):
+    """Tokens the endpoint must prefill before this request's first token: its queued prefill
+    backlog plus this request's uncached tokens."""
+
+    name = "new_prefill"
+    inputs = frozenset({"prefix", "prefill_backlog"})
+
+    def values(self, st: DecisionState, eps: list[Endpoint]) -> list[float]:
+        return [n + e.queued_prefill_tokens for n, e in zip(st.new_prefill(eps), eps)]
+
+
+@register_plugin
+class UncachedTokens(Scorer):
+    """This request's prompt tokens not cached on the endpoint (GORGO's t_p term)."""
+
+    name = "uncached_tokens"
+    inputs = frozenset({"prefix"})
+
+    def values(self, st: DecisionState, eps: list[Endpoint]) -> list[float]:
+        return list(st.new_prefill(eps))
+
+
+@register_plugin
+class RTT(Scorer):
+    """Round trip to the endpoint in seconds (probed)."""
+
+    name = "rtt"
+    inputs = frozenset({"rtt"})
+
+    def values(self, st: DecisionState, eps: list[Endpoint]) -> list[float]:
+        return [e.rtt_s for e in eps]
+
+
+@register_plugin
+class RTTms(Scorer):
+    """Round trip to the endpoint in milliseconds (GORGO weighs RTT per millisecond)."""
+
+    name = "rtt_ms"
+    inputs = frozenset({"rtt"})
+
+    def values(self, st: DecisionState, eps: list[Endpoint]) -> list[float]:
+        return [1000.0 * e.rtt_s for e in eps]
+
+
+@register_plugin
+class TreeSize(Scorer):
+    """Blocks the router's index holds for the endpoint (SGLang's smallest-tree miss rule)."""
+
+    name = "tree_size"
+    inputs = frozenset({"prefix"})
+
+    def values(self, st: DecisionState, eps: list[Endpoint]) -> list[float]:
+        blocks = st.view.prefix.blocks
+        return [blocks(e.id) for e in eps]
+
+
+@register_plugin
+class LMetricScore(Scorer):
+    """LMetric §4: P-tokens × BS — (queued prefill + this request's new prefill) × (batch + 1).
+
+    The +1 keeps idle endpoints comparable by their P-tokens (blitz-router's lmetric.rs does
+    the same)."""
+
+    name = "lmetric"
+    inputs = frozenset({"prefix", "prefill_backlog", "load"})
+
+    def values(self, st: DecisionState, eps: list[Endpoint]) -> list[float]:
+        return [(e.queued_prefill_tokens + n) * (e.running + e.waiting + e.dispatched_since_probe + 1)
+                for n, e in zip(st.new_prefill(eps), eps)]
+
+
+@register_plugin
+class PrefillBlocks(Scorer):
+    """Dynamo's prefill blocks: (queued prefill backlog + this request's uncached tokens) / block."""
+
+    name = "prefill_blocks"
+    inputs = frozenset({"prefix", "prefill_backlog"})
+
+    def values(self, st: DecisionState, eps: list[Endpoint]) -> list[float]:
+        bt = st.req.block_tokens
+        return [(n + e.queued_prefill_tokens) / bt for n, e in zip(st.new_prefill(eps), eps)]
+
+
+@register_plugin
+class DecodeBlocks(Scorer):
+    """Dynamo's decode blocks: (tokens of requests active on the endpoint + this prompt) / block."""
+
+    name = "decode_blocks"
+    inputs = frozenset({"load"})
+
+    def values(self, st: DecisionState, eps: list[Endpoint]) -> list[float]:
+        p, bt = st.req.prompt_tokens, st.req.block_tokens
+        return [(e.inflight_tokens + p) / bt for e in eps]

@@ -1,0 +1,65 @@
+"""What can be composed: the registered plugins and presets, and the decorators that add to them.
+
+Built-in plugins register on import (:mod:`kvroute.policy.builtin`), built-in presets likewise
+(:mod:`kvroute.policy.presets`); packages outside the tree register theirs the same way from an
+entry point of the group ``kvroute.policies`` (loaded by :mod:`kvroute.policy.registry`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from kvroute.policy.base import Policy
+from kvroute.policy.compose import ConfigError, Preset
+from kvroute.policy.params import PolicyParams
+from kvroute.policy.plugins import KINDS, Plugin
+
+P = TypeVar("P", bound=type[Plugin])
+T = TypeVar("T", bound=type[PolicyParams])
+C = TypeVar("C", bound=type[Policy])
+
+PLUGINS: dict[str, dict[str, type[Plugin]]] = {kind: {} for kind in KINDS}
+PRESETS_TABLE: dict[str, Preset] = {}
+
+
+def register_plugin(cls: P) -> P:
+    """Class decorator: make a plugin available by its ``name`` to every preset and config."""
+    if not cls.name or cls.kind not in PLUGINS:
+        raise TypeError(f"{cls.__name__}: a plugin needs a name and must subclass one of "
+                        f"{', '.join(k.__name__ for k in KINDS.values())}")
+    table = PLUGINS[cls.kind]
+    if table.get(cls.name, cls) is not cls:
+        raise ConfigError(f"{cls.kind} {cls.name!r} is already registered (by {table[cls.name].__module__})")
+    table[cls.name] = cls
+    return cls
+
+
+def add_preset(preset: Preset) -> Preset:
+    """Register ``preset`` under its name (a second preset of the same name is an error)."""
+    old = PRESETS_TABLE.get(preset.name)
+    if old is not None and old != preset:
+        raise ConfigError(f"preset {preset.name!r} is already registered (from {old.origin})")
+    from kvroute.policy.compiler import check_preset  # imported here: it needs this module
+
+    check_preset(preset)
+    PRESETS_TABLE[preset.name] = preset
+    return preset
+
+
+def register_policy_class(cls: C) -> C:
+    """Register a policy written as a :class:`~kvroute.policy.base.Policy` subclass (its
+    ``name``, ``source``, ``Params`` and docstring) rather than composed from plugins."""
+    add_preset(Preset(cls.name, cls.Params, {}, cls.source, cls.__doc__ or "", cls.__module__, factory=cls))
+    return cls
+
+
+def register_preset(name: str, *, source: str = "", **spec: Any) -> Callable[[T], T]:
+    """Decorator on a parameter model: register a preset called ``name`` whose parameters are
+    that model, whose description is its docstring, and whose composition is ``spec`` (the
+    keys of :mod:`kvroute.policy.compose`)."""
+
+    def wrap(params: T) -> T:
+        add_preset(Preset(name, params, spec, source, params.__doc__ or "", params.__module__))
+        return params
+    return wrap
