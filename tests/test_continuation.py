@@ -290,27 +290,38 @@ def test_the_next_leg_asks_for_the_rest_and_continues_the_assistant_message():
     assert s.outgrew(31) and not s.outgrew(32) and not s.outgrew(None)
 
 
-def test_cascadeinfer_routes_by_length_and_migrates_a_growing_stream():
-    """The cascadeinfer preset in the gateway: two one-instance stages split at ``cut`` tokens; a
-    short prompt starts in stage 1 and moves to stage 2 as its answer grows, a long one starts there."""
+def test_cascadeinfer_in_kvroute_serve_routes_by_length_and_migrates_a_growing_stream(tmp_path):
+    """`kvroute serve` with the cascadeinfer preset in its YAML: two one-instance stages split at
+    ``cut`` tokens; a short prompt starts in stage 1 and moves to stage 2 as its answer grows, a
+    long prompt starts in stage 2. Every process is started and stopped here by PID."""
+    ports, gw_port = [_free_port(), _free_port()], _free_port()
     cut = estimate_tokens(chat_key(CHAT)) + 6
-    dep = LiveDeployment(replicas=2, policy={"preset": "cascadeinfer",
-                                             "params": {"stage_sizes": [1, 1], "bounds": [cut]}})
+    cfg = tmp_path / "gw.yaml"
+    cfg.write_text(f"port: {gw_port}\npolicy: {{preset: cascadeinfer, params: {{stage_sizes: [1, 1], "
+                   f"bounds: [{cut}]}}}}\nreplicas:\n" +
+                   "".join(f"  - {{url: http://127.0.0.1:{p}, id: stage{i + 1}}}\n" for i, p in enumerate(ports)))
+    procs = [subprocess.Popen([sys.executable, "-m", "kvroute.cli", "emulate", "--port", str(p)],
+                              stderr=subprocess.DEVNULL) for p in ports]
+    procs.append(subprocess.Popen([sys.executable, "-m", "kvroute.cli", "serve", "--config", str(cfg)],
+                                  stderr=subprocess.DEVNULL))
+    url = f"http://127.0.0.1:{gw_port}"
     try:
-        before = requests_served(dep)
-        chunks = chat_stream(dep.url, 16)
-        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == \
-            emulated_text(chat_key(CHAT), 16)
-        assert [b - a for a, b in zip(before, requests_served(dep))] == [1, 1]
-        assert continuations(dep.url) == {("migrate", "continued"): 1.0}
+        _wait_up(f"{url}/health", time.monotonic() + 9)
+        raw = client(url).chat.completions.with_raw_response.create(model="emulated", messages=CHAT, max_tokens=16,
+                                                                    stream=True)
+        assert raw.headers["x-kvroute-replica"] == "stage1"
+        text = "".join(c.choices[0].delta.content or "" for c in raw.parse() if c.choices)
+        assert text == emulated_text(chat_key(CHAT), 16)
+        assert continuations(url) == {("migrate", "continued"): 1.0}
         long_chat = [*CHAT, {"role": "user", "content": "And list every affected volume. " * 4}]
-        raw = client(dep.url).chat.completions.with_raw_response.create(model="emulated", messages=long_chat,
-                                                                        max_tokens=4)
-        assert raw.headers["x-kvroute-replica"] == "emulated-1"  # past the cut: the second stage
+        raw = client(url).chat.completions.with_raw_response.create(model="emulated", messages=long_chat,
+                                                                    max_tokens=4)
+        assert raw.headers["x-kvroute-replica"] == "stage2"  # past the cut: the second stage
     finally:
-        counters = dep.settle()
-        dep.close()
-    assert counters == (0, 0, 0)
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+                p.wait(5)
 
 
 def test_a_leg_stops_at_the_event_that_reaches_the_limit_even_inside_one_read():
