@@ -26,9 +26,9 @@ Choices where the paper is vague (also in ARCHITECTURE.md):
   whose P-token the cache lowers most. Requests with nothing cached belong to no class.
 * The window is the last ``window`` routed requests (default 256), not a minute: the policy
   layer has no clock. The detector stays silent until the window is full.
-* An alarm clears, and the run of consecutive requests resets, as soon as Equation 2 holds
-  again for the class (e.g. after filtering spread its prefix to more instances) or a class-c
-  request would go to M̄ anyway.
+* An alarm (and any filtering) clears as soon as Equation 2 holds again for the class, e.g.
+  once filtering has spread its prefix to enough instances. Before filtering starts, the run
+  of consecutive requests resets whenever a class request would go to M̄ anyway.
 * Only classes under alarm are tracked beyond the window's counts, which bounds memory (the
   paper tracks only the classes with the highest hit rates).
 """
