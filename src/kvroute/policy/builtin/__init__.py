@@ -1,5 +1,7 @@
-"""The built-in plugins, registered on import: filters, scorers, conditions, pickers, routes."""
+"""The built-in plugins, registered on import: filters, scorers, conditions, pickers, routes, and
+the plugins that learn while serving (``learning``)."""
 
-from kvroute.policy.builtin import conditions, filters, pickers, routes, scorers
+# ruff: noqa: I001  (scorers first: listings and error messages name them in this order)
+from kvroute.policy.builtin import scorers, filters, conditions, pickers, routes, learning
 
-__all__ = ["conditions", "filters", "pickers", "routes", "scorers"]
+__all__ = ["conditions", "filters", "learning", "pickers", "routes", "scorers", "warmup"]

@@ -1,9 +1,9 @@
 """Named presets: each paper's and industry router's policy, registered on import.
 
-Most are compositions of plugins (``register_preset`` on their parameter model); a few are
-still written as policy classes and registered as such. The built-in plugins register first,
-and the presets in the order ``kvroute policies`` lists them: baselines, industry routers, the
-papers.
+They are compositions of plugins (``register_preset`` on their parameter model); a policy
+written as a class registers with ``register_policy_class`` (CascadeInfer's stage router and its
+Llumnix-like baseline were, when they arrived). The built-in plugins register first, and the
+presets in the order ``kvroute policies`` lists them: baselines, industry routers, the papers.
 """
 
 # ruff: noqa: I001, F401  (registration on import, in listing order)
@@ -15,7 +15,7 @@ from kvroute.policy.presets import skywalker, gorgo, gorgo_tuned, lmetric, casca
 
 __all__ = ["builtin"]
 
-for _module in (llm_d, gorgo, gorgo_tuned, lmetric, cascadeinfer, llumnix):  # the class-based ones
+for _module in (cascadeinfer, llumnix):  # class-based when they arrived; composed ones register themselves
     for _cls in list(vars(_module).values()):
         if (isinstance(_cls, type) and issubclass(_cls, Policy) and _cls.__module__ == _module.__name__
                 and _cls.name):

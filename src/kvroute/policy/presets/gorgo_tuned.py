@@ -4,14 +4,28 @@ from __future__ import annotations
 
 from pydantic import Field, model_validator
 
-from kvroute.policy.adaptive.es_tuner import GORGO_RANGES, OnePlusOneES, WeightRange
-from kvroute.policy.adaptive.plugins import TunerPlugin
-from kvroute.policy.base import PolicyParams
-from kvroute.policy.presets.gorgo import Gorgo, GorgoParams
+from kvroute.model import Branch
+from kvroute.policy.adaptive.es_tuner import GORGO_RANGES
+from kvroute.policy.catalog import register_preset
+from kvroute.policy.presets.gorgo import GORGO_TERMS, GorgoParams
 
 
+@register_preset(
+    "gorgo_tuned", source="GORGO v2 §2.2 and §4: (1+1)-ES, rolling 128 window hop 32, 1/5 rule, ranges",
+    cost={"es": {"terms": GORGO_TERMS, "start": {"w_rtt": "$w_rtt", "t_p": "$t_p", "w_queue": "$w_queue"},
+                 "ranges": {"w_rtt": "$w_rtt_range", "w_queue": "$w_queue_range"},
+                 "window": "$window", "hop": "$hop", "sigma0": "$sigma0", "sigma_min": "$sigma_min",
+                 "frozen": "$frozen"}},
+    branch=Branch.MIN_COST)
 class GorgoTunedParams(GorgoParams):
-    """GORGO's weights as the tuner's starting point, plus the tuner's ranges and schedule."""
+    """GORGO's cost with w_rtt and w_queue tuned online by GORGO v2's (1+1)-ES on p95 TTFT.
+
+    Every first token's TTFT (measured by the runtime, LB queueing included) feeds the tuner; it
+    scores the weights it serves on a window's p95 and mutates them in log space within the
+    ranges (see :mod:`kvroute.policy.adaptive.es_tuner`). Its RNG is seeded from the policy seed,
+    so a simulation is deterministic. ``frozen: true`` serves the given weights unchanged. (The
+    tuner replaces ``calibrate``, which this preset does not take.)
+    """
 
     w_rtt_range: tuple[float, float] = Field(
         (GORGO_RANGES["w_rtt"].lo, GORGO_RANGES["w_rtt"].hi),
@@ -38,33 +52,7 @@ class GorgoTunedParams(GorgoParams):
                                  f"[{lo}, {hi}] with {name} {start}")
         if self.hop > self.window:
             raise ValueError(f"hop ({self.hop}) must not exceed window ({self.window})")
+        if self.calibrate:
+            raise ValueError("gorgo_tuned tunes the weights instead of fitting them: drop calibrate "
+                             "(or use gorgo with calibrate)")
         return self
-
-
-class GorgoTuned(Gorgo):
-    """GORGO's cost with w_rtt and w_queue tuned online by GORGO v2's (1+1)-ES on p95 TTFT.
-
-    Every first token's TTFT (measured by the runtime, LB queueing included) feeds the tuner; it
-    scores the weights it serves on a window's p95 and mutates them in log space within the
-    ranges (see :mod:`kvroute.policy.adaptive.es_tuner`). Its RNG is seeded from the policy seed,
-    so a simulation is deterministic. ``frozen: true`` serves the given weights unchanged.
-    """
-
-    name = "gorgo_tuned"
-    source = "GORGO v2 §2.2 and §4: (1+1)-ES, rolling 128 window hop 32, 1/5 rule, ranges"
-    Params = GorgoTunedParams
-    params: GorgoTunedParams
-
-    def __init__(self, params: PolicyParams | None = None, seed: int = 0):
-        super().__init__(params, seed)
-        p = self.params
-        ranges = {"w_rtt": WeightRange(p.w_rtt, *p.w_rtt_range) if not p.frozen else GORGO_RANGES["w_rtt"],
-                  "w_queue": WeightRange(p.w_queue, *p.w_queue_range) if not p.frozen else GORGO_RANGES["w_queue"]}
-        self.es = OnePlusOneES(ranges, window=p.window, hop=p.hop, sigma0=p.sigma0, sigma_min=p.sigma_min,
-                               seed=seed, frozen={"w_rtt": p.w_rtt, "w_queue": p.w_queue} if p.frozen else None)
-        self.listeners = (*self.listeners, TunerPlugin(self.es))
-
-    def weights(self) -> tuple[float, float, float]:
-        """The weights the tuner serves now (t_p stays fixed: only ratios matter, GORGO v2 §2.2)."""
-        w = self.es.weights
-        return w["w_rtt"], self.params.t_p, w["w_queue"]
