@@ -7,6 +7,9 @@
 3. A simulated comparison: SkyWalker's skewed 3-region setting under several presets.
 4. Live: for each of a few presets, a gateway in front of four emulated engines and 16 chat
    clients over real HTTP, with live progress and a summary table.
+5. Live, 3 regions (``kvroute live``): region-local gateways vs SkyWalker's two layers vs GORGO's
+   central proxy on skewed load, every process real and every cross-region link delayed, one
+   gateway killed mid-run and restarted; the same scenario simulated beside it.
 """
 
 from __future__ import annotations
@@ -114,6 +117,29 @@ def run_demo(out: str, decisions: int, sim_requests: int, live_policies: list[st
     console.rule("[bold]live: gateway + 4 emulated replicas, chat clients over real HTTP")
     live = live_comparison(live_policies, live_seconds, live_requests)
     write_json(str(Path(out) / "live.json"), live)
+
+    live_regions(out)
+
+
+LIVE_SCENARIO = "live-3region-skewed"
+LIVE_KILL = "gateway:eu@6s+4s"  # eu's gateway dies 6 s in and is back 4 s later
+
+
+def live_regions(out: str, seconds: float = 12.0, drain_s: float = 10.0) -> dict:
+    """Issue 10's live section: the bundled live-size skewed scenario, its three policies live,
+    a gateway killed mid-run (clients fail over through the controller's /resolve, its replicas
+    move to the nearest gateway), then the same scenario simulated and both side by side."""
+    from kvroute.live.command import execute
+    from kvroute.live.faults import parse_fault
+    from kvroute.sim.scenario import load_scenario
+
+    sc = load_scenario(LIVE_SCENARIO)
+    console.rule(f"[bold]live, 3 regions on 127.0.0.1: {sc.name}; {LIVE_KILL.replace('@', ' killed at ')} "
+                 "(regional and two-layer runs)")
+    rep = execute(sc, [parse_fault("kill", LIVE_KILL)], max_requests=sc.limits.max_requests, duration_s=seconds,
+                  compare_sim=True, drain_s=drain_s)
+    write_json(str(Path(out) / "live-3region.json"), rep)
+    return rep
 
 
 def live_comparison(policies: list[str], seconds: float, max_requests: int) -> dict:

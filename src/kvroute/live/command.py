@@ -97,12 +97,17 @@ def execute(sc, faults, *, max_requests: int | None, duration_s: float | None, l
         if live["errors"]:
             warn(f"{label}: {sum(live['errors'].values())} request(s) failed: "
                  + "; ".join(f"{n}× {k}" for k, n in live["errors"].items()))
+        if live["unfinished"]:
+            console.print(f"[dim]{label}: {live['unfinished']} request(s) still in flight when the drain time "
+                          "ran out (not counted)[/dim]")
         for f in live["faults"]:
             console.print(f"[dim]{label}: {f}[/dim]")
     done = sum(r["requests"] for r in rep["results"].values())
     console.print(f"[dim]{done:,} live requests in {time.perf_counter() - t0:.1f} s wall[/dim]")
     if compare_sim:
         rep["compare"] = compare_with_sim(sc, rep)
+        if faults:
+            console.print("[dim]faults were injected into the live runs only: the simulation has none[/dim]")
     return rep
 
 

@@ -307,9 +307,11 @@ async def run_policy(run: LiveRun, entry: PolicyEntry, *, max_requests: int | No
     for f in faults:
         fault_child(run, pol, f)  # unknown names fail before any load
     recorder = Recorder(list(run.replicas), [run.replica_region[r] for r in run.replicas])
-    driver = Driver(sc.make_workload(), recorder, dict(run.replica_region), pol.controller.url,
-                    {f"gw-{r}": set(m) for r, m in topo.gateways.items()}, client_key, max_requests, duration_s,
-                    on_done=on_progress)
+    # Only SkyWalker gateways forward; elsewhere an answer from another region is "remote".
+    manages = ({f"gw-{r}": set(m) for r, m in topo.gateways.items()}
+               if routing_mode(topo, entry.preset) == "skywalker" else {})
+    driver = Driver(sc.make_workload(), recorder, dict(run.replica_region), pol.controller.url, manages,
+                    client_key, max_requests, duration_s, on_done=on_progress)
     stop = asyncio.Event()
     fault_log: list[dict[str, Any]] = []
     t0 = time.monotonic()
@@ -340,7 +342,7 @@ async def run_policy(run: LiveRun, entry: PolicyEntry, *, max_requests: int | No
     result["slo"] = recorder.slo(sc.slo.ttft_s, sc.slo.tpot_s, driver.issued)
     if forwards is not None:
         result["cross_region_forwards"] = forwards  # what the gateways decided, failed forwards included
-    result["live"] = {"wall_s": round(wall, 3), "retries": driver.retries,
+    result["live"] = {"wall_s": round(wall, 3), "retries": driver.retries, "unfinished": driver.unfinished,
                       "errors": dict(sorted(driver.errors.items())), "resolve_lookups": driver.lookups,
                       "faults": fault_log, "gateways": sorted(f"gw-{r}" for r in topo.gateways),
                       "topology": topo.kind,
