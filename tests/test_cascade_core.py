@@ -49,13 +49,14 @@ def brute_force(costs: partition.StageCosts, instances: int) -> float:
     return best
 
 
-requests_st = st.lists(st.tuples(st.integers(1, 3000), st.integers(1, 2000)), min_size=1, max_size=40)
+running_st = st.lists(st.tuples(st.integers(1, 3000), st.integers(0, 2000), st.integers(1, 2000)).map(
+    lambda t: (t[0], t[0] + min(t[1], t[2] - 1), t[0] + t[2])), min_size=1, max_size=40)
 
 
 @settings(max_examples=60, deadline=None)
-@given(reqs=requests_st, instances=st.integers(1, 4), transfer=st.sampled_from([0.0, 1e-6, 1e-4]))
-def test_exact_dp_equals_brute_force(reqs, instances, transfer):
-    costs = partition.StageCosts(MODEL, reqs, partition.cut_points(5000, min_cut=256), transfer)
+@given(running=running_st, instances=st.integers(1, 4), transfer=st.sampled_from([0.0, 1e-6, 1e-4]))
+def test_exact_dp_equals_brute_force(running, instances, transfer):
+    costs = partition.StageCosts(MODEL, running, partition.cut_points(5000, min_cut=256), transfer)
     plan = partition.exact(costs, instances)
     assert plan.cost == pytest.approx(brute_force(costs, instances), rel=1e-9, abs=1e-12)
     assert sum(plan.sizes) == instances
@@ -73,7 +74,8 @@ def skewed(n: int, seed: int = 1) -> list[tuple[int, int]]:
 
 def test_sixteen_instances_at_128k_partition_fast_and_split_skewed_lengths():
     t0 = time.perf_counter()
-    costs = partition.StageCosts(MODEL, skewed(1000), partition.cut_points(131072), 114688 / 25e9)
+    running = partition.snapshot(skewed(2000), 1000)
+    costs = partition.StageCosts(MODEL, running, partition.cut_points(131072, 64, per_octave=2), 114688 / 25e9)
     plan = partition.heuristic(costs, 16)
     took = time.perf_counter() - t0
     assert took < 1.0
@@ -81,6 +83,23 @@ def test_sixteen_instances_at_128k_partition_fast_and_split_skewed_lengths():
     exact = partition.exact(costs, 16)
     assert exact.cost <= plan.cost <= partition.single_stage(costs, 16).cost
     assert exact.cost <= partition.chain(costs, 16).cost
+
+
+def test_snapshot_is_length_biased_and_inside_each_life():
+    snap = partition.snapshot([(100, 1), (100, 999)], 2000, seed=2)
+    assert all(i <= cur < fin for i, cur, fin in snap)
+    assert sum(1 for _, _, fin in snap if fin == 1099) > 0.99 * 2000 - 30  # 999:1 by output
+
+
+def test_concurrency_solves_littles_law():
+    n = partition.concurrency(10.0, 100.0, lambda b: 0.01 + 0.001 * b, 2, cap=1e6)
+    assert n == pytest.approx(10 * 100 * (0.01 + 0.001 * n / 2), rel=1e-2)
+    assert partition.concurrency(1e6, 100.0, lambda b: 1.0, 2, cap=512) == 512
+
+
+def test_cut_points_tiers():
+    assert partition.cut_points(10) == [0, 1, 2, 4, 8, 16]
+    assert partition.cut_points(256, 64, per_octave=2) == [0, 64, 91, 128, 181, 256]
 
 
 def test_stage_of_is_the_earliest_covering_stage():

@@ -3,15 +3,17 @@
 A plan splits E instances into consecutive stages; stage s serves sequence lengths [lo_s, hi_s)
 with k_s instances. Its quality is Σ_s k_s·Q^{n_s/k_s} + Σ_cuts c_cut (lower is better), where
 
-* n_s is what stage s batches: every profiled request whose life [I, I + O) overlaps the range,
-  as the fragment it spends there — input length I where it starts in this stage (its prefill
-  runs here) and 0 otherwise (it arrives by migration, no prefill), and sequence length the
-  fragment's midpoint (the mean context while it decodes there). *Choice*: the paper says only
-  "requests whose sequence lengths lie in [l', l]".
+* n_s is what stage s batches: the running sequences whose current length lies in the range.
+  They come as a snapshot — (input length, current length, final length) of the sequences in
+  flight at one instant (``snapshot`` draws one from request statistics) — and count their input
+  length only where it lies in the range (their prefill ran there; a migrated sequence brings
+  its KV). *Choice*: the paper says only "requests whose sequence lengths lie in [l', l]"; a
+  snapshot makes the batch QoE of Eq. (1) see the concurrency a stage will have, not the size
+  of the statistics window.
 * n_s/k divides the set among k instances as the paper's footnote does: sort by length, start at
   the (k/2)-th element and take every k-th; Q^{…} is the batch QoE of Eq. (1).
-* c_cut is the delay of moving every sequence that straddles the cut: its KV at the cut
-  (cut·bytes per token ÷ bandwidth), divided by the request's output tokens so that it is in the
+* c_cut is the delay of moving every snapshot sequence whose life straddles the cut: its KV at
+  the cut (cut·bytes per token ÷ bandwidth), divided by its output tokens so that it is in the
   unit of the QoE (normalized latency). *Choice*: the paper gives "volume of transferred tokens
   and system bandwidth", not the unit.
 
@@ -27,7 +29,9 @@ stages by largest positive gain.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+import math
+import random
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvroute.cascade.qoe import QoEModel
@@ -60,25 +64,65 @@ class Plan:
         return [s.hi for s in self.stages[:-1]]
 
 
-def cut_points(max_len: int, min_cut: int = 1) -> list[int]:
-    """0, then min_cut·2^i up to the first power that covers ``max_len``: the exponential tiers
-    ([1, 2), [2, 4), … as §4.2 writes them)."""
-    cuts, c = [0], min_cut
+def cut_points(max_len: int, min_cut: int = 1, per_octave: int = 1) -> list[int]:
+    """0, then min_cut·2^(i/per_octave) up to the first that covers ``max_len``: the exponential
+    tiers ([1, 2), [2, 4), … as §4.2 writes them; ``per_octave`` > 1 splits each doubling)."""
+    cuts, i = [0], 0
     while True:
-        cuts.append(c)
+        c = int(round(min_cut * 2 ** (i / per_octave)))
+        if c > cuts[-1]:
+            cuts.append(c)
         if c >= max_len:
             return cuts
-        c *= 2
+        i += 1
+
+
+Running = tuple[int, int, int]  # (input length, current length, final length) of a running sequence
+
+
+def snapshot(requests: Sequence[tuple[int, int]], n: int, seed: int = 0,
+             prefill_tokens: Callable[[int], float] | None = None) -> list[Running]:
+    """``n`` sequences in flight at a random instant, from (input, output) request statistics.
+
+    A request is in flight for a time proportional to its output tokens plus its prefill (as
+    ``prefill_tokens(input)``, the prefill's time in decode steps; none when not given), so the
+    snapshot draws requests with probability ∝ that sum (length-biased), then a moment of its
+    life: prefilling (current length = input) or uniformly within its decode.
+    """
+    rng = random.Random(seed)
+    pre = [prefill_tokens(i) if prefill_tokens else 0.0 for i, _ in requests]
+    weights = [max(1, o) + p for (_, o), p in zip(requests, pre)]
+    out = []
+    for k in rng.choices(range(len(requests)), weights=weights, k=n):
+        i, o = requests[k]
+        o = max(1, o)
+        at = rng.random() * (o + pre[k]) - pre[k]
+        out.append((i, i + max(0, int(at)), i + o))
+    return out
+
+
+def concurrency(rate: float, mean_output: float, tpot_of: Callable[[float], float], instances: int,
+                cap: float) -> float:
+    """Sequences in flight by Little's law, N = rate·E[O]·TPOT(N/instances), solved by fixed-point
+    iteration (``tpot_of`` maps a per-instance batch to seconds per token); at most ``cap``."""
+    n = 1.0
+    for _ in range(50):
+        nxt = min(cap, rate * mean_output * tpot_of(n / instances))
+        if math.isclose(nxt, n, rel_tol=1e-3):
+            return nxt
+        n = nxt
+    return n
 
 
 class StageCosts:
     """Stage and cut costs over a set of profiled requests, computed once per (range, k)."""
 
-    def __init__(self, model: QoEModel, requests: Sequence[tuple[int, int]], cuts: Sequence[int],
+    def __init__(self, model: QoEModel, running: Sequence[Running], cuts: Sequence[int],
                  transfer_s_per_token: float):
-        """``requests``: (input tokens, output tokens) pairs; ``cuts``: candidate cut lengths."""
+        """``running``: a snapshot of (input, current, final) lengths; ``cuts``: candidate cuts."""
         self.model = model
-        self.requests = [(i, max(1, o)) for i, o in requests]
+        self.running = sorted(running, key=lambda r: r[1])
+        self._lengths = [r[1] for r in self.running]
         self.cuts = list(cuts)
         self.transfer_s_per_token = transfer_s_per_token
         self._ranges: dict[tuple[int, int], tuple[list[float], list[float], list[float]]] = {}
@@ -90,15 +134,10 @@ class StageCosts:
         got = self._ranges.get(key)
         if got is None:
             lo, hi = self.cuts[a], self.cuts[b]
-            frags = []
-            for i, o in self.requests:
-                end = i + o
-                if i < hi and end > lo:
-                    start = i if i >= lo else lo
-                    stop = end if end < hi else hi
-                    frags.append(((start + stop) / 2, i if i >= lo else 0))
-            frags.sort()
-            got = ([f[1] for f in frags], [f[1] * f[1] for f in frags], [f[0] for f in frags])
+            first, last = bisect.bisect_left(self._lengths, lo), bisect.bisect_left(self._lengths, hi)
+            seqs = self.running[first:last]  # sorted by current length
+            ins = [float(i if i >= lo else 0) for i, _, _ in seqs]
+            got = (ins, [x * x for x in ins], [float(length) for _, length, _ in seqs])
             self._ranges[key] = got
         return got
 
@@ -122,7 +161,7 @@ class StageCosts:
         if c is None:
             at = self.cuts[j]
             per = at * self.transfer_s_per_token
-            c = self._cut[j] = sum(per / o for i, o in self.requests if i < at < i + o)
+            c = self._cut[j] = sum(per / (f - i) for i, _, f in self.running if i < at < f)
         return c
 
 

@@ -1,28 +1,200 @@
-"""CascadeInfer (004_131677394a4b07f8.txt): its mechanisms are not built in kvroute yet.
+"""CascadeInfer (004_131677394a4b07f8.txt) against the simulator.
 
-Length-staged routing, the QoE model, the DP stage partition, range refinement and bid-ask
-rebalancing with live migration are later issues; until they land every row says so. The batch
-heterogeneity factor the paper measured (1.1–2.1×) is part of kvroute's step-time model
-(``sim/profile.py``) and is checked by the profile tests, not here.
+Setups: ``scenarios/reproduce/cascadeinfer.yaml`` (16 H100 + Llama-3.2-3B instances, long-context
+Poisson arrivals; round robin, Llumnix-like, CascadeInfer and its layouts and refinements) run
+at a moderate rate (40 req/s), a heavy one (70 req/s) and far past capacity (200 req/s, where
+output tokens per second until every request finished is the throughput);
+``cascadeinfer-bidask.yaml`` (Fig. 16's 4 × 4 pipeline). The QoE fit and the partition timing
+run the pure cores directly on the profile's fitted model.
 """
 
 from __future__ import annotations
 
-from kvroute.reproduce.common import NOT_IMPLEMENTED, Lab, Row
+import math
+import statistics
+import time
 
-CLAIMS = (
-    ("QoE model mean relative error", "8.9 % (static mean predictor 64 %)", "the QoE model"),
-    ("stage partition with 16 instances, 128K length", "0.06 s", "the DP stage partition"),
-    ("vs chain layout (one instance per stage)", "30 % lower latency, 7.1 % higher throughput",
-     "length-staged routing and stage layouts"),
-    ("vs memory-based range refinement", "21 % lower latency, 12 % higher throughput", "range refinement"),
-    ("end to end vs state of the art", "up to 67 % lower E2E, 69 % lower tail, up to 2.89× throughput",
-     "length-staged routing with migration"),
-    ("bid-ask vs round robin, output-token imbalance", "lower CV per stage (Fig. 16)",
-     "bid-ask rebalancing"),
-)
+from kvroute.cascade import partition
+from kvroute.reproduce.common import DIRECTION, NO, YES, Lab, Row, pct, ratio_agreement, unstable_note
+from kvroute.sim.profile import load_profile
+from kvroute.sim.qoe_profiling import fit_profile
+from kvroute.workload.long_context import LongContext
+
+PROFILE = "h100-llama3.2-3b"
+RATES = {"moderate": 40.0, "heavy": 70.0, "saturated": 200.0}
+CASCADE = "cascadeinfer"
+CHAIN = "cascadeinfer(layout=chain)"
+NO_PIPELINE = "cascadeinfer(layout=no_pipeline)"
+EQUAL_MEMORY = "cascadeinfer(refinement=equal_memory)"
+EQUAL_COUNT = "cascadeinfer(refinement=equal_count)"
+
+
+def _runs(lab: Lab) -> dict[str, dict]:
+    return {load: lab.run("cascadeinfer", key=f"cascadeinfer-{load}", overrides={"workload": {"rate": rate}})
+            for load, rate in RATES.items()}
+
+
+def _e2e(res: dict, label: str, stat: str = "mean") -> float:
+    return float(res[label]["e2e_s"][stat])
+
+
+def _served(res: dict, label: str) -> float:
+    """System throughput as the paper defines it, token generation rate: output tokens over the
+    time to finish every request of the saturated run (requests served within the arrival window
+    would reward serving short requests first)."""
+    return float(res[label]["output_tps"])
+
+
+def _saturation(lab: Lab) -> str:
+    notes = [unstable_note(lab, f"cascadeinfer-{load}") for load in ("moderate", "heavy")]
+    return "".join(n for n in notes if n)
+
+
+def qoe_row() -> Row:
+    """§4.1 / §6.5: the QoE model's mean relative error on held-back profiling runs."""
+    fit = fit_profile(load_profile(PROFILE))
+    err, static = fit.model_error, fit.static_error
+    agree = YES if err <= 2 * 0.089 and static >= 3 * err else DIRECTION if err < static else NO
+    return Row("QoE model mean relative error (held-back runs)", "8.9 % (static mean predictor 64 %)",
+               f"{pct(err)} (static mean predictor {pct(static)}); {fit.fit_requests} fitting and "
+               f"{fit.validation_requests} validation requests on the {PROFILE} engine model",
+               agree, "" if agree == YES else "model: the simulated engine is not the paper's vLLM; errors "
+               "concentrate where a request's TTFT (prefill of a long prompt over few output tokens) "
+               "dominates its normalized latency, which the batch features describe only on average",
+               "qoe fit")
+
+
+def _planning_costs(rate: float, instances: int) -> tuple[partition.StageCosts, int]:
+    prof = load_profile(PROFILE)
+    fit = fit_profile(prof)
+    sample = LongContext(rate, ["local"], seed=1).length_sample(2000)
+    mean_out = sum(o for _, o in sample) / len(sample)
+    mean_ctx = sum(o * (i + o / 2) for i, o in sample) / sum(o for _, o in sample)
+
+    def tpot(batch: float) -> float:
+        b = max(1.0, batch)
+        return prof.step_time(decode=int(math.ceil(b)), decode_ctx=b * mean_ctx)
+
+    n = partition.concurrency(rate, mean_out, tpot, instances, instances * prof.max_running)
+    step = tpot(n / instances)
+    running = partition.snapshot(sample, max(instances, int(round(n))), seed=1,
+                                 prefill_tokens=lambda i: prof.prefill_time(i) / step)
+    cuts = partition.cut_points(131_072, 64, per_octave=2)
+    bytes_per_token = prof.kv_bytes_per_token or 131_072
+    return partition.StageCosts(fit.model, running, cuts, bytes_per_token / 25e9), len(cuts) - 1
+
+
+def partition_rows() -> list[Row]:
+    """§6.5: partition time at 16 instances and 128K, and the heuristic against the exact DP."""
+    t0 = time.perf_counter()
+    costs, tiers = _planning_costs(RATES["moderate"], 16)
+    heur = partition.heuristic(costs, 16)
+    t_heur = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    exact = partition.exact(costs, 16)
+    t_exact = time.perf_counter() - t1
+    agree = YES if t_heur < 1.0 else NO
+    timing = Row("stage partition with 16 instances, 128K length", "0.06 s",
+                 f"{t_heur:.3f} s with the two-phase heuristic (stage costs included; {tiers} length tiers, "
+                 f"{len(costs.running)} sequences in flight); the exact DP over the same tiers then takes "
+                 f"{t_exact:.3f} s more", agree,
+                 "" if agree == YES else "machine: loaded shared host", "partition")
+    gaps = []
+    for e in (2, 4, 8, 16):
+        c, _ = _planning_costs(RATES["moderate"], e)
+        h, x = partition.heuristic(c, e), partition.exact(c, e)
+        gaps.append((e, h.cost / x.cost - 1 if x.cost else 0.0))
+    gap16 = heur.cost / exact.cost - 1 if exact.cost else 0.0
+    quality = Row("two-phase heuristic vs exact DP (predicted pipeline quality)", "not reported (heuristic used)",
+                  "quality gap " + ", ".join(f"{e} instances {g * 100:+.1f} %" for e, g in gaps)
+                  + f"; at 16: heuristic {heur.sizes} at {heur.bounds}, exact {exact.sizes} at {exact.bounds}"
+                  + ("" if math.isclose(gap16, gaps[-1][1]) else f" ({gap16 * 100:+.1f} %)"),
+                  DIRECTION if all(g >= -1e-9 for _, g in gaps) else NO,
+                  "the paper gives no number to compare; the heuristic is never better than the DP (it is "
+                  "a restriction of it), which is what this row checks", "partition")
+    return [timing, quality]
+
+
+def _layout_row(lab: Lab, runs: dict[str, dict], other: str, claim: str, paper: str,
+                lat: float, thr: float, why: str) -> Row:
+    lat_ratios = [_e2e(runs[load], CASCADE) / _e2e(runs[load], other) for load in ("moderate", "heavy")]
+    thr_ratio = _served(runs["saturated"], CASCADE) / _served(runs["saturated"], other)
+    a_lat = ratio_agreement(lat_ratios, lat, lat)
+    a_thr = ratio_agreement([thr_ratio], thr, thr)
+    agree = YES if a_lat == YES and a_thr == YES else DIRECTION if NO not in (a_lat, a_thr) else NO
+    text = (f"mean E2E {(lat_ratios[0] - 1) * 100:+.0f} % (40 req/s), {(lat_ratios[1] - 1) * 100:+.0f} % (70 req/s); "
+            f"throughput at saturation {thr_ratio:.2f}×")
+    return Row(claim, paper, text, agree, "" if agree == YES else why + _saturation(lab), "cascadeinfer")
+
+
+def bidask_row(lab: Lab) -> Row:
+    """Fig. 16: per-stage CV of output tokens per instance in a 4 × 4 pipeline."""
+    res = lab.run("cascadeinfer-bidask")
+    cvs = {}
+    for label, r in res.items():
+        mig = r["migration"]
+        tokens = mig["out_tokens"]
+        per_stage = []
+        for ids in mig["stages"]:
+            v = [tokens[i] for i in ids]
+            mu = statistics.fmean(v)
+            per_stage.append(statistics.pstdev(v) / mu if mu else 0.0)
+        mode = "round robin" if "within=round_robin" in label else ("inter-stage only" if "handover" in label
+                                                                     else "full bid-ask")
+        cvs[mode] = statistics.fmean(per_stage)
+    rr, inter, full = cvs["round robin"], cvs["inter-stage only"], cvs["full bid-ask"]
+    agree = YES if full < inter < rr else DIRECTION if full < rr else NO
+    return Row("bid-ask vs round robin, output-token imbalance (mean per-stage CV, 4 × 4 pipeline)",
+               "CV −47 % vs round robin, −40 % vs inter-stage-only bid-ask (Fig. 16)",
+               f"round robin {rr:.3f}, inter-stage only {inter:.3f}, full {full:.3f} "
+               f"(full vs round robin {(full / rr - 1) * 100:+.0f} %, "
+               f"vs inter-stage {(full / inter - 1) * 100:+.0f} %)",
+               agree, "" if agree == YES else "model: within a stage least load (or round robin) over identical "
+               "instances already spreads output tokens evenly at this load; the overload trigger (25 % above "
+               "the stage mean in KV) then moves sequences that are long in context, not in output, so "
+               "the output-token CV is not what it evens out" + unstable_note(lab, "cascadeinfer-bidask"),
+               "cascadeinfer-bidask")
 
 
 def rows(lab: Lab) -> list[Row]:
-    return [Row(claim, paper, "–", NOT_IMPLEMENTED, f"{what} is not built yet (a later issue)", "–")
-            for claim, paper, what in CLAIMS]
+    """Every CascadeInfer claim kvroute can check, paper beside simulator."""
+    out = [qoe_row(), *partition_rows()]
+    runs = _runs(lab)
+    out.append(_layout_row(lab, runs, CHAIN, "vs chain layout (one instance per stage)",
+                           "30 % lower latency, 7.1 % higher throughput", 0.70, 1.071,
+                           "model: in kvroute the chain's extra hand-overs cost only transfer time "
+                           "(live migration overlaps decoding) and its single-instance stages are each "
+                           "as homogeneous as the paper's, so the chain loses less than in the paper"))
+    out.append(_layout_row(lab, runs, EQUAL_MEMORY, "vs memory-based range refinement",
+                           "21 % lower latency, 12 % higher throughput", 0.79, 1.12,
+                           "model: refinement only moves boundaries between stages whose instance counts the "
+                           "plan fixed; with the EMA and a 5 s interval both refinements stay near the "
+                           "planned bounds, so they differ little"))
+    nopipe = [_e2e(runs[load], CASCADE) / _e2e(runs[load], NO_PIPELINE) for load in ("moderate", "heavy")]
+    eq_count = [_e2e(runs[load], CASCADE) / _e2e(runs[load], EQUAL_COUNT) for load in ("moderate", "heavy")]
+    worst = max(runs["heavy"], key=lambda lbl: _e2e(runs["heavy"], lbl))
+    a = YES if all(r < 1 for r in nopipe) else NO
+    out.append(Row("no-pipeline layout (one stage) performs worst; quantity-based refinement poorest",
+                   "direction (Figs. 14-15)",
+                   f"CascadeInfer vs no pipeline: mean E2E {(nopipe[0] - 1) * 100:+.0f} % / "
+                   f"{(nopipe[1] - 1) * 100:+.0f} %; "
+                   f"vs equal-count refinement {(eq_count[0] - 1) * 100:+.0f} % / {(eq_count[1] - 1) * 100:+.0f} % "
+                   f"(40 / 70 req/s); worst at 70 req/s: {worst}", a,
+                   "" if a == YES else "model: see the layout rows" + _saturation(lab), "cascadeinfer"))
+    for base, name in (("round_robin", "round robin (vLLM)"), ("llumnix", "Llumnix-like")):
+        mean = [_e2e(runs[load], CASCADE) / _e2e(runs[load], base) for load in ("moderate", "heavy")]
+        tail = [_e2e(runs[load], CASCADE, "p99") / _e2e(runs[load], base, "p99") for load in ("moderate", "heavy")]
+        thr = _served(runs["saturated"], CASCADE) / _served(runs["saturated"], base)
+        agrees = [ratio_agreement(mean, 0.33, 1.0), ratio_agreement(tail, 0.31, 1.0), ratio_agreement([thr], 1.0, 2.89)]
+        agree = YES if all(x == YES for x in agrees) else DIRECTION if NO not in agrees else NO
+        out.append(Row(f"end to end vs {name}", "up to 67 % lower E2E, 69 % lower tail, up to 2.89× throughput",
+                       f"mean E2E {(mean[0] - 1) * 100:+.0f} % / {(mean[1] - 1) * 100:+.0f} %, P99 E2E "
+                       f"{(tail[0] - 1) * 100:+.0f} % / {(tail[1] - 1) * 100:+.0f} % (40 / 70 req/s); throughput "
+                       f"at saturation {thr:.2f}×", agree,
+                       "" if agree == YES else "model: kvroute charges heterogeneity as H = 1 + 0.8·CV (capped at "
+                       "2.1×) per step; long stages of one or two instances hold the rare 30K-128K sequences, "
+                       "whose prefills queue there, so the tail is what CascadeInfer pays for homogeneous "
+                       "batches; the workload's lengths are assumed (the paper gives no quantiles)"
+                       + _saturation(lab), "cascadeinfer"))
+    out.append(bidask_row(lab))
+    return out

@@ -55,6 +55,7 @@ class HardwareProfile(BaseModel):
     h_cv: float = Field(0.8, ge=0)
     h_max: float = Field(2.1, ge=1)
     ttft_overhead_s: float = Field(0.0, ge=0)
+    kv_bytes_per_token: int | None = Field(None, gt=0)  # KV cache bytes per token (migration transfers)
     kv_blocks: int = Field(gt=0)
     block_size: int = Field(16, gt=0)
     max_running: int = Field(256, gt=0)

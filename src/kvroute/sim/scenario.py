@@ -116,8 +116,9 @@ class ShapeSpec(_Strict):
 
 
 class WorkloadSpec(_Strict):
-    kind: Literal["chat", "tot", "mixed", "chat-poisson", "mooncake", "azure", "openai"] = Field(
-        "chat", description="synthetic closed-loop chat, trees of thought or a mix; open-loop Poisson chat; or a "
+    kind: Literal["chat", "tot", "mixed", "chat-poisson", "long-context", "mooncake", "azure", "openai"] = Field(
+        "chat", description="synthetic closed-loop chat, trees of thought or a mix; open-loop Poisson chat; "
+        "open-loop long-context requests up to 128K (CascadeInfer, workload/long_context.py); or a "
         "trace: Mooncake JSONL, Azure CSV, OpenAI-messages JSONL conversations")
     clients: dict[str, int] = Field(default_factory=dict, description="per region: concurrent clients (closed "
                                     "loop) or the weight of trace requests assigned there; default 16 per "
@@ -314,6 +315,9 @@ class Scenario(_Strict):
                 return ChatWorkload(clients, self.seed, w.think_time_s, frac, w.depth, w.branching, shapes)
             if w.kind == "chat-poisson":
                 return ChatPoisson(w.rate or 1.0, clients, self.seed, max_requests=self.limits.max_requests)
+            if w.kind == "long-context":
+                from kvroute.workload.long_context import LongContext
+                return LongContext(w.rate or 1.0, list(clients), self.seed, self.limits.max_requests)
             path = resolve_trace(w.path, w.kind)
             if (w.max_prompt_tokens or w.max_output_tokens) and w.kind not in ("mooncake", "azure"):
                 raise ScenarioError(f"workload.max_prompt_tokens / max_output_tokens apply to mooncake and "

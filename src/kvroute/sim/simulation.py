@@ -19,6 +19,7 @@ from kvroute.policy import Router
 from kvroute.sim.balancer import SimBalancer
 from kvroute.sim.engine import Engine, Seq
 from kvroute.sim.events import EventLoop
+from kvroute.sim.migration import make_migrator
 from kvroute.sim.network import Network
 from kvroute.sim.profile import HardwareProfile
 from kvroute.workload import Program, SimRequest, Workload
@@ -106,6 +107,8 @@ class Simulation:
                     for b in setup.balancers]
         for lb in self.lbs:
             lb.connect_peers([p for p in self.lbs if p is not lb])
+        # sequences moving between replicas (CascadeInfer stages, Llumnix-like): None otherwise
+        self.migrator = make_migrator(self)
         # whether any router reads what on_first_token changes or has plugins that listen
         # (else first tokens notify nobody)
         self._first_token_matters = any(
@@ -280,6 +283,8 @@ class Simulation:
         done = t + flight.back_s
         queue_s = max(0.0, flight.dispatched - flight.reached_lb - flight.net_s)
         rep = self.replicas[flight.replica]
+        if self.migrator is not None:
+            self.migrator.finished(seq, flight.replica)
         self.recorder.complete(flight.sent, flight.first, done, flight.sreq.output_tokens,
                                flight.sreq.req.prompt_tokens, max(0, seq.cached), queue_s,
                                flight.replica, rep.region != flight.client_region, flight.client_region,
@@ -339,6 +344,8 @@ class Simulation:
         for lb in self.lbs:
             self.loop.at(0.0, self._probe, lb)
         self.loop.at(0.0, self._sample)
+        if self.migrator is not None:
+            self.migrator.start()
         lim = self.setup.limits
         horizon = (lim.max_sim_s if lim.max_sim_s is not None else float("inf")) + lim.drain_s
         self.loop.run(until=horizon)
@@ -353,6 +360,8 @@ class Simulation:
         result["load"] = self.recorder.load(max(0.0, self.first_issue), self.last_issue, self.issued,
                                             self.workload.closed_loop)
         result["slo"] = self.recorder.slo(self.setup.slo_ttft_s, self.setup.slo_tpot_s, self.issued)
+        if self.migrator is not None:
+            result["migration"] = self.migrator.summary()
         state = self.policy_state()
         if state:  # only policies with stateful plugins have any
             result["policy_state"] = state
