@@ -55,6 +55,8 @@ def test_a_short_live_run_end_to_end_with_a_gateway_killed_and_restarted(tmp_pat
     assert faults[1]["restarted"] != faults[0]["pid"]
     assert len(rep["pids"]) == 2 + 2 + 1 + 1  # replicas, gateways, controller, the restarted gateway
     assert all(_gone(pid) for pid in rep["pids"])
+    row = rep["compare"]["table"]["round_robin@two-layer"]  # the simulated twin, side by side
+    assert row["requests"]["live"] == r["requests"] and row["ttft_p50_s"]["sim"] > 0
 
 
 def test_fault_flags_parse_and_bad_ones_name_the_flag():

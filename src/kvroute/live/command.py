@@ -27,8 +27,8 @@ def add_parser(sub: Any) -> None:
                          "+D: start it again D s later (repeatable)")
     lv.add_argument("--pause", action="append", default=[], metavar="KIND:NAME@Ts[+Ds]",
                     help="SIGSTOP it at T s, SIGCONT D s later (default: at the end) (repeatable)")
-    lv.add_argument("--compare-sim", action="store_true", dest="compare_sim",
-                    help="also simulate the scenario and print sim vs live side by side")
+    lv.add_argument("--compare-sim", action=argparse.BooleanOptionalAction, default=True, dest="compare_sim",
+                    help="close with the same scenario simulated and sim vs live side by side (default: on)")
     lv.add_argument("--logs", metavar="DIR", help="keep the processes' logs and configs here "
                                                   "(default: a temporary folder, removed after a good run)")
     lv.add_argument("--json", metavar="FILE")
