@@ -10,24 +10,106 @@ With ``forward`` on, a request that finds no local replica available may go to a
 peer load balancer chosen by the same policy over the peers (SkyWalker's two-layer routing,
 with the regional snapshot as the peer router's prefix index); a forwarded request is never
 forwarded again.
+
+A balancer knows the simulation only through :class:`BalancerHost` (the clock, dispatch,
+forward, fail, the network's RTTs, and each replica's region and :class:`EngineState`: what a
+``/metrics`` scrape returns), so this module does not import the simulation that imports it.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from typing import Any, Protocol
 
 from kvroute.model import DecisionKind, Endpoint, EndpointKind
 from kvroute.policy import DEFAULT_TICK_S, DispatchPacer, Router, build_policy
 from kvroute.policy.admission import replica_available
-from kvroute.sim.network import RTT_EWMA
+from kvroute.sim.events import Scheduler
+from kvroute.sim.network import RTT_EWMA, Network
+from kvroute.sim.profile import HardwareProfile
+from kvroute.workload.base import SimRequest
 
-if TYPE_CHECKING:
-    from kvroute.sim.simulation import Flight, Simulation
+
+class EngineState(Protocol):
+    """The engine indicators a probe reads (the engine's /metrics), and its static profile."""
+
+    @property
+    def p(self) -> HardwareProfile:
+        """Hardware profile: KV capacity and batch limit."""
+
+    @property
+    def changes(self) -> int:
+        """Bumped whenever the running or waiting sets may have changed."""
+
+    @property
+    def running(self) -> int:
+        """Sequences in the running batch."""
+
+    @property
+    def queued(self) -> int:
+        """Sequences waiting for admission."""
+
+    def kv_usage(self, now: float) -> float:
+        """Share of KV capacity held by requests."""
+
+
+class ReplicaHandle(Protocol):
+    """A replica as a balancer sees it: where it is and its engine's indicators."""
+
+    @property
+    def region(self) -> str:
+        """The replica's region."""
+
+    @property
+    def engine(self) -> EngineState:
+        """Its engine's indicators."""
+
+
+class Routed(Protocol):
+    """A request in flight through balancers (the simulation's ``Flight``)."""
+
+    reached_lb: float
+
+    @property
+    def sreq(self) -> SimRequest:
+        """The simulated request."""
+
+
+class BalancerHost(Protocol):
+    """What a balancer asks of the simulation around it."""
+
+    @property
+    def seed(self) -> int:
+        """The run's seed (policies' random tie-breaks)."""
+
+    @property
+    def loop(self) -> Scheduler:
+        """The simulated clock and event queue."""
+
+    @property
+    def network(self) -> Network:
+        """RTTs between regions."""
+
+    @property
+    def replicas(self) -> Mapping[str, ReplicaHandle]:
+        """Replicas by id."""
+
+    # ``flight`` is the host's own request object (a Routed), handed back as it arrived
+    def dispatch(self, flight: Any, lb: SimBalancer, replica_id: str, branch: str) -> None:
+        """Send ``flight`` to a replica."""
+
+    def forward(self, flight: Any, src: SimBalancer, via: Router, dst: SimBalancer) -> None:
+        """Send ``flight`` on to a peer balancer."""
+
+    def fail(self, flight: Any, reason: str) -> None:
+        """``flight`` cannot be served."""
 
 
 class SimBalancer:
-    def __init__(self, sim: Simulation, lb_id: str, region: str, replica_ids: list[str],
+    """One simulated load balancer: a Router, its probes and its paced FIFO queue."""
+
+    def __init__(self, sim: BalancerHost, lb_id: str, region: str, replica_ids: list[str],
                  preset: str, params: dict | None, probe_interval_s: float, forward: bool,
                  index_block_tokens: int, dispatch_tick_s: float = DEFAULT_TICK_S):
         self.sim = sim
@@ -50,7 +132,7 @@ class SimBalancer:
         self.peers: Router | None = None
         self.peer_lbs: dict[str, SimBalancer] = {}
         self._preset, self._params = preset, params
-        self.queue: deque[Flight] = deque()
+        self.queue: deque[Routed] = deque()
         self.max_queue = 0
         holds = self.router.policy.admission.holds
         self.pacer = DispatchPacer(dispatch_tick_s) if holds and dispatch_tick_s > 0 else None
@@ -66,7 +148,7 @@ class SimBalancer:
         self.peer_lbs = {p.id: p for p in peers}
 
     # -- requests ------------------------------------------------------------------------------
-    def arrive(self, flight: Flight) -> None:
+    def arrive(self, flight: Routed) -> None:
         if flight.reached_lb < 0:
             flight.reached_lb = self.sim.loop.now
         self.queue.append(flight)
@@ -122,8 +204,8 @@ class SimBalancer:
             ep, eng, seen = item
             if eng.changes != seen:
                 item[2] = eng.changes
-                ep.running = len(eng.prefilling) + len(eng.decoding)
-                ep.waiting = len(eng.waiting)
+                ep.running = eng.running
+                ep.waiting = eng.queued
             if kv:
                 ep.kv_usage = eng.kv_usage(now)
             ep.dispatched_since_probe = 0

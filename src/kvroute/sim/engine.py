@@ -123,7 +123,13 @@ class Engine:
     # -- indicators (what a probe reads) -------------------------------------------------------
     @property
     def running(self) -> int:
+        """Sequences in the running batch (prefilling or decoding)."""
         return len(self.prefilling) + len(self.decoding)
+
+    @property
+    def queued(self) -> int:
+        """Sequences waiting for admission."""
+        return len(self.waiting)
 
     def kv_usage(self, now: float) -> float:
         """Share of KV capacity held by requests, as vLLM v1 reports it: cached blocks that no
