@@ -56,7 +56,7 @@ from kvroute.gateway.config import GatewayConfig, PeerConfig
 from kvroute.gateway.residency import RESIDENCY_HEADER, eligible, request_zone
 from kvroute.gateway.upstream import UpstreamPool
 from kvroute.model import Decision, Endpoint, EndpointKind, Request
-from kvroute.policy import Router, build_policy
+from kvroute.policy import Router, policy_from_config
 from kvroute.policy.admission import replica_available
 
 if TYPE_CHECKING:
@@ -151,8 +151,7 @@ def peer_router(policy: str | dict[str, Any], peers: list[Endpoint], seed: int, 
     """The peer layer of SkyWalker's two-layer routing, built as ``sim/balancer.py`` builds it:
     the local preset and params over the peer endpoints, with the pending gate (the peer
     condition) and seed + 1; its prefix index is the regional snapshot (what went where)."""
-    preset, params = (policy, {}) if isinstance(policy, str) else (policy["preset"], policy.get("params") or {})
-    return Router(build_policy(preset, dict(params, admission="pending"), seed=seed + 1), peers,
+    return Router(policy_from_config(policy, seed + 1, overrides={"admission": "pending"}), peers,
                   index_block_tokens=block_tokens, max_prefix_blocks=max_prefix_blocks)
 
 

@@ -106,7 +106,10 @@ class Runtime:
 
     @staticmethod
     def _policy_label(config: GatewayConfig) -> str:
-        return config.policy if isinstance(config.policy, str) else config.policy["preset"]
+        policy = config.policy
+        if isinstance(policy, str):
+            return policy
+        return str(policy.get("preset") or policy.get("name") or "composed")  # a composition names itself
 
     # -- replicas -------------------------------------------------------------------------------
     def _replicas_changed(self) -> None:

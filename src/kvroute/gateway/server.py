@@ -31,7 +31,7 @@ import signal
 import time
 import uuid
 from dataclasses import dataclass, replace
-from enum import Enum
+from enum import StrEnum
 from typing import Any, Literal
 
 from kvroute.gateway.admin import handle_admin
@@ -92,7 +92,7 @@ STREAM_TAIL = 4096  # bytes of a stream kept to find its [DONE] and its final us
 MAX_N = 128  # OpenAI's limit on choices per request
 
 
-class RetryReason(str, Enum):
+class RetryReason(StrEnum):
     """Why an attempt is retried elsewhere (the ``reason`` label of ``kvroute_retries``)."""
 
     CONNECT = "connect"
@@ -354,7 +354,7 @@ class Proxy:
             left = deadline - time.monotonic()
             if attempt == rc.max_attempts or left <= 0:
                 break
-            rt.metrics.retries.labels(failure.reason.value).inc()
+            rt.metrics.retries.labels(failure.reason).inc()
             delay = min(rc.backoff_max_s, rc.backoff_s * 2 ** (attempt - 1)) * (0.5 + self.rng.random())
             await asyncio.sleep(min(delay, left))
         assert failure is not None

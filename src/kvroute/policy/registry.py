@@ -123,10 +123,12 @@ def preset_from_mapping(data: Mapping[str, Any], where: str, name: str | None = 
     return Preset(label, model, spec, str(data.get("source", "")), str(data.get("description", "")), where)
 
 
-def policy_from_config(config: dict[str, Any] | str, seed: int = 0, where: str = "policy") -> Policy:
-    """Build from ``"name"``, ``{preset: name, params: {...}}`` or a composition mapping."""
+def policy_from_config(config: dict[str, Any] | str, seed: int = 0, where: str = "policy",
+                       overrides: dict[str, Any] | None = None) -> Policy:
+    """Build from ``"name"``, ``{preset: name, params: {...}}`` or a composition mapping;
+    ``overrides`` replace parameters whatever the form (e.g. the peer layer's admission)."""
     if isinstance(config, str):
-        return build_policy(config, seed=seed)
+        return build_policy(config, overrides, seed=seed)
     if not isinstance(config, dict):
         raise ConfigError(f"{where}: expected a preset name or a mapping, got {type(config).__name__}")
     if "preset" in config:
@@ -134,13 +136,16 @@ def policy_from_config(config: dict[str, Any] | str, seed: int = 0, where: str =
         if unknown:
             raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}; allowed: preset, params",
                               (unknown[0],))
-        return build_policy(config["preset"], config.get("params"), seed=seed)
+        params = config.get("params")
+        if overrides:
+            params = {**(params if isinstance(params, dict) else {}), **overrides}
+        return build_policy(config["preset"], params, seed=seed)
     if not set(config) & set(PRESET_KEYS):
         raise ConfigError(f"{where}: missing 'preset' (or a composition: {', '.join(PRESET_KEYS)}); "
                           f"valid presets: {', '.join(PRESETS)}")
     load_entry_points()
     preset = preset_from_mapping(config, where)
-    return compile_preset(preset, parse_params(preset, None), seed=seed)
+    return compile_preset(preset, parse_params(preset, overrides), seed=seed)
 
 
 def _at(path: str | Path, text: str, exc: ConfigError) -> ConfigError:
