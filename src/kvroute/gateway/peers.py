@@ -202,7 +202,7 @@ class Peering:
         self.config = config
         self.mode = config.routing_mode
         self.token = config.peer_auth.token() if config.peer_auth is not None else None
-        self.weights = GorgoWeights.of(self.rt.router.policy.params)
+        self.weights = GorgoWeights.of(getattr(self.rt.router.policy, "params", None))  # a composition may have none
         bc = config.breaker
         self.links: dict[str, PeerLink] = {}
         for pc in config.peers:
