@@ -311,9 +311,10 @@ class Runtime:
                 w.future.set_exception(exc)
                 continue
             if d.kind is DecisionKind.HOLD:
-                d = self.peering.on_hold(w.request, len(queue) - 1)  # SkyWalker: a peer that admits it
-                if d is None:
+                forward = self.peering.on_hold(w.request, len(queue) - 1)  # SkyWalker: a peer that admits it
+                if forward is None:
                     return
+                d = forward
             queue.popleft()
             if pacer is not None and d.kind is DecisionKind.DISPATCH:
                 pacer.dispatched(time.monotonic())
