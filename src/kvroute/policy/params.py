@@ -3,11 +3,17 @@ import it without importing each other)."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 AdmissionName = Literal["blind", "pending", "outstanding"]
+
+
+def admission_field(default: AdmissionName = "blind") -> Any:
+    """The ``admission`` parameter with another default (a preset that selectively pushes)."""
+    return Field(default, description="blind: dispatch at once; pending: only to replicas with no "
+                 "waiting requests (SkyWalker); outstanding: only below max_outstanding in-flight")
 
 
 class PolicyParams(BaseModel):
@@ -15,7 +21,5 @@ class PolicyParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    admission: AdmissionName = Field(
-        "blind", description="blind: dispatch at once; pending: only to replicas with no "
-        "waiting requests (SkyWalker); outstanding: only below max_outstanding in-flight")
+    admission: AdmissionName = admission_field()
     max_outstanding: int = Field(16, ge=1, description="limit for admission=outstanding")

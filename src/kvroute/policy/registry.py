@@ -34,7 +34,7 @@ from kvroute.policy.base import Policy
 from kvroute.policy.catalog import PLUGINS, PRESETS_TABLE, add_preset, register_plugin, register_policy_class
 from kvroute.policy.compiler import compile_preset, instantiate, parse_params
 from kvroute.policy.compose import PRESET_KEYS, ConfigError, Preset
-from kvroute.policy.params import PolicyParams
+from kvroute.policy.params import AdmissionName, PolicyParams, admission_field
 from kvroute.policy.plugins import Plugin
 
 __all__ = ["PRESETS", "ConfigError", "build_policy", "load_entry_points", "load_policy_file", "plugin_table",
@@ -116,7 +116,7 @@ def preset_from_mapping(data: Mapping[str, Any], where: str, name: str | None = 
         if data["admission"] not in allowed:
             raise ConfigError(f"{where}: admission: {data['admission']!r}; allowed: {', '.join(allowed)}",
                               ("admission",))
-        fields["admission"] = (PolicyParams.model_fields["admission"].annotation, Field(data["admission"]))
+        fields["admission"] = (AdmissionName, admission_field(data["admission"]))
     label = str(data.get("name") or name or "composed")
     model = create_model(f"Params_{label}", __base__=PolicyParams, **fields)
     spec = {k: v for k, v in data.items() if k in PRESET_KEYS}

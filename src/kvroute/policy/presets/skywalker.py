@@ -6,7 +6,7 @@ from pydantic import Field
 
 from kvroute.model import Branch
 from kvroute.policy.catalog import register_preset
-from kvroute.policy.params import AdmissionName, PolicyParams
+from kvroute.policy.params import AdmissionName, PolicyParams, admission_field
 from kvroute.policy.presets.hashing import SESSION_AFFINITY
 
 
@@ -25,7 +25,7 @@ class SkyWalkerParams(PolicyParams):
     so a ratio of exactly 0.5 follows the cache here.
     """
 
-    admission: AdmissionName = "pending"
+    admission: AdmissionName = admission_field("pending")
     cache_threshold: float = Field(0.5, ge=0.0, le=1.0, description="below this match ratio, route by load")
 
 
@@ -37,4 +37,4 @@ class SkyWalkerCHParams(PolicyParams):
     The same plugins as ``consistent_hash``; only the admission differs (pending).
     """
 
-    admission: AdmissionName = "pending"
+    admission: AdmissionName = admission_field("pending")
