@@ -7,8 +7,7 @@ import textwrap
 import pytest
 
 from kvroute.model import Branch, DecisionKind, Endpoint
-from kvroute.policy import ConfigError, Router, build_policy, load_policy_file, policy_from_config
-from kvroute.policy import registry
+from kvroute.policy import ConfigError, Router, build_policy, load_policy_file, policy_from_config, registry
 from kvroute.policy.catalog import PLUGINS, PRESETS_TABLE
 from kvroute.policy.plugins import DecisionState
 from kvroute.prefix import PrefixIndex
@@ -225,3 +224,26 @@ def test_gateway_serves_a_composed_policy_and_labels_it():
         assert 'kvroute_policy_branch_total{branch="composed-min",policy="mine"} 1.0' in text
     finally:
         dep.close()
+
+
+def test_simulate_runs_a_preset_file_and_names_a_bad_one(tmp_path, capsys):
+    import json
+
+    from kvroute.cli import main
+
+    f = tmp_path / "mine.yaml"
+    f.write_text(PRESET_FILE)
+    out = tmp_path / "r.json"
+    try:
+        rc = main(["simulate", "--workload", "chat", "--replicas", "2", "--max-requests", "60",
+                   "--policy", "lmetric", "--policy-file", str(f), "--json", str(out)])
+        assert rc == 0
+        results = json.loads(out.read_text())["results"]
+        assert set(results) == {"lmetric", "cache_then_lmetric"}
+        assert set(results["cache_then_lmetric"]["branches"]) <= {"strong-hit", "lmetric"}
+    finally:
+        PRESETS_TABLE.pop("cache_then_lmetric", None)
+    f.write_text(PRESET_FILE.replace("lmetric: 1", "lmetrik: 1"))
+    assert main(["simulate", "--policy-file", str(f)]) == 2
+    err = capsys.readouterr().err
+    assert f"{f}:11:" in err and "unknown scorer 'lmetrik'" in err

@@ -174,6 +174,7 @@ def _scenario_from_args(args: argparse.Namespace):
             g["profile"] = args.profile
     if args.policy:
         data["policies"] = [p.strip() for p in args.policy.split(",") if p.strip()]
+    data["policies"] += getattr(args, "file_presets", [])  # registered from --policy-file
     for flag, key in (("time_scale", "time_scale"), ("rate", "rate")):
         if getattr(args, flag) is not None:
             data["workload"][key] = getattr(args, flag)
@@ -192,14 +193,17 @@ def _scenario_from_args(args: argparse.Namespace):
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
+    from kvroute.policy import ConfigError
+    from kvroute.policy.registry import register_preset_file
     from kvroute.sim.scenario import ScenarioError
     from kvroute.workload.traces import TraceError
 
     try:
+        args.file_presets = [register_preset_file(f) for f in args.policy_file or ()]
         sc = _scenario_from_args(args)
         sc.policy_list()
         sc.setup()
-    except ScenarioError as exc:
+    except (ScenarioError, ConfigError) as exc:
         return error(str(exc))
     try:
         if args.sweep:
@@ -586,6 +590,9 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--profile",
                      help="hardware profile for every replica: a YAML file or a bundled name (kvroute/profiles/)")
     sim.add_argument("--policy", help="comma-separated presets, e.g. round_robin,skywalker,lmetric")
+    sim.add_argument("--policy-file", action="append", metavar="FILE", dest="policy_file",
+                     help="a preset YAML file (name + filters/rules/cost/score, see docs/policies.md): "
+                     "registered and added to the policies compared; repeatable")
     sim.add_argument("--time-scale", type=float, dest="time_scale", help="stretch trace inter-arrival times")
     sim.add_argument("--rate", type=float, help="Poisson arrival rate (requests/s) instead of trace times")
     sim.add_argument("--max-requests", type=int, dest="max_requests")
