@@ -110,3 +110,34 @@ def test_the_live_size_scenario_keeps_the_skew_and_the_three_policies():
     assert [e.label for e in sc.policy_list()] == ["round_robin@regional", "skywalker@two-layer", "gorgo@global"]
     clients = sc.clients()
     assert clients["us"] == 3 * clients["eu"] == 3 * clients["asia"]
+
+
+def test_a_paused_child_answers_nothing_until_resumed_and_every_pid_is_stopped(tmp_path):
+    import asyncio
+
+    import aiohttp
+
+    from kvroute.live.processes import Fleet
+
+    async def run() -> list[int]:
+        fleet = Fleet(tmp_path)
+        child = fleet.add("replica x", ["emulate", "--port", "0", "--profile", "h100-llama3.2-3b"])
+        try:
+            await fleet.start([child.name])
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=0.5)) as s:
+                async with s.get(f"{child.url}/health") as r:
+                    assert r.status == 200
+                child.pause()
+                with pytest.raises(TimeoutError):
+                    async with s.get(f"{child.url}/health") as r:
+                        pass
+                child.resume()
+                async with s.get(f"{child.url}/health") as r:
+                    assert r.status == 200
+        finally:
+            await fleet.stop_all()
+        assert not child.alive and (tmp_path / "replica_x.log").read_text().count("on http://127.0.0.1:")
+        return fleet.all_pids()
+
+    pids = asyncio.run(asyncio.wait_for(run(), 30))
+    assert len(pids) == 1 and _gone(pids[0])
