@@ -183,7 +183,7 @@ def test_long_context_lengths_stay_within_128k_and_the_sample_leaves_arrivals_al
 def test_reproduce_cascadeinfer_fills_every_row():
     result = reproduce("cascadeinfer", quick=True)
     rows = {r["claim"]: r for r in result["rows"]}
-    assert len(rows) == 9
+    assert len(rows) == 9  # QoE, partition time, heuristic vs DP, chain, refinement, layouts, RR, Llumnix, bid-ask
     for r in result["rows"]:
         assert r["kvroute"] and r["agrees"]
         assert r["agrees"] == YES or r["why_not"], r["claim"]
