@@ -460,6 +460,7 @@ class Runtime:
         if restarted(up.reading, reading):  # a restart faster than ejection: the cache is gone
             up.restarts += 1
             self.router.prefix.clear(ep.id)
+            ep.warming = True  # its cache is empty: the warm-up rule may let it in
             log.warning("replica %s restarted (process start time or counters reset); its cache entries "
                         "are forgotten", ep.id)
         elif up.reading is None and reading.kv_usage is None:
@@ -480,6 +481,7 @@ class Runtime:
         if not ep.healthy and up.probe_ok_streak >= pc.healthy_after:
             ep.healthy = True
             self.router.prefix.clear(ep.id)  # it may have restarted with an empty cache
+            ep.warming = True
             log.info("replica %s re-admitted", ep.id)
 
     async def _read_models(self, up: Upstream) -> None:

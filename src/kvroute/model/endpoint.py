@@ -39,6 +39,7 @@ class Endpoint:
     rtt_s: float = 0.0
     healthy: bool = True
     circuit_open: bool = False
+    warming: bool = False  # joined, or came back with an empty cache, while others hold theirs
     probe_age_s: float = 0.0
     # peer load balancers only (SkyWalker's /conf): LB queue length and non-full replicas
     peer_queue: int = 0

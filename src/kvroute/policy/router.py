@@ -65,6 +65,8 @@ class Router:
     def add_endpoint(self, ep: Endpoint, _ring: bool = True) -> None:
         if ep.id in self._eps:
             raise ValueError(f"endpoint {ep.id!r} is already registered")
+        if len(self.prefix):  # joining a fleet that already caches: the warm-up rule may let it in
+            ep.warming = True
         self._eps[ep.id] = ep
         self.prefix.add_endpoint(ep.id, self._index_capacity(ep))
         if _ring and self.policy.uses_ring:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pydantic import Field
 
 from kvroute.model import Branch
+from kvroute.policy.builtin.warmup import WARM_UP
 from kvroute.policy.catalog import register_preset
 from kvroute.policy.params import PolicyParams
 
@@ -14,7 +15,8 @@ GORGO_TERMS = {"w_rtt": "rtt_ms", "t_p": "uncached_tokens", "w_queue": "inflight
 
 @register_preset(
     "gorgo", source="GORGO v1 §3 cost; GORGO v2 gorgo/policy/gorgo.py (rtt 0.5, queue 0.1, prefill 1.0)",
-    rules=[{"enabled": "$calibrate", "branch": Branch.MIN_COST,
+    rules=[{"enabled": "$warm_up", "route": "warm_up", "branch": WARM_UP},
+           {"enabled": "$calibrate", "branch": Branch.MIN_COST,
             "cost": {"rtt_ms": "$w_rtt", "calibration": {"t_p": "$t_p", "w_queue": "$w_queue",
                                                          "min_samples": "$calibration_min_samples"}}}],
     cost={"rtt_ms": "$w_rtt", "uncached_tokens": "$t_p", "inflight_tokens": "$w_queue"}, branch=Branch.MIN_COST)
@@ -38,3 +40,5 @@ class GorgoParams(PolicyParams):
                             "costs are then in ms (set w_rtt 1; t_p and w_queue, in ms per token, "
                             "serve a replica until it has calibration_min_samples observations)")
     calibration_min_samples: int = Field(8, ge=3, description="observations before a replica's fit is used")
+    warm_up: bool = Field(True, description="a replica with a cold cache (added, recovered) takes requests while "
+                          "it has fewer in flight than every warm one (policy/builtin/warmup.py; issue 12)")

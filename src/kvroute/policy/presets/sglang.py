@@ -7,13 +7,15 @@ from typing import Literal
 from pydantic import Field
 
 from kvroute.model import Branch
+from kvroute.policy.builtin.warmup import WARM_UP
 from kvroute.policy.catalog import register_preset
 from kvroute.policy.params import PolicyParams
 
 
 @register_preset(
     "sglang_cache_aware", source="SGLang router cache_aware (py CLI defaults: threshold 0.5, abs 32, rel 1.0001)",
-    rules=[{"when": {"imbalanced": {"abs": "$balance_abs", "rel": "$balance_rel"}},
+    rules=[{"enabled": "$warm_up", "route": "warm_up", "branch": WARM_UP},
+           {"when": {"imbalanced": {"abs": "$balance_abs", "rel": "$balance_rel"}},
             "cost": {"inflight": 1}, "branch": Branch.IMBALANCE},
            {"when": {"hit_ratio_above": "$cache_threshold"}, "among": "best_prefix",
             "cost": {"inflight": 1}, "branch": Branch.PREFIX_HIT},
@@ -37,6 +39,8 @@ class CacheAwareParams(PolicyParams):
     miss: Literal["least_load", "smallest_tree"] = Field(
         "least_load", description="where a cache miss goes: least_load (SGLang today, default) or "
         "smallest_tree (the SGLang router SkyWalker compared against)")
+    warm_up: bool = Field(True, description="a replica with a cold cache (added, recovered) takes requests while "
+                          "it has fewer in flight than every warm one (policy/builtin/warmup.py; issue 12)")
 
     @property
     def smallest_tree(self) -> bool:
