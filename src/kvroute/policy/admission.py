@@ -75,6 +75,7 @@ def peer_available(e: Endpoint, local_queue: int) -> bool:
 
 
 def make_admission(params: PolicyParams) -> Admission:
+    """The gate ``params.admission`` names."""
     if params.admission == "pending":
         return PendingGate()
     if params.admission == "outstanding":

@@ -63,6 +63,7 @@ class Router:
 
     # -- membership ---------------------------------------------------------------------------
     def add_endpoint(self, ep: Endpoint, _ring: bool = True) -> None:
+        """Start routing to ``ep`` (an id already registered is an error)."""
         if ep.id in self._eps:
             raise ValueError(f"endpoint {ep.id!r} is already registered")
         if len(self.prefix):  # joining a fleet that already caches: the warm-up rule may let it in
@@ -74,6 +75,8 @@ class Router:
         self.view.endpoints = list(self._eps.values())
 
     def remove_endpoint(self, endpoint_id: str) -> Endpoint | None:
+        """Stop routing to ``endpoint_id`` and forget its index; returns it (None: unknown).
+        Its requests in flight finish without touching its counters."""
         ep = self._eps.pop(endpoint_id, None)
         self.prefix.remove_endpoint(endpoint_id)
         self.ring.remove(endpoint_id)
@@ -101,10 +104,12 @@ class Router:
         return None
 
     def endpoint(self, endpoint_id: str) -> Endpoint | None:
+        """The registered endpoint called ``endpoint_id``, or None."""
         return self._eps.get(endpoint_id)
 
     @property
     def endpoints(self) -> list[Endpoint]:
+        """Every registered endpoint, in registration order."""
         return self.view.endpoints
 
     # -- decisions and accounting -------------------------------------------------------------
