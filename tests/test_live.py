@@ -141,3 +141,20 @@ def test_a_paused_child_answers_nothing_until_resumed_and_every_pid_is_stopped(t
 
     pids = asyncio.run(asyncio.wait_for(run(), 30))
     assert len(pids) == 1 and _gone(pids[0])
+
+
+def test_each_policy_gets_the_simulators_balancer_layout_as_gateways():
+    from kvroute.live.run import topology_of
+    from kvroute.sim.scenario import load_scenario, parse_scenario
+
+    sc = load_scenario("chat-3region-skewed")
+    layouts = {e.label: topology_of(sc, e) for e in sc.policy_list()}
+    assert layouts["round_robin@global"].gateways == {"us": ["us", "eu", "asia"]}
+    sky = layouts["skywalker"]
+    assert (sky.kind, sky.forward, sorted(sky.gateways)) == ("two-layer", True, ["asia", "eu", "us"])
+    assert routing_mode(sky, "skywalker") == "skywalker"
+    by_hand = parse_scenario({"replicas": [{"region": "a"}, {"region": "b"}],
+                              "balancers": [{"region": "a", "forward": True}, {"region": "b", "forward": True}],
+                              "policies": ["skywalker"]})
+    (entry,) = by_hand.policy_list()
+    assert topology_of(by_hand, entry).kind == "two-layer"

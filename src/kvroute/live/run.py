@@ -124,12 +124,17 @@ def _pin_port(child: Child) -> None:
 def topology_of(sc: Scenario, entry: PolicyEntry) -> Topology:
     """The gateways for one policy: the simulator's balancer layout for its topology."""
     groups = sc.balancer_groups(entry.topology)
-    kind = entry.topology or (sc.topology.kind if sc.topology else "regional")
     gws = {}
     for b in groups:
         manages = sc.regions() if b.manages == "all" else (b.manages or [b.region])
         gws[b.region] = list(manages)
-    return Topology(gws, kind, any(b.forward for b in groups))
+    forward = any(b.forward for b in groups)
+    kind = entry.topology or (sc.topology.kind if sc.topology else None)
+    if kind is None:  # balancers listed by hand: name their layout
+        everywhere = [r for r, m in gws.items() if set(m) >= set(sc.regions())]
+        kind = ("two-layer" if forward else "global" if len(gws) == 1 and everywhere
+                else "distributed" if everywhere and len(everywhere) == len(gws) else "regional")
+    return Topology(gws, kind, forward)
 
 
 def routing_mode(topo: Topology, preset: str) -> str:
