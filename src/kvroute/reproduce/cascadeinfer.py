@@ -48,8 +48,13 @@ def _served(res: dict, label: str) -> float:
 
 
 def _saturation(lab: Lab) -> str:
-    notes = [unstable_note(lab, f"cascadeinfer-{load}") for load in ("moderate", "heavy")]
-    return "".join(n for n in notes if n)
+    """Which latency runs were saturated (their latencies measure a queue)."""
+    parts = []
+    for load in ("moderate", "heavy"):
+        bad = lab.meta.get(f"cascadeinfer-{load}", {}).get("unstable") or []
+        if bad:
+            parts.append(f"at {RATES[load]:g} req/s {', '.join(bad)}")
+    return f" (UNSTABLE, their latencies measure a queue: {'; '.join(parts)})" if parts else ""
 
 
 def qoe_row() -> Row:
