@@ -6,12 +6,14 @@ from pydantic import Field, model_validator
 
 from kvroute.model import Branch
 from kvroute.policy.adaptive.es_tuner import GORGO_RANGES
+from kvroute.policy.builtin.warmup import WARM_UP
 from kvroute.policy.catalog import register_preset
 from kvroute.policy.presets.gorgo import GORGO_TERMS, GorgoParams
 
 
 @register_preset(
     "gorgo_tuned", source="GORGO v2 §2.2 and §4: (1+1)-ES, rolling 128 window hop 32, 1/5 rule, ranges",
+    rules=[{"enabled": "$warm_up", "route": "warm_up", "branch": WARM_UP}],
     cost={"es": {"terms": GORGO_TERMS, "start": {"w_rtt": "$w_rtt", "t_p": "$t_p", "w_queue": "$w_queue"},
                  "ranges": {"w_rtt": "$w_rtt_range", "w_queue": "$w_queue_range"},
                  "window": "$window", "hop": "$hop", "sigma0": "$sigma0", "sigma_min": "$sigma_min",
