@@ -141,14 +141,15 @@ class Driver:
     unfinished: int = 0  # in flight when the drain time ran out (neither completed nor failed)
     errors: dict[str, int] = field(default_factory=dict)
     _t0: float = 0.0
+    _resolver: Resolver | None = None
+    _session: aiohttp.ClientSession | None = None
     _stop_issuing: float = float("inf")
     _tasks: set[asyncio.Task] = field(default_factory=set)
 
     @property
     def lookups(self) -> int:
         """``/resolve`` calls made (the first per region, then one after each failed attempt)."""
-        resolver = getattr(self, "_resolver", None)
-        return resolver.lookups if resolver is not None else 0
+        return self._resolver.lookups if self._resolver is not None else 0
 
     def now(self) -> float:
         """Seconds since the run began (the recorder's clock)."""
@@ -210,8 +211,7 @@ class Driver:
                 await asyncio.sleep(self.workload.think_time_s)
             if not self._may_issue():
                 return
-            nxt = [s for s in program.on_complete(sreq)]
-            await asyncio.gather(*(one(s) for s in self._issue_all(nxt)))
+            await asyncio.gather(*(one(s) for s in self._issue_all(program.on_complete(sreq))))
 
         await asyncio.gather(*(one(s) for s in self._issue_all(program.start())))
 
@@ -266,6 +266,7 @@ class Driver:
             raise
 
     async def _send(self, sreq: SimRequest, region: str, body: bytes) -> None:
+        assert self._resolver is not None, "requests are sent from run()"
         sent = self.now()
         deadline = sent + self.retry_budget_s
         attempts = 0
@@ -298,6 +299,7 @@ class Driver:
             backoff = min(0.5, backoff * 2)
 
     async def _attempt(self, url: str, body: bytes, sent: float, attempts: int) -> Outcome:
+        assert self._session is not None and self._resolver is not None, "requests are sent from run()"
         first = None
         out_tokens = 0
         usage: dict = {}
