@@ -111,12 +111,20 @@ class Rule:
             for s, w in rest:
                 total = [t + w * v for t, v in zip(total, s.normalised(st, eps))]
             return total
-        (first, w), *rest = scorers
-        values = first.values(st, eps)
-        if not rest:
+        if len(scorers) == 1:
+            (s, w), = scorers
+            values = s.values(st, eps)
             return values if w == 1 else [w * v for v in values]
-        total = [w * v for v in values]
-        for s, w in rest:
+        # one pass over the endpoints for the usual two or three terms (GORGO, Dynamo)
+        if len(scorers) == 2:
+            (s0, w0), (s1, w1) = scorers
+            return [w0 * a + w1 * b for a, b in zip(s0.values(st, eps), s1.values(st, eps))]
+        if len(scorers) == 3:
+            (s0, w0), (s1, w1), (s2, w2) = scorers
+            return [w0 * a + w1 * b + w2 * c
+                    for a, b, c in zip(s0.values(st, eps), s1.values(st, eps), s2.values(st, eps))]
+        total = [0.0] * len(eps)
+        for s, w in scorers:
             total = [t + w * v for t, v in zip(total, s.values(st, eps))]
         return total
 

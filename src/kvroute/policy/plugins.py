@@ -80,7 +80,7 @@ class DecisionState:
         """The longest match among ``eps``, in blocks (0: none of them holds any)."""
         if self._best_of is not eps:
             get = self.matches.get
-            self._best = max((get(e.id, 0) for e in eps), default=0)
+            self._best = max([get(e.id, 0) for e in eps]) if eps else 0
             self._best_of = eps
         return self._best
 
@@ -90,7 +90,7 @@ class DecisionState:
 
     def new_prefill(self, eps: list[Endpoint]) -> list[int]:
         """Tokens each endpoint would have to prefill for this request: the prompt minus its
-        cached prefix there (the one place this formula lives)."""
+        cached prefix there (the one place this formula lives). Shared: do not modify it."""
         if self._prefill_of is not eps:
             p, bt = self.req.prompt_tokens, self.req.block_tokens
             get = self.matches.get
