@@ -247,3 +247,18 @@ def test_simulate_runs_a_preset_file_and_names_a_bad_one(tmp_path, capsys):
     assert main(["simulate", "--policy-file", str(f)]) == 2
     err = capsys.readouterr().err
     assert f"{f}:11:" in err and "unknown scorer 'lmetrik'" in err
+
+
+def test_a_scenario_compares_an_inline_composition():
+    from kvroute.sim.runner import run_scenario
+    from kvroute.sim.scenario import parse_scenario
+
+    composed = {"name": "p2c_tokens", "cost": {"inflight_tokens": 1}, "picker": "power_of_two", "branch": "p2c-tok"}
+    try:
+        sc = parse_scenario({"replicas": [{"region": "us", "count": 3}],
+                             "workload": {"kind": "chat", "clients": {"us": 6}},
+                             "policies": ["round_robin", composed], "limits": {"max_requests": 60}, "seed": 1})
+        runs = {r.label: r.result for r in run_scenario(sc)}
+        assert set(runs) == {"round_robin", "p2c_tokens"} and runs["p2c_tokens"]["branches"] == {"p2c-tok": 60}
+    finally:
+        PRESETS_TABLE.pop("p2c_tokens", None)

@@ -38,7 +38,7 @@ from kvroute.policy.params import AdmissionName, PolicyParams, admission_field
 from kvroute.policy.plugins import Plugin
 
 __all__ = ["PRESETS", "ConfigError", "build_policy", "load_entry_points", "load_policy_file", "plugin_table",
-           "policy_from_config", "preset_from_mapping", "register_preset_file"]
+           "policy_from_config", "preset_and_params", "preset_from_mapping", "register_preset_file"]
 
 ENTRY_POINT_GROUP = "kvroute.policies"
 FILE_KEYS = ("name", "description", "source", "params", "admission", *PRESET_KEYS)
@@ -146,6 +146,23 @@ def policy_from_config(config: dict[str, Any] | str, seed: int = 0, where: str =
     load_entry_points()
     preset = preset_from_mapping(config, where)
     return compile_preset(preset, parse_params(preset, overrides), seed=seed)
+
+
+def preset_and_params(config: dict[str, Any] | str, where: str = "policy") -> tuple[str, dict[str, Any] | None]:
+    """The preset name and params a policy config means, for callers that build by name (the
+    simulator's balancers): a composition is registered under its ``name`` (default: ``where``),
+    replacing what the same config place registered before."""
+    if isinstance(config, str):
+        return config, None
+    if "preset" in config:
+        return config["preset"], config.get("params")
+    load_entry_points()
+    preset = preset_from_mapping(config, where, name=where)
+    old = PRESETS_TABLE.get(preset.name)
+    if old is not None and old.origin == where:
+        del PRESETS_TABLE[preset.name]
+    add_preset(preset)
+    return preset.name, None
 
 
 def _at(path: str | Path, text: str, exc: ConfigError) -> ConfigError:

@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from kvroute import yamlconf
 from kvroute.policy import ConfigError, policy_from_config
+from kvroute.policy.registry import preset_and_params
 from kvroute.sim.network import Network
 from kvroute.sim.profile import ProfileError, load_profile
 from kvroute.sim.simulation import BalancerSpec, Limits, ReplicaSpec, Setup
@@ -206,7 +207,8 @@ class Scenario(_Strict):
     def policy_list(self) -> list[PolicyEntry]:
         """One entry per policy, validated now so a typo fails before any run.
 
-        An entry is a preset name or ``{preset, params, topology}``; ``topology`` (regional,
+        An entry is a preset name, ``{preset, params, topology}`` or a composition of plugins
+        (``{name, rules, cost, ...}``, docs/policies.md); ``topology`` (regional,
         global, two-layer) runs that policy on its own LB layout, so one table can put SkyWalker's
         two-layer LBs beside baselines behind one global LB, as its Fig. 8 does.
         """
@@ -222,10 +224,9 @@ class Scenario(_Strict):
                     raise ScenarioError(f"policies[{i}].topology: give either 'balancers' or topologies, not both")
             try:
                 policy_from_config(entry, where=f"policies[{i}]")
+                preset, params = preset_and_params(entry, where=f"policies[{i}]")  # a composition: registered
             except ConfigError as exc:
                 raise ScenarioError(str(exc)) from None
-            preset = entry if isinstance(entry, str) else entry["preset"]
-            params = None if isinstance(entry, str) else entry.get("params")
             label = preset if not params else f"{preset}({','.join(f'{k}={v}' for k, v in sorted(params.items()))})"
             if topo:
                 label += f"@{topo}"
