@@ -191,8 +191,8 @@ class Scenario(_Strict):
     workload: WorkloadSpec = Field(default_factory=WorkloadSpec, description="what the clients send")
     policies: list[str | dict[str, Any]] = Field(
         default_factory=lambda: _DEFAULT_POLICIES.copy(),
-        description="each run on the identical workload: a preset name or `{preset, params, admission, "
-        "topology}` (`kvroute policies` lists presets and their params)")
+        description="each run on the identical workload: a preset name, `{preset, params, topology}`, or a "
+        "composition of plugins with a `name` (docs/policies.md; `kvroute policies`)")
     limits: LimitSpec = Field(default_factory=LimitSpec, description="when a run stops")
     sample_interval_s: float = Field(1.0, gt=0, description="simulated seconds between load-over-time samples")
     index_block_tokens: int | None = Field(None, gt=0, description="tokens per prefix-index block (default: 512 "
