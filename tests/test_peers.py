@@ -193,6 +193,11 @@ def test_forwarded_stream_is_byte_identical(mesh):
     assert forwarded.headers["x-kvroute-replica"] == "eu-0" and mesh.forwards("us", "eu", "no-local-replica") == 1
     assert local.content == forwarded.content == b"".join(STREAM_BODY)
     assert local.headers["content-type"] == forwarded.headers["content-type"]
+    whole = post(mesh.url("us"), dict(CHAT, stream=False))  # a non-streamed answer passes through too
+    assert whole.content == b"".join(STREAM_BODY) and whole.headers["x-kvroute-replica"] == "eu-0"
+    metrics = httpx.get(mesh.url("us") + "/metrics").text
+    assert 'kvroute_peer_forwards_total{peer="eu",reason="no-local-replica"} 2.0' in metrics
+    assert 'kvroute_peer_up{peer="eu"} 1.0' in metrics and 'kvroute_peer_rtt_seconds{peer="eu"}' in metrics
 
 
 def test_unauthenticated_forward_is_refused(mesh):
