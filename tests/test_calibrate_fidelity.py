@@ -42,4 +42,7 @@ def test_live_and_simulated_runs_replay_the_same_requests(tmp_path):
         assert abs(live["cached_share"] - sim["cached_share"]) < 0.15, (policy, live, sim)
         assert set(row["sim_over_live"]) == {"ttft_p50", "ttft_p99", "e2e_p50", "throughput", "cached_share"}
     assert out["policies"]["sglang_cache_aware"]["live"]["cached_share"] > 0.5
+    live = out["policies"]["round_robin"]["live"]
+    assert 0 <= live["gateway_cpu_share"] < 1 and 0 < live["client_cpu_share"] < 1  # what they take from the cores
+    assert live["cold_requests"] >= 1 and live["ttft_cold_p50"] > 0 and live["decode_p50"] > 0
     assert sorted(out["ranking_ttft_p99"]["live"]) == sorted(out["ranking_ttft_p99"]["sim"])

@@ -701,8 +701,8 @@ def build_parser() -> argparse.ArgumentParser:
     ca.add_argument("--decode-tokens", type=int, default=24, dest="decode_tokens",
                     help="tokens generated per decode measurement (default 24)")
     ca.add_argument("--repeats", type=int, default=2, help="repeats of each prefill length (default 2)")
-    ca.add_argument("--max-batched-tokens", type=int, default=8192, dest="max_batched_tokens",
-                    help="the engines' per-step token budget, for the profile (default 8192)")
+    ca.add_argument("--max-batched-tokens", type=int, dest="max_batched_tokens",
+                    help="the engines' per-step token budget (default: llama-server's 2048, else 8192)")
     ca.add_argument("--kv-tokens", type=int, dest="kv_tokens", help="KV capacity per engine (default: from the engine)")
     ca.add_argument("--max-running", type=int, dest="max_running",
                     help="concurrent sequences per engine (default: llama-server's slots, else 256)")

@@ -121,7 +121,9 @@ async def _one(session: aiohttp.ClientSession, url: str, messages: list[dict], m
                        estimate_tokens(chat_key(messages)))
 
 
-async def _user(session: aiohttp.ClientSession, url: str, conv: list[dict], max_tokens: int, run: LiveRun) -> None:
+async def _user(session: aiohttp.ClientSession, url: str, conv: list[dict], max_tokens: int, run: LiveRun,
+                start_s: float) -> None:
+    await asyncio.sleep(start_s)
     for i, m in enumerate(conv):
         if m["role"] != "user":
             continue
@@ -131,17 +133,32 @@ async def _user(session: aiohttp.ClientSession, url: str, conv: list[dict], max_
             run.errors += 1
 
 
-async def live_run(gateway_url: str, convs: list[list[dict]], max_tokens: int, timeout_s: float = 300) -> LiveRun:
-    """Every user's conversation at once, each turn after the previous answer (closed loop)."""
+async def live_run(gateway_url: str, convs: list[list[dict]], max_tokens: int, timeout_s: float = 300,
+                   seed: int = 0) -> LiveRun:
+    """Every user's conversation, each turn after the previous answer (closed loop). Users start
+    at uniformly random instants over the first second, as the simulator's closed-loop clients do
+    (a thundering herd of first turns would be another workload)."""
     run = LiveRun()
+    rng = random.Random(seed)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
-        await asyncio.gather(*(_user(session, gateway_url, c, max_tokens, run) for c in convs))
+        await asyncio.gather(*(_user(session, gateway_url, c, max_tokens, run, rng.random()) for c in convs))
     return run
 
 
 def _pct(values: list[float], p: float) -> float:
     s = sorted(values)
     return s[min(len(s) - 1, round(p * (len(s) - 1)))] if s else 0.0
+
+
+def breakdown(ttft: list[float], e2e: list[float], prompt: list[int], cached: list[int]) -> dict:
+    """Where the time goes, for finding what a model lacks: TTFT of requests that found less than
+    half their prompt cached (cold) and of the rest (warm), their shares, and the decode phase
+    (E2E − TTFT)."""
+    cold = [t for t, p, c in zip(ttft, prompt, cached, strict=True) if p and c < p / 2]
+    warm = [t for t, p, c in zip(ttft, prompt, cached, strict=True) if p and c >= p / 2]
+    return {"cold_requests": len(cold), "ttft_cold_p50": _pct(cold, 0.5), "ttft_warm_p50": _pct(warm, 0.5),
+            "decode_p50": _pct([e - t for e, t in zip(e2e, ttft, strict=True)], 0.5),
+            "prompt_tokens_mean": sum(prompt) / len(prompt) if prompt else 0.0}
 
 
 def live_summary(run: LiveRun) -> dict:
@@ -153,7 +170,9 @@ def live_summary(run: LiveRun) -> dict:
             "ttft_p50": _pct([x.ttft for x in r], 0.5), "ttft_p99": _pct([x.ttft for x in r], 0.99),
             "e2e_p50": _pct([x.e2e for x in r], 0.5), "throughput": len(r) / span if span else 0.0,
             "cached_share": sum(x.cached_tokens for x in r) / prompt if prompt else 0.0,
-            "token_ratio": prompt / sum(x.estimated_tokens for x in r) if r else 1.0}
+            "token_ratio": prompt / sum(x.estimated_tokens for x in r) if r else 1.0,
+            **breakdown([x.ttft for x in r], [x.e2e for x in r], [x.prompt_tokens for x in r],
+                        [x.cached_tokens for x in r])}
 
 
 class GatewayProcess:
@@ -192,6 +211,15 @@ class GatewayProcess:
         self.stop()
         raise RuntimeError(f"the gateway did not become healthy; log: {self.log.read_text()[-800:]}")
 
+    def cpu_s(self) -> float:
+        """CPU seconds the gateway process has used so far (user + system, from /proc)."""
+        assert self.proc is not None
+        try:
+            fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            return 0.0
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def stop(self) -> None:
         if self.proc is None or self.proc.poll() is not None:
             return
@@ -224,10 +252,12 @@ def simulate(convs: list[list[dict]], policy: str, profile: str, replicas: int, 
                          "workload": {"kind": "openai", "path": str(trace), "clients": {"local": len(convs)},
                                       "token_ratio": token_ratio},
                          "policies": [policy], "seed": seed})
-    r = run_scenario(sc)[0].result
+    run = run_scenario(sc)[0]
+    r, rec = run.result, run.recorder
     return {"requests": r["requests"], "errors": sum(r["failed"].values()),
             "ttft_p50": r["ttft_s"]["p50"], "ttft_p99": r["ttft_s"]["p99"], "e2e_p50": r["e2e_s"]["p50"],
-            "throughput": r["throughput_rps"], "cached_share": r["prefix_hit_rate"]}
+            "throughput": r["throughput_rps"], "cached_share": r["prefix_hit_rate"],
+            **breakdown(list(rec.ttft), list(rec.e2e), list(rec.prompt_tokens), list(rec.cached_tokens))}
 
 
 async def _bytes_per_token(url: str) -> float:
@@ -252,7 +282,14 @@ async def run_fidelity(urls: list[str], profile: str, policies: tuple[str, ...] 
             gw = GatewayProcess(urls, policy, folder)
             await gw.start()
             try:
-                live = live_summary(await live_run(gw.url, convs, w.max_tokens))
+                cpu0, gw_cpu0, t0 = time.process_time(), gw.cpu_s(), time.perf_counter()
+                run = await live_run(gw.url, convs, w.max_tokens, seed=w.seed)
+                wall = time.perf_counter() - t0
+                live = live_summary(run)
+                # what the balancer and the clients cost the cores the engines share
+                live["gateway_cpu_share"] = (gw.cpu_s() - gw_cpu0) / wall
+                live["client_cpu_share"] = (time.process_time() - cpu0) / wall
+                live["load_average"] = os.getloadavg()[0]
             finally:
                 gw.stop()
             sim = simulate(convs, policy, profile, len(urls), live["token_ratio"], w.max_tokens, folder, w.seed)

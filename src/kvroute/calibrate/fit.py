@@ -49,7 +49,7 @@ def _medians(points: dict[tuple, list[tuple[float, ...]]]) -> list[tuple[tuple, 
     return [(k, tuple(statistics.median(col) for col in zip(*v, strict=True))) for k, v in sorted(points.items())]
 
 
-def fit_profile(m: Measurements, name: str, hardware: str, max_batched_tokens: int = 8192,
+def fit_profile(m: Measurements, name: str, hardware: str, max_batched_tokens: int | None = None,
                 block_size: int = 16, kv_tokens: int | None = None, max_running: int | None = None,
                 sweep: Sweep | None = None) -> tuple[HardwareProfile, dict]:
     """The fitted profile and a report (per-point errors, RMS error, what was measured)."""
@@ -75,10 +75,11 @@ def fit_profile(m: Measurements, name: str, hardware: str, max_batched_tokens: i
     facts = m.engines
     kv = kv_tokens or min((f.kv_tokens for f in facts if f.kv_tokens), default=None) or 65536
     running = max_running or min((f.slots for f in facts if f.slots), default=None) or 256
+    batch = max_batched_tokens or min((f.batch_tokens for f in facts if f.batch_tokens), default=None) or 8192
     profile = HardwareProfile(
         name=name, hardware=hardware, model=m.model, c0_s=c0, c_prefill_s=c_prefill, c_decode_s=c_decode,
         c_attn_s=c_attn, c_prefill_attn_s=c_pattn, ttft_overhead_s=overhead, kv_blocks=max(1, kv // block_size),
-        block_size=block_size, max_running=running, max_batched_tokens=max_batched_tokens)
+        block_size=block_size, max_running=running, max_batched_tokens=batch)
     source = f"measured by kvroute calibrate, {len(facts)} engine(s) loaded together"
     points, errors = [], []
     for length, s in prefill:
@@ -118,7 +119,7 @@ def write_profile(path: str | Path, profile: HardwareProfile, report: dict) -> N
         f"# fit error over {len(report['points'])} points: RMS {report['rms_error']:.1%}, "
         f"max {report['max_error']:.1%} (per point below: fit_s, error = fit/measured - 1).",
         "# kv_blocks, max_running: from the engines (/props, /metrics) or the command line; "
-        "max_batched_tokens from the command line.",
+        "max_batched_tokens: llama-server's n_batch (2048, assumed) or the command line.",
     ]
     data = profile.model_dump(exclude_defaults=False)
     body = yaml.safe_dump(data, sort_keys=False, width=120)

@@ -33,6 +33,9 @@ WORDS = ("the", "a", "of", "and", "to", "in", "is", "for", "on", "that", "with",
          "more", "one", "time", "data", "model", "system", "value", "state", "point", "number")
 
 
+LLAMA_SERVER_N_BATCH = 2048  # llama-server's default --batch-size (logical batch of prompt tokens)
+
+
 class CalibrationError(RuntimeError):
     """An engine could not be measured; the message names it and why."""
 
@@ -57,6 +60,7 @@ class EngineFacts:
     bytes_per_token: float
     kv_tokens: int | None = None
     slots: int | None = None
+    batch_tokens: int | None = None  # prompt tokens one engine step takes at most
 
 
 @dataclass
@@ -140,6 +144,9 @@ class _Engine:
             n_ctx = (props.get("default_generation_settings") or {}).get("n_ctx")
             if isinstance(slots, int) and slots > 0:
                 facts.slots = slots
+                # llama-server evaluates at most n_batch (default 2048) prompt tokens per step;
+                # /props does not say, so the default is assumed (override: --max-batched-tokens)
+                facts.batch_tokens = LLAMA_SERVER_N_BATCH
                 if isinstance(n_ctx, int) and n_ctx > 0:
                     facts.kv_tokens = slots * n_ctx
         except (aiohttp.ClientError, TimeoutError, json.JSONDecodeError, AttributeError):
@@ -195,7 +202,8 @@ async def measure(urls: list[str], model: str | None = None, sweep: Sweep | None
         facts = list(await asyncio.gather(*(e.facts() for e in engines)))
         m = Measurements(facts, model)
         for rep in range(sweep.repeats):
-            for n in sweep.prefill_lengths:
+            # odd repeats run backwards, so a load that drifts during the sweep biases no slope
+            for n in (sweep.prefill_lengths[::-1] if rep % 2 else sweep.prefill_lengths):
                 got = await asyncio.gather(*(e.complete(e.prompt(n), 1) for e in engines))
                 m.prefill.extend((n, tokens, s) for s, tokens in got)
                 say(f"prefill {n} tokens (repeat {rep + 1}): " + ", ".join(f"{s * 1000:.1f} ms" for s, _ in got))
