@@ -68,6 +68,8 @@ class Child:
         self.pids.append(self.proc.pid)
         self.paused = False
         ready: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        # an exit after a cancelled start (Ctrl-C) sets an exception nobody awaits: mark it seen
+        ready.add_done_callback(lambda f: f.cancelled() or f.exception())
         self._reader = asyncio.create_task(self._copy_log(ready))
         try:
             self.url = await asyncio.wait_for(asyncio.shield(ready), timeout_s)
