@@ -45,6 +45,7 @@ class Mesh:
         self.ports: dict[str, int] = {}
         self.upstreams: list[ScriptedUpstream] = []
         self.runners: list = []
+        self.servers: list = []  # delay proxies
 
     def call(self, coro, timeout: float = 20):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
@@ -68,7 +69,8 @@ class Mesh:
         return emu, f"http://127.0.0.1:{port}"
 
     def gateway(self, region: str, replicas: list[str], peers: list[str] = (), mode: str = "skywalker",
-                zone: str | None = None, peer_zone: str | None = None, **overrides) -> Gateway:
+                zone: str | None = None, peer_zone: str | None = None, peer_urls: dict[str, str] | None = None,
+                **overrides) -> Gateway:
         settings = {"policy": {"preset": "skywalker", "params": {"admission": "pending"}},
                     "probe": {"interval_s": 0.05, "timeout_s": 0.5}, "queue": {"max_wait_s": 3.0},
                     "timeouts": {"connect_s": 1.0, "first_byte_s": 3.0, "idle_s": 3.0, "non_stream_s": 3.0,
@@ -78,7 +80,8 @@ class Mesh:
             host="127.0.0.1", port=self.port(region), region=region, zone=zone, routing_mode=mode,
             replicas=[ReplicaConfig(url=u, id=f"{region}-{i}", region=region, zone=zone, engine="vllm")
                       for i, u in enumerate(replicas)],
-            peers=[PeerConfig(name=p, url=self.url(p), region=p, zone=peer_zone) for p in peers],
+            peers=[PeerConfig(name=p, url=(peer_urls or {}).get(p, self.url(p)), region=p, zone=peer_zone)
+                   for p in peers],
             peer_auth={"token_env": "KVROUTE_TEST_PEER_TOKEN"}, **settings)
         gw = self.gateways[region] = Gateway(config)
         self.call(gw.start())
@@ -99,6 +102,8 @@ class Mesh:
 
     def close(self) -> None:
         async def stop():
+            for server in self.servers:
+                server.close()
             for gw in self.gateways.values():
                 await gw.stop()
             for runner in self.runners:
@@ -301,9 +306,13 @@ def hanging_until(release: asyncio.Event):
 def test_gorgo_distributed_forwards_when_a_peer_is_cheaper(mesh):
     release = mesh.call(_make_event())
     gorgo = {"policy": {"preset": "gorgo"}}
-    mesh.gateway("us", [mesh.scripted(hanging_until(release))], ["eu"], mode="gorgo_distributed", **gorgo)
+    server, far_port = mesh.call(_delay_proxy(mesh.port("eu"), 0.03))  # eu is 60+ ms away: loopback jitter
+    mesh.servers.append(server)  # cannot make it look cheaper than home
+    mesh.gateway("us", [mesh.scripted(hanging_until(release))], ["eu"], mode="gorgo_distributed",
+                 peer_urls={"eu": f"http://127.0.0.1:{far_port}"}, **gorgo)
     mesh.gateway("eu", [mesh.scripted()], ["us"], mode="gorgo_distributed", **gorgo)
     peer_ready(mesh, "us", "eu")
+    assert mesh.gateways["us"].runtime.peering.links["eu"].endpoint.rtt_s > 0.05
     assert post(mesh.url("us")).headers["x-kvroute-replica"] == "us-0"  # both idle: home is cheaper
     # a long prompt in flight at home: its queued tokens outweigh the peer's RTT
     held = threading.Thread(target=post, args=(mesh.url("us"), dict(CHAT, messages=[
