@@ -8,7 +8,7 @@ import pytest
 
 from kvroute.model import Endpoint, Request
 from kvroute.policy.compose import ConfigError
-from kvroute.policy.registry import build_policy
+from kvroute.policy.registry import build_policy, policy_from_config
 from kvroute.policy.router import Router
 from kvroute.reproduce import reproduce
 from kvroute.reproduce.common import YES
@@ -103,6 +103,15 @@ def test_length_stage_falls_to_a_later_stage_when_its_own_has_no_candidate():
     assert r.policy.decide(Request(id="q", prompt_tokens=2000), r.view).target == "e3"
     r.endpoints[3].healthy = False
     assert r.policy.decide(Request(id="q2", prompt_tokens=9000), r.view).target in ("e0", "e1")
+
+
+def test_length_stage_composes_with_any_rules():
+    policy = policy_from_config({"filters": [{"length_stage": {"stage_sizes": [2, 2], "bounds": [4096]}}],
+                                 "cost": {"lmetric": 1}})
+    r = Router(policy, [Endpoint(f"e{i}", kv_blocks=1000) for i in range(4)])
+    assert r.route(Request(id="long", prompt_tokens=5000)).target in ("e2", "e3")
+    assert r.route(Request(id="short", prompt_tokens=50)).target in ("e0", "e1")
+    assert policy.context_limit("e1") == 4096 and policy.context_limit("e2") is None
 
 
 def test_round_robin_within_a_stage():
