@@ -46,3 +46,30 @@ def test_live_and_simulated_runs_replay_the_same_requests(tmp_path):
     assert 0 <= live["gateway_cpu_share"] < 1 and 0 < live["client_cpu_share"] < 1  # what they take from the cores
     assert live["cold_requests"] >= 1 and live["ttft_cold_p50"] > 0 and live["decode_p50"] > 0
     assert sorted(out["ranking_ttft_p99"]["live"]) == sorted(out["ranking_ttft_p99"]["sim"])
+
+
+def _admitted_cached(reuse: str) -> dict[str, int]:
+    """Cached prompt tokens of b (admitted while a, with the same 512-token prefix, decodes) and
+    of c (admitted after both finished)."""
+    from kvroute.sim.engine import Engine, Seq
+    from kvroute.sim.events import EventLoop
+    from kvroute.sim.profile import load_profile
+
+    profile = load_profile("l4-llama3.1-8b").model_copy(update={"prefix_reuse": reuse})
+    loop = EventLoop()
+    first: dict[str, int] = {}
+    engine = Engine("e", profile, loop, lambda s, t: first.setdefault(s.rid, s.cached), lambda s, t: None)
+    prefix = tuple(range(1, 33))  # 32 blocks of 16 tokens
+    engine.submit(Seq("a", 600, 400, (*prefix, 100), 16))
+    loop.run(stop=lambda: "a" in first)  # a has prefilled and decodes for a while
+    engine.submit(Seq("b", 600, 4, (*prefix, 200), 16))
+    loop.run()
+    engine.submit(Seq("c", 600, 4, (*prefix, 300), 16))
+    loop.run()
+    return first
+
+
+def test_llama_server_reuses_a_prefix_only_from_an_idle_slot():
+    shared, slots = _admitted_cached("shared"), _admitted_cached("idle_slots")
+    assert shared["b"] == 512 and shared["c"] == 512  # vLLM: any number of sequences share it
+    assert slots["b"] == 0 and slots["c"] == 512  # llama-server: a's slot was busy, then free

@@ -560,6 +560,7 @@ def test_calibrate_fits_real_llama_servers_loaded_together(engines, tmp_path):
     assert {f.slots for f in m.engines} == {4} and all(f.kv_tokens == 16384 for f in m.engines)  # from /props
     profile, report = fit_profile(m, "llama-tiny", "this machine", sweep=sweep)
     assert profile.max_running == 4 and profile.max_batched_tokens == 2048  # slots; n_batch
+    assert profile.prefix_reuse == "idle_slots"
     assert profile.c_prefill_s + profile.c_prefill_attn_s > 0 and profile.c_decode_s + profile.c_attn_s > 0
     assert profile.prefill_time(1024) > profile.prefill_time(128)
     # a noisy shared machine: the model still describes what it measured

@@ -79,7 +79,9 @@ def fit_profile(m: Measurements, name: str, hardware: str, max_batched_tokens: i
     profile = HardwareProfile(
         name=name, hardware=hardware, model=m.model, c0_s=c0, c_prefill_s=c_prefill, c_decode_s=c_decode,
         c_attn_s=c_attn, c_prefill_attn_s=c_pattn, ttft_overhead_s=overhead, kv_blocks=max(1, kv // block_size),
-        block_size=block_size, max_running=running, max_batched_tokens=batch)
+        block_size=block_size, max_running=running, max_batched_tokens=batch,
+        # llama-server (it has slots) lends a cached prefix only from a slot serving no request
+        prefix_reuse="idle_slots" if any(f.slots for f in facts) else "shared")
     source = f"measured by kvroute calibrate, {len(facts)} engine(s) loaded together"
     points, errors = [], []
     for length, s in prefill:
@@ -119,7 +121,8 @@ def write_profile(path: str | Path, profile: HardwareProfile, report: dict) -> N
         f"# fit error over {len(report['points'])} points: RMS {report['rms_error']:.1%}, "
         f"max {report['max_error']:.1%} (per point below: fit_s, error = fit/measured - 1).",
         "# kv_blocks, max_running: from the engines (/props, /metrics) or the command line; "
-        "max_batched_tokens: llama-server's n_batch (2048, assumed) or the command line.",
+        "max_batched_tokens: llama-server's n_batch (2048, assumed) or the command line;",
+        "# prefix_reuse: idle_slots for llama-server (a prefix is reused only from an idle slot), else shared.",
     ]
     data = profile.model_dump(exclude_defaults=False)
     body = yaml.safe_dump(data, sort_keys=False, width=120)

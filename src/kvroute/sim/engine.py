@@ -98,6 +98,10 @@ class Engine:
         self.ctx_a2 = 0  # Σ a_i²
         self.used = 0  # KV tokens in use (private + cache blocks)
         self.refcnt: dict[int, int] = {}
+        # llama-server (profile.prefix_reuse "idle_slots"): copies of each cached block left by
+        # finished sequences; a new sequence reuses a prefix only by taking such a copy, so a
+        # prefix that only running sequences hold must be computed again (profile.py)
+        self.idle_copies: dict[int, int] | None = {} if profile.prefix_reuse == "idle_slots" else None
         self.evictable: OrderedDict[int, None] = OrderedDict()  # refcount-0 cache blocks, LRU first
         self.cache_bt = 0  # tokens per cache block (the requests' block size)
         self._order = 0
@@ -175,11 +179,20 @@ class Engine:
             seq = waiting[0]
             hashes = seq.hashes
             m = cached_prefix(hashes, refcnt)  # the cache is prefix-closed: blocks leave tail first
+            copies = self.idle_copies
+            if copies is not None:  # only a copy no running sequence holds can be taken
+                k = 0
+                while k < m and copies.get(hashes[k], 0) > 0:
+                    k += 1
+                m = k
             matched = min(m * seq.bt, seq.prompt)
             need = seq.prompt - matched
             if need > self.capacity - self.used and not self._make_room(need, hashes[:m]):
                 return  # head-of-line: wait for memory
             waiting.popleft()
+            if copies is not None:
+                for h in hashes[:m]:
+                    copies[h] -= 1
             for h in hashes[:m]:
                 c = refcnt[h]
                 if c == 0:
@@ -215,8 +228,12 @@ class Engine:
         if short > 0:  # evict exactly the blocks that cover the shortfall, LRU first
             k = -(-short // bt)
             refcnt, pop = self.refcnt, evictable.popitem
+            copies = self.idle_copies
             for _ in range(k):
-                del refcnt[pop(False)[0]]
+                h = pop(False)[0]
+                del refcnt[h]
+                if copies is not None:
+                    copies.pop(h, None)
             self.used -= k * bt
         for h in guarded:
             evictable[h] = None
@@ -519,6 +536,10 @@ class Engine:
         if refs:
             refcnt, evictable = self.refcnt, self.evictable
             tail_first = seq.hashes[refs - 1::-1]  # tail first: the head stays cached longest
+            copies = self.idle_copies
+            if copies is not None:  # its slot keeps its copy, free for the next request
+                for h in tail_first:
+                    copies[h] = copies.get(h, 0) + 1
             for h in tail_first:
                 c = refcnt[h] - 1
                 refcnt[h] = c

@@ -33,6 +33,7 @@ from __future__ import annotations
 import math
 from importlib import resources
 from pathlib import Path
+from typing import Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -60,6 +61,12 @@ class HardwareProfile(BaseModel):
     block_size: int = Field(16, gt=0)
     max_running: int = Field(256, gt=0)
     max_batched_tokens: int = Field(8192, gt=0)
+    # How a cached prefix is reused. "shared": by any number of sequences at once (vLLM's and
+    # SGLang's paged caches). "idle_slots": llama-server's -np slots each keep their last
+    # sequence's KV, and a new request reuses a prefix only from a slot that serves no request
+    # (measured on llama-server 0.3.36: a request sharing a 1,300-token prefix with one still
+    # decoding got 0 cached tokens; after it finished, 1,308). Set by `kvroute calibrate`.
+    prefix_reuse: Literal["shared", "idle_slots"] = "shared"
     # published points this profile must reproduce within 5% (checked by the tests), each one of
     # {prefill, expect_s} | {prefill, ttft_s} | {decode, ctx, expect_s} | {decode, ctx, attn_share}
     # | {heterogeneity_cv, expect_h}, with its source. ``independent: true`` marks an anchor
