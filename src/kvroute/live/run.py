@@ -287,19 +287,29 @@ async def inject(child: Child, fault: Fault, t0: float, log: list[dict[str, Any]
     log.append({"fault": fault.describe(), what: child.pid, "at_s": round(time.monotonic() - t0, 3)})
 
 
-async def forwards_from_metrics(urls: list[str]) -> int | None:
-    """Requests the gateways forwarded to peers, summed from their ``/metrics`` (None when
-    they export no such counter)."""
-    total, seen = 0.0, False
+async def gateway_counts(urls: list[str]) -> tuple[int | None, dict[str, int]]:
+    """Summed over the gateways' ``/metrics``: requests forwarded to peers (None when no gateway
+    exports the counter) and routing decisions by policy branch, as the simulator counts them."""
+    import re
+
+    sample = re.compile(r'^(kvroute_peer_forwards_total|kvroute_policy_branch_total)(\{[^}]*\})? ([0-9.e+-]+)$')
+    branch = re.compile(r'branch="([^"]*)"')
+    forwards, seen = 0.0, False
+    branches: dict[str, int] = {}
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as s:
         for url in urls:
             with contextlib.suppress(aiohttp.ClientError, TimeoutError, OSError):
                 async with s.get(f"{url}/metrics") as r:
-                    for line in (await r.text()).splitlines():
-                        if line.split("{")[0].split(" ")[0] == "kvroute_peer_forwards_total":
-                            total += float(line.rsplit(" ", 1)[1])
-                            seen = True
-    return int(total) if seen else None
+                    text = await r.text()
+                for line in text.splitlines():
+                    m = sample.match(line)
+                    if m is None:
+                        continue
+                    if m[1] == "kvroute_peer_forwards_total":
+                        forwards, seen = forwards + float(m[3]), True
+                    elif (b := branch.search(m[2] or "")) is not None:
+                        branches[b[1]] = branches.get(b[1], 0) + int(float(m[3]))
+    return (int(forwards) if seen else None), dict(sorted(branches.items()))
 
 
 async def run_policy(run: LiveRun, entry: PolicyEntry, *, max_requests: int | None, duration_s: float | None,
@@ -337,7 +347,7 @@ async def run_policy(run: LiveRun, entry: PolicyEntry, *, max_requests: int | No
             t.cancel()
         await asyncio.gather(sampler, *injectors, return_exceptions=True)
     wall = time.monotonic() - t0
-    forwards = await forwards_from_metrics([c.url for c in pol.gateways.values() if c.alive])
+    forwards, branches = await gateway_counts([c.url for c in pol.gateways.values() if c.alive])
     for c in [*pol.gateways.values(), pol.controller]:
         await c.stop()
     result = recorder.result(len(run.replicas) * wall / 3600.0)
@@ -345,13 +355,14 @@ async def run_policy(run: LiveRun, entry: PolicyEntry, *, max_requests: int | No
     result["load"] = recorder.load(max(0.0, driver.first_issue), driver.last_issue, driver.issued,
                                    driver.workload.closed_loop)
     result["slo"] = recorder.slo(sc.slo.ttft_s, sc.slo.tpot_s, driver.issued)
+    result["branches"] = branches  # of the gateways alive at the end (a killed one's counts are gone)
     if forwards is not None:
         result["cross_region_forwards"] = forwards  # what the gateways decided, failed forwards included
     result["live"] = {"wall_s": round(wall, 3), "retries": driver.retries, "unfinished": driver.unfinished,
                       "errors": dict(sorted(driver.errors.items())), "resolve_lookups": driver.lookups,
                       "faults": fault_log, "gateways": sorted(f"gw-{r}" for r in topo.gateways),
                       "topology": topo.kind,
-                      "forwards_source": "gateway metrics" if forwards is not None else "response headers"}
+                      "forwards_source": "gateway metrics" if forwards is not None else "client-side paths"}
     return result
 
 
