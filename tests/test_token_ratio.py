@@ -98,4 +98,4 @@ def test_openai_trace_counts_engine_tokens_with_the_ratio(tmp_path):
         assert out_a == out_b == 16  # the line's max_tokens caps the scripted answer (an engine stops there)
     bad = {"replicas": [{"region": "local", "count": 1}], "workload": {"kind": "chat", "token_ratio": 1.2}}
     with pytest.raises(ScenarioError, match="token_ratio"):
-        parse_scenario(bad).setup()
+        parse_scenario(bad).make_workload()

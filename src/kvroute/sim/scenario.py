@@ -299,6 +299,9 @@ class Scenario(_Strict):
         w = self.workload
         clients = self.clients()
         try:
+            if (w.token_ratio or w.tokenizer_path) and w.kind != "openai":
+                raise ScenarioError(f"workload.token_ratio / tokenizer_path apply to openai traces (text), not "
+                                    f"{w.kind!r}, whose requests are counted in tokens already")
             if w.shapes and w.kind not in ("chat", "tot", "mixed"):
                 raise ScenarioError(f"workload.shapes: per-region shapes apply to chat, tot and mixed "
                                     f"workloads, not {w.kind!r}")
@@ -323,9 +326,6 @@ class Scenario(_Strict):
             if (w.max_prompt_tokens or w.max_output_tokens) and w.kind not in ("mooncake", "azure"):
                 raise ScenarioError(f"workload.max_prompt_tokens / max_output_tokens apply to mooncake and "
                                     f"azure traces, not {w.kind!r}")
-            if (w.token_ratio or w.tokenizer_path) and w.kind != "openai":
-                raise ScenarioError(f"workload.token_ratio / tokenizer_path apply to openai traces (text), not "
-                                    f"{w.kind!r}, whose requests are counted in tokens already")
             if w.kind == "mooncake":
                 return MooncakeTrace(path, w.time_scale, w.rate, clients, self.seed, w.skip_bad,
                                      self.limits.max_requests, w.max_prompt_tokens, w.max_output_tokens)
