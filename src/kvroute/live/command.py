@@ -19,6 +19,9 @@ def add_parser(sub: Any) -> None:
     lv.add_argument("--max-requests", type=int, dest="max_requests", help="per policy (default: the scenario's)")
     lv.add_argument("--duration", type=float, default=120.0, metavar="S",
                     help="stop issuing after S seconds per policy (default 120)")
+    lv.add_argument("--drain", type=float, default=60.0, metavar="S",
+                    help="after the last request is issued, wait at most S seconds for those in flight "
+                         "(default 60; the rest are reported as unfinished)")
     lv.add_argument("--replicas", type=int, help="replicas per replica group (per region)")
     lv.add_argument("--profile", help="hardware profile for every replica")
     lv.add_argument("--seed", type=int)
@@ -58,11 +61,12 @@ def main(args: argparse.Namespace) -> int:
         check_faults(sc, faults)
     except ValueError as exc:
         return error(str(exc))
-    if args.duration is not None and args.duration <= 0:
-        return error(f"--duration must be > 0 seconds, got {args.duration:g}")
+    for flag, value in (("duration", args.duration), ("drain", args.drain)):
+        if value is not None and value <= 0:
+            return error(f"--{flag} must be > 0 seconds, got {value:g}")
     try:
         rep = execute(sc, faults, max_requests=args.max_requests or sc.limits.max_requests,
-                      duration_s=args.duration, logs=args.logs, compare_sim=args.compare_sim)
+                      duration_s=args.duration, logs=args.logs, compare_sim=args.compare_sim, drain_s=args.drain)
     except (ValueError, ProcessError) as exc:
         return error(str(exc))
     write_json(args.json, rep)
