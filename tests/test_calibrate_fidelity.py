@@ -73,3 +73,23 @@ def test_llama_server_reuses_a_prefix_only_from_an_idle_slot():
     shared, slots = _admitted_cached("shared"), _admitted_cached("idle_slots")
     assert shared["b"] == 512 and shared["c"] == 512  # vLLM: any number of sequences share it
     assert slots["b"] == 0 and slots["c"] == 512  # llama-server: a's slot was busy, then free
+
+
+def test_one_idle_slot_serves_two_concurrent_requests_then_its_prefix_is_gone():
+    """llama-server: the slot's copy, then the old content it saved to the host cache (measured:
+    two of three concurrent requests for a prefix one idle slot held were served from cache)."""
+    from kvroute.sim.engine import Engine, Seq
+    from kvroute.sim.events import EventLoop
+    from kvroute.sim.profile import load_profile
+
+    profile = load_profile("l4-llama3.1-8b").model_copy(update={"prefix_reuse": "idle_slots"})
+    loop = EventLoop()
+    first: dict[str, int] = {}
+    engine = Engine("e", profile, loop, lambda s, t: first.setdefault(s.rid, s.cached), lambda s, t: None)
+    prefix = tuple(range(1, 33))
+    engine.submit(Seq("a", 600, 2, (*prefix, 100), 16))
+    loop.run()
+    for i, rid in enumerate("bcd"):
+        engine.submit(Seq(rid, 600, 2, (*prefix, 200 + i), 16))
+    loop.run()
+    assert sorted(first[r] for r in "bcd") == [0, 512, 512]

@@ -98,10 +98,12 @@ class Engine:
         self.ctx_a2 = 0  # Σ a_i²
         self.used = 0  # KV tokens in use (private + cache blocks)
         self.refcnt: dict[int, int] = {}
-        # llama-server (profile.prefix_reuse "idle_slots"): copies of each cached block left by
-        # finished sequences; a new sequence reuses a prefix only by taking such a copy, so a
-        # prefix that only running sequences hold must be computed again (profile.py)
+        # llama-server (profile.prefix_reuse "idle_slots"): copies of each cached block that no
+        # running sequence holds — in idle slots (left by finished sequences) and in the host
+        # prompt cache; a new sequence reuses a prefix only by taking such a copy, so a prefix
+        # that only running sequences hold must be computed again (profile.py)
         self.idle_copies: dict[int, int] | None = {} if profile.prefix_reuse == "idle_slots" else None
+        self.host_copies: dict[int, int] = {}
         self.evictable: OrderedDict[int, None] = OrderedDict()  # refcount-0 cache blocks, LRU first
         self.cache_bt = 0  # tokens per cache block (the requests' block size)
         self._order = 0
@@ -181,8 +183,8 @@ class Engine:
             m = cached_prefix(hashes, refcnt)  # the cache is prefix-closed: blocks leave tail first
             copies = self.idle_copies
             if copies is not None:  # only a copy no running sequence holds can be taken
-                k = 0
-                while k < m and copies.get(hashes[k], 0) > 0:
+                k, host = 0, self.host_copies
+                while k < m and (copies.get(hashes[k], 0) > 0 or host.get(hashes[k], 0) > 0):
                     k += 1
                 m = k
             matched = min(m * seq.bt, seq.prompt)
@@ -190,9 +192,14 @@ class Engine:
             if need > self.capacity - self.used and not self._make_room(need, hashes[:m]):
                 return  # head-of-line: wait for memory
             waiting.popleft()
-            if copies is not None:
+            if copies is not None:  # take a slot's copy (its old content goes to the host
+                host = self.host_copies  # cache: one more copy) or else a host copy (moved)
                 for h in hashes[:m]:
-                    copies[h] -= 1
+                    if copies.get(h, 0) > 0:
+                        copies[h] -= 1
+                        host[h] = host.get(h, 0) + 1
+                    else:
+                        host[h] -= 1
             for h in hashes[:m]:
                 c = refcnt[h]
                 if c == 0:
@@ -234,6 +241,7 @@ class Engine:
                 del refcnt[h]
                 if copies is not None:
                     copies.pop(h, None)
+                    self.host_copies.pop(h, None)
             self.used -= k * bt
         for h in guarded:
             evictable[h] = None

@@ -64,8 +64,11 @@ class HardwareProfile(BaseModel):
     # How a cached prefix is reused. "shared": by any number of sequences at once (vLLM's and
     # SGLang's paged caches). "idle_slots": llama-server's -np slots each keep their last
     # sequence's KV, and a new request reuses a prefix only from a slot that serves no request
-    # (measured on llama-server 0.3.36: a request sharing a 1,300-token prefix with one still
-    # decoding got 0 cached tokens; after it finished, 1,308). Set by `kvroute calibrate`.
+    # or from the host prompt cache, one request per copy; a slot taken over saves its old
+    # content to the host cache (one more copy). Measured on llama-server 0.3.36: a request
+    # sharing a 1,300-token prefix with one still decoding got 0 cached tokens, after it
+    # finished 1,308; of three concurrent requests for a prefix held by one idle slot, two were
+    # served from cache; held only in the host cache, one. Set by `kvroute calibrate`.
     prefix_reuse: Literal["shared", "idle_slots"] = "shared"
     # published points this profile must reproduce within 5% (checked by the tests), each one of
     # {prefill, expect_s} | {prefill, ttft_s} | {decode, ctx, expect_s} | {decode, ctx, attn_share}
