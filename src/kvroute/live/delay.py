@@ -84,6 +84,8 @@ class DelayProxy:
         self._tasks.add(task)
         try:
             await self._serve(c_reader, c_writer)
+        except asyncio.CancelledError:
+            pass  # stop() cut this connection; asyncio's own callback would report a cancelled handler
         finally:
             self._tasks.discard(task)
 
