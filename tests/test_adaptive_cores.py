@@ -8,8 +8,9 @@ import random
 
 import pytest
 
+from kvroute.metrics.stats import percentile_sorted
 from kvroute.model import Endpoint
-from kvroute.policy.adaptive.es_tuner import GORGO_RANGES, OnePlusOneES, WeightRange, nearest_rank
+from kvroute.policy.adaptive.es_tuner import GORGO_RANGES, OnePlusOneES, WeightRange
 from kvroute.policy.adaptive.hotspot import HotspotDetector
 from kvroute.policy.adaptive.predictor import TTFTPredictor
 from kvroute.policy.adaptive.ttft_fit import TTFTFit
@@ -30,7 +31,7 @@ def _drive(es: OnePlusOneES, n: int, seed: int = 7) -> None:
 
 def test_nearest_rank_is_gorgos_quantile():
     s = sorted(float(i) for i in range(128))
-    assert nearest_rank(s, 0.95) == s[round(0.95 * 127)] == 121.0
+    assert percentile_sorted(s, 0.95) == s[round(0.95 * 127)] == 121.0
 
 
 def test_es_steps_at_128_then_every_32():

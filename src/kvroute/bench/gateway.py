@@ -69,6 +69,7 @@ import uvloop; uvloop.run(main())
 CLIENT = r'''
 import asyncio, contextlib, itertools, json, sys, time
 from kvroute.gateway.upstream import UpstreamError, UpstreamPool
+from kvroute.metrics.stats import percentile_sorted
 urls, n, conc = sys.argv[1].split(","), int(sys.argv[2]), int(sys.argv[3])
 stream, limit_s = sys.argv[4] == "1", float(sys.argv[5])
 body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "Say ok. " * 8}], "max_tokens": 16,
@@ -106,7 +107,7 @@ async def main():
     await asyncio.gather(*(worker() for _ in range(conc)))
     wall = time.perf_counter() - start
     lat.sort()
-    q = lambda p: lat[min(len(lat) - 1, int(p * (len(lat) - 1)))] * 1000 if lat else 0.0
+    q = lambda p: percentile_sorted(lat, p) * 1000
     print(json.dumps({"rps": len(lat) / wall, "p50_ms": q(0.5), "p99_ms": q(0.99), "ok": len(lat), "errors": errors}))
 import uvloop; uvloop.run(main())
 '''

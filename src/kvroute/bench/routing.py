@@ -20,6 +20,7 @@ import statistics
 import time
 import tracemalloc
 
+from kvroute.metrics.stats import percentile_sorted
 from kvroute.model import Endpoint, Request
 from kvroute.policy import PRESETS, Router, build_policy
 from kvroute.prefix import BlockHasher, PrefixIndex, chat_key
@@ -90,10 +91,6 @@ def _requests(rng: random.Random, chains: list[tuple[int, ...]], tokens: int, n:
     return out
 
 
-def _percentile(sorted_vals: list[float], q: float) -> float:
-    return sorted_vals[min(len(sorted_vals) - 1, int(round(q * (len(sorted_vals) - 1))))]
-
-
 def time_decisions(router: Router, reqs: list[Request], samples: list[float]) -> None:
     """Time ``route`` + ``on_finish`` per request, appending microseconds to ``samples``."""
     clock = time.perf_counter_ns
@@ -107,7 +104,7 @@ def time_decisions(router: Router, reqs: list[Request], samples: list[float]) ->
 
 def _p50_p99(samples: list[float]) -> tuple[float, float]:
     samples = sorted(samples)
-    return _percentile(samples, 0.5), _percentile(samples, 0.99)
+    return percentile_sorted(samples, 0.5), percentile_sorted(samples, 0.99)
 
 
 def chat_220kb_ms(router: Router, repeats: int = 21) -> float:

@@ -17,7 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import aiohttp
-import numpy as np
+
+from kvroute.metrics.stats import percentile
 
 WORDS = ("replica", "cache", "prefix", "token", "batch", "latency", "region", "queue", "decode",
          "prefill", "router", "shard", "tensor", "kernel", "stream", "budget", "probe", "engine")
@@ -34,12 +35,11 @@ class LoadResult:
     wall_s: float = 0.0
 
     def summary(self) -> dict:
-        def pct(v, q):
-            return float(np.percentile(v, q)) if v else 0.0
+        pct = percentile
         n = len(self.e2e)
         return {"requests": n, "errors": sum(self.errors.values()),
-                "ttft_p50_s": pct(self.ttft, 50), "ttft_p99_s": pct(self.ttft, 99),
-                "e2e_p50_s": pct(self.e2e, 50), "e2e_p99_s": pct(self.e2e, 99),
+                "ttft_p50_s": pct(self.ttft, 0.5), "ttft_p99_s": pct(self.ttft, 0.99),
+                "e2e_p50_s": pct(self.e2e, 0.5), "e2e_p99_s": pct(self.e2e, 0.99),
                 "throughput_rps": n / self.wall_s if self.wall_s else 0.0,
                 "cached_ratio": self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
                 "replicas": dict(sorted(self.replicas.items()))}

@@ -37,6 +37,8 @@ from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from kvroute.metrics.stats import percentile_sorted
+
 SUCCESS_FACTOR = 0.817  # σ multiplier of the 1/5 rule (GORGO v2 tuner)
 SUCCESS_HISTORY = 8  # outcomes the 1/5 rule looks back on
 
@@ -58,11 +60,6 @@ class WeightRange:
 # GORGO v2 §4: w_rtt starts at 0.5 in [0.05, 2.0], w_queue at 0.1 in [0.05, 0.5]
 GORGO_RANGES: dict[str, WeightRange] = {"w_rtt": WeightRange(0.5, 0.05, 2.0),
                                         "w_queue": WeightRange(0.1, 0.05, 0.5)}
-
-
-def nearest_rank(sorted_values: list[float], q: float) -> float:
-    """The q-quantile as GORGO's tuner takes it: ``s[round(q·(n−1))]`` of the sorted values."""
-    return sorted_values[round(q * (len(sorted_values) - 1))]
 
 
 class OnePlusOneES:
@@ -113,10 +110,10 @@ class OnePlusOneES:
             return
         self.since_step = 0
         self.steps += 1
-        self.window_p95 = nearest_rank(sorted(self.window), self.quantile)
+        self.window_p95 = percentile_sorted(sorted(self.window), self.quantile)
         if self.searching:
             hop = list(self.window)[-self.hop:]  # first tokens served under the current weights
-            self._step(nearest_rank(sorted(hop), self.quantile))
+            self._step(percentile_sorted(sorted(hop), self.quantile))
 
     def _step(self, p95: float) -> None:
         if self.parent_p95 is None:  # the first full window scores the starting weights
