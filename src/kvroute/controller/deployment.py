@@ -22,18 +22,15 @@ import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from kvroute import yamlconf
 from kvroute.gateway.config import ReplicaConfig
 from kvroute.sim.network import Network
+from kvroute.yamlconf import StrictModel
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class SecretSource(_Strict):
+class SecretSource(StrictModel):
     """Where a secret is read from: an environment variable or a file (never the YAML itself)."""
 
     env: str | None = Field(None, description="environment variable holding the secret")
@@ -61,7 +58,7 @@ class SecretSource(_Strict):
         return value
 
 
-class DeploymentNetwork(_Strict):
+class DeploymentNetwork(StrictModel):
     """Round-trip times between regions: the controller's notion of "nearest"."""
 
     rtt_ms: dict[str, float] = Field(default_factory=lambda: {"us-eu": 80.0, "us-asia": 150.0, "eu-asia": 200.0},
@@ -86,7 +83,7 @@ class DeploymentNetwork(_Strict):
         return Network(pairs, self.in_region_ms)
 
 
-class DeployedGateway(_Strict):
+class DeployedGateway(StrictModel):
     """One gateway of the deployment."""
 
     name: str = Field(description="its name in /resolve answers, /status and logs")
@@ -129,7 +126,7 @@ class DeployedReplica(ReplicaConfig):
         return ReplicaConfig(**data)
 
 
-class ControllerProbe(_Strict):
+class ControllerProbe(StrictModel):
     """How the controller watches gateways and replicas."""
 
     interval_s: float = Field(0.1, gt=0, description="gateway probe period (SkyWalker: 100 ms)")
@@ -143,7 +140,7 @@ class ControllerProbe(_Strict):
                                "checked against the plan even without a health change")
 
 
-class Deployment(_Strict):
+class Deployment(StrictModel):
     """Regions, gateways and replicas: the controller's source of truth."""
 
     host: str = Field("127.0.0.1", description="address the controller listens on (`--host`)")

@@ -19,20 +19,17 @@ from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from kvroute import yamlconf
 from kvroute.gateway.auth import KeyRing, KeyState, TokenBucket, digest
 from kvroute.gateway.http import HTTPLimits
 from kvroute.gateway.tracing import Tracer
 from kvroute.policy import DEFAULT_TICK_S, ConfigError, policy_from_config
+from kvroute.yamlconf import StrictModel
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class ReplicaConfig(_Strict):
+class ReplicaConfig(StrictModel):
     url: str = Field(description="the engine's base URL, http://host:port")
     id: str | None = Field(None, description="its name in metrics, logs and x-kvroute-replica; default: host:port "
                            "of the url (two replicas at one address need one each)")
@@ -84,7 +81,7 @@ class ReplicaConfig(_Strict):
         return self.id or urlsplit(self.url).netloc
 
 
-class ProbeConfig(_Strict):
+class ProbeConfig(StrictModel):
     interval_s: float = Field(0.1, gt=0)  # SkyWalker probes every 100 ms
     timeout_s: float = Field(0.5, gt=0, description="a probe that takes longer fails")
     unhealthy_after: int = Field(3, ge=1)  # consecutive probe failures → ejected
@@ -93,14 +90,14 @@ class ProbeConfig(_Strict):
     models_every_s: float = Field(10.0, gt=0)  # how often /v1/models is read, for model routing
 
 
-class QueueConfig(_Strict):
+class QueueConfig(StrictModel):
     max_len: int = Field(1024, ge=0)  # beyond this: 429
     max_wait_s: float = Field(30.0, gt=0)  # waited longer: 503
     # at most one request leaves the queue per tick (SkyWalker's 10 ms queue processor); 0: no pacing
     dispatch_tick_s: float = Field(DEFAULT_TICK_S, ge=0)
 
 
-class RetryConfig(_Strict):
+class RetryConfig(StrictModel):
     max_attempts: int = Field(3, ge=1, description="attempts per request, the first included, each on another "
                               "replica when one is left")
     backoff_s: float = Field(0.02, ge=0, description="wait before the first retry; doubles per attempt, with jitter")
@@ -112,7 +109,7 @@ class RetryConfig(_Strict):
                                    "stream with an SSE error)")
 
 
-class TimeoutConfig(_Strict):
+class TimeoutConfig(StrictModel):
     connect_s: float = Field(2.0, gt=0, description="to open a connection to a replica")
     # until the first body byte: per attempt, and in all for every attempt of one request
     first_byte_s: float = Field(60.0, gt=0)
@@ -126,13 +123,13 @@ class TimeoutConfig(_Strict):
                                       "is not started again on another replica")
 
 
-class BreakerConfig(_Strict):
+class BreakerConfig(StrictModel):
     failures: int = Field(5, ge=1)  # consecutive failures → open
     cooldown_s: float = Field(5.0, gt=0)  # then half-open: one trial request at a time
     successes: int = Field(1, ge=1)  # consecutive good trials that close it again
 
 
-class TLSConfig(_Strict):
+class TLSConfig(StrictModel):
     """TLS on the gateway's listener."""
 
     cert_file: str = Field(description="PEM certificate chain the listener presents")
@@ -154,7 +151,7 @@ class TLSConfig(_Strict):
         return self
 
 
-class TracingConfig(_Strict):
+class TracingConfig(StrictModel):
     """OpenTelemetry spans per request (needs the ``otel`` extra)."""
 
     enabled: bool = Field(False, description="one span per proxied request, to the process's tracer provider")
@@ -166,7 +163,7 @@ class TracingConfig(_Strict):
         return self
 
 
-class HTTPConfig(_Strict):
+class HTTPConfig(StrictModel):
     """Limits on what one client can hold (see ``gateway/http.py``)."""
 
     max_head_bytes: int = Field(64 * 1024, ge=1024, description="request line and headers; beyond: 431")
@@ -177,7 +174,7 @@ class HTTPConfig(_Strict):
     max_connections: int = Field(4096, ge=1)  # beyond: 503 and close
 
 
-class KeyConfig(_Strict):
+class KeyConfig(StrictModel):
     """One API key: its digest, or where to read it (hashed when the config loads), and limits."""
 
     name: str = Field(description="the key's name in metrics and logs")
@@ -217,7 +214,7 @@ class KeyConfig(_Strict):
         return digest(value)
 
 
-class AuthConfig(_Strict):
+class AuthConfig(StrictModel):
     """API keys; none configured: the gateway is open (and forwards Authorization as it came)."""
 
     keys: list[KeyConfig] = Field(default_factory=list, description="the API keys clients may send "
@@ -245,7 +242,7 @@ class AuthConfig(_Strict):
         return ring
 
 
-class PeerConfig(_Strict):
+class PeerConfig(StrictModel):
     """Another region's gateway this one may forward to (and probes)."""
 
     name: str = Field(description="the peer's name in metrics, logs and x-kvroute-peer")
@@ -262,7 +259,7 @@ class PeerConfig(_Strict):
         return v.rstrip("/")
 
 
-class PeerAuthConfig(_Strict):
+class PeerAuthConfig(StrictModel):
     """The token gateways share to authenticate forwards and status probes to each other."""
 
     token_env: str | None = Field(None, description="an environment variable holding the shared peer token")
@@ -295,7 +292,7 @@ class PeerAuthConfig(_Strict):
 RoutingMode = Literal["local", "skywalker", "gorgo_distributed", "gorgo_proxy"]
 
 
-class GatewayConfig(_Strict):
+class GatewayConfig(StrictModel):
     host: str = Field("127.0.0.1", description="address to listen on (`--host`)")
     port: int = Field(8000, ge=0, le=65535, description="port to listen on; 0: any free port (`--port`)")
     region: str = Field("local", description="the gateway's own region; replicas elsewhere are remote to it")

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
+
+from kvroute.yamlconf import StrictModel
 
 AdmissionName = Literal["blind", "pending", "outstanding"]
 
@@ -16,10 +18,10 @@ def admission_field(default: AdmissionName = "blind") -> Any:
                  "waiting requests (SkyWalker); outstanding: only below max_outstanding in-flight")
 
 
-class PolicyParams(BaseModel):
+class PolicyParams(StrictModel):
     """Constants every preset accepts; presets extend this with their own."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(frozen=True)
 
     admission: AdmissionName = admission_field()
     max_outstanding: int = Field(16, ge=1, description="limit for admission=outstanding")

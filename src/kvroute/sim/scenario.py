@@ -20,7 +20,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
 
 from kvroute import yamlconf
 from kvroute.policy import ConfigError, policy_from_config
@@ -31,6 +31,7 @@ from kvroute.sim.simulation import BalancerSpec, Limits, ReplicaSpec, Setup
 from kvroute.workload import Workload
 from kvroute.workload.synthetic import ChatPoisson, ChatWorkload
 from kvroute.workload.traces import AzureTrace, MooncakeTrace, OpenAIConversations, TraceError, check_trace_file
+from kvroute.yamlconf import StrictModel
 
 SCENARIO_DIR = Path(str(resources.files("kvroute") / "scenarios"))  # package data
 # bundled traces live in shared/ beside the repository; KVROUTE_TRACES overrides
@@ -44,11 +45,7 @@ class ScenarioError(ValueError):
     """An invalid scenario; the message names file:line, the key and what is allowed."""
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class NetworkSpec(_Strict):
+class NetworkSpec(StrictModel):
     rtt_ms: dict[str, float] = Field(default_factory=lambda: {"us-eu": 80.0, "us-asia": 150.0, "eu-asia": 200.0},
                                      description="round-trip time per region pair, keys `regionA-regionB`; a pair "
                                      "not listed costs 150 ms")
@@ -69,14 +66,14 @@ def _region_pair(key: str) -> tuple[str, str]:
     return a, b
 
 
-class ReplicaGroup(_Strict):
+class ReplicaGroup(StrictModel):
     region: str = Field("local", description="region the replicas are in")
     count: int = Field(1, ge=1, description="replicas in this group (`--replicas` sets every group's)")
     profile: str = Field("l4-llama3.1-8b", description="hardware profile: a bundled name (`src/kvroute/profiles/`) "
                          "or a YAML file (`--profile`)")
 
 
-class BalancerGroup(_Strict):
+class BalancerGroup(StrictModel):
     region: str = Field(description="region the load balancer is in")
     manages: list[str] | Literal["all"] | None = None  # replica regions; default: its own
     probe_interval_s: float = Field(0.1, gt=0, description="how often it reads its replicas' indicators")
@@ -85,7 +82,7 @@ class BalancerGroup(_Strict):
                                    "policy can hold (SkyWalker's 10 ms queue processor); 0 = unpaced")
 
 
-class TopologySpec(_Strict):
+class TopologySpec(StrictModel):
     """Where the load balancers are, without listing them (``balancers`` lists them by hand).
 
     * ``regional``: one LB per region, managing only that region's replicas;
@@ -106,7 +103,7 @@ class TopologySpec(_Strict):
                                    "0 = unpaced")
 
 
-class ShapeSpec(_Strict):
+class ShapeSpec(StrictModel):
     """One region's program shape (SkyWalker's mixed tree: different shapes per region)."""
 
     kind: Literal["chat", "tot", "mixed"] | None = Field(None, description="this region's program shape "
@@ -116,7 +113,7 @@ class ShapeSpec(_Strict):
     branching: int | None = Field(None, ge=1, description="as `workload.branching`, for this region")
 
 
-class WorkloadSpec(_Strict):
+class WorkloadSpec(StrictModel):
     kind: Literal["chat", "tot", "mixed", "chat-poisson", "long-context", "mooncake", "azure", "openai"] = Field(
         "chat", description="synthetic closed-loop chat, trees of thought or a mix; open-loop Poisson chat; "
         "open-loop long-context requests up to 128K (CascadeInfer, workload/long_context.py); or a "
@@ -145,7 +142,7 @@ class WorkloadSpec(_Strict):
                                        "prompt tokens exactly (instead of token_ratio)")
 
 
-class LimitSpec(_Strict):
+class LimitSpec(StrictModel):
     max_requests: int | None = Field(None, ge=1, description="stop issuing after this many requests "
                                      "(`--max-requests`)")
     max_sim_s: float | None = Field(None, gt=0, description="stop issuing at this simulated time")
@@ -153,7 +150,7 @@ class LimitSpec(_Strict):
                            "after the last one is issued")
 
 
-class SLOSpec(_Strict):
+class SLOSpec(StrictModel):
     """Service-level objective for goodput and the capacity knee (``--slo-ttft``/``--slo-tpot``).
 
     Defaults: TTFT ≤ 5 s — an interactive bound that still admits the tens-of-thousands-token
@@ -178,7 +175,7 @@ class PolicyEntry(NamedTuple):
 _DEFAULT_POLICIES: list[str | dict[str, Any]] = ["round_robin", "skywalker"]
 
 
-class Scenario(_Strict):
+class Scenario(StrictModel):
     name: str = Field("scenario", description="title of the result tables and plots")
     seed: int = Field(0, description="seeds the workload and the policies; one seed, one identical workload "
                       "for every policy")
