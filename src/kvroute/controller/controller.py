@@ -32,6 +32,7 @@ import aiohttp
 from aiohttp import web
 
 from kvroute.controller.deployment import DeployedGateway, Deployment
+from kvroute.gateway.http import error_object
 
 log = logging.getLogger("kvroute.controller")
 
@@ -263,10 +264,10 @@ def build_app(ctl: Controller) -> web.Application:
     async def resolve(request: web.Request) -> web.Response:
         region = request.query.get("region", "").strip()
         if not region:
-            return web.json_response({"error": {"message": "give ?region=NAME (the client's region)"}}, status=400)
+            return web.json_response(error_object("give ?region=NAME (the client's region)"), status=400)
         g = ctl.resolve(region)
         if g is None:
-            return web.json_response({"error": {"message": "no healthy gateway"}}, status=503,
+            return web.json_response(error_object("no healthy gateway", "server_error"), status=503,
                                      headers={"Retry-After": "1"})
         return web.json_response({"gateway": g.name, "region": g.region, "url": g.url_from(region),
                                   "rtt_ms": round(ctl.network.rtt(region, g.region) * 1000, 3)})

@@ -32,6 +32,7 @@ import xxhash
 from aiohttp import web
 
 from kvroute.emulator.realtime import RealtimeLoop
+from kvroute.gateway.http import error_object
 from kvroute.prefix import BlockHasher, PromptError, chat_key, completion_key
 from kvroute.sim.engine import DONE, Engine, Seq
 from kvroute.sim.profile import HardwareProfile, load_profile
@@ -205,11 +206,9 @@ class Emulator:
         seq = Seq(rid, max(1, prompt_tokens), max(1, max_tokens), hashes, block_tokens)
         if not self.engine.fits(seq.prompt, seq.output):
             raise web.HTTPBadRequest(
-                text=json.dumps({"error": {"message": f"prompt ({seq.prompt} tokens) + max_tokens "
-                                           f"({seq.output}) exceed the KV capacity "
-                                           f"({self.engine.capacity} tokens)",
-                                           "type": "invalid_request_error",
-                                           "code": "exceed_context_size_error"}}),
+                text=json.dumps(error_object(f"prompt ({seq.prompt} tokens) + max_tokens ({seq.output}) "
+                                             f"exceed the KV capacity ({self.engine.capacity} tokens)",
+                                             code="exceed_context_size_error")),
                 content_type="application/json")
         st = self.streams[rid] = _Stream()
         self.requests_total += 1
@@ -269,20 +268,17 @@ class Emulator:
 # -- HTTP -----------------------------------------------------------------------------------------
 
 def _error(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None):
-    body = {"error": {"message": message, "type": type_, "param": param, "code": None}}
-    return web.json_response(body, status=status)
+    return web.json_response(error_object(message, type_, param), status=status)
 
 
 async def _read_json(request: web.Request) -> dict:
     try:
         body = await request.json()
     except (json.JSONDecodeError, UnicodeDecodeError):
-        raise web.HTTPBadRequest(text=json.dumps({"error": {"message": "body is not valid JSON",
-                                                            "type": "invalid_request_error"}}),
+        raise web.HTTPBadRequest(text=json.dumps(error_object("body is not valid JSON")),
                                  content_type="application/json") from None
     if not isinstance(body, dict):
-        raise web.HTTPBadRequest(text=json.dumps({"error": {"message": "body must be a JSON object",
-                                                            "type": "invalid_request_error"}}),
+        raise web.HTTPBadRequest(text=json.dumps(error_object("body must be a JSON object")),
                                  content_type="application/json")
     return body
 

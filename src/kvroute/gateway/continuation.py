@@ -37,6 +37,8 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from kvroute.gateway.http import error_object
+
 Reason = Literal["migrate", "recover"]
 _STRUCTURED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "json_schema", "regex", "ebnf")
 
@@ -244,8 +246,7 @@ def _empty(choice: Any) -> bool:
 
 def error_event(message: str, code: str) -> bytes:
     """An OpenAI-style SSE error event followed by ``[DONE]``: how a stream that cannot go on ends."""
-    event = {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
-    return f"data: {json.dumps(event)}\n\ndata: [DONE]\n\n".encode()
+    return f"data: {json.dumps(error_object(message, 'server_error', code=code))}\n\ndata: [DONE]\n\n".encode()
 
 
 class LegResponder:

@@ -61,10 +61,17 @@ class HTTPLimits:
     max_connections: int = 4096
 
 
+def error_object(message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None) -> dict[str, dict[str, str | None]]:
+    """The OpenAI error shape, ``{"error": {message, type, param, code}}``: the one place every
+    component (gateway, continuation, emulator, controller) builds it."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
 def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
                code: str | None = None) -> bytes:
-    """An OpenAI-style error object."""
-    return json.dumps({"error": {"message": message, "type": type_, "param": param, "code": code}}).encode()
+    """:func:`error_object` as a JSON response body."""
+    return json.dumps(error_object(message, type_, param, code)).encode()
 
 
 class BadRequest(Exception):

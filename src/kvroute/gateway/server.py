@@ -475,11 +475,9 @@ class Proxy:
             log.warning("upstream %s failed mid-stream: %s", target, exc)
             if splice is not None and splice.continuable and not splice.done:
                 return outcome, Break("recover", f"upstream {target} failed mid-stream: {exc}")
-            event = {"error": {"message": f"upstream {target} failed mid-stream: {exc}",
-                               "type": "server_error", "param": None, "code": "upstream_stream_error"}}
             # never glue the error onto a partial event
             sep = b"" if tail.endswith((b"\n\n", b"\r\n\r\n")) or not tail else b"\n\n"
-            await resp.write(sep + f"data: {json.dumps(event)}\n\ndata: [DONE]\n\n".encode())
+            await resp.write(sep + error_event(f"upstream {target} failed mid-stream: {exc}", "upstream_stream_error"))
         await resp.end()
         return outcome, None
 
