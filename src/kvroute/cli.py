@@ -317,10 +317,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return _listen(main(), f"{config.host}:{config.port}")
 
     async def embedded() -> None:
-        import asyncio
-        import signal
-
         from kvroute.live.embedded import start_deployment
+        from kvroute.shutdown import until_stopped
 
         dep = await start_deployment(replicas=args.replicas, policy=args.policy or "skywalker",
                                      host=args.host or "127.0.0.1", port=args.port if args.port is not None else 8000)
@@ -328,11 +326,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                   f"(policy {dep.gateway.runtime.policy_name}). Try:\n"
                   f"  curl {dep.url}/v1/chat/completions -H 'content-type: application/json' "
                   "-d '{\"model\": \"emulated\", \"messages\": [{\"role\": \"user\", \"content\": \"hi\"}]}'")
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        await stop.wait()
+        await until_stopped()
         await dep.gateway.drain()
         await dep.stop()
 
@@ -360,17 +354,12 @@ def cmd_emulate(args: argparse.Namespace) -> int:
         return error(f"--{field.replace('_', '-')}" + str(exc)[len(field):])
 
     async def main() -> None:
-        import asyncio
-        import signal
+        from kvroute.shutdown import until_stopped
 
         runner, emu, port = await start_emulator(args.host, args.port, profile, args.engine, faults, args.model,
                                                  args.bytes_per_token)
         err.print(f"emulated {args.engine} replica ({profile.name}) on http://{args.host}:{port}")
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        await stop.wait()
+        await until_stopped()
         await runner.cleanup()
 
     return _listen(main(), f"{args.host}:{args.port}")
@@ -431,17 +420,12 @@ def cmd_controller(args: argparse.Namespace) -> int:
     dep = dep.model_copy(update={k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None})
 
     async def main() -> None:
-        import asyncio
-        import signal
+        from kvroute.shutdown import until_stopped
 
         ctl, runner, port = await start_controller(dep)
         err.print(f"kvroute controller on http://{dep.host}:{port} ({len(dep.gateways)} gateways, "
                   f"{len(dep.replicas)} replicas)")
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        await stop.wait()
+        await until_stopped()
         await runner.cleanup()
         await ctl.stop()
 

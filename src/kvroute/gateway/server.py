@@ -27,7 +27,6 @@ import itertools
 import json
 import logging
 import random
-import signal
 import time
 import uuid
 from dataclasses import dataclass, replace
@@ -55,6 +54,7 @@ from kvroute.gateway.upstream import (
 )
 from kvroute.model import DecisionKind, Request
 from kvroute.prefix import BlockHasher, PromptError, chat_key, completion_key
+from kvroute.shutdown import until_stopped
 
 log = logging.getLogger("kvroute.gateway")
 access = logging.getLogger("kvroute.access")
@@ -649,8 +649,6 @@ async def serve(config: GatewayConfig, config_path: str | None = None, on_ready=
     """Run until SIGTERM/SIGINT (graceful drain, exit 0); SIGHUP reloads the config file."""
     gw = Gateway(config, config_path)
     await gw.start()
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
 
     def reload() -> None:
         try:
@@ -659,12 +657,9 @@ async def serve(config: GatewayConfig, config_path: str | None = None, on_ready=
         except Exception as exc:  # keep serving on the old config
             log.error("config reload rejected: %s", exc)
 
-    loop.add_signal_handler(signal.SIGTERM, stop.set)
-    loop.add_signal_handler(signal.SIGINT, stop.set)
-    loop.add_signal_handler(signal.SIGHUP, reload)
     if on_ready is not None:
         on_ready(gw)
-    await stop.wait()
+    await until_stopped(on_hangup=reload)
     log.info("draining: %d request(s) in flight", gw.active)
     await gw.drain()
 
