@@ -9,11 +9,9 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
-import time
 
 import httpx
 import openai
@@ -25,6 +23,7 @@ from kvroute.gateway.continuation import Splice
 from kvroute.gateway.server import Gateway
 from kvroute.model import Decision, Endpoint, Request
 from kvroute.policy.base import Policy, View
+from kvroute.ports import free_ports, wait_for_http
 from kvroute.prefix import chat_key, estimate_tokens
 from tests.gateway_harness import LiveDeployment
 
@@ -177,24 +176,8 @@ def test_emulated_engines_refuse_a_continuation_with_a_generation_prompt(live):
 
 # -- a replica process killed mid-stream --------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _wait_up(url: str, deadline: float) -> None:
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url, timeout=0.5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            time.sleep(0.05)
-    raise TimeoutError(url)
-
-
 def test_a_replica_process_killed_mid_stream_leaves_the_client_a_whole_stream():
-    ports = [_free_port(), _free_port()]
+    ports = free_ports(2)
     emus = [subprocess.Popen([sys.executable, "-m", "kvroute.cli", "emulate", "--port", str(p), "--slowdown", "6"],
                              stderr=subprocess.DEVNULL) for p in ports]
     loop = asyncio.new_event_loop()
@@ -202,9 +185,8 @@ def test_a_replica_process_killed_mid_stream_leaves_the_client_a_whole_stream():
     thread.start()
     gw = None
     try:
-        deadline = time.monotonic() + 8
         for p in ports:
-            _wait_up(f"http://127.0.0.1:{p}/health", deadline)
+            wait_for_http(f"http://127.0.0.1:{p}/health", 8)
         config = GatewayConfig(port=0, policy="round_robin", probe={"interval_s": 0.05},
                                replicas=[ReplicaConfig(url=f"http://127.0.0.1:{p}", id=f"r{i}", engine="vllm")
                                          for i, p in enumerate(ports)])
@@ -294,7 +276,7 @@ def test_cascadeinfer_in_kvroute_serve_routes_by_length_and_migrates_a_growing_s
     """`kvroute serve` with the cascadeinfer preset in its YAML: two one-instance stages split at
     ``cut`` tokens; a short prompt starts in stage 1 and moves to stage 2 as its answer grows, a
     long prompt starts in stage 2. Every process is started and stopped here by PID."""
-    ports, gw_port = [_free_port(), _free_port()], _free_port()
+    *ports, gw_port = free_ports(3)
     cut = estimate_tokens(chat_key(CHAT)) + 6
     cfg = tmp_path / "gw.yaml"
     cfg.write_text(f"port: {gw_port}\npolicy: {{preset: cascadeinfer, params: {{stage_sizes: [1, 1], "
@@ -306,7 +288,7 @@ def test_cascadeinfer_in_kvroute_serve_routes_by_length_and_migrates_a_growing_s
                                   stderr=subprocess.DEVNULL))
     url = f"http://127.0.0.1:{gw_port}"
     try:
-        _wait_up(f"{url}/health", time.monotonic() + 9)
+        wait_for_http(f"{url}/health", 9)
         raw = client(url).chat.completions.with_raw_response.create(model="emulated", messages=CHAT, max_tokens=16,
                                                                     stream=True)
         assert raw.headers["x-kvroute-replica"] == "stage1"

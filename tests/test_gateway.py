@@ -3,7 +3,6 @@
 import concurrent.futures
 import json
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -13,6 +12,7 @@ import openai
 import pytest
 
 from kvroute.emulator.server import emulated_text
+from kvroute.ports import free_ports, wait_for_http
 from kvroute.prefix import chat_key
 from tests.gateway_harness import LiveDeployment
 
@@ -204,30 +204,17 @@ def test_client_disconnect_cancels_upstream(live):
     assert running == 0, "the upstream kept generating after the client left"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_serve_reloads_on_sighup_and_drains_on_sigterm(tmp_path):
-    ports = [_free_port(), _free_port()]
+    *ports, gw_port = free_ports(3)
     emus = [subprocess.Popen([sys.executable, "-m", "kvroute.cli", "emulate", "--port", str(p),
                               "--profile", "h100-llama3.2-3b"], stderr=subprocess.DEVNULL) for p in ports]
-    gw_port = _free_port()
     cfg = tmp_path / "gw.yaml"
     cfg.write_text(f"port: {gw_port}\npolicy: least_request\nreplicas:\n  - {{url: http://127.0.0.1:{ports[0]}}}\n")
     gw = subprocess.Popen([sys.executable, "-m", "kvroute.cli", "serve", "--config", str(cfg)],
                           stderr=subprocess.PIPE, text=True)
     try:
         base = f"http://127.0.0.1:{gw_port}"
-        deadline = time.time() + 20
-        while time.time() < deadline:
-            try:
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.1)
+        wait_for_http(f"{base}/health", 20)
         assert httpx.get(f"{base}/health").json()["replicas"] == 1
         cfg.write_text(cfg.read_text() + f"  - {{url: http://127.0.0.1:{ports[1]}}}\n")
         gw.send_signal(signal.SIGHUP)

@@ -5,7 +5,6 @@ ejection and re-admission, cancellation through the chain, GORGO distributed and
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
 import time
 
@@ -16,6 +15,7 @@ from kvroute.emulator.server import Faults, start_emulator
 from kvroute.gateway.config import GatewayConfig, PeerConfig, ReplicaConfig
 from kvroute.gateway.peers import FORWARDED_HEADER, STATUS_PATH, TOKEN_HEADER
 from kvroute.gateway.server import Gateway
+from kvroute.ports import free_port
 from tests.fake_upstream import METRICS, SSE_HEAD, ScriptedUpstream, chunk, replies
 
 TOKEN = "peer-secret-1"
@@ -26,12 +26,6 @@ STREAM_BODY = [b'data: {"id":"x","choices":[{"index":0,"delta":{"content":"he"}}
                b"NE]\n\n"]
 STREAM = SSE_HEAD + b"".join(chunk(c) for c in STREAM_BODY) + b"0\r\n\r\n"
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 4}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Mesh:

@@ -17,13 +17,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+from kvroute.ports import free_ports, wait_for_port
 
 PRESETS = ("round_robin", "sglang_cache_aware", "skywalker", "lmetric")
 
@@ -111,29 +111,6 @@ async def main():
     print(json.dumps({"rps": len(lat) / wall, "p50_ms": q(0.5), "p99_ms": q(0.99), "ok": len(lat), "errors": errors}))
 import uvloop; uvloop.run(main())
 '''
-
-
-def _free_ports(k: int) -> list[int]:
-    socks, ports = [], []
-    for _ in range(k):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-        ports.append(s.getsockname()[1])
-    for s in socks:
-        s.close()
-    return ports
-
-
-def _wait_port(port: int, timeout: float = 20.0) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                return
-        except OSError:
-            time.sleep(0.05)
-    raise RuntimeError(f"nothing listening on 127.0.0.1:{port} after {timeout} s")
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -225,7 +202,7 @@ def run(requests: int = 20000, concurrency: int = 32, repeats: int = 3, limit_s:
         progress=print) -> dict:
     """Every preset, non-stream and stream: direct, via this gateway and (with ``baseline_src``)
     via a baseline gateway, repeated and interleaved so drift hits all of them alike."""
-    up_ports = _free_ports(2)
+    up_ports = free_ports(2)
     upstream = subprocess.Popen([sys.executable, "-c", UPSTREAM, str(upstream_delay_ms), *map(str, up_ports)],
                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     procs = [upstream]
@@ -235,7 +212,7 @@ def run(requests: int = 20000, concurrency: int = 32, repeats: int = 3, limit_s:
         result.update(baseline_src=baseline_src, baseline={"nonstream": {}, "stream": {}})
     try:
         for p in up_ports:
-            _wait_port(p)
+            wait_for_port(p)
         direct_urls = [f"http://127.0.0.1:{p}" for p in up_ports]
         with tempfile.TemporaryDirectory() as tmp:
             for preset in presets:
@@ -243,7 +220,7 @@ def run(requests: int = 20000, concurrency: int = 32, repeats: int = 3, limit_s:
                 for name, src in (("gateway", None), ("baseline", baseline_src)):
                     if name == "baseline" and not src:
                         continue
-                    port = _free_ports(1)[0]
+                    port = free_ports(1)[0]
                     cfg = Path(tmp) / f"{preset}-{name}.yaml"
                     cfg.write_text(json.dumps({"port": port, "policy": preset, "replica_header": True,
                                                "replicas": [{"url": u, "engine": "vllm"} for u in direct_urls]}))
@@ -252,7 +229,7 @@ def run(requests: int = 20000, concurrency: int = 32, repeats: int = 3, limit_s:
                     gateways[name] = (proc, port)
                 try:
                     for _, port in gateways.values():
-                        _wait_port(port)
+                        wait_for_port(port)
                     for mode, stream in (("nonstream", False), ("stream", True)):
                         direct: list[dict] = []
                         via: dict[str, list[dict]] = {name: [] for name in gateways}

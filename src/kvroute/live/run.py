@@ -37,6 +37,7 @@ from kvroute.live.delay import DelayProxy
 from kvroute.live.faults import Fault
 from kvroute.live.processes import Child, Fleet
 from kvroute.metrics import Recorder
+from kvroute.ports import free_ports
 from kvroute.sim.network import Network
 from kvroute.sim.scenario import PolicyEntry, Scenario
 
@@ -191,7 +192,7 @@ async def start_policy(run: LiveRun, entry: PolicyEntry, topo: Topology) -> Poli
     fleet, folder = run.fleet, run.folder
     replica_urls = {rid: await run.urls_from(rid, run.replica_region[rid], c.url) for rid, c in run.replicas.items()}
     # Gateways listen on ports chosen now, so every peer link can be opened before any starts.
-    ports = {region: _free_port() for region in topo.gateways}
+    ports = dict(zip(topo.gateways, free_ports(len(topo.gateways)), strict=True))
     peer_links: dict[str, list[dict[str, str]]] = {}
     for region in topo.gateways:
         peer_links[region] = [
@@ -226,14 +227,6 @@ async def start_policy(run: LiveRun, entry: PolicyEntry, topo: Topology) -> Poli
     await controller.start(60)
     _pin_port(controller)
     return PolicyRun(gateways, controller, gateway_urls)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def check_faults(sc: Scenario, faults: list[Fault]) -> None:
