@@ -170,6 +170,14 @@ class MooncakeTrace(Workload):
         if self.first_unsorted is None:
             self.first_unsorted = (lineno, stamp, before)
 
+    def _retime(self, last_s: float, stamp_s: float) -> float:
+        """Arrival time of the next kept request, given the previous one's (``last_s``) and its own
+        stamp in seconds from the trace's start: Poisson at ``rate`` when set, else the stamp
+        stretched by ``time_scale``."""
+        if self.rate:
+            return last_s + self.rng.expovariate(self.rate)
+        return stamp_s * self.time_scale
+
     def _parse(self, line: str, where: str, lineno: int) -> tuple[float, int, int, tuple[int, ...]]:
         obj = _json_object(line, where)
         ts = obj.get("timestamp")
@@ -196,10 +204,7 @@ class MooncakeTrace(Workload):
                 continue
             if self.max_output_tokens and out > self.max_output_tokens:
                 out = self.max_output_tokens
-            if self.rate:
-                t += self.rng.expovariate(self.rate)
-            else:
-                t = ts / 1000.0 * self.time_scale
+            t = self._retime(t, ts / 1000.0)
             key = str(ids[1] if len(ids) > 1 else ids[0]) if ids else None
             req = Request(id=f"m{lineno}", arrival_s=t, region=self.region_of(), routing_key=key,
                           block_hashes=ids, block_tokens=MOONCAKE_BLOCK_TOKENS,
@@ -261,11 +266,8 @@ class AzureTrace(MooncakeTrace):
                     continue
                 if self.max_output_tokens and gen > self.max_output_tokens:
                     gen = self.max_output_tokens
-                if self.rate:
-                    t += self.rng.expovariate(self.rate)
-                else:
-                    t0 = t0 or stamp
-                    t = (stamp - t0).total_seconds() * self.time_scale
+                t0 = t0 or stamp
+                t = self._retime(t, (stamp - t0).total_seconds())
                 req = Request(id=f"a{lineno}", arrival_s=t, region=self.region_of(),
                               prompt_tokens=ctx, max_output_tokens=max(1, gen))
                 yield SimRequest(req, max(1, gen))
