@@ -262,7 +262,7 @@ def test_peer_ejected_and_readmitted(mesh):
     assert up == 0
     mesh.gateway("eu", [eu_replica], ["us"])
     assert mesh.wait_until(lambda: link.endpoint.healthy)
-    assert link.probe_ok_streak >= 2
+    assert link.streak.oks >= 2
 
 
 def test_client_disconnect_cancels_at_the_peers_engine(mesh):

@@ -94,8 +94,8 @@ class _LiveCollector:
                 engine.add_metric([ep.id, reading.engine], 1)
                 if reading.kv_usage is not None:
                     kv.add_metric([ep.id], reading.kv_usage)
-            if up.rtt_ewma_s is not None:
-                rtt.add_metric([ep.id], up.rtt_ewma_s)
+            if up.streak.rtt_ewma_s is not None:
+                rtt.add_metric([ep.id], up.streak.rtt_ewma_s)
         total = rt.prompt_tokens_routed
         ratio.add_metric([], rt.hit_tokens_routed / total if total else 0.0)
         prompt = CounterMetricFamily("kvroute_prompt_tokens", "Estimated prompt tokens routed")

@@ -44,7 +44,7 @@ import json
 import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
@@ -53,6 +53,7 @@ from prometheus_client.core import GaugeMetricFamily
 
 from kvroute.gateway.breaker import CircuitBreaker
 from kvroute.gateway.config import GatewayConfig, PeerConfig
+from kvroute.gateway.probes import ProbeStreak
 from kvroute.gateway.residency import RESIDENCY_HEADER, eligible, request_zone
 from kvroute.gateway.upstream import UpstreamPool
 from kvroute.model import Decision, Endpoint, EndpointKind, Request
@@ -175,9 +176,7 @@ class PeerLink:
     endpoint: Endpoint
     breaker: CircuitBreaker
     pool: UpstreamPool
-    probe_fail_streak: int = 0
-    probe_ok_streak: int = 0
-    rtt_ewma_s: float | None = None
+    streak: ProbeStreak = field(default_factory=ProbeStreak)
     base_cost: float = math.inf  # its advertised gorgo_base_cost
     status: dict[str, Any] | None = None  # its last status answer
 
@@ -386,22 +385,16 @@ class Peering:
             base = status.get("gorgo_base_cost")
             base_cost = math.inf if base is None else float(base)
         except (TimeoutError, aiohttp.ClientError, ValueError, KeyError, TypeError) as exc:
-            link.probe_ok_streak = 0
-            link.probe_fail_streak += 1
             self.probe_failures.labels(ep.id).inc()
-            if ep.healthy and link.probe_fail_streak >= pc.unhealthy_after:
+            if link.streak.failed(ep.healthy, pc.unhealthy_after):
                 ep.healthy = False
                 log.warning("peer %s (%s) ejected after %d failed probes: %s", ep.id, link.config.url,
-                            link.probe_fail_streak, str(exc) or exc.__class__.__name__)
+                            link.streak.fails, str(exc) or exc.__class__.__name__)
             return
-        rtt = time.monotonic() - t0
-        link.rtt_ewma_s = rtt if link.rtt_ewma_s is None else pc.rtt_ewma * rtt + (1 - pc.rtt_ewma) * link.rtt_ewma_s
-        ep.rtt_s = link.rtt_ewma_s
+        ep.rtt_s = link.streak.rtt(time.monotonic() - t0, pc.rtt_ewma)
         ep.peer_queue, ep.peer_available, link.base_cost, link.status = queue, available, base_cost, status
         ep.probe_age_s = 0.0
-        link.probe_fail_streak = 0
-        link.probe_ok_streak += 1
-        if not ep.healthy and link.probe_ok_streak >= pc.healthy_after:
+        if link.streak.succeeded(ep.healthy, pc.healthy_after):
             ep.healthy = True
             self.router.prefix.clear(ep.id)  # it may have restarted: what it cached is unknown
             log.info("peer %s re-admitted", ep.id)
@@ -422,8 +415,8 @@ class _PeerCollector:
         for name, link in self.peering.links.items():
             ep = link.endpoint
             up.add_metric([name], 1 if ep.routable else 0)
-            if link.rtt_ewma_s is not None:
-                rtt.add_metric([name], link.rtt_ewma_s)
+            if link.streak.rtt_ewma_s is not None:
+                rtt.add_metric([name], link.streak.rtt_ewma_s)
             queue.add_metric([name], ep.peer_queue)
             avail.add_metric([name], ep.peer_available)
         yield from (up, rtt, queue, avail)

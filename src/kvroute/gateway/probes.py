@@ -128,3 +128,32 @@ def restarted(before: Reading | None, now: Reading) -> bool:
         return True
     return (before.prompt_tokens_total is not None and now.prompt_tokens_total is not None
             and now.prompt_tokens_total < before.prompt_tokens_total)
+
+
+@dataclass
+class ProbeStreak:
+    """Probe outcomes in a row for one target (a replica or a peer gateway) and the smoothed RTT of
+    its answered probes. Health changes with hysteresis: ``unhealthy_after`` failures in a row
+    eject a target, ``healthy_after`` successes in a row re-admit it."""
+
+    fails: int = 0
+    oks: int = 0
+    rtt_ewma_s: float | None = None
+
+    def failed(self, healthy: bool, unhealthy_after: int) -> bool:
+        """Count a failed probe; True when this one ejects a target that was healthy until now."""
+        self.oks = 0
+        self.fails += 1
+        return healthy and self.fails >= unhealthy_after
+
+    def succeeded(self, healthy: bool, healthy_after: int) -> bool:
+        """Count an answered probe; True when this one re-admits an ejected target."""
+        self.fails = 0
+        self.oks += 1
+        return not healthy and self.oks >= healthy_after
+
+    def rtt(self, sample_s: float, weight: float) -> float:
+        """Fold one probe's round trip into the EWMA (``weight`` on the new sample); the new mean."""
+        prev = self.rtt_ewma_s
+        self.rtt_ewma_s = sample_s if prev is None else weight * sample_s + (1 - weight) * prev
+        return self.rtt_ewma_s

@@ -20,7 +20,15 @@ from kvroute.gateway.breaker import CircuitBreaker
 from kvroute.gateway.config import GatewayConfig, ReplicaConfig
 from kvroute.gateway.metrics import GatewayMetrics
 from kvroute.gateway.peers import Peering
-from kvroute.gateway.probes import ProbeError, Reading, kv_capacity, parse_prometheus, read_indicators, restarted
+from kvroute.gateway.probes import (
+    ProbeError,
+    ProbeStreak,
+    Reading,
+    kv_capacity,
+    parse_prometheus,
+    read_indicators,
+    restarted,
+)
 from kvroute.gateway.tokens import RESIZE_STEP, TokenRatio
 from kvroute.gateway.upstream import UpstreamPool
 from kvroute.model import Decision, DecisionKind, Endpoint, Request
@@ -36,9 +44,7 @@ class Upstream:
     breaker: CircuitBreaker
     pool: UpstreamPool
     engine: str = "auto"
-    probe_fail_streak: int = 0
-    probe_ok_streak: int = 0
-    rtt_ewma_s: float | None = None
+    streak: ProbeStreak = field(default_factory=ProbeStreak)
     reading: Reading | None = None  # the last successful probe
     restarts: int = 0
     models: frozenset[str] | None = None  # what it serves: configured, or read from /v1/models
@@ -442,18 +448,14 @@ class Runtime:
             if reading.kv_tokens is None:
                 reading.kv_tokens = kv_capacity(text)
         except (TimeoutError, aiohttp.ClientError, ProbeError, UnicodeDecodeError) as exc:
-            up.probe_ok_streak = 0
-            up.probe_fail_streak += 1
             self.metrics.probe_failures.labels(ep.id).inc()
-            if ep.healthy and up.probe_fail_streak >= pc.unhealthy_after:
+            if up.streak.failed(ep.healthy, pc.unhealthy_after):
                 ep.healthy = False
                 why = str(exc) or ("timed out" if isinstance(exc, TimeoutError) else exc.__class__.__name__)
                 log.warning("replica %s (%s) ejected after %d failed probes: %s", ep.id, up.config.url,
-                            up.probe_fail_streak, why)
+                            up.streak.fails, why)
             return
-        rtt = time.monotonic() - t0
-        up.rtt_ewma_s = rtt if up.rtt_ewma_s is None else pc.rtt_ewma * rtt + (1 - pc.rtt_ewma) * up.rtt_ewma_s
-        ep.rtt_s = up.rtt_ewma_s
+        ep.rtt_s = up.streak.rtt(time.monotonic() - t0, pc.rtt_ewma)
         if up.engine == "auto":
             up.engine = reading.engine
             self._replicas_changed()
@@ -476,9 +478,7 @@ class Runtime:
             up.models_read_at = t0
             await self._read_models(up)
         ep.apply_probe(reading.running, reading.waiting, reading.kv_usage)
-        up.probe_fail_streak = 0
-        up.probe_ok_streak += 1
-        if not ep.healthy and up.probe_ok_streak >= pc.healthy_after:
+        if up.streak.succeeded(ep.healthy, pc.healthy_after):
             ep.healthy = True
             self.router.prefix.clear(ep.id)  # it may have restarted with an empty cache
             ep.warming = True
