@@ -26,7 +26,7 @@ from pydantic import Field, field_validator, model_validator
 
 from kvroute import yamlconf
 from kvroute.gateway.config import ReplicaConfig
-from kvroute.sim.network import Network
+from kvroute.sim.network import NetworkSpec
 from kvroute.yamlconf import StrictModel
 
 
@@ -56,31 +56,6 @@ class SecretSource(StrictModel):
         if not value:
             raise ValueError(f"{self.file} is empty")
         return value
-
-
-class DeploymentNetwork(StrictModel):
-    """Round-trip times between regions: the controller's notion of "nearest"."""
-
-    rtt_ms: dict[str, float] = Field(default_factory=lambda: {"us-eu": 80.0, "us-asia": 150.0, "eu-asia": 200.0},
-                                     description="round-trip time per region pair, keys `regionA-regionB`; a pair "
-                                     "not listed costs 150 ms")
-    in_region_ms: float = Field(2.0, ge=0, description="round-trip time within a region")
-
-    @field_validator("rtt_ms")
-    @classmethod
-    def _pairs(cls, v: dict[str, float]) -> dict[str, float]:
-        for k, ms in v.items():
-            if k.count("-") != 1 or ms < 0:
-                raise ValueError(f"rtt_ms keys are 'regionA-regionB' with a non-negative value; got {k!r}: {ms}")
-        return v
-
-    def model(self) -> Network:
-        """The RTT matrix as the simulator's ``Network`` (seconds)."""
-        pairs = {}
-        for key, ms in self.rtt_ms.items():
-            a, _, b = key.partition("-")
-            pairs[(a, b)] = ms
-        return Network(pairs, self.in_region_ms)
 
 
 class DeployedGateway(StrictModel):
@@ -148,7 +123,7 @@ class Deployment(StrictModel):
     admin_key: SecretSource | None = Field(None, description="the gateways' admin API key (a key with "
                                            "`admin: true` in their auth.keys); without it the controller "
                                            "resolves and reports but cannot move replicas")
-    network: DeploymentNetwork = Field(default_factory=DeploymentNetwork, description="round-trip times "
+    network: NetworkSpec = Field(default_factory=NetworkSpec, description="round-trip times "
                                        "between regions")
     probe: ControllerProbe = Field(default_factory=ControllerProbe, description="health probes")
     gateways: list[DeployedGateway] = Field(description="every gateway")

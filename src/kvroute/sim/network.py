@@ -12,6 +12,10 @@ from __future__ import annotations
 
 import random
 
+from pydantic import Field, field_validator
+
+from kvroute.yamlconf import StrictModel
+
 DEFAULT_RTT_MS = {("us", "eu"): 80.0, ("us", "asia"): 150.0, ("eu", "asia"): 200.0}
 DEFAULT_IN_REGION_MS = 2.0
 DEFAULT_CROSS_MS = 150.0  # regions with no configured pair
@@ -53,3 +57,29 @@ class Network:
         if v is None:
             v = self._one_way[(a, b)] = self.rtt(a, b) / 2.0
         return v
+
+
+class NetworkSpec(StrictModel):
+    """Round-trip times between regions as a user file gives them (a scenario's or a deployment's
+    ``network:``); :meth:`model` turns them into a :class:`Network`."""
+
+    rtt_ms: dict[str, float] = Field(default_factory=lambda: {"us-eu": 80.0, "us-asia": 150.0, "eu-asia": 200.0},
+                                     description="round-trip time per region pair, keys `regionA-regionB`; a pair "
+                                     "not listed costs 150 ms")
+    in_region_ms: float = Field(2.0, ge=0, description="round-trip time within a region")
+
+    @field_validator("rtt_ms")
+    @classmethod
+    def _pairs(cls, v: dict[str, float]) -> dict[str, float]:
+        for k, ms in v.items():
+            if k.count("-") != 1 or ms < 0:
+                raise ValueError(f"rtt_ms keys are 'regionA-regionB' with a non-negative value; got {k!r}: {ms}")
+        return v
+
+    def model(self) -> Network:
+        """The RTT matrix as the simulator's ``Network`` (pairs split at their one dash)."""
+        pairs = {}
+        for key, ms in self.rtt_ms.items():
+            a, _, b = key.partition("-")
+            pairs[(a, b)] = ms
+        return Network(pairs, self.in_region_ms)

@@ -20,12 +20,12 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
-from pydantic import Field, field_validator
+from pydantic import Field
 
 from kvroute import yamlconf
 from kvroute.policy import ConfigError, policy_from_config
 from kvroute.policy.registry import preset_and_params
-from kvroute.sim.network import Network
+from kvroute.sim.network import NetworkSpec
 from kvroute.sim.profile import ProfileError, load_profile
 from kvroute.sim.simulation import BalancerSpec, Limits, ReplicaSpec, Setup
 from kvroute.workload import Workload
@@ -43,27 +43,6 @@ TOPOLOGIES = ("regional", "global", "two-layer", "distributed")
 
 class ScenarioError(ValueError):
     """An invalid scenario; the message names file:line, the key and what is allowed."""
-
-
-class NetworkSpec(StrictModel):
-    rtt_ms: dict[str, float] = Field(default_factory=lambda: {"us-eu": 80.0, "us-asia": 150.0, "eu-asia": 200.0},
-                                     description="round-trip time per region pair, keys `regionA-regionB`; a pair "
-                                     "not listed costs 150 ms")
-    in_region_ms: float = Field(2.0, ge=0, description="round-trip time within a region")
-
-    @field_validator("rtt_ms")
-    @classmethod
-    def _pairs(cls, v: dict[str, float]) -> dict[str, float]:
-        for k, ms in v.items():
-            if k.count("-") != 1 or ms < 0:
-                raise ValueError(f"rtt_ms keys are 'regionA-regionB' with a non-negative value; got {k!r}: {ms}")
-        return v
-
-
-def _region_pair(key: str) -> tuple[str, str]:
-    """``"us-eu"`` → ``("us", "eu")`` (``NetworkSpec`` checks there is exactly one dash)."""
-    a, _, b = key.partition("-")
-    return a, b
 
 
 class ReplicaGroup(StrictModel):
@@ -273,9 +252,8 @@ class Scenario(StrictModel):
             ids = [r.id for r in replicas if r.region in manages]
             balancers.append(BalancerSpec(f"lb-{b.region}", b.region, ids, b.probe_interval_s, b.forward,
                                           b.dispatch_tick_s))
-        rtt = {_region_pair(k): v for k, v in self.network.rtt_ms.items()}
         bt = self.index_block_tokens or (512 if self.workload.kind == "mooncake" else 64)
-        return Setup(replicas, balancers, Network(rtt, self.network.in_region_ms),
+        return Setup(replicas, balancers, self.network.model(),
                      Limits(self.limits.max_requests, self.limits.max_sim_s, self.limits.drain_s),
                      self.seed, self.sample_interval_s, bt, self.slo.ttft_s, self.slo.tpot_s)
 
