@@ -18,14 +18,12 @@ machine, ``kvroute live`` points it at the delay proxy of that cross-region link
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
 from kvroute import yamlconf
-from kvroute.gateway.config import ReplicaConfig
+from kvroute.gateway.config import ReplicaConfig, base_url, read_secret
 from kvroute.sim.network import NetworkSpec
 from kvroute.yamlconf import StrictModel
 
@@ -44,18 +42,7 @@ class SecretSource(StrictModel):
 
     def read(self) -> str:
         """The secret; a missing or empty source is a ValueError naming it."""
-        if self.env is not None:
-            value = os.environ.get(self.env, "").strip()
-            if not value:
-                raise ValueError(f"environment variable {self.env} is unset or empty")
-            return value
-        try:
-            value = Path(str(self.file)).read_text().strip()
-        except OSError as exc:
-            raise ValueError(f"cannot read {self.file}: {exc.strerror}") from None
-        if not value:
-            raise ValueError(f"{self.file} is empty")
-        return value
+        return read_secret(self.env, self.file)
 
 
 class DeployedGateway(StrictModel):
@@ -72,9 +59,7 @@ class DeployedGateway(StrictModel):
     @field_validator("url")
     @classmethod
     def _url(cls, v: str) -> str:
-        if not v.startswith(("http://", "https://")):
-            raise ValueError(f"url must be http://host:port or https://host:port, got {v!r}")
-        return v.rstrip("/")
+        return base_url(v)
 
     def url_from(self, region: str) -> str:
         """Where a client in ``region`` sends its requests."""

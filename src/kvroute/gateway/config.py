@@ -29,6 +29,32 @@ from kvroute.policy import DEFAULT_TICK_S, ConfigError, policy_from_config
 from kvroute.yamlconf import StrictModel
 
 
+def base_url(v: str) -> str:
+    """``v`` as a base URL without its trailing slash; anything but http(s)://host[:port]... is a ValueError."""
+    parts = urlsplit(v)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ValueError(f"url must be http://host:port or https://host:port, got {v!r}")
+    return v.rstrip("/")
+
+
+def read_secret(env: str | None, file: str | None, owner: str = "") -> str:
+    """A secret from the environment variable ``env`` or else from ``file`` (surrounding whitespace
+    dropped), so that keys and tokens never sit in the YAML; unset, unreadable or empty is a
+    ValueError naming the source, after ``owner`` (e.g. ``"peer_auth: "``)."""
+    if env is not None:
+        value = os.environ.get(env, "").strip()
+        if not value:
+            raise ValueError(f"{owner}environment variable {env} is unset or empty")
+        return value
+    try:
+        value = Path(str(file)).read_text().strip()
+    except OSError as exc:
+        raise ValueError(f"{owner}cannot read {file}: {exc.strerror}") from None
+    if not value:
+        raise ValueError(f"{owner}{file} is empty")
+    return value
+
+
 class ReplicaConfig(StrictModel):
     url: str = Field(description="the engine's base URL, http://host:port")
     id: str | None = Field(None, description="its name in metrics, logs and x-kvroute-replica; default: host:port "
@@ -53,10 +79,7 @@ class ReplicaConfig(StrictModel):
     @field_validator("url")
     @classmethod
     def _url(cls, v: str) -> str:
-        parts = urlsplit(v)
-        if parts.scheme not in ("http", "https") or not parts.netloc:
-            raise ValueError(f"url must be http://host:port or https://host:port, got {v!r}")
-        return v.rstrip("/")
+        return base_url(v)
 
     def tls_context(self) -> ssl.SSLContext | None:
         """The client TLS settings for an https engine (None for http)."""
@@ -200,18 +223,7 @@ class KeyConfig(StrictModel):
         """The key's digest; an env var or file that is missing or empty is an error naming it."""
         if self.sha256 is not None:
             return self.sha256
-        if self.env is not None:
-            value = os.environ.get(self.env, "").strip()
-            if not value:
-                raise ValueError(f"key {self.name!r}: environment variable {self.env} is unset or empty")
-        else:
-            try:
-                value = Path(str(self.file)).read_text().strip()
-            except OSError as exc:
-                raise ValueError(f"key {self.name!r}: cannot read {self.file}: {exc.strerror}") from None
-            if not value:
-                raise ValueError(f"key {self.name!r}: {self.file} is empty")
-        return digest(value)
+        return digest(read_secret(self.env, self.file, f"key {self.name!r}: "))
 
 
 class AuthConfig(StrictModel):
@@ -253,10 +265,7 @@ class PeerConfig(StrictModel):
     @field_validator("url")
     @classmethod
     def _url(cls, v: str) -> str:
-        parts = urlsplit(v)
-        if parts.scheme not in ("http", "https") or not parts.netloc:
-            raise ValueError(f"url must be http://host:port or https://host:port, got {v!r}")
-        return v.rstrip("/")
+        return base_url(v)
 
 
 class PeerAuthConfig(StrictModel):
@@ -275,18 +284,7 @@ class PeerAuthConfig(StrictModel):
 
     def token(self) -> str:
         """The shared token; unset, unreadable or empty is an error naming its source."""
-        if self.token_env is not None:
-            value = os.environ.get(self.token_env, "").strip()
-            if not value:
-                raise ValueError(f"peer_auth: environment variable {self.token_env} is unset or empty")
-            return value
-        try:
-            value = Path(str(self.token_file)).read_text().strip()
-        except OSError as exc:
-            raise ValueError(f"peer_auth: cannot read {self.token_file}: {exc.strerror}") from None
-        if not value:
-            raise ValueError(f"peer_auth: {self.token_file} is empty")
-        return value
+        return read_secret(self.token_env, self.token_file, "peer_auth: ")
 
 
 RoutingMode = Literal["local", "skywalker", "gorgo_distributed", "gorgo_proxy"]
