@@ -33,6 +33,7 @@ from aiohttp import web
 
 from kvroute.controller.deployment import DeployedGateway, Deployment
 from kvroute.gateway.http import error_object
+from kvroute.gateway.probes import ProbeStreak
 
 log = logging.getLogger("kvroute.controller")
 
@@ -42,25 +43,20 @@ class Health:
     """Probe streaks of one gateway or replica; ``healthy`` is None until the first probe."""
 
     healthy: bool | None = None
-    ok_streak: int = 0
-    fail_streak: int = 0
+    streak: ProbeStreak = field(default_factory=ProbeStreak)  # the gateway's hysteresis, shared
     last_error: str = ""
     changed_at: float = 0.0
 
     def record(self, ok: bool, error: str, up_after: int, down_after: int) -> bool:
         """Count one probe; returns True when ``healthy`` changed. The very first probe decides
         at once (a restarted controller must not wait through a streak to see the world)."""
-        if ok:
-            self.ok_streak, self.fail_streak = self.ok_streak + 1, 0
-        else:
-            self.ok_streak, self.fail_streak, self.last_error = 0, self.fail_streak + 1, error
         before = self.healthy
-        if before is None:
+        if ok:
+            flips = self.streak.succeeded(bool(before), up_after)
+        else:
+            flips, self.last_error = self.streak.failed(bool(before), down_after), error
+        if before is None or flips:
             self.healthy = ok
-        elif before and self.fail_streak >= down_after:
-            self.healthy = False
-        elif not before and self.ok_streak >= up_after:
-            self.healthy = True
         if self.healthy != before:
             self.changed_at = time.monotonic()
             return True
@@ -126,14 +122,18 @@ class Controller:
         async with self._session.get(url, timeout=timeout, headers=self._headers() if auth else None) as r:
             return r.status, await r.read()
 
+    async def _answers_200(self, base: str, path: str) -> tuple[bool, str]:
+        """GET ``base + path``: whether it answered 200 and, when not, why (for logs and /status)."""
+        try:
+            status, _ = await self._get(f"{base}{path}")
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            return False, str(exc) or exc.__class__.__name__
+        return status == 200, f"{path} answered {status}"
+
     async def probe_gateway(self, g: DeployedGateway) -> None:
         """One ``/readyz`` probe; a health change wakes the reconciler at once."""
         pc = self.deployment.probe
-        try:
-            status, _ = await self._get(f"{g.url}/readyz")
-            ok, why = status == 200, f"/readyz answered {status}"
-        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-            ok, why = False, str(exc) or exc.__class__.__name__
+        ok, why = await self._answers_200(g.url, "/readyz")
         h = self.gateways[g.name]
         if h.record(ok, why, pc.healthy_after, pc.unhealthy_after):
             if h.healthy:
@@ -145,11 +145,7 @@ class Controller:
     async def probe_replica(self, rid: str, url: str) -> None:
         """One replica ``/health`` probe, for ``/status``."""
         pc = self.deployment.probe
-        try:
-            status, _ = await self._get(f"{url}/health")
-            ok, why = status == 200, f"/health answered {status}"
-        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-            ok, why = False, str(exc) or exc.__class__.__name__
+        ok, why = await self._answers_200(url, "/health")
         if self.replicas[rid].record(ok, why, pc.healthy_after, pc.unhealthy_after):
             log.log(logging.INFO if ok else logging.WARNING, "replica %s is %s", rid,
                     "healthy" if ok else f"failing: {why}")
