@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import sys
 
 from rich.table import Table
@@ -365,6 +366,17 @@ def cmd_emulate(args: argparse.Namespace) -> int:
     return _listen(main(), f"{args.host}:{args.port}")
 
 
+def _positive_int(text: str) -> int:
+    """argparse type: one positive integer."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be a positive integer")
+    return value
+
+
 def _int_list(text: str) -> tuple[int, ...]:
     """argparse type: comma-separated positive integers, e.g. 128,512,2048."""
     try:
@@ -390,7 +402,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         m = asyncio.run(measure(args.url, args.model, sweep, log=lambda line: err.print(line)))
         hardware = args.hardware or f"measured: {len(args.url)} engine(s) loaded together"
         profile, report = fit_profile(m, args.name, hardware, args.max_batched_tokens, kv_tokens=args.kv_tokens,
-                                      max_running=args.max_running, sweep=sweep)
+                                      max_running=args.max_running, sweep=sweep, host_cores=args.host_cores)
     except (CalibrationError, ValueError) as exc:
         return error(str(exc))
     write_profile(args.out, profile, report)
@@ -441,9 +453,17 @@ def _fidelity_cell(key: str, value: float) -> str:
 def cmd_bench_fidelity(args: argparse.Namespace) -> int:
     import asyncio
 
-    from kvroute.bench.fidelity import METRICS, Workload, run_fidelity
+    from kvroute.bench.fidelity import METRICS, Workload, calibrate_engines, run_fidelity
+    from kvroute.calibrate import CalibrationError
     from kvroute.sim.profile import ProfileError, load_profile
 
+    if args.profile is None:  # self-contained: calibrate these engines first, sharing counted
+        args.host_cores = args.host_cores or os.cpu_count() or 1
+        try:
+            args.profile = asyncio.run(calibrate_engines(args.url, args.host_cores))
+        except (CalibrationError, ValueError) as exc:
+            return error(f"bench fidelity: calibrating the engines: {exc}")
+        err.print(f"calibrated the engines ({args.host_cores} shared cores): {args.profile}")
     try:
         load_profile(args.profile)
     except ProfileError as exc:
@@ -452,7 +472,8 @@ def cmd_bench_fidelity(args: argparse.Namespace) -> int:
                  args.seed)
     policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
     try:
-        out = asyncio.run(run_fidelity(args.url, args.profile, policies, w, log=lambda line: err.print(line)))
+        out = asyncio.run(run_fidelity(args.url, args.profile, policies, w, log=lambda line: err.print(line),
+                                       host_cores=args.host_cores))
     except (RuntimeError, OSError) as exc:
         return error(f"bench fidelity: {exc}")
     table = Table(title=f"fidelity: live through the gateway vs simulate ({args.profile}); sim/live in brackets")
@@ -652,7 +673,12 @@ def build_parser() -> argparse.ArgumentParser:
     bh.set_defaults(func=cmd_bench_hostile)
     bf = bench.add_parser("fidelity", help="one workload live through the gateway and in simulate, side by side")
     bf.add_argument("--url", action="append", required=True, help="an engine's base URL (repeat for each)")
-    bf.add_argument("--profile", required=True, help="the simulator's profile (from `kvroute calibrate`)")
+    bf.add_argument("--profile", help="the simulator's profile (from `kvroute calibrate`; default: calibrate the "
+                    "engines first with --host-cores)")
+    bf.add_argument("--host-cores", type=_positive_int, dest="host_cores", metavar="N",
+                    help="the engines share one machine with N cores: the simulator slows a step by max(1, "
+                         "engines stepping / N) (pair it with a profile from `calibrate --host-cores N`; "
+                         "default: this machine's cores when no --profile is given, else unshared)")
     bf.add_argument("--policies", default="round_robin,sglang_cache_aware,lmetric,skywalker")
     bf.add_argument("--users", type=int, default=12)
     bf.add_argument("--groups", type=int, default=3, help="user groups, each sharing one system prompt")
@@ -691,6 +717,9 @@ def build_parser() -> argparse.ArgumentParser:
     ca.add_argument("--max-running", type=int, dest="max_running",
                     help="concurrent sequences per engine (default: llama-server's slots, else 256)")
     ca.add_argument("--timeout", type=float, default=120.0, help="seconds allowed for any one request")
+    ca.add_argument("--host-cores", type=_positive_int, dest="host_cores", metavar="N",
+                    help="the engines all run on one machine with N cores: divide every time by "
+                         "max(1, engines / N), the sharing simulate adds back with `host_cores`")
     ca.set_defaults(func=cmd_calibrate)
 
     cr = sub.add_parser("config-reference",

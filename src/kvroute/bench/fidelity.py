@@ -240,15 +240,19 @@ def _free_port() -> int:
 
 
 def simulate(convs: list[list[dict]], policy: str, profile: str, replicas: int, token_ratio: float,
-             max_tokens: int, folder: Path, seed: int = 0) -> dict:
-    """The same conversations through `kvroute simulate` (an OpenAI-messages trace)."""
+             max_tokens: int, folder: Path, seed: int = 0, host_cores: int | None = None) -> dict:
+    """The same conversations through `kvroute simulate` (an OpenAI-messages trace); ``host_cores``:
+    the replicas share one machine with that many cores (scenario ``host_cores``)."""
     from kvroute.sim.runner import run_scenario
     from kvroute.sim.scenario import parse_scenario
 
     trace = folder / f"conversations-{policy}.jsonl"
     trace.write_text("".join(json.dumps({"messages": c, "user": f"u{i}", "max_tokens": max_tokens}) + "\n"
                              for i, c in enumerate(convs)))
-    sc = parse_scenario({"replicas": [{"region": "local", "count": replicas, "profile": profile}],
+    group = {"region": "local", "count": replicas, "profile": profile}
+    if host_cores:
+        group["host_cores"] = host_cores
+    sc = parse_scenario({"replicas": [group],
                          "workload": {"kind": "openai", "path": str(trace), "clients": {"local": len(convs)},
                                       "token_ratio": token_ratio},
                          "policies": [policy], "seed": seed})
@@ -267,14 +271,29 @@ async def _bytes_per_token(url: str) -> float:
         return (await _Engine(s, url, "default", Sweep(), None).facts()).bytes_per_token
 
 
+async def calibrate_engines(urls: list[str], host_cores: int | None) -> str:
+    """`kvroute calibrate` on these engines with its default sweep (the engines' shared cores
+    divided out, see :mod:`kvroute.calibrate.fit`); the path of the profile it wrote."""
+    from kvroute.calibrate import fit_profile, measure, write_profile
+
+    m = await measure(urls)
+    profile, report = fit_profile(m, "fidelity", f"measured: {len(urls)} engine(s) loaded together",
+                                  host_cores=host_cores)
+    fd, path = tempfile.mkstemp(prefix="kvroute-fidelity-profile-", suffix=".yaml")
+    os.close(fd)
+    write_profile(path, profile, report)
+    return path
+
+
 async def run_fidelity(urls: list[str], profile: str, policies: tuple[str, ...] = POLICIES,
-                       workload: Workload | None = None, log=None) -> dict:
-    """Live and simulated runs of every policy; returns both sides and their ratios."""
+                       workload: Workload | None = None, log=None, host_cores: int | None = None) -> dict:
+    """Live and simulated runs of every policy; returns both sides and their ratios. ``host_cores``:
+    the cores the engines share (None: the simulator gives every engine a machine of its own)."""
     w = workload or Workload()
     say = log or (lambda _msg: None)
     bpt = await _bytes_per_token(urls[0])
     out: dict = {"workload": w.__dict__, "engines": urls, "profile": profile, "bytes_per_token": bpt,
-                 "policies": {}}
+                 "host_cores": host_cores, "policies": {}}
     with tempfile.TemporaryDirectory(prefix="kvroute-fidelity-") as tmp:
         folder = Path(tmp)
         for policy in policies:
@@ -292,7 +311,8 @@ async def run_fidelity(urls: list[str], profile: str, policies: tuple[str, ...] 
                 live["load_average"] = os.getloadavg()[0]
             finally:
                 gw.stop()
-            sim = simulate(convs, policy, profile, len(urls), live["token_ratio"], w.max_tokens, folder, w.seed)
+            sim = simulate(convs, policy, profile, len(urls), live["token_ratio"], w.max_tokens, folder, w.seed,
+                           host_cores)
             ratio = {k: (sim[k] / live[k] if live[k] else None) for k, _ in METRICS}
             out["policies"][policy] = {"live": live, "sim": sim, "sim_over_live": ratio}
             say(f"{policy}: live TTFT p99 {live['ttft_p99'] * 1000:.0f} ms, sim {sim['ttft_p99'] * 1000:.0f} ms")

@@ -12,6 +12,14 @@ Each swept point is the median of its repeats on every engine; both fits are lea
 relative error over those medians (every point counts the same whatever its size),
 with coefficients kept ≥ 0 (a term whose best value is negative is dropped and the rest refitted:
 the model's terms are physical costs, and a negative one would only fit noise).
+
+Engines that share one machine's cores slow each other down while they step at once
+(:class:`kvroute.sim.engine.Host`), and every point is measured on all engines at once. Given
+``host_cores`` (the engines all run on one machine with that many cores), every measured time is
+divided by ``max(1, engines / host_cores)`` before the fit, so the profile describes an engine
+with the machine to itself and the simulator adds the sharing back (scenario ``host_cores``)
+only while engines actually step together. Without it the sharing stays folded into the
+constants: right while every engine is busy, too slow while some are idle.
 """
 
 from __future__ import annotations
@@ -51,18 +59,20 @@ def _medians(points: dict[tuple, list[tuple[float, ...]]]) -> list[tuple[tuple, 
 
 def fit_profile(m: Measurements, name: str, hardware: str, max_batched_tokens: int | None = None,
                 block_size: int = 16, kv_tokens: int | None = None, max_running: int | None = None,
-                sweep: Sweep | None = None) -> tuple[HardwareProfile, dict]:
-    """The fitted profile and a report (per-point errors, RMS error, what was measured)."""
+                sweep: Sweep | None = None, host_cores: int | None = None) -> tuple[HardwareProfile, dict]:
+    """The fitted profile and a report (per-point errors, RMS error, what was measured);
+    ``host_cores``: see the module docstring."""
     if len(m.decode) < 3 or len(m.prefill) < 3:
         raise ValueError(f"too few points to fit ({len(m.prefill)} prefill, {len(m.decode)} decode; "
                          "need 3 of each): widen the sweep")
+    sharing = max(1.0, len(m.engines) / host_cores) if host_cores else 1.0
     by_len: dict[tuple, list[tuple[float, ...]]] = defaultdict(list)
     for n, tokens, s in m.prefill:
-        by_len[(n,)].append((tokens, s))
+        by_len[(n,)].append((tokens, s / sharing))
     prefill = [v for _, v in _medians(by_len)]  # (tokens, seconds) per swept length
     by_step: dict[tuple, list[tuple[float, ...]]] = defaultdict(list)
     for b, ctx, mean_ctx, s in m.decode:
-        by_step[(b, ctx)].append((mean_ctx, s))
+        by_step[(b, ctx)].append((mean_ctx, s / sharing))
     decode = [(k[0], *v) for k, v in _medians(by_step)]  # (batch, mean context, step s) per swept point
     # medians per point, then the fit: on a shared machine single requests stall now and then, and
     # a fit on relative error over raw points would chase those stalls
@@ -83,6 +93,8 @@ def fit_profile(m: Measurements, name: str, hardware: str, max_batched_tokens: i
         # llama-server (it has slots) lends a cached prefix only from a slot serving no request
         prefix_reuse="idle_slots" if any(f.slots for f in facts) else "shared")
     source = f"measured by kvroute calibrate, {len(facts)} engine(s) loaded together"
+    if sharing > 1:
+        source += f", divided by {sharing:g} for {host_cores} shared cores"
     points, errors = [], []
     for length, s in prefill:
         got = profile.ttft_overhead_s + profile.prefill_time(round(length))
@@ -99,7 +111,8 @@ def fit_profile(m: Measurements, name: str, hardware: str, max_batched_tokens: i
         "points": points,
         "no_independent_anchor": "a calibration fits every point it measures; re-run it to check a profile"})
     report = {"rms_error": rms, "max_error": max(abs(e) for e in errors), "points": points,
-              "engines": [f.__dict__ for f in facts], "wall_s": m.wall_s,
+              "engines": [f.__dict__ for f in facts], "wall_s": m.wall_s, "host_cores": host_cores,
+              "sharing": sharing,
               "sweep": (sweep or Sweep()).__dict__, "raw_prefill": len(m.prefill), "raw_decode": len(m.decode)}
     return profile, report
 
@@ -124,6 +137,10 @@ def write_profile(path: str | Path, profile: HardwareProfile, report: dict) -> N
         "max_batched_tokens: llama-server's n_batch (2048, assumed) or the command line;",
         "# prefix_reuse: idle_slots for llama-server (a prefix is reused only from an idle slot), else shared.",
     ]
+    if report.get("sharing", 1.0) > 1:
+        header.append(f"# the engines share {report['host_cores']} cores: every measured time was divided by "
+                      f"{report['sharing']:g} (engines / cores); simulate them with `host_cores: "
+                      f"{report['host_cores']}` in the scenario's replica group")
     data = profile.model_dump(exclude_defaults=False)
     body = yaml.safe_dump(data, sort_keys=False, width=120)
     Path(path).write_text("\n".join(header) + "\n" + body)

@@ -50,6 +50,9 @@ class ReplicaGroup(StrictModel):
     count: int = Field(1, ge=1, description="replicas in this group (`--replicas` sets every group's)")
     profile: str = Field("l4-llama3.1-8b", description="hardware profile: a bundled name (`src/kvroute/profiles/`) "
                          "or a YAML file (`--profile`)")
+    host_cores: int | None = Field(None, ge=1, description="the group's replicas share one machine with this many "
+                                   "cores: while n of them step at once, each step takes max(1, n / cores) times "
+                                   "its profile time (unset: every replica has a machine of its own)")
 
 
 class BalancerGroup(StrictModel):
@@ -239,7 +242,8 @@ class Scenario(StrictModel):
             except ProfileError as exc:
                 raise ScenarioError(f"replicas: {exc}") from None
             n0 = sum(1 for r in replicas if r.region == g.region)
-            replicas += [ReplicaSpec(f"{g.region}-{n0 + i}", g.region, prof) for i in range(g.count)]
+            host = (f"group-{len(replicas)}", g.host_cores) if g.host_cores else None
+            replicas += [ReplicaSpec(f"{g.region}-{n0 + i}", g.region, prof, host) for i in range(g.count)]
         groups = self.balancer_groups(topology)
         self._check_client_regions(groups)
         balancers = []

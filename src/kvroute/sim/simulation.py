@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from kvroute.metrics import Recorder
 from kvroute.policy import Router
 from kvroute.sim.balancer import SimBalancer
-from kvroute.sim.engine import Engine, Seq
+from kvroute.sim.engine import Engine, Host, Seq
 from kvroute.sim.events import EventLoop
 from kvroute.sim.migration import make_migrator
 from kvroute.sim.network import Network
@@ -30,6 +30,7 @@ class ReplicaSpec:
     id: str
     region: str
     profile: HardwareProfile
+    host: tuple[str, int] | None = None  # (machine, cores) it shares with the replicas naming that machine
 
 
 @dataclass
@@ -98,8 +99,10 @@ class Simulation:
         self.workload = workload
         self.progress = progress
         self.rng = random.Random(setup.seed)
+        hosts = {r.host: Host(r.host[1]) for r in setup.replicas if r.host is not None}
         self.replicas = {r.id: Replica(r.id, r.region, Engine(r.id, r.profile, self.loop,
-                                                              self._first_token, self._finish))
+                                                              self._first_token, self._finish,
+                                                              host=hosts.get(r.host) if r.host else None))
                          for r in setup.replicas}
         self.recorder = Recorder(list(self.replicas), [r.region for r in self.replicas.values()])
         self.lbs = [SimBalancer(self, b.id, b.region, b.replicas, preset, params, b.probe_interval_s,
