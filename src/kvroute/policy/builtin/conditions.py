@@ -23,6 +23,8 @@ class Imbalanced(Condition):
         self.abs, self.rel, self.load = abs, rel, load
 
     def holds(self, st: DecisionState, eps: list[Endpoint]) -> bool:
+        """True when the most and least loaded candidates differ by more than ``abs`` and the most
+        loaded carries more than ``rel`` × the least."""
         if self.load == "inflight":
             loads = [e.inflight for e in eps]
         else:
@@ -43,6 +45,7 @@ class HitRatioAtLeast(Condition):
         self.threshold = threshold
 
     def holds(self, st: DecisionState, eps: list[Endpoint]) -> bool:
+        """True when some candidate matched and the best match covers ≥ ``threshold`` of the prompt."""
         best = st.best_match(eps)
         return bool(best) and st.req.hit_ratio(best) >= self.threshold
 
@@ -58,4 +61,5 @@ class HitRatioAbove(Condition):
         self.threshold = threshold
 
     def holds(self, st: DecisionState, eps: list[Endpoint]) -> bool:
+        """True when the best match among ``eps`` covers more than ``threshold`` of the prompt."""
         return st.hit_ratio(eps) > self.threshold

@@ -16,6 +16,7 @@ class Residency(Filter):
     name = "residency"
 
     def filter(self, st: DecisionState, eps: list[Endpoint]) -> list[Endpoint]:
+        """``eps`` in the request's zone; all of them when the request names none."""
         zone = st.req.residency
         return eps if zone is None else [e for e in eps if e.zone == zone]
 
@@ -34,6 +35,7 @@ class LowQueue(Filter):
         self.max_waiting = max_waiting
 
     def filter(self, st: DecisionState, eps: list[Endpoint]) -> list[Endpoint]:
+        """The endpoints at or under ``max_waiting`` waiting, or all of ``eps`` when none is."""
         limit = self.max_waiting
         kept = [e for e in eps if e.waiting <= limit]
         return kept or eps
@@ -47,6 +49,7 @@ class BestPrefix(Filter):
     inputs = frozenset({"prefix"})
 
     def filter(self, st: DecisionState, eps: list[Endpoint]) -> list[Endpoint]:
+        """The endpoints tied for the longest match; empty when no endpoint matched a block."""
         best = st.best_match(eps)
         if not best:
             return []
@@ -68,6 +71,7 @@ class CachedWithinSpread(Filter):
         self.std_factor = std_factor
 
     def filter(self, st: DecisionState, eps: list[Endpoint]) -> list[Endpoint]:
+        """The matching endpoints whose batch is within the spread limit; empty without any match."""
         matches = st.matches
         if not matches:
             return []

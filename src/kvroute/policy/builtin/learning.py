@@ -66,6 +66,7 @@ class TunedCost(Scorer, TunerPlugin):
         self.inputs = frozenset().union(*(s.inputs for _, s in self.terms))
 
     def values(self, st: DecisionState, eps: list[Endpoint]) -> list[float]:
+        """The weighted sum of the terms' values, with the weights the tuner serves now."""
         live, fixed = self.es.weights, self.fixed
         total: list[float] | None = None
         for w, scorer in self.terms:
@@ -92,6 +93,8 @@ class CalibratedTTFT(Scorer, CalibrationPlugin):
         self.t_p, self.w_queue = t_p, w_queue
 
     def values(self, st: DecisionState, eps: list[Endpoint]) -> list[float]:
+        """Predicted TTFT − RTT in ms per endpoint from its fitted model, or the constants' cost before it has
+        enough samples."""
         model, t_p, w_queue = self.fit.model, self.t_p, self.w_queue
         out = []
         for e, uncached in zip(eps, st.new_prefill(eps)):
@@ -118,6 +121,8 @@ class Hotspot(Route, HotspotPlugin):
         self.score = _scorer("lmetric")
 
     def route(self, st: DecisionState, eps: list[Endpoint]) -> Decision | None:
+        """Dispatch away from the holders of a hot prefix class to the lowest P-tokens × BS; None when the
+        class is not hot."""
         get = st.matches.get
         depth = [get(e.id, 0) for e in eps]
         deepest = max(depth)
@@ -153,6 +158,8 @@ class PredictedTTFT(Scorer, PredictionErrorPlugin):
             raise ValueError(str(exc)) from None
 
     def values(self, st: DecisionState, eps: list[Endpoint]) -> list[float]:
+        """The predicted TTFT per endpoint (seconds), remembered so the error can be scored once the first
+        token arrives."""
         req = st.req
         p, bt = req.prompt_tokens, req.block_tokens
         get = st.matches.get

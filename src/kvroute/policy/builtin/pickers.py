@@ -17,6 +17,7 @@ class ArgMin(Picker):
     name = "argmin"
 
     def pick(self, st: DecisionState, eps: list[Endpoint], values: Sequence[float]) -> Endpoint | None:
+        """The endpoint with the smallest value, a random one among equals (seeded ``st.rng``)."""
         return argmin(eps, values, st.rng)
 
 
@@ -28,6 +29,7 @@ class ArgMax(Picker):
     minimises = False
 
     def pick(self, st: DecisionState, eps: list[Endpoint], values: Sequence[float]) -> Endpoint | None:
+        """The endpoint with the largest value, a random one among equals (seeded ``st.rng``)."""
         return argmax(eps, values, st.rng)
 
 
@@ -48,6 +50,7 @@ class Softmax(Picker):
         self.temperature = _temperature(temperature)
 
     def pick(self, st: DecisionState, eps: list[Endpoint], values: Sequence[float]) -> Endpoint | None:
+        """One endpoint drawn from the softmax of ``values`` at this temperature."""
         return softmax_pick(eps, values, self.temperature, st.rng)
 
 
@@ -61,6 +64,7 @@ class SoftmaxCost(Picker):
         self.temperature = _temperature(temperature)
 
     def pick(self, st: DecisionState, eps: list[Endpoint], values: Sequence[float]) -> Endpoint | None:
+        """One endpoint drawn from the softmax of the negated costs, scaled by the largest cost."""
         scale = max(values) or 1.0
         return softmax_pick(eps, [-c / scale for c in values], self.temperature, st.rng)
 
@@ -73,6 +77,7 @@ class PowerOfTwo(Picker):
     name = "power_of_two"
 
     def pick(self, st: DecisionState, eps: list[Endpoint], values: Sequence[float]) -> Endpoint | None:
+        """The better of two distinct candidates drawn at random (the only one when there is one)."""
         if len(eps) == 1:
             return eps[0]
         i, j = st.rng.sample(range(len(eps)), 2)
@@ -90,6 +95,7 @@ class RoundRobin(Picker):
         self._next = 0
 
     def pick(self, st: DecisionState, eps: list[Endpoint], values: Sequence[float]) -> Endpoint | None:
+        """The next candidate in turn; ``values`` is ignored."""
         ep = eps[self._next % len(eps)]
         self._next += 1
         return ep
@@ -103,6 +109,7 @@ class WeightedRandom(Picker):
     needs_values = False
 
     def pick(self, st: DecisionState, eps: list[Endpoint], values: Sequence[float]) -> Endpoint | None:
+        """One candidate drawn in proportion to ``Endpoint.weight``; ``values`` is ignored."""
         return st.rng.choices(eps, weights=[e.weight for e in eps], k=1)[0]
 
 
@@ -117,6 +124,7 @@ class Ring(Picker):
     uses_ring = True
 
     def pick(self, st: DecisionState, eps: list[Endpoint], values: Sequence[float]) -> Endpoint | None:
+        """The ring owner of ``routing_key`` among ``eps``; None without a key or when no candidate owns it."""
         key = st.req.routing_key
         if key is None:
             return None

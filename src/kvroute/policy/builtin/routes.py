@@ -34,6 +34,8 @@ class BoundedPrefixRing(Route):
         return req.prompt_key[: self.prefix_tokens * 4] or req.id
 
     def route(self, st: DecisionState, eps: list[Endpoint]) -> Decision | None:
+        """The first ring successor of the prefix key under the load bound (RING, or RING_OVERFLOW past the
+        owner); None when every candidate is full."""
         by_id = {e.id: e for e in eps}
         total = sum(e.inflight for e in eps)
         bound = math.ceil(self.load_factor * (total + 1) / len(eps))

@@ -21,12 +21,13 @@ class PrefixRatio(Scorer):
     lower_is_better = False
 
     def values(self, st: DecisionState, eps: list[Endpoint]) -> list[float]:
+        """Matched leading blocks × the prompt share one block covers, per endpoint (0 with no match)."""
         per_block = st.req.hit_ratio(1)  # the share of the prompt one cached block covers
         get = st.matches.get
         return [get(e.id, 0) * per_block for e in eps]
 
     def normalised(self, st: DecisionState, eps: list[Endpoint]) -> list[float]:
-        # already a share; a last partial block can take it past 1 by less than a block
+        """The share itself, capped at 1 (a last partial block can take it past 1 by less than a block)."""
         return [min(1.0, v) for v in self.values(st, eps)]
 
 
@@ -39,6 +40,7 @@ class PrefixBlocks(Scorer):
     lower_is_better = False
 
     def values(self, st: DecisionState, eps: list[Endpoint]) -> list[float]:
+        """How many leading prompt blocks the index says each endpoint holds."""
         get = st.matches.get
         return [get(e.id, 0) for e in eps]
 
@@ -51,6 +53,7 @@ class Queue(Scorer):
     inputs = frozenset({"load"})
 
     def values(self, st: DecisionState, eps: list[Endpoint]) -> list[float]:
+        """Each endpoint's waiting count from its last probe."""
         return [e.waiting for e in eps]
 
 
@@ -62,9 +65,11 @@ class KVCacheUtil(Scorer):
     inputs = frozenset({"kv_usage"})
 
     def values(self, st: DecisionState, eps: list[Endpoint]) -> list[float]:
+        """Each endpoint's KV-cache usage in [0, 1] from its last probe."""
         return [e.kv_usage for e in eps]
 
     def normalised(self, st: DecisionState, eps: list[Endpoint]) -> list[float]:
+        """The free share, 1 − usage, so that emptier caches score higher."""
         return [1.0 - e.kv_usage for e in eps]  # probes clamp usage to [0, 1]
 
 
@@ -76,6 +81,7 @@ class Inflight(Scorer):
     inputs = frozenset({"load"})
 
     def values(self, st: DecisionState, eps: list[Endpoint]) -> list[float]:
+        """Requests in flight per endpoint, as this router counted them."""
         return [e.inflight for e in eps]
 
 
@@ -87,6 +93,7 @@ class InflightTokens(Scorer):
     inputs = frozenset({"load"})
 
     def values(self, st: DecisionState, eps: list[Endpoint]) -> list[float]:
+        """Prompt tokens in flight per endpoint, as this router counted them."""
         return [e.inflight_tokens for e in eps]
 
 
@@ -98,6 +105,7 @@ class BatchSize(Scorer):
     inputs = frozenset({"load"})
 
     def values(self, st: DecisionState, eps: list[Endpoint]) -> list[float]:
+        """running + waiting + dispatched since the last probe, per endpoint."""
         return [e.running + e.waiting + e.dispatched_since_probe for e in eps]
 
 
@@ -109,9 +117,11 @@ class BatchHeadroom(Scorer):
     inputs = frozenset({"load"})
 
     def values(self, st: DecisionState, eps: list[Endpoint]) -> list[float]:
+        """running + waiting + dispatched since the last probe, per endpoint."""
         return [e.running + e.waiting + e.dispatched_since_probe for e in eps]
 
     def normalised(self, st: DecisionState, eps: list[Endpoint]) -> list[float]:
+        """1 − batch / the largest batch among ``eps`` (an idle fleet scores 1 everywhere)."""
         sizes = self.values(st, eps)
         top = max(1.0, max(sizes))
         return [1.0 - b / top for b in sizes]
@@ -126,6 +136,7 @@ class NewPrefill(Scorer):
     inputs = frozenset({"prefix", "prefill_backlog"})
 
     def values(self, st: DecisionState, eps: list[Endpoint]) -> list[float]:
+        """Queued prefill tokens plus this request's uncached tokens, per endpoint."""
         return [n + e.queued_prefill_tokens for n, e in zip(st.new_prefill(eps), eps)]
 
 
@@ -137,6 +148,7 @@ class UncachedTokens(Scorer):
     inputs = frozenset({"prefix"})
 
     def values(self, st: DecisionState, eps: list[Endpoint]) -> list[float]:
+        """Prompt tokens past each endpoint's cached prefix."""
         return st.new_prefill(eps)  # type: ignore[return-value]  # ints, read-only
 
 
@@ -148,6 +160,7 @@ class RTT(Scorer):
     inputs = frozenset({"rtt"})
 
     def values(self, st: DecisionState, eps: list[Endpoint]) -> list[float]:
+        """Probed (EWMA) round trip per endpoint, in seconds."""
         return [e.rtt_s for e in eps]
 
 
@@ -159,6 +172,7 @@ class RTTms(Scorer):
     inputs = frozenset({"rtt"})
 
     def values(self, st: DecisionState, eps: list[Endpoint]) -> list[float]:
+        """Probed (EWMA) round trip per endpoint, in milliseconds."""
         return [1000.0 * e.rtt_s for e in eps]
 
 
@@ -170,6 +184,7 @@ class TreeSize(Scorer):
     inputs = frozenset({"prefix"})
 
     def values(self, st: DecisionState, eps: list[Endpoint]) -> list[float]:
+        """Blocks the prefix index holds per endpoint (smaller tree: less cache to evict)."""
         blocks = st.view.prefix.blocks
         return [blocks(e.id) for e in eps]
 
@@ -185,6 +200,7 @@ class LMetricScore(Scorer):
     inputs = frozenset({"prefix", "prefill_backlog", "load"})
 
     def values(self, st: DecisionState, eps: list[Endpoint]) -> list[float]:
+        """(queued prefill + new prefill) × (batch + 1) per endpoint; lower is better."""
         return [(e.queued_prefill_tokens + n) * (e.running + e.waiting + e.dispatched_since_probe + 1)
                 for n, e in zip(st.new_prefill(eps), eps)]
 
@@ -197,6 +213,7 @@ class PrefillBlocks(Scorer):
     inputs = frozenset({"prefix", "prefill_backlog"})
 
     def values(self, st: DecisionState, eps: list[Endpoint]) -> list[float]:
+        """(queued prefill + uncached tokens) / block_tokens per endpoint."""
         bt = st.req.block_tokens
         return [(n + e.queued_prefill_tokens) / bt for n, e in zip(st.new_prefill(eps), eps)]
 
@@ -209,5 +226,6 @@ class DecodeBlocks(Scorer):
     inputs = frozenset({"load"})
 
     def values(self, st: DecisionState, eps: list[Endpoint]) -> list[float]:
+        """(in-flight tokens + this prompt) / block_tokens per endpoint."""
         p, bt = st.req.prompt_tokens, st.req.block_tokens
         return [(e.inflight_tokens + p) / bt for e in eps]

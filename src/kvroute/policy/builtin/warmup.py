@@ -44,6 +44,8 @@ class WarmUp(Route):
         self.fraction, self.min_blocks = fraction, min_blocks
 
     def route(self, st: DecisionState, eps: list[Endpoint]) -> Decision | None:
+        """Dispatch to the least busy cold endpoint while it has fewer in flight than every warm one;
+        otherwise None."""
         if len(eps) < 2:
             return None
         blocks = st.view.prefix.blocks

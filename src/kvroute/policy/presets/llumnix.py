@@ -29,6 +29,7 @@ class Freeness(Scorer):
     lower_is_better = False
 
     def values(self, st: DecisionState, eps: list[Endpoint]) -> list[float]:
+        """Free KV tokens left after queued prefill, per running request plus one; higher is better."""
         return [((e.kv_blocks * e.block_size) * (1.0 - e.kv_usage) - e.queued_prefill_tokens) / (e.batch_size + 1)
                 for e in eps]
 
