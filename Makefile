@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 DEVSTAMP:= $(VENV)/.installed-dev
 OUT     ?= out
 
-.PHONY: install install-dev demo lint test bench clean
+.PHONY: install install-dev demo lint test bench fidelity clean
 
 # held to mypy --strict: the pure layers and the gateway's protocols
 STRICT  := src/kvroute/model src/kvroute/prefix src/kvroute/policy src/kvroute/gateway/breaker.py \
@@ -46,6 +46,11 @@ bench: $(STAMP)
 	$(BIN)/kvroute bench sim-speed --json $(OUT)/bench-sim-speed.json
 	$(BIN)/kvroute bench gateway --json $(OUT)/bench-gateway.json
 	$(BIN)/kvroute bench hostile --json $(OUT)/bench-hostile.json
+
+# issue 12: three llama-servers live through the gateway vs simulate (calibrates them first)
+fidelity: $(DEVSTAMP)
+	mkdir -p $(OUT)
+	$(BIN)/python -m tests.llamacpp.fidelity --json $(OUT)/bench-fidelity.json
 
 clean:
 	rm -rf $(VENV) $(OUT) .pytest_cache
