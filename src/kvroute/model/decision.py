@@ -12,6 +12,8 @@ if TYPE_CHECKING:
 
 
 class DecisionKind(str, Enum):
+    """What a policy decided for one request: send it now, keep it queued at the load balancer, or refuse it."""
+
     DISPATCH = "dispatch"  # send to ``target`` now
     HOLD = "hold"  # keep in the load balancer's FIFO queue (selective pushing)
     NONE = "none"  # no endpoint can serve it (empty pool, all filtered, bad request)
@@ -50,6 +52,9 @@ class Branch(StrEnum):
 
 @dataclass(slots=True)
 class Decision:
+    """One routing decision: its kind, the chosen endpoint (for DISPATCH), which rule decided and why, and on
+    request the per-endpoint scores that led to it."""
+
     kind: DecisionKind
     target: str | None = None
     branch: str = ""  # which rule decided: a Branch, or a user preset's own name
@@ -61,10 +66,13 @@ class Decision:
 
     @property
     def dispatched(self) -> bool:
+        """True for a DISPATCH decision (``target`` is then set)."""
         return self.kind is DecisionKind.DISPATCH
 
     @property
     def scores(self) -> dict[str, float]:
+        """Endpoint id → the value the deciding rule compared (empty when the rule kept none), built on
+        demand."""
         if self._explain is None:
             return {}
         eps, values = self._explain
@@ -73,12 +81,15 @@ class Decision:
     @classmethod
     def dispatch(cls, target: str, branch: str, matched_blocks: int = 0,
                  scores: tuple[Sequence[Endpoint], Sequence[float]] | None = None) -> Decision:
+        """Send to ``target``; ``scores`` (endpoints, values) stays unconverted until :attr:`scores` is read."""
         return cls(DecisionKind.DISPATCH, target, branch, "", matched_blocks, scores)
 
     @classmethod
     def hold(cls, reason: str) -> Decision:
+        """Keep the request in the load balancer's queue (selective pushing) until a replica frees up."""
         return cls(DecisionKind.HOLD, None, Branch.HOLD, reason)
 
     @classmethod
     def none(cls, reason: str, branch: str = Branch.NO_ENDPOINT) -> Decision:
+        """Refuse: no endpoint can serve the request; ``reason`` is shown to the client."""
         return cls(DecisionKind.NONE, None, branch, reason)

@@ -17,12 +17,17 @@ from enum import Enum
 
 
 class EndpointKind(str, Enum):
+    """What an endpoint stands for: an engine replica or another region's load balancer."""
+
     REPLICA = "replica"
     PEER = "peer"  # another region's load balancer (two-layer routing)
 
 
 @dataclass(slots=True)
 class Endpoint:
+    """A replica or peer load balancer as a policy sees it: static capacity, the last probe's readings and the
+    router's own in-flight accounting. The simulator and the gateway fill the same fields."""
+
     id: str
     region: str = "local"
     kind: EndpointKind = EndpointKind.REPLICA
@@ -56,6 +61,7 @@ class Endpoint:
 
     @property
     def routable(self) -> bool:
+        """Healthy and its circuit breaker closed: policies may send to it."""
         return self.healthy and not self.circuit_open
 
     @property
@@ -68,6 +74,8 @@ class Endpoint:
         return self.running + self.waiting + self.dispatched_since_probe
 
     def apply_probe(self, running: int, waiting: int, kv_usage: float | None = None) -> None:
+        """Take a probe's running / waiting / KV usage (clamped to [0, 1]); the dispatches counted since the
+        last probe start again from 0."""
         self.running = running
         self.waiting = waiting
         if kv_usage is not None:

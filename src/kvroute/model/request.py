@@ -31,6 +31,8 @@ class Request:
 
     @property
     def has_prompt(self) -> bool:
+        """Whether the request carries a prompt to route by (a length or block hashes); an empty one is
+        refused."""
         return self.prompt_tokens > 0 or bool(self.block_hashes)
 
     def new_prefill_tokens(self, matched_blocks: int) -> int:

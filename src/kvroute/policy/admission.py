@@ -39,6 +39,8 @@ class PendingGate(Admission):
     holds = True
 
     def ready(self, eps: list[Endpoint], local_queue: int = 0) -> list[Endpoint]:
+        """The endpoints that may take a request now: replicas with nothing waiting and free batch slots, or
+        peers reporting an available replica."""
         if eps[0].kind is EndpointKind.PEER:  # a router's pool is all peers or all replicas
             return [e for e in eps if peer_available(e, local_queue)]
         # replica_available, inlined: this runs for every endpoint of every decision
@@ -58,6 +60,7 @@ class OutstandingGate(Admission):
         self.limit = limit
 
     def ready(self, eps: list[Endpoint], local_queue: int = 0) -> list[Endpoint]:
+        """The endpoints with fewer than ``limit`` requests in flight."""
         return [e for e in eps if e.inflight < self.limit]
 
 
