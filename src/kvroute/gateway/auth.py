@@ -41,6 +41,7 @@ class TokenBucket:
         return 0.0 if need <= 0 else need / self.per_s
 
     def take(self, amount: float) -> None:
+        """Spend ``amount`` (at most a full bucket); call after :meth:`wait_s` said 0."""
         self.level -= min(amount, self.capacity)
 
 
@@ -81,6 +82,7 @@ class KeyRing:
 
     @property
     def enabled(self) -> bool:
+        """Whether any key is configured: with none the gateway is open."""
         return bool(self.keys)
 
     def lookup(self, presented: str | None) -> KeyState | None:
@@ -91,6 +93,7 @@ class KeyRing:
 
     @property
     def has_admin(self) -> bool:
+        """Whether some key may use the admin API (without one, the admin API is off)."""
         return any(k.admin for k in self.keys.values())
 
 

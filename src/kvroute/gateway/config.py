@@ -56,6 +56,8 @@ def read_secret(env: str | None, file: str | None, owner: str = "") -> str:
 
 
 class ReplicaConfig(StrictModel):
+    """One engine replica behind the gateway: where it is, what it runs and how to reach it."""
+
     url: str = Field(description="the engine's base URL, http://host:port")
     id: str | None = Field(None, description="its name in metrics, logs and x-kvroute-replica; default: host:port "
                            "of the url (two replicas at one address need one each)")
@@ -101,10 +103,14 @@ class ReplicaConfig(StrictModel):
 
     @property
     def name(self) -> str:
+        """The replica's id: ``id`` when given, else host:port of its URL."""
         return self.id or urlsplit(self.url).netloc
 
 
 class ProbeConfig(StrictModel):
+    """How often and how patiently replicas (and peers) are probed, and when a streak of results ejects or
+    re-admits one."""
+
     interval_s: float = Field(0.1, gt=0)  # SkyWalker probes every 100 ms
     timeout_s: float = Field(0.5, gt=0, description="a probe that takes longer fails")
     unhealthy_after: int = Field(3, ge=1)  # consecutive probe failures → ejected
@@ -114,6 +120,8 @@ class ProbeConfig(StrictModel):
 
 
 class QueueConfig(StrictModel):
+    """The gateway's own FIFO for requests a policy holds: its length limit, wait limit and dispatch pacing."""
+
     max_len: int = Field(1024, ge=0)  # beyond this: 429
     max_wait_s: float = Field(30.0, gt=0)  # waited longer: 503
     # at most one request leaves the queue per tick (SkyWalker's 10 ms queue processor); 0: no pacing
@@ -121,6 +129,9 @@ class QueueConfig(StrictModel):
 
 
 class RetryConfig(StrictModel):
+    """Retrying a failed attempt on another replica, and continuing a stream that broke or outgrew its
+    replica."""
+
     max_attempts: int = Field(3, ge=1, description="attempts per request, the first included, each on another "
                               "replica when one is left")
     backoff_s: float = Field(0.02, ge=0, description="wait before the first retry; doubles per attempt, with jitter")
@@ -133,6 +144,9 @@ class RetryConfig(StrictModel):
 
 
 class TimeoutConfig(StrictModel):
+    """Time limits of one proxied request: connect, first byte, gaps between body pieces, a whole non-streamed
+    response."""
+
     connect_s: float = Field(2.0, gt=0, description="to open a connection to a replica")
     # until the first body byte: per attempt, and in all for every attempt of one request
     first_byte_s: float = Field(60.0, gt=0)
@@ -147,6 +161,8 @@ class TimeoutConfig(StrictModel):
 
 
 class BreakerConfig(StrictModel):
+    """Per-replica circuit breaker: consecutive failures that open it, the cooldown, trials that close it."""
+
     failures: int = Field(5, ge=1)  # consecutive failures → open
     cooldown_s: float = Field(5.0, gt=0)  # then half-open: one trial request at a time
     successes: int = Field(1, ge=1)  # consecutive good trials that close it again
@@ -291,6 +307,9 @@ RoutingMode = Literal["local", "skywalker", "gorgo_distributed", "gorgo_proxy"]
 
 
 class GatewayConfig(StrictModel):
+    """The whole ``kvroute serve --config`` file: listener, replicas, policy, queueing, retries, timeouts,
+    auth, peers."""
+
     host: str = Field("127.0.0.1", description="address to listen on (`--host`)")
     port: int = Field(8000, ge=0, le=65535, description="port to listen on; 0: any free port (`--port`)")
     region: str = Field("local", description="the gateway's own region; replicas elsewhere are remote to it")
@@ -402,8 +421,11 @@ class GatewayConfig(StrictModel):
         return HTTPLimits(max_body_bytes=self.max_body_bytes, **self.http.model_dump())
 
     def build_policy(self):
+        """A fresh Policy for ``policy`` (a preset name, preset with params, or composition), seeded with
+        ``seed``."""
         return policy_from_config(self.policy, seed=self.seed)
 
 
 def load_config(path: str) -> GatewayConfig:
+    """Read and validate a gateway YAML file; a ConfigFileError names file:line and the field."""
     return yamlconf.load(GatewayConfig, path)

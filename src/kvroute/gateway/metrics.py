@@ -12,6 +12,9 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 
 
 
 class GatewayMetrics:
+    """The gateway's Prometheus registry: request, branch, latency, retry and queue counters, plus gauges read
+    live from the runtime at scrape time."""
+
     def __init__(self, runtime) -> None:
         self.registry = r = CollectorRegistry()
         self.requests = Counter("kvroute_requests", "Requests by route, status code and policy",
@@ -46,12 +49,15 @@ class GatewayMetrics:
         return child
 
     def count_request(self, route: str, status: int, policy: str) -> None:
+        """Count one answered request by route, status code and policy."""
         self._child(self.requests, route, str(status), policy).inc()
 
     def count_branch(self, policy: str, branch: str) -> None:
+        """Count one routing decision by the policy branch that made it."""
         self._child(self.branches, policy, branch).inc()
 
     def render(self) -> bytes:
+        """The registry in Prometheus text format, for ``GET /metrics``."""
         return generate_latest(self.registry)
 
 

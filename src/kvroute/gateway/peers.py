@@ -342,6 +342,7 @@ class Peering:
             self._task = asyncio.create_task(self._probe_loop())
 
     async def stop(self) -> None:
+        """Stop probing peers and close their connection pools (the gateway is shutting down)."""
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

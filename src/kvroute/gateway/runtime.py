@@ -39,6 +39,9 @@ log = logging.getLogger("kvroute.gateway")
 
 @dataclass
 class Upstream:
+    """One replica as the gateway keeps it: its config, the Endpoint the policy sees, breaker, connection
+    pool, probe streak, last reading and the models it serves."""
+
     config: ReplicaConfig
     endpoint: Endpoint
     breaker: CircuitBreaker
@@ -54,6 +57,8 @@ class Upstream:
 
 @dataclass
 class Waiter:
+    """A request the policy held, waiting in the gateway queue for a replica (its future gets the Decision)."""
+
     request: Request
     future: asyncio.Future
     enqueued: float = field(default_factory=time.monotonic)
@@ -80,6 +85,9 @@ class Outcome(Enum):
 
 
 class Runtime:
+    """The gateway's routing state shared by every connection: Router and policy, replicas and their probes,
+    the hold queue with its pacing, API keys, metrics and peers."""
+
     def __init__(self, config: GatewayConfig):
         self.config = config
         self.policy_name = self._policy_label(config)
@@ -380,6 +388,8 @@ class Runtime:
 
     # -- probes -----------------------------------------------------------------------------------
     async def start(self) -> None:
+        """Open the probe session, probe every replica once (so the first request sees real load), then keep
+        probing replicas and peers in the background."""
         self.session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, force_close=False),
             auto_decompress=False)
@@ -388,6 +398,8 @@ class Runtime:
         self.peering.start()
 
     async def stop(self) -> None:
+        """Stop probing, fail every queued request with QueueTimeout (shutting down) and close sessions and
+        pools."""
         if self._wake is not None:
             self._wake.cancel()
         if self._probe_task:
@@ -412,6 +424,8 @@ class Runtime:
                 log.exception("probe round failed")
 
     async def probe_all(self) -> None:
+        """Probe every replica once, in parallel; then tick the breakers, rescale the prefix index and let
+        queued requests go where a replica freed up."""
         ups = list(self.upstreams.values())
         await asyncio.gather(*(self._probe(up) for up in ups))
         now = time.monotonic()

@@ -606,6 +606,7 @@ class Gateway:
 
     @property
     def active(self) -> int:
+        """Requests being served right now (drain waits for this to reach 0)."""
         return self.http.active
 
     def reload(self) -> list[str]:
@@ -641,6 +642,7 @@ class Gateway:
         await self.stop()
 
     async def stop(self) -> None:
+        """Close the listener and every connection, then stop the runtime (no draining: see :meth:`drain`)."""
         await self.http.close()
         await self.runtime.stop()
 

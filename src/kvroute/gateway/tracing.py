@@ -26,6 +26,7 @@ class Tracer:
 
     @property
     def enabled(self) -> bool:
+        """Whether spans are recorded (tracing.enabled and OpenTelemetry installed)."""
         return self._tracer is not None
 
     def start(self, route: str) -> Any:
