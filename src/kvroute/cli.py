@@ -15,6 +15,8 @@ from kvroute.report import console, err, error, routing_table, run_simulation, w
 
 
 def cmd_policies(args: argparse.Namespace) -> int:
+    """`kvroute policies`: the presets (or with --plugins the plugins) as a table, JSON or Markdown; --write
+    regenerates docs/policies.md."""
     from pathlib import Path
 
     from kvroute.policy import ConfigError
@@ -59,6 +61,8 @@ def cmd_policies(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_routing(args: argparse.Namespace) -> int:
+    """`kvroute bench routing`: decision cost per preset at 8K and 32K-token prompts, and the prefix index's
+    memory."""
     from kvroute.bench import routing
     from kvroute.policy import PRESETS
 
@@ -76,6 +80,8 @@ def cmd_bench_routing(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_sim_speed(args: argparse.Namespace) -> int:
+    """`kvroute bench sim-speed`: simulated requests per wall second on the Mooncake conversation trace, and
+    optionally a million-request run's time and peak RSS."""
     from pathlib import Path
 
     from kvroute.bench import sim_speed
@@ -105,6 +111,8 @@ def cmd_bench_sim_speed(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_gateway(args: argparse.Namespace) -> int:
+    """`kvroute bench gateway`: throughput and added latency of the gateway against going direct to a stub
+    upstream, per preset."""
     from kvroute.bench import gateway
 
     result = gateway.run(requests=args.requests, concurrency=args.concurrency, repeats=args.repeats,
@@ -134,6 +142,8 @@ def cmd_bench_gateway(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_hostile(args: argparse.Namespace) -> int:
+    """`kvroute bench hostile`: the gateway under slow, malformed and oversized clients: latency of the honest
+    load, errors, memory and CPU."""
     from kvroute.bench import hostile
 
     result = hostile.run(requests=args.requests, concurrency=args.concurrency,
@@ -194,6 +204,8 @@ def _scenario_from_args(args: argparse.Namespace):
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
+    """`kvroute simulate`: run a scenario's policies (or a --sweep of loads) in the simulator and print, write
+    and plot the comparison."""
     from kvroute.policy import ConfigError
     from kvroute.policy.registry import register_preset_file
     from kvroute.sim.scenario import ScenarioError
@@ -294,6 +306,8 @@ def _port(text: str) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    """`kvroute serve`: the gateway from --config until SIGTERM; without a config, one in front of emulated
+    replicas in this process."""
     from kvroute import yamlconf
     from kvroute.gateway.config import load_config
     from kvroute.gateway.server import configure_logging, serve
@@ -336,6 +350,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_emulate(args: argparse.Namespace) -> int:
+    """`kvroute emulate`: one emulated engine (vLLM, SGLang or llama.cpp API and metrics, timing from a
+    hardware profile), with optional injected faults."""
     from kvroute.emulator.server import Faults, start_emulator
     from kvroute.sim.profile import ProfileError, load_profile
 
@@ -420,6 +436,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def cmd_controller(args: argparse.Namespace) -> int:
+    """`kvroute controller`: the deployment controller (probes, /resolve, replica placement) from a deployment
+    file until SIGTERM."""
     from kvroute import yamlconf
     from kvroute.controller import load_deployment, start_controller
     from kvroute.gateway.server import configure_logging
@@ -451,6 +469,7 @@ def _fidelity_cell(key: str, value: float) -> str:
 
 
 def cmd_bench_fidelity(args: argparse.Namespace) -> int:
+    """`kvroute bench fidelity`: the same workload on real engines and in the simulator, metric by metric."""
     import asyncio
 
     from kvroute.bench.fidelity import METRICS, Workload, calibrate_engines, run_fidelity
@@ -498,6 +517,8 @@ def cmd_bench_fidelity(args: argparse.Namespace) -> int:
 
 
 def cmd_reproduce(args: argparse.Namespace) -> int:
+    """`kvroute reproduce PAPER`: the paper's claims next to what kvroute measures, with whether each agrees
+    and why not."""
     from pathlib import Path
 
     from kvroute.reproduce import markdown, reproduce
@@ -527,6 +548,8 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
 
 
 def cmd_config_reference(args: argparse.Namespace) -> int:
+    """`kvroute config-reference`: print, --write or --check docs/configuration.md generated from the config
+    models."""
     from pathlib import Path
 
     from kvroute import docs_gen
@@ -561,6 +584,8 @@ def cmd_config_reference(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    """`kvroute demo`: every preset routing sample chat turns, a short routing benchmark, a simulated
+    three-region comparison and live runs over emulated replicas; JSON and plots go to --out."""
     from kvroute.demo import run_demo
 
     run_demo(args.out, args.decisions, args.sim_requests, args.live_policies.split(","), args.live_seconds,
@@ -569,6 +594,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The argparse parser of every kvroute command and its options."""
     p = argparse.ArgumentParser(prog="kvroute", description="KV-cache-aware load balancer for LLM inference")
     p.add_argument("--version", action="version", version=f"kvroute {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
@@ -756,6 +782,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Entry point: parse ``argv``, run the command and return its exit code (2 for bad input, 130 on Ctrl-C),
+    never a traceback for user errors."""
     args = build_parser().parse_args(argv)
     bad_output = _check_outputs(args)
     if bad_output is not None:

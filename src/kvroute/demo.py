@@ -28,6 +28,8 @@ SYSTEM = "You are a meticulous assistant for an infrastructure team. Answer prec
 
 
 def sample_requests() -> list[Request]:
+    """Two users' three chat turns over a shared system prompt, interleaved with one-shot prompts: enough to
+    show cache affinity and load spreading."""
     hasher = BlockHasher()
     reqs: list[Request] = []
     convs = {"alice": [{"role": "system", "content": SYSTEM}],
@@ -48,6 +50,9 @@ def sample_requests() -> list[Request]:
 
 @dataclass
 class WalkResult:
+    """What one preset did with the sample requests: (request, target, branch) per request, prefix tokens
+    reused, requests per replica."""
+
     preset: str
     routes: list[tuple[str, str, str]]  # (request id, target, branch)
     hit_tokens: int
@@ -56,6 +61,8 @@ class WalkResult:
 
 
 def walk(preset: str, reqs: list[Request]) -> WalkResult:
+    """Route ``reqs`` through ``preset`` over four idle replicas, finishing requests now and then so load
+    moves."""
     eps = [Endpoint(f"r{i}", waiting=0) for i in range(4)]
     router = Router(build_policy(preset), eps)
     routes, hit, total = [], 0, 0
@@ -78,12 +85,14 @@ def walk(preset: str, reqs: list[Request]) -> WalkResult:
 
 
 def walk_all() -> list[WalkResult]:
+    """:func:`walk` for every registered preset on the same sample requests."""
     reqs = sample_requests()
     return [walk(name, reqs) for name in PRESETS]
 
 
 def run_demo(out: str, decisions: int, sim_requests: int, live_policies: list[str], live_seconds: float,
              live_requests: int) -> None:
+    """The `kvroute demo` tour (see :func:`kvroute.cli.cmd_demo`); writes its JSON and plots under ``out``."""
     from kvroute.bench import routing
 
     console.rule("[bold]kvroute demo: policy walk-through on sample requests")
