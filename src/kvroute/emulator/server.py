@@ -137,6 +137,10 @@ class _Stream:
 
 
 class Emulator:
+    """An engine without a GPU: the simulator's engine model stepped in real time behind a
+    vLLM/SGLang/llama.cpp-compatible API, answering with deterministic text and the engine's own metric
+    names."""
+
     def __init__(self, profile: HardwareProfile, engine_type: str = "vllm", model: str = "emulated",
                  faults: Faults | None = None, seed: int = 0, block_tokens: int = 64,
                  bytes_per_token: float = 4.0):
@@ -230,6 +234,8 @@ class Emulator:
 
     # -- metrics ----------------------------------------------------------------------------------
     def metrics_text(self) -> str:
+        """The Prometheus text a real engine of this type would export now: running, waiting, KV usage, token
+        counters, start time."""
         e = self.engine
         running, waiting, usage = e.running, len(e.waiting), e.kv_usage(self.clock.now)
         lines = []
@@ -284,6 +290,8 @@ async def _read_json(request: web.Request) -> dict:
 
 
 def build_app(emu: Emulator) -> web.Application:
+    """The aiohttp app of one emulator: OpenAI chat/completions (streamed or not), /v1/models, /metrics,
+    /health, SGLang's /get_load, and /_fault and /_restart for tests."""
     app = web.Application()
     app[EMULATOR] = emu
 
@@ -411,6 +419,8 @@ def build_app(emu: Emulator) -> web.Application:
 async def start_emulator(host: str, port: int, profile: str | HardwareProfile = "l4-llama3.1-8b",
                          engine_type: str = "vllm", faults: Faults | None = None,
                          model: str = "emulated", bytes_per_token: float = 4.0) -> tuple[web.AppRunner, Emulator, int]:
+    """Start an emulator listening on ``host:port`` (0: any free port); returns its runner (cleanup() stops
+    it), the Emulator and the port."""
     prof = load_profile(profile) if isinstance(profile, str) else profile
     emu = Emulator(prof, engine_type, model, faults, bytes_per_token=bytes_per_token)
     runner = web.AppRunner(build_app(emu), handler_cancellation=True, access_log=None)

@@ -26,6 +26,9 @@ WORDS = ("replica", "cache", "prefix", "token", "batch", "latency", "region", "q
 
 @dataclass
 class LoadResult:
+    """Client-side measurements of one load run: per-request TTFT and end-to-end latency, token counts,
+    requests per replica, errors by kind."""
+
     ttft: list[float] = field(default_factory=list)
     e2e: list[float] = field(default_factory=list)
     prompt_tokens: int = 0
@@ -35,6 +38,8 @@ class LoadResult:
     wall_s: float = 0.0
 
     def summary(self) -> dict:
+        """Requests, errors, p50/p99 TTFT and E2E (nearest rank, seconds), throughput, cached share and
+        requests per replica."""
         pct = percentile
         n = len(self.e2e)
         return {"requests": n, "errors": sum(self.errors.values()),
@@ -52,6 +57,8 @@ def _text(rng: random.Random, n: int) -> str:
 async def run_chat_load(base_url: str, clients: int = 16, max_requests: int = 400, duration_s: float = 15.0,
                         seed: int = 0, max_tokens: int = 24, on_done: Callable[[int], None] | None = None
                         ) -> LoadResult:
+    """Drive ``clients`` concurrent chat conversations against ``base_url`` until ``max_requests`` or
+    ``duration_s``; ``on_done`` gets the number of requests finished so far after each one."""
     rng = random.Random(seed)
     systems = [f"You are assistant #{i}. " + _text(rng, 400) for i in range(4)]
     result = LoadResult()

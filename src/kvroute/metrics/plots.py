@@ -60,6 +60,7 @@ def _region_colours(regions: list[str]) -> list:
 
 
 def write_plots(runs, out_dir: str | Path, title: str = "") -> list[Path]:
+    """Write the PNGs listed in this module's docstring for ``runs`` into ``out_dir``; returns their paths."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = []
