@@ -139,6 +139,8 @@ class SimBalancer:
         self._wake_at = -1.0  # a paced drain already scheduled for this time
 
     def connect_peers(self, peers: list[SimBalancer]) -> None:
+        """Give a forwarding balancer a peer Router over the other regions' balancers (same preset, pending
+        admission), at their network RTT; no-op when it does not forward."""
         if not self.forward or not peers:
             return
         eps = [Endpoint(p.id, region=p.region, kind=EndpointKind.PEER,
@@ -149,6 +151,7 @@ class SimBalancer:
 
     # -- requests ------------------------------------------------------------------------------
     def arrive(self, flight: Routed) -> None:
+        """A request reaches this balancer: stamp its arrival, queue it and try to dispatch."""
         if flight.reached_lb < 0:
             flight.reached_lb = self.sim.loop.now
         self.queue.append(flight)
@@ -157,6 +160,8 @@ class SimBalancer:
         self.drain()
 
     def drain(self, _=None) -> None:
+        """Decide for queued requests in FIFO order: dispatch, forward a held one to a peer balancer, or fail
+        it; stop at a held head of line, or when the pacer says wait (a wake-up is set for its next tick)."""
         queue, router, pacer = self.queue, self.router, self.pacer
         now = self.sim.loop.now
         while queue:

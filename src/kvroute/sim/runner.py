@@ -12,6 +12,9 @@ from kvroute.sim.simulation import Simulation
 
 @dataclass
 class PolicyRun:
+    """One policy's simulated run: its label, result dict, the Recorder with per-request data, and trace lines
+    skipped."""
+
     label: str
     result: dict
     recorder: Recorder
@@ -20,6 +23,8 @@ class PolicyRun:
 
 def run_scenario(sc: Scenario, on_start: Callable[[str], None] | None = None,
                  on_progress: Callable[[str, int], None] | None = None) -> list[PolicyRun]:
+    """Simulate every policy of ``sc`` on a freshly seeded copy of the same workload; ``on_start`` /
+    ``on_progress`` report per policy."""
     policies = sc.policy_list()
     setups = {topo: sc.setup(topo) for topo in {p.topology for p in policies}}
     runs = []
@@ -41,6 +46,8 @@ def run_scenario(sc: Scenario, on_start: Callable[[str], None] | None = None,
 
 
 def report(sc: Scenario, runs: list[PolicyRun]) -> dict:
+    """The JSON document `kvroute simulate` writes: scenario, seed, replica count, workload, SLO and each
+    policy's result."""
     return {"scenario": sc.name, "seed": sc.seed,
             "replicas": sum(g.count for g in sc.replicas),
             "workload": sc.workload.kind,

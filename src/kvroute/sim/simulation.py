@@ -27,6 +27,8 @@ from kvroute.workload import Program, SimRequest, Workload
 
 @dataclass
 class ReplicaSpec:
+    """One simulated replica: id, region, hardware profile, and the machine it shares cores with, if any."""
+
     id: str
     region: str
     profile: HardwareProfile
@@ -35,6 +37,9 @@ class ReplicaSpec:
 
 @dataclass
 class BalancerSpec:
+    """One simulated load balancer: its region, the replicas it manages, probe interval, whether it forwards
+    to peers, queue pacing."""
+
     id: str
     region: str
     replicas: list[str]
@@ -45,6 +50,9 @@ class BalancerSpec:
 
 @dataclass
 class Limits:
+    """When a run stops issuing (request count or simulated time) and how long in-flight requests then get to
+    finish."""
+
     max_requests: int | None = None
     max_sim_s: float | None = None  # stop issuing after this much simulated time
     drain_s: float = 3600.0  # then give in-flight requests this long to finish
@@ -52,6 +60,9 @@ class Limits:
 
 @dataclass
 class Setup:
+    """Everything a Simulation needs besides the policy and workload: replicas, balancers, network, limits,
+    seed, sampling, index block size, SLOs."""
+
     replicas: list[ReplicaSpec]
     balancers: list[BalancerSpec]
     network: Network = field(default_factory=Network)
@@ -65,12 +76,17 @@ class Setup:
 
 @dataclass
 class Replica:
+    """A simulated replica at run time: its id, region and engine model."""
+
     id: str
     region: str
     engine: Engine
 
 
 class Flight:
+    """One request on its way through the simulated system: where it came from, the balancers and replica it
+    met, and the times it reached each (for latency breakdowns and on_finish calls)."""
+
     __slots__ = ("sreq", "client_region", "sent", "reached_lb", "at_peer", "notify", "replica", "back_s",
                  "first", "net_s", "dispatched")
 
@@ -90,6 +106,10 @@ class Flight:
 
 
 class Simulation:
+    """One policy on one Setup and workload, as a discrete-event run: clients issue requests, balancers route
+    them with the same Router and policy code as the gateway, engine models serve them. :meth:`run` returns
+    the result dict."""
+
     def __init__(self, setup: Setup, preset: str, params: dict | None, workload: Workload,
                  progress: Callable[[int], None] | None = None):
         self.setup = setup
@@ -145,6 +165,8 @@ class Simulation:
         return self.issuing
 
     def issue(self, sreq: SimRequest) -> None:
+        """A client in the request's region sends it: counted, then delivered to that region's balancer after
+        the one-way network delay."""
         region = sreq.req.region or self.lbs[0].region
         lb = self.lb_for(region)
         now = self.loop.now
@@ -207,6 +229,8 @@ class Simulation:
 
     # -- routing outcomes (called by balancers) -------------------------------------------------
     def dispatch(self, flight: Flight, lb: SimBalancer, replica_id: str, branch: str) -> None:
+        """A balancer sends ``flight`` to ``replica_id`` (branch counted); it reaches the replica after the
+        network delay plus the profile's TTFT overhead."""
         rep = self.replicas[replica_id]
         rec = self.recorder
         rec.branches[branch] = rec.branches.get(branch, 0) + 1
@@ -228,6 +252,8 @@ class Simulation:
         self.loop.at(self.loop.now + hop, dst.arrive, flight)
 
     def fail(self, flight: Flight, reason: str) -> None:
+        """A balancer refused ``flight``: every router it passed forgets it, and the failure is recorded with
+        ``reason``."""
         for router, _, _, _ in flight.notify:
             router.on_finish(flight.sreq.req.id)
         self.recorder.fail(reason)
@@ -321,6 +347,8 @@ class Simulation:
 
     # -- run -------------------------------------------------------------------------------------
     def run(self) -> dict:
+        """Run to the end (limits reached and in-flight requests finished or drained) and return the summary:
+        latencies, throughput, hit rate, branches, load verdict."""
         # Objects that exist before the run (a parsed trace, scenarios, earlier runs' results)
         # are frozen for its duration, so the cyclic collector does not walk them again and again
         # (about 4 % of a run's instructions); results do not depend on when it runs. Skipped
