@@ -46,6 +46,8 @@ class ScenarioError(ValueError):
 
 
 class ReplicaGroup(StrictModel):
+    """A group of identical simulated replicas in one region, on one hardware profile."""
+
     region: str = Field("local", description="region the replicas are in")
     count: int = Field(1, ge=1, description="replicas in this group (`--replicas` sets every group's)")
     profile: str = Field("l4-llama3.1-8b", description="hardware profile: a bundled name (`src/kvroute/profiles/`) "
@@ -56,6 +58,9 @@ class ReplicaGroup(StrictModel):
 
 
 class BalancerGroup(StrictModel):
+    """A load balancer listed by hand: its region, the replica regions it manages, probing, forwarding and
+    pacing."""
+
     region: str = Field(description="region the load balancer is in")
     manages: list[str] | Literal["all"] | None = None  # replica regions; default: its own
     probe_interval_s: float = Field(0.1, gt=0, description="how often it reads its replicas' indicators")
@@ -96,6 +101,9 @@ class ShapeSpec(StrictModel):
 
 
 class WorkloadSpec(StrictModel):
+    """What the simulated clients send: a synthetic kind or a trace file, clients per region and the knobs of
+    each kind."""
+
     kind: Literal["chat", "tot", "mixed", "chat-poisson", "long-context", "mooncake", "azure", "openai"] = Field(
         "chat", description="synthetic closed-loop chat, trees of thought or a mix; open-loop Poisson chat; "
         "open-loop long-context requests up to 128K (CascadeInfer, workload/long_context.py); or a "
@@ -125,6 +133,8 @@ class WorkloadSpec(StrictModel):
 
 
 class LimitSpec(StrictModel):
+    """When a simulated run stops issuing requests, and how long in-flight ones then get."""
+
     max_requests: int | None = Field(None, ge=1, description="stop issuing after this many requests "
                                      "(`--max-requests`)")
     max_sim_s: float | None = Field(None, gt=0, description="stop issuing at this simulated time")
@@ -148,6 +158,8 @@ class SLOSpec(StrictModel):
 
 
 class PolicyEntry(NamedTuple):
+    """One policy to compare: its label in results, preset, parameters and an optional topology of its own."""
+
     label: str
     preset: str
     params: dict | None
@@ -158,6 +170,9 @@ _DEFAULT_POLICIES: list[str | dict[str, Any]] = ["round_robin", "skywalker"]
 
 
 class Scenario(StrictModel):
+    """A `kvroute simulate` file: replicas, balancers or topology, network, workload, limits, SLOs and the
+    policies to compare, all on one seed."""
+
     name: str = Field("scenario", description="title of the result tables and plots")
     seed: int = Field(0, description="seeds the workload and the policies; one seed, one identical workload "
                       "for every policy")
@@ -181,6 +196,7 @@ class Scenario(StrictModel):
 
     # -- derived ---------------------------------------------------------------------------------
     def regions(self) -> list[str]:
+        """Regions that have replicas, in the order the file first names them."""
         return list(dict.fromkeys(g.region for g in self.replicas))
 
     def policy_list(self) -> list[PolicyEntry]:
@@ -235,6 +251,8 @@ class Scenario(StrictModel):
         return [BalancerGroup(region=r, forward=kind == "two-layer", **common) for r in self.regions()]
 
     def setup(self, topology: str | None = None) -> Setup:
+        """The simulator's Setup for ``topology`` (default: the scenario's): replica and balancer specs,
+        network, limits; a bad profile or region is a ScenarioError."""
         replicas: list[ReplicaSpec] = []
         for g in self.replicas:
             try:
@@ -272,9 +290,12 @@ class Scenario(StrictModel):
                                     f"there ({{region: {region}, count: N}}) or move the clients")
 
     def clients(self) -> dict[str, int]:
+        """Clients (or trace weights) per region: as given, else 16 in every replica region."""
         return dict(self.workload.clients) or {r: 16 for r in self.regions()}
 
     def make_workload(self) -> Workload:
+        """A fresh workload as the file describes it, seeded with ``seed`` (called once per policy so each
+        sees the same requests)."""
         w = self.workload
         clients = self.clients()
         try:
@@ -323,6 +344,8 @@ class Scenario(StrictModel):
 
 
 def resolve_trace(path: str | None, kind: str) -> str:
+    """The trace file to read: the bundled Mooncake/Azure trace when ``path`` is None, a path under the traces
+    folder when it only exists there, else ``path`` as given."""
     if path is None:
         bundled = {"mooncake": DATA_DIR / "mooncake" / "conversation_trace.jsonl",
                    "azure": DATA_DIR / "azure-2023" / "AzureLLMInferenceTrace_code.csv"}.get(kind)
@@ -385,6 +408,8 @@ def detect_trace_kind(path: str) -> str:
 
 
 def parse_scenario(data: Any, source: str = "scenario", text: str | None = None) -> Scenario:
+    """Validate scenario data (a dict from YAML); errors become a ScenarioError naming ``source``:line and the
+    key."""
     try:
         return yamlconf.validate(Scenario, data, source, text)
     except yamlconf.ConfigFileError as exc:
@@ -392,6 +417,8 @@ def parse_scenario(data: Any, source: str = "scenario", text: str | None = None)
 
 
 def load_scenario(path: str) -> Scenario:
+    """A scenario from a YAML file, or from a bundled scenario's name (``chat-3region-skewed``); a missing one
+    names the bundled ones."""
     p = Path(path)
     if not p.exists() and (SCENARIO_DIR / f"{path}.yaml").exists():
         p = SCENARIO_DIR / f"{path}.yaml"
