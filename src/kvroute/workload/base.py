@@ -17,6 +17,9 @@ from kvroute.model import Request
 
 @dataclass(slots=True)
 class SimRequest:
+    """A request as the simulator issues it: what the router sees (``req``), how many tokens the engine will
+    really generate, and the client program to tell when it completes (None for open-loop arrivals)."""
+
     req: Request
     output_tokens: int  # what the engine will generate; the router never sees it
     program: Program | None = None
@@ -43,11 +46,16 @@ class Workload:
     think_time_s: float = 0.0
 
     def arrivals(self) -> Iterator[SimRequest]:
+        """Open-loop requests in arrival order (``req.arrival_s`` set); none by default."""
         return iter(())
 
     def new_program(self, region: str, slot: int) -> Program | None:
+        """A new client program for slot ``slot`` of ``region`` (closed loop), or None when the workload has
+        run out."""
         return None
 
     @property
     def closed_loop(self) -> bool:
+        """Whether the simulator keeps ``clients`` programs running (closed loop) rather than replaying
+        ``arrivals``."""
         return bool(self.clients)

@@ -18,6 +18,10 @@ _one = struct.Struct("<qqq")  # the common block: one piece of one segment
 
 
 class Context:
+    """A prompt as the router sees it, built up segment by segment: chained block hashes of its full blocks,
+    its token count, and the pieces of the unfinished last block (so two prompts that share a prefix share
+    hashes)."""
+
     __slots__ = ("hashes", "tokens", "tail", "bt")
 
     def __init__(self, bt: int, hashes: tuple[int, ...] = (), tokens: int = 0,

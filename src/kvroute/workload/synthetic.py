@@ -32,6 +32,7 @@ BLOCK_TOKENS = 64
 
 
 def lognormal(rng: random.Random, median: float, sigma: float, lo: int, hi: int) -> int:
+    """A log-normal integer with this median and σ, clipped to [``lo``, ``hi``]."""
     return int(min(hi, max(lo, round(median * math.exp(sigma * rng.gauss(0.0, 1.0))))))
 
 
@@ -60,6 +61,8 @@ class ChatPopulation:
                               for _ in range(max(1, users_per_region.get(r, 1)))] for r in regions}
 
     def session_context(self, region: str) -> tuple[str, Context]:
+        """A new session in ``region``: (user key, its starting context) — a system prompt (one of the
+        region's, 10 % of the time a global one), plus the user's document 60 % of the time."""
         rng = self.rng
         pool = self.global_systems if rng.random() < 0.1 else self.systems[region]
         ctx = rng.choice(pool)
@@ -70,13 +73,18 @@ class ChatPopulation:
         return f"{region}-user{user}", ctx
 
     def question(self) -> int:
+        """Tokens of a user question (log-normal, median 120)."""
         return lognormal(self.rng, 120, 0.9, 4, 4000)
 
     def answer(self) -> int:
+        """Tokens of an answer (log-normal, median 200)."""
         return lognormal(self.rng, 200, 0.8, 1, 2048)
 
 
 class Conversation(Program):
+    """A closed-loop chat: each turn's prompt is the whole conversation so far plus a new question; 1 to 12
+    turns (geometric) unless ``turns`` is given."""
+
     def __init__(self, pop: ChatPopulation, region: str, ids: _Ids, turns: int | None = None):
         self.pop, self.region, self.ids = pop, region, ids
         self.user, self.ctx = pop.session_context(region)
@@ -93,9 +101,11 @@ class Conversation(Program):
         return SimRequest(req, out, self)
 
     def start(self) -> list[SimRequest]:
+        """The first turn."""
         return [self._next()]
 
     def on_complete(self, done: SimRequest) -> list[SimRequest]:
+        """Append the answer to the context and ask the next question, until the turns run out."""
         self.ctx = self.ctx.extend(self.pop.seg(), done.output_tokens)
         return [self._next()] if self.turns_left > 0 else []
 
@@ -122,9 +132,11 @@ class ThoughtTree(Program):
         return SimRequest(req, out, self)
 
     def start(self) -> list[SimRequest]:
+        """The root node: the question under one of the region's system prompts."""
         return [self._node(self.root, 1)]
 
     def on_complete(self, done: SimRequest) -> list[SimRequest]:
+        """``branching`` children extending the finished node's answer, until ``depth``."""
         level, ctx = self.level.pop(done.req.id)
         if level >= self.depth:
             return []
@@ -156,6 +168,7 @@ class ChatWorkload(Workload):
         self.pop = ChatPopulation(list(clients), {r: 3 * n for r, n in clients.items()}, self.rng)
 
     def new_program(self, region: str, slot: int) -> Program:
+        """A tree of thought with the region's tree fraction, else a conversation."""
         frac, depth, branching = self.shapes.get(region, (self.tree_fraction, self.depth, self.branching))
         if frac and self.rng.random() < frac:
             return ThoughtTree(self.pop, region, self.ids, depth, branching)
@@ -183,6 +196,8 @@ class ChatPoisson(Workload):
         self.pop = ChatPopulation(list(clients), {r: max(1, n) * 3 for r, n in clients.items()}, self.rng)
 
     def arrivals(self) -> Iterator[SimRequest]:
+        """Poisson arrivals at ``rate``, each the next turn of a random live conversation in a region drawn by
+        weight, until ``max_requests`` (forever without)."""
         rng = self.rng
         regions = list(self.weights)
         weights = [self.weights[r] for r in regions]

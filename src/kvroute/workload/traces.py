@@ -191,6 +191,8 @@ class MooncakeTrace(Workload):
         return float(ts), inp, max(1, out), tuple(ids)
 
     def arrivals(self) -> Iterator[SimRequest]:
+        """The trace's requests in file order, re-timed and filtered as configured (counts ``dropped`` and
+        out-of-order stamps as it goes)."""
         t = 0.0
         n = 0
         prev = 0.0
@@ -216,6 +218,7 @@ class MooncakeTrace(Workload):
 
     @property
     def skipped(self) -> int:
+        """Malformed lines skipped (with ``skip_bad``)."""
         return self.bad.skipped
 
 
@@ -226,6 +229,8 @@ class AzureTrace(MooncakeTrace):
     name = "azure"
 
     def arrivals(self) -> Iterator[SimRequest]:
+        """The CSV's rows in file order as prompt/output lengths (no block hashes), re-timed and filtered as
+        configured."""
         t0 = None
         t = 0.0
         n = 0
@@ -377,9 +382,12 @@ class OpenAIConversations(Workload):
         return _Replay(turns)
 
     def new_program(self, region: str, slot: int) -> Program | None:
+        """The next conversation assigned to ``region`` to replay as a closed-loop client; None when that
+        region's are used up."""
         q = self.queues.get(region)
         return q.pop() if q else None
 
     @property
     def skipped(self) -> int:
+        """Malformed lines skipped (with ``skip_bad``)."""
         return self.bad.skipped
