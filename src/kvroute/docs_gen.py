@@ -184,6 +184,7 @@ def table(model: type[BaseModel]) -> str:
 
 def reference() -> str:
     """The generated section, markers included."""
+    from kvroute.controller.deployment import Deployment
     from kvroute.gateway.config import GatewayConfig
     from kvroute.sim.scenario import Scenario
 
@@ -198,6 +199,10 @@ def reference() -> str:
         "(`--workload`, `--replicas`, `--profile`, `--policy`, `--time-scale`, `--rate`, "
         "`--max-requests`, `--seed`, `--slo-*`).", "",
         table(Scenario), "",
+        "### Deployment (`kvroute controller --config FILE`)", "",
+        "The regions' gateways and replicas the controller probes and fails over; it keeps no "
+        "other state.", "",
+        table(Deployment), "",
         END,
     ])
 
