@@ -76,6 +76,8 @@ HACKED = "gorgo(w_queue=0.0)"
 
 
 def rows_v1(lab: Lab) -> list[Row]:
+    """GORGO v1's TTFT claims (central proxy vs least-load, prefix-trie and distributed GORGO; distributed
+    GORGO's P99), paper beside simulator."""
     r = lab.run("gorgo-v1")
     proxy = r[f"{V1}@global"]
     others = {"least-load": r["least_load@distributed"], "prefix-trie": r["sglang_cache_aware@distributed"],
@@ -114,6 +116,9 @@ def rows_v1(lab: Lab) -> list[Row]:
 
 
 def rows_v2(lab: Lab) -> list[Row]:
+    """GORGO v2's claims: the weights the online (1+1)-ES learns, the tuning window, held-out windows with the
+    learned weights frozen vs session affinity, the paper's learned weights, the load sweep and reward
+    hacking at w_queue = 0."""
     r = lab.run("gorgo-v2")
     sa, learned, start, hacked = r["consistent_hash"], r[LEARNED], r["gorgo"], r[HACKED]
     note = unstable_note(lab, "gorgo-v2")

@@ -191,6 +191,9 @@ def synthetic_hotspot_row() -> Row:
 
 
 def rows(lab: Lab) -> list[Row]:
+    """LMetric's claims on the Mooncake trace at half capacity: mean TTFT / TPOT vs vLLM's JSQ and
+    Bailian's linear combination, P99 TPOT vs llm-d, best mean TTFT at every rate, tuned vs untuned
+    simulator (Figs. 15-16) and the KV hotspot detector."""
     cap, trace_rate = capacity(lab)
     half = lab.run("lmetric", key="lmetric-50", overrides={"workload": {"time_scale": trace_rate / (0.5 * cap)}})
     lm = half["lmetric"]

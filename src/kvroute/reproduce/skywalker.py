@@ -105,6 +105,8 @@ def chat_rows(lab: Lab, key: str, chat: dict, where: str) -> list[Row]:
 
 
 def rows(lab: Lab) -> list[Row]:
+    """SkyWalker's claims: the skewed chat comparison and its knee, tree-of-thought and mixed-tree workloads,
+    selective pushing (Fig. 9) and cross-region replicas (Fig. 10)."""
     out: list[Row] = []
     chat = lab.run("skywalker-chat")
     out += chat_rows(lab, "skywalker-chat", chat, "(120/40/40 clients)")
