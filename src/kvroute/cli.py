@@ -405,6 +405,8 @@ def _int_list(text: str) -> tuple[int, ...]:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
+    """`kvroute calibrate`: measure running engines (prefill lengths, batch sizes, contexts), fit a hardware
+    profile's step-time constants and write it with the fit's error per point."""
     from kvroute.calibrate import CalibrationError, Sweep, fit_profile, measure, write_profile
 
     why = _unwritable(args.out, False)
