@@ -65,9 +65,13 @@ def conversations(w: Workload, bytes_per_token: float, salt: str) -> list[list[d
         return " ".join(words)
 
     systems = [f"group {g} {salt}. " + text(w.system_tokens) for g in range(w.groups)]
+    # users in a random order of groups (the order they start in), not g0, g1, g2, g0, ...: a
+    # group's users may start close together, as independent users do
+    groups = [u % w.groups for u in range(w.users)]
+    rng.shuffle(groups)
     out = []
     for u in range(w.users):
-        messages: list[dict] = [{"role": "system", "content": systems[u % w.groups]}]
+        messages: list[dict] = [{"role": "system", "content": systems[groups[u]]}]
         for t in range(rng.randint(*w.turns)):
             if t:
                 messages.append({"role": "assistant", "content": text(w.max_tokens * 2)})
@@ -137,11 +141,15 @@ async def live_run(gateway_url: str, convs: list[list[dict]], max_tokens: int, t
                    seed: int = 0) -> LiveRun:
     """Every user's conversation, each turn after the previous answer (closed loop). Users start
     at uniformly random instants over the first second, as the simulator's closed-loop clients do
-    (a thundering herd of first turns would be another workload)."""
+    (a thundering herd of first turns would be another workload), and conversation i is the i-th
+    to start: the simulator hands a trace's conversations out in file order to clients as they
+    start, so both sides see the groups arrive in the same order."""
     run = LiveRun()
     rng = random.Random(seed)
+    starts = sorted(rng.random() for _ in convs)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
-        await asyncio.gather(*(_user(session, gateway_url, c, max_tokens, run, rng.random()) for c in convs))
+        await asyncio.gather(*(_user(session, gateway_url, c, max_tokens, run, t)
+                               for c, t in zip(convs, starts, strict=True)))
     return run
 
 
