@@ -68,7 +68,9 @@ class HardwareProfile(BaseModel):
     # content to the host cache (one more copy). Measured on llama-server 0.3.36: a request
     # sharing a 1,300-token prefix with one still decoding got 0 cached tokens, after it
     # finished 1,308; of three concurrent requests for a prefix held by one idle slot, two were
-    # served from cache; held only in the host cache, one. Set by `kvroute calibrate`.
+    # served from cache; held only in the host cache, one. Set by `kvroute calibrate`. Taking
+    # the longest idle copy is llama-server's slot choice (--slot-prompt-similarity, 0.10 in
+    # 0.3.36: the idle slot with the longest common prefix when it covers > 10 % of the prompt).
     prefix_reuse: Literal["shared", "idle_slots"] = "shared"
     # published points this profile must reproduce within 5% (checked by the tests), each one of
     # {prefill, expect_s} | {prefill, ttft_s} | {decode, ctx, expect_s} | {decode, ctx, attn_share}
