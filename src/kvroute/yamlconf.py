@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -29,6 +30,27 @@ class AtItem(ValueError):
     def __init__(self, msg: str, loc: tuple):
         super().__init__(msg)
         self.loc = loc
+
+
+def first_repeat(names: Iterable[str]) -> tuple[int, int] | None:
+    """(index of the first name seen before, index where it was first seen), or None when all differ:
+    for validators that point at the repeated list item's line (raise :class:`AtItem` there)."""
+    seen: dict[str, int] = {}
+    for i, name in enumerate(names):
+        if name in seen:
+            return i, seen[name]
+        seen[name] = i
+    return None
+
+
+def unique_items(names: Iterable[str], what: str, section: str) -> None:
+    """Raise :class:`AtItem` at the second of two equal names: ``{what} must be unique; repeated:
+    NAME (as in {section}[i])``."""
+    names = list(names)
+    hit = first_repeat(names)
+    if hit is not None:
+        i, first = hit
+        raise AtItem(f"{what} must be unique; repeated: {names[i]} (as in {section}[{first}])", (i,))
 
 
 def line_of(text: str, loc: tuple) -> int | None:

@@ -119,22 +119,13 @@ class Deployment(StrictModel):
     def _gateways(cls, gws: list[DeployedGateway]) -> list[DeployedGateway]:
         if not gws:
             raise ValueError("list at least one gateway")
-        seen: dict[str, int] = {}
-        for i, g in enumerate(gws):
-            if g.name in seen:
-                raise yamlconf.AtItem(f"gateway names must be unique; {g.name!r} is also gateways[{seen[g.name]}]",
-                                      (i,))
-            seen[g.name] = i
+        yamlconf.unique_items((g.name for g in gws), "gateway names", "gateways")
         return gws
 
     @field_validator("replicas")
     @classmethod
     def _replicas(cls, reps: list[DeployedReplica]) -> list[DeployedReplica]:
-        seen: dict[str, int] = {}
-        for i, r in enumerate(reps):
-            if r.id in seen:
-                raise yamlconf.AtItem(f"replica ids must be unique; {r.id!r} is also replicas[{seen[r.id]}]", (i,))
-            seen[r.id] = i
+        yamlconf.unique_items((r.id for r in reps), "replica ids", "replicas")
         return reps
 
     @model_validator(mode="after")

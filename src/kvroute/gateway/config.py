@@ -252,10 +252,7 @@ class AuthConfig(StrictModel):
     @field_validator("keys")
     @classmethod
     def _keys(cls, keys: list[KeyConfig]) -> list[KeyConfig]:
-        names = [k.name for k in keys]
-        dup = sorted({n for n in names if names.count(n) > 1})
-        if dup:
-            raise ValueError(f"key names must be unique; repeated: {', '.join(dup)}")
+        yamlconf.unique_items((k.name for k in keys), "key names", "keys")
         for k in keys:
             k.key_digest()  # fail at load, naming the key, not at the first request
         return keys
@@ -364,14 +361,13 @@ class GatewayConfig(StrictModel):
     @classmethod
     def _unique(cls, replicas: list[ReplicaConfig]) -> list[ReplicaConfig]:
         """A repeated id names the second entry's line and says how to tell them apart."""
-        first: dict[str, int] = {}
-        for i, r in enumerate(replicas):
-            if r.name not in first:
-                first[r.name] = i
-                continue
+        hit = yamlconf.first_repeat(r.name for r in replicas)
+        if hit is not None:
+            i, first = hit
+            r = replicas[i]
             how = ("give each its own id:" if r.id is not None else
                    f"the id defaults to host:port; if both are meant, give each an id:, e.g. id: {r.name}-{i}")
-            raise yamlconf.AtItem(f"replica ids must be unique; repeated: {r.name} (as in replicas[{first[r.name]}]); "
+            raise yamlconf.AtItem(f"replica ids must be unique; repeated: {r.name} (as in replicas[{first}]); "
                                   f"{how}", (i,))
         return replicas
 
@@ -393,10 +389,7 @@ class GatewayConfig(StrictModel):
     @field_validator("peers")
     @classmethod
     def _unique_peers(cls, peers: list[PeerConfig]) -> list[PeerConfig]:
-        names = [p.name for p in peers]
-        dup = sorted({n for n in names if names.count(n) > 1})
-        if dup:
-            raise ValueError(f"peer names must be unique; repeated: {', '.join(dup)}")
+        yamlconf.unique_items((p.name for p in peers), "peer names", "peers")
         return peers
 
     @model_validator(mode="after")
