@@ -53,7 +53,7 @@ from prometheus_client.core import GaugeMetricFamily
 
 from kvroute.gateway.breaker import CircuitBreaker
 from kvroute.gateway.config import GatewayConfig, PeerConfig
-from kvroute.gateway.probes import ProbeStreak
+from kvroute.gateway.probes import ProbeStreak, probe_forever, tick_breakers
 from kvroute.gateway.residency import RESIDENCY_HEADER, eligible, request_zone
 from kvroute.gateway.upstream import UpstreamPool
 from kvroute.model import Decision, Endpoint, EndpointKind, Request
@@ -339,7 +339,8 @@ class Peering:
     def start(self) -> None:
         """Probe the peers from now on (on the running loop)."""
         if self.links and self._task is None:
-            self._task = asyncio.create_task(self._probe_loop())
+            self._task = asyncio.create_task(
+                probe_forever(lambda: self.config.probe.interval_s, self.probe_all, "peer probe round failed"))
 
     async def stop(self) -> None:
         """Stop probing peers and close their connection pools (the gateway is shutting down)."""
@@ -351,22 +352,11 @@ class Peering:
         for link in self.links.values():
             link.pool.close()
 
-    async def _probe_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.config.probe.interval_s)
-            try:
-                await self.probe_all()
-            except Exception:  # a probe bug must not stop probing
-                log.exception("peer probe round failed")
-
     async def probe_all(self) -> None:
         """Read every peer's status once; a change may let held requests go."""
         links = list(self.links.values())
         await asyncio.gather(*(self._probe(link) for link in links))
-        now = time.monotonic()
-        for link in links:
-            link.breaker.tick(now)
-            link.endpoint.circuit_open = not link.breaker.allows
+        tick_breakers(links, time.monotonic())
         if self.rt.queue:
             self.rt.drain_queue()
 

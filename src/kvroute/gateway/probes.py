@@ -11,12 +11,24 @@ several label sets for one metric (data-parallel ranks, several models) is read 
 counts and the mean of its KV usage. A restart is recognised when the process start time changes
 or the engine's prompt-token counter goes backwards; the gateway then forgets what the replica's
 cache held.
+
+What probing replicas and probing peer gateways share lives here too: the health streak
+(:class:`ProbeStreak`), the probe loop and the breaker tick.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import re
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
+from typing import Protocol
+
+from kvroute.gateway.breaker import CircuitBreaker
+from kvroute.model import Endpoint
+
+log = logging.getLogger("kvroute.gateway")
 
 ENGINE_METRICS: dict[str, tuple[str, str, tuple[str, ...], str]] = {
     # engine: (running, waiting, KV-usage names, a counter that only grows while the process lives)
@@ -157,3 +169,29 @@ class ProbeStreak:
         prev = self.rtt_ewma_s
         self.rtt_ewma_s = sample_s if prev is None else weight * sample_s + (1 - weight) * prev
         return self.rtt_ewma_s
+
+
+async def probe_forever(interval_s: Callable[[], float], probe_round: Callable[[], Awaitable[None]],
+                        what: str) -> None:
+    """Run ``probe_round`` every ``interval_s()`` seconds (read each time: a reload may change it)
+    until cancelled; a round that raises is logged as ``what`` and probing goes on."""
+    while True:
+        await asyncio.sleep(interval_s())
+        try:
+            await probe_round()
+        except Exception:  # a probe bug must not stop probing
+            log.exception("%s", what)
+
+
+class Guarded(Protocol):
+    """A probed target with a circuit breaker: a replica's Upstream or a peer's link."""
+
+    breaker: CircuitBreaker
+    endpoint: Endpoint
+
+
+def tick_breakers(targets: Iterable[Guarded], now: float) -> None:
+    """Let each breaker's cooldown run out (open → half-open) and show the result to the policy."""
+    for t in targets:
+        t.breaker.tick(now)
+        t.endpoint.circuit_open = not t.breaker.allows

@@ -26,8 +26,10 @@ from kvroute.gateway.probes import (
     Reading,
     kv_capacity,
     parse_prometheus,
+    probe_forever,
     read_indicators,
     restarted,
+    tick_breakers,
 )
 from kvroute.gateway.tokens import RESIZE_STEP, TokenRatio
 from kvroute.gateway.upstream import UpstreamPool
@@ -394,7 +396,8 @@ class Runtime:
             connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, force_close=False),
             auto_decompress=False)
         await self.probe_all()
-        self._probe_task = asyncio.create_task(self._probe_loop())
+        self._probe_task = asyncio.create_task(
+            probe_forever(lambda: self.config.probe.interval_s, self.probe_all, "probe round failed"))
         self.peering.start()
 
     async def stop(self) -> None:
@@ -415,23 +418,12 @@ class Runtime:
         for up in self.upstreams.values():
             up.pool.close()
 
-    async def _probe_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.config.probe.interval_s)
-            try:
-                await self.probe_all()
-            except Exception:  # a probe bug must not stop probing
-                log.exception("probe round failed")
-
     async def probe_all(self) -> None:
         """Probe every replica once, in parallel; then tick the breakers, rescale the prefix index and let
         queued requests go where a replica freed up."""
         ups = list(self.upstreams.values())
         await asyncio.gather(*(self._probe(up) for up in ups))
-        now = time.monotonic()
-        for up in ups:
-            up.breaker.tick(now)
-            up.endpoint.circuit_open = not up.breaker.allows
+        tick_breakers(ups, time.monotonic())
         self._rescale_index()
         self.drain_queue()
 
