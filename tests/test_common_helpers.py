@@ -1,0 +1,123 @@
+"""The helpers several components share: percentile, local ports, the stop signal, probe
+streaks, secrets and uniqueness checks in config files, the OpenAI error shape."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from kvroute import yamlconf
+from kvroute.gateway.config import GatewayConfig, base_url, read_secret
+from kvroute.gateway.http import error_body, error_object
+from kvroute.gateway.probes import ProbeStreak
+from kvroute.metrics.stats import percentile, percentile_sorted
+from kvroute.ports import free_port, free_ports, wait_for_http, wait_for_port
+from kvroute.shutdown import until_stopped
+
+
+def test_percentile_is_the_nearest_rank_on_the_zero_based_index():
+    values = [float(v) for v in range(10, 0, -1)]  # unsorted on purpose
+    assert percentile(values, 0.5) == 5.0  # sorted[round(4.5)] = sorted[4] (half to even)
+    assert percentile(values, 0.95) == 10.0  # sorted[round(8.55)] = sorted[9]
+    assert percentile(values, 0.0) == 1.0 and percentile(values, 1.0) == 10.0
+    assert percentile([], 0.99) == 0.0 and percentile_sorted([3.0], 0.5) == 3.0
+
+
+def test_gateway_modules_do_not_import_numpy():
+    code = ("import sys, kvroute.gateway.server, kvroute.metrics.stats, kvroute.policy; "
+            "print('numpy' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
+
+
+def test_free_ports_are_distinct_and_bindable():
+    ports = free_ports(5)
+    assert len(set(ports)) == 5
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", free_port()))
+
+
+def test_wait_for_port_returns_when_listening_and_times_out_otherwise():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        wait_for_port(s.getsockname()[1], timeout_s=2)
+    port = free_port()
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match=f"127.0.0.1:{port}"):
+        wait_for_port(port, timeout_s=0.3)
+    assert time.monotonic() - t0 < 3
+    with pytest.raises(TimeoutError, match="did not answer 200"):
+        wait_for_http(f"http://127.0.0.1:{port}/health", timeout_s=0.3)
+
+
+def test_until_stopped_returns_on_sigterm_and_calls_the_hangup_hook():
+    hangups: list[int] = []
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.05, os.kill, os.getpid(), signal.SIGHUP)
+        loop.call_later(0.1, os.kill, os.getpid(), signal.SIGTERM)
+        await asyncio.wait_for(until_stopped(on_hangup=lambda: hangups.append(1)), 5)
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            loop.remove_signal_handler(sig)
+
+    asyncio.run(main())
+    assert hangups == [1]
+
+
+def test_probe_streak_ejects_and_readmits_with_hysteresis():
+    s = ProbeStreak()
+    assert not s.failed(True, 3) and not s.failed(True, 3)
+    assert s.failed(True, 3)  # third failure in a row: eject
+    assert not s.succeeded(False, 2) and s.succeeded(False, 2)  # two successes: re-admit
+    assert not s.failed(True, 3)  # a success reset the failure streak
+    assert s.rtt(0.1, 0.3) == 0.1 and s.rtt(0.2, 0.3) == pytest.approx(0.13)
+
+
+def test_read_secret_names_its_source(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVR_TEST_SECRET", "  s3cret \n")
+    assert read_secret("KVR_TEST_SECRET", None) == "s3cret"
+    monkeypatch.setenv("KVR_TEST_SECRET", "")
+    with pytest.raises(ValueError, match="^peer_auth: environment variable KVR_TEST_SECRET is unset or empty$"):
+        read_secret("KVR_TEST_SECRET", None, "peer_auth: ")
+    f = tmp_path / "tok"
+    f.write_text("\n")
+    with pytest.raises(ValueError, match=f"{f} is empty"):
+        read_secret(None, str(f))
+    with pytest.raises(ValueError, match="cannot read"):
+        read_secret(None, str(tmp_path / "missing"))
+
+
+def test_base_url_and_uniqueness_checks():
+    assert base_url("http://h:1/") == "http://h:1"
+    with pytest.raises(ValueError, match="http://host:port"):
+        base_url("h:1")
+    assert yamlconf.first_repeat(["a", "b", "c"]) is None
+    assert yamlconf.first_repeat(["a", "b", "a", "b"]) == (2, 0)
+    with pytest.raises(yamlconf.AtItem, match=r"peer names must be unique; repeated: b \(as in peers\[1\]\)"):
+        yamlconf.unique_items(["a", "b", "b"], "peer names", "peers")
+
+
+def test_a_repeated_key_name_points_at_its_line(tmp_path):
+    cfg = tmp_path / "gw.yaml"
+    digest = "0" * 64
+    cfg.write_text(f"replicas: [{{url: 'http://127.0.0.1:9'}}]\nauth:\n  keys:\n"
+                   f"    - {{name: a, sha256: '{digest}'}}\n    - {{name: a, sha256: '{digest}'}}\n")
+    with pytest.raises(yamlconf.ConfigFileError, match=r":5: auth\.keys\.1: key names must be unique"):
+        yamlconf.load(GatewayConfig, cfg)
+
+
+def test_openai_error_shape():
+    assert error_object("no", code="c") == {"error": {"message": "no", "type": "invalid_request_error",
+                                                      "param": None, "code": "c"}}
+    assert json.loads(error_body("x", "server_error")) == error_object("x", "server_error")
