@@ -37,7 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for e in engines:
             e.start()
-        cmd = [sys.executable, "-m", "kvroute.cli", "bench", "fidelity", *(x for e in engines for x in ("--url", e.url)),
+        urls = [x for e in engines for x in ("--url", e.url)]
+        cmd = [sys.executable, "-m", "kvroute.cli", "bench", "fidelity", *urls,
                *(["--json", args.json] if args.json else []), *args.rest]
         print(f"load average {os.getloadavg()[0]:.2f}; {' '.join(cmd[2:])}", file=sys.stderr)
         return subprocess.call(cmd)
