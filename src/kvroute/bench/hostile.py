@@ -20,7 +20,8 @@ import threading
 import time
 from pathlib import Path
 
-from kvroute.bench.gateway import UPSTREAM, _free_ports, _gateway, _load, _proc_stats, _stop, _wait_port
+from kvroute.bench.gateway import UPSTREAM, _gateway, _load, _proc_stats, _stop
+from kvroute.ports import free_ports, wait_for_port
 
 ATTACKS = ("idle-2000", "slow-headers-200", "tiny-chunks-80057", "pipelined-200x1MiB")
 HEAD = b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
@@ -140,21 +141,21 @@ def _measure(pid: int, port: int, requests: int, concurrency: int, limit_s: floa
 def run(requests: int = 2000, concurrency: int = 8, limit_s: float = 60.0, attacks=ATTACKS,
         baseline_src: str | None = None, progress=print) -> dict:
     """Quiet run, then each attack, for this gateway and optionally a baseline one."""
-    up_ports = _free_ports(2)
+    up_ports = free_ports(2)
     upstream = subprocess.Popen([sys.executable, "-c", UPSTREAM, "0", *map(str, up_ports)],
                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     procs = [upstream]
     result: dict = {"requests": requests, "concurrency": concurrency, "variants": {}}
     try:
         for p in up_ports:
-            _wait_port(p)
+            wait_for_port(p)
         with tempfile.TemporaryDirectory() as tmp:
             for name, src in (("gateway", None), ("baseline", baseline_src)):
                 if name == "baseline" and not src:
                     continue
                 rows = result["variants"][name] = {}
                 for attack in (None, *attacks):  # a fresh gateway per attack: no leftovers between them
-                    port = _free_ports(1)[0]
+                    port = free_ports(1)[0]
                     cfg = Path(tmp) / f"{name}.yaml"
                     cfg.write_text(json.dumps({"port": port, "policy": "round_robin", "max_body_bytes": 2 << 20,
                                                "replicas": [{"url": f"http://127.0.0.1:{p}", "engine": "vllm"}
@@ -162,7 +163,7 @@ def run(requests: int = 2000, concurrency: int = 8, limit_s: float = 60.0, attac
                     gw = _gateway(src, cfg)
                     procs.append(gw)
                     try:
-                        _wait_port(port)
+                        wait_for_port(port)
                         row = rows[attack or "quiet"] = _measure(gw.pid, port, requests, concurrency, limit_s, attack)
                         progress(f"{name} {attack or 'quiet'}: p50 {row['p50_ms']:.2f} ms, p99 {row['p99_ms']:.2f} ms, "
                                  f"{row['errors']} errors, RSS {row['gateway_rss_mb']:.0f} MB, "
