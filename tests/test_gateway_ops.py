@@ -63,3 +63,48 @@ def test_sighup_applies_every_reloadable_setting_and_refuses_the_listening_addre
 
 async def _reload(gw):
     return gw.reload()
+
+
+def test_a_client_leaving_after_its_queued_dispatch_was_decided_undoes_it_as_never_sent():
+    """The queue hands a request to a half-open replica (set_result), and the client leaves before
+    the waiting task resumes: the dispatch is undone as a request never sent — the breaker's trial
+    slot comes back, the prompt is neither counted as routed nor left in the prefix index."""
+    from kvroute.gateway.breaker import CircuitState
+    from kvroute.model import Decision, Request
+    from kvroute.policy.base import Policy
+    from kvroute.prefix import hash_text
+
+    class HoldThenPick(Policy):
+        name = "hold_then_pick"
+        hold = True
+
+        def choose(self, req, eps, view):
+            return Decision.hold("wait") if self.hold else Decision.dispatch("r0", "pick")
+
+    async def scenario(rt):
+        rt.router.policy = policy = HoldThenPick()
+        breaker = rt.upstreams["r0"].breaker
+        breaker.state, breaker.trial_running = CircuitState.HALF_OPEN, False
+        req = Request("left", prompt_key="p" * 256, block_hashes=hash_text("p" * 256, 64), prompt_tokens=64)
+        task = asyncio.ensure_future(rt.admit(req))
+        await asyncio.sleep(0.01)
+        assert len(rt.queue) == 1 and not task.done()
+        policy.hold = False
+        rt.drain_queue()  # the waiter's future now holds the dispatch; the task has not resumed
+        assert breaker.trial_running and "left" in rt.router.tickets
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+        return (breaker.trial_running, breaker.allows, rt.prompt_tokens_routed, dict(rt.router.tickets),
+                rt.router.prefix.match(req.block_hashes))
+
+    dep = FaultyDeployment([replies(http_response())])
+    try:
+        trial, allows, routed, tickets, matched = dep.call(scenario(dep.gateway.runtime))
+        assert not trial and allows  # the half-open replica may take its trial again
+        assert routed == 0 and tickets == {}
+        assert matched == {}  # the index forgot the prompt
+    finally:
+        dep.close()

@@ -266,7 +266,8 @@ class Runtime:
         self.queue.append(waiter)
         self.drain_queue()
         try:
-            return await asyncio.wait_for(waiter.future, qc.max_wait_s)
+            async with asyncio.timeout(qc.max_wait_s):  # unlike wait_for on 3.11, a cancel after
+                return await waiter.future  # set_result still cancels: _abandon undoes the dispatch
         except TimeoutError:
             self._abandon(waiter)
             raise QueueTimeout(f"no replica could take the request within {qc.max_wait_s:g} s") from None
@@ -275,11 +276,14 @@ class Runtime:
             raise
 
     def _abandon(self, w: Waiter) -> None:
-        """A waiter gave up: leave the queue, or undo a dispatch it can no longer use."""
+        """A waiter gave up: leave the queue, or undo a dispatch it can no longer use — as a
+        request never sent: the index forgets its prompt, and a half-open breaker's trial slot
+        (taken by the dispatch) is handed back."""
         if not w.future.done():
             w.future.cancel()  # drain_queue skips it
-        elif not w.future.cancelled() and w.future.exception() is None and w.future.result().dispatched:
-            self.release(w.request.id)
+        elif not w.future.cancelled() and w.future.exception() is None and (d := w.future.result()).dispatched:
+            self.release(w.request.id, served=False)
+            self.attempt_done(d.target or "", Outcome.NEUTRAL)
 
     def _route(self, req: Request) -> Decision:
         """Decide and commit; a dispatch to a half-open replica takes its single trial slot.
