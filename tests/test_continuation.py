@@ -147,6 +147,23 @@ def test_a_stream_cut_mid_way_recovers_on_another_replica(live, caplog):
     assert line["legs"] == 2 and line["replica"] == "emulated-1" and line["failed_on"] == ["emulated-0"]
 
 
+def test_a_stream_whose_later_stage_is_down_stays_where_it_is(live):
+    """CascadeInfer with its second stage drained: the migrated leg falls back to the first stage,
+    whose limit the sequence already reached — the stream stays there to the end instead of
+    being re-routed after every token until the continuation bound ends it."""
+    from kvroute.policy.registry import build_policy
+
+    cut = estimate_tokens(chat_key(CHAT)) + 6
+    live.runtime.router.policy = build_policy("cascadeinfer", {"stage_sizes": [1, 1], "bounds": [cut]})
+    live.runtime.set_drained("emulated-1", True)
+    before = requests_served(live)
+    chunks = chat_stream(live.url, 16)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == emulated_text(chat_key(CHAT), 16)
+    assert [b - a for a, b in zip(before, requests_served(live))] == [2, 0]  # one migration, back to stage 1
+    assert continuations(live.url) == {("migrate", "continued"): 1.0}
+
+
 def test_the_continuation_bound_ends_the_stream_with_one_sse_error(live):
     live.runtime.config.retry.max_continuations = 1
     for i in range(2):

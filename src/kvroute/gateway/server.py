@@ -449,8 +449,9 @@ class Proxy:
         if not resp.started:  # a continuation leg writes on into the client's stream
             rt.metrics.ttft.observe(ttft)
             resp.start(upstream.status, self._resp_headers(upstream, target))
-        if splice is not None:
-            splice.limit = rt.router.policy.context_limit(target)
+        if splice is not None:  # a limit the sequence already reached (a fallback to an earlier
+            limit = rt.router.policy.context_limit(target)  # stage) would re-route it every token
+            splice.limit = limit if limit is not None and limit > splice.length() else None
         chunk: bytes | None = first
         tail = b""  # the stream's last bytes: is it at an event boundary, did [DONE] arrive?
         try:
