@@ -8,6 +8,7 @@ import pytest
 
 from kvroute.model import Endpoint, Request
 from kvroute.policy.compose import ConfigError
+from kvroute.policy.presets.cascadeinfer import stage_filter
 from kvroute.policy.registry import build_policy, policy_from_config
 from kvroute.policy.router import Router
 from kvroute.reproduce import reproduce
@@ -103,6 +104,26 @@ def test_length_stage_falls_to_a_later_stage_when_its_own_has_no_candidate():
     assert r.policy.decide(Request(id="q", prompt_tokens=2000), r.view).target == "e3"
     r.endpoints[3].healthy = False
     assert r.policy.decide(Request(id="q2", prompt_tokens=9000), r.view).target in ("e0", "e1")
+
+
+def test_length_stage_plans_again_when_replicas_are_added_or_removed():
+    """A replica added at run time joins the plan (stage_sizes fill in configuration order,
+    extras join the last stage); a removed one leaves it — no re-plan while the set is the same."""
+    r = stage_router()
+    assert r.policy.decide(Request(id="q", prompt_tokens=9000), r.view).target == "e3"
+    r.add_endpoint(Endpoint("e4", kv_blocks=1000))
+    r.endpoints[3].inflight = 5  # e3 busy: the longest stage now has e4 as well
+    assert r.policy.decide(Request(id="q2", prompt_tokens=9000), r.view).target == "e4"
+    assert r.policy.context_limit("e4") is None
+    r.remove_endpoint("e0")  # the stages shift: e1, e2 | e3 | e4
+    assert r.policy.decide(Request(id="q3", prompt_tokens=10), r.view).target in ("e1", "e2")
+    assert [r.policy.context_limit(e) for e in ("e1", "e2", "e3", "e4")] == [1000, 1000, 8000, None]
+    stages = stage_filter(r.policy)
+    assert stages is not None and stages.stages == [["e1", "e2"], ["e3"], ["e4"]]
+    stages.set_plan([["e1"], ["e2", "e3", "e4"]], [500])  # a runtime's own plan is kept as it is
+    r.add_endpoint(Endpoint("e5", kv_blocks=1000))
+    r.policy.decide(Request(id="q4", prompt_tokens=10), r.view)
+    assert stages.stages == [["e1"], ["e2", "e3", "e4"]] and stages.stage("e5") is None
 
 
 def test_length_stage_composes_with_any_rules():

@@ -55,9 +55,18 @@ class LengthStage(Filter):
         _check_plan(self.stage_sizes, self.bounds)
         self.stages: list[list[str]] = []  # endpoint ids per stage, in length order
         self._stage: dict[str, int] = {}
+        # a plan made from stage_sizes follows the endpoint set: the ids it was made for, and the
+        # endpoint list last checked (the Router replaces the list on every add or remove)
+        self._planned_ids: frozenset[str] | None = None
+        self._seen: list[Endpoint] | None = None
 
     def set_plan(self, stages: list[list[str]], bounds: list[int]) -> None:
-        """Replace the plan: endpoint ids per stage in length order, and the stage bounds."""
+        """Replace the plan: endpoint ids per stage in length order, and the stage bounds. A plan
+        set here is the runtime's: it is kept when endpoints come and go."""
+        self._planned_ids = None
+        self._set_plan(stages, bounds)
+
+    def _set_plan(self, stages: list[list[str]], bounds: list[int]) -> None:
         if len(bounds) != len(stages) - 1:
             raise ValueError(f"{len(stages)} stages need {len(stages) - 1} bounds, got {len(bounds)}")
         self.stages = [list(s) for s in stages]
@@ -66,18 +75,33 @@ class LengthStage(Filter):
 
     def set_bounds(self, bounds: list[int]) -> None:
         """Move the stage boundaries (range refinement), keeping the stages' instances."""
-        self.set_plan(self.stages, bounds)
+        self._set_plan(self.stages, bounds)
 
     def plan_from_sizes(self, endpoint_ids: list[str]) -> None:
         """The plan ``stage_sizes``/``bounds`` describe over ``endpoint_ids`` (configuration
-        order); one stage when they are empty. Instances beyond the sizes join the last stage."""
+        order); one stage when they are empty. Instances beyond the sizes join the last stage.
+        The plan is made again when the endpoint set changes (see ``filter``)."""
         sizes = self.stage_sizes or [len(endpoint_ids)]
         stages, i = [], 0
         for k in sizes:
             stages.append(endpoint_ids[i:i + k])
             i += k
         stages[-1].extend(endpoint_ids[i:])
-        self.set_plan(stages, list(self.bounds) if self.stage_sizes else [])
+        self._set_plan(stages, list(self.bounds) if self.stage_sizes else [])
+        self._planned_ids = frozenset(endpoint_ids)
+
+    def _follow_endpoints(self, endpoints: list[Endpoint]) -> None:
+        """Plan on first use, and again when replicas were added or removed since (admin API,
+        reload, failover) — a new replica would otherwise have no stage and get no traffic.
+        Checking costs one identity test per decision while the endpoint list stays the same.
+        Choice: a re-plan starts from ``stage_sizes``/``bounds`` again (a runtime that set its own
+        plan with ``set_plan`` keeps it)."""
+        if endpoints is self._seen and self.stages:
+            return
+        self._seen = endpoints
+        if not self.stages or (self._planned_ids is not None
+                               and self._planned_ids != frozenset(e.id for e in endpoints)):
+            self.plan_from_sizes([e.id for e in endpoints])
 
     def stage(self, endpoint_id: str) -> int | None:
         """The stage ``endpoint_id`` serves in (None: not in the plan)."""
@@ -94,8 +118,7 @@ class LengthStage(Filter):
         """The candidates of the earliest covering stage; when it has none (unhealthy, not
         admitted), of the next later stage that has some (it serves longer sequences, so the
         request fits), else of the nearest earlier one."""
-        if not self.stages:
-            self.plan_from_sizes([e.id for e in st.view.endpoints])
+        self._follow_endpoints(st.view.endpoints)
         want = stage_of(self.bounds, st.req.prompt_tokens)
         get = self._stage.get
         best: int | None = None
