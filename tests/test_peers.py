@@ -237,6 +237,23 @@ def test_residency_pin_travels_with_the_forward(mesh):
     assert b"x-kvroute-residency: west" in mesh.upstreams[1].heads[-1].lower()
 
 
+def test_a_forward_teaches_the_token_ratio_nothing_at_home(mesh):
+    """The peer's answer carries its replica's prompt count; it is not one of ours to learn."""
+    _, eu_url = mesh.emulated()
+    busy = mesh.scripted(metrics=BUSY)
+    mesh.upstreams[-1].models = ["emulated"]
+    mesh.gateway("us", [busy], ["eu"])
+    mesh.gateway("eu", [eu_url], ["us"])
+    peer_ready(mesh, "us", "eu")
+    long_chat = {"model": "emulated", "messages": [{"role": "user", "content": "tell me about the outage " * 20}],
+                 "max_tokens": 2, "stream": False}
+    r = post(mesh.url("us"), long_chat)
+    assert r.status_code == 200 and r.headers["x-kvroute-replica"] == "eu-0"
+    assert r.json()["usage"]["prompt_tokens"] > 0
+    assert set(mesh.gateways["eu"].runtime.tokens.ratios) == {"eu-0"}  # the peer's own replica learns
+    assert mesh.gateways["us"].runtime.tokens.ratios == {}
+
+
 def test_key_pinned_to_a_zone(mesh, monkeypatch):
     monkeypatch.setenv("KVROUTE_TEST_KEY", "sk-pinned")
     keys = {"keys": [{"name": "pinned", "env": "KVROUTE_TEST_KEY", "zone": "us"}]}

@@ -58,6 +58,38 @@ def test_estimate_converges_to_the_engines_count():
     assert block_tokens == round(64 * 4 / BYTES_PER_TOKEN)  # a 256-byte block now holds 85 tokens
 
 
+async def _forgetting() -> list[tuple[set[str], set[str]]]:
+    emus = [await start_emulator("127.0.0.1", 0, "h100-llama3.2-3b", "llamacpp", Faults(),
+                                 bytes_per_token=BYTES_PER_TOKEN) for _ in range(2)]
+    replicas = [ReplicaConfig(url=f"http://127.0.0.1:{p}", id=f"e{i}", engine="llamacpp")
+                for i, (_, _, p) in enumerate(emus)]
+    config = GatewayConfig(host="127.0.0.1", port=0, policy="round_robin", replicas=replicas)
+    gw = Gateway(config)
+    await gw.start()
+    rt, seen = gw.runtime, []
+    try:
+        client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{gw.port}/v1", api_key="x", max_retries=0)
+        for i in range(4):  # round robin: both replicas answer
+            await client.chat.completions.create(model="m", messages=_messages(i), max_tokens=1)
+        seen.append((set(rt.tokens.ratios), set(rt.drained)))
+        rt.upstreams["e0"].reading.prompt_tokens_total = 1e12  # its counter goes back: a restart
+        await rt.probe_all()
+        rt.set_drained("e1", True)
+        seen.append((set(rt.tokens.ratios), set(rt.drained)))
+        rt.reconfigure(config.model_copy(update={"replicas": replicas[:1]}))  # a reload without e1
+        seen.append((set(rt.tokens.ratios), set(rt.drained)))
+        return seen
+    finally:
+        await gw.stop()
+        for runner, _, _ in emus:
+            await runner.cleanup()
+
+
+def test_a_restarted_or_reloaded_away_replica_loses_its_ratio_and_drained_mark():
+    seen = asyncio.run(asyncio.wait_for(_forgetting(), 20))
+    assert seen == [({"e0", "e1"}, set()), ({"e1"}, {"e1"}), (set(), set())]
+
+
 def test_ratio_is_an_ewma_per_replica_bounded_and_forgotten():
     r = TokenRatio(alpha=0.5)
     r.observe("a", 100, 120)

@@ -153,12 +153,16 @@ class Runtime:
 
     def remove_replica(self, name: str) -> None:
         """Remove a replica at run time; its in-flight requests finish where they are."""
+        self._drop(name)
+        self._replicas_changed()
+        log.info("replica %s removed at run time", name)
+
+    def _drop(self, name: str) -> None:
+        """Forget a replica: routing, its pool, its token ratio and its drained mark."""
         self.router.remove_endpoint(name)
         self.upstreams.pop(name).pool.close()
         self.tokens.forget(name)
         self.drained.discard(name)
-        self._replicas_changed()
-        log.info("replica %s removed at run time", name)
 
     def set_drained(self, name: str, drained: bool) -> None:
         """A drained replica takes no new requests; its in-flight ones finish."""
@@ -199,8 +203,7 @@ class Runtime:
         old = {r.name: r for r in self.config.replicas}
         fresh = {r.name: r for r in new.replicas}
         for name in old.keys() - fresh.keys():
-            self.router.remove_endpoint(name)
-            self.upstreams.pop(name).pool.close()
+            self._drop(name)
             changes.append(f"removed {name}")
         for name in fresh.keys() - old.keys():
             self._add(fresh[name])
@@ -472,6 +475,7 @@ class Runtime:
         if restarted(up.reading, reading):  # a restart faster than ejection: the cache is gone
             up.restarts += 1
             self.router.prefix.clear(ep.id)
+            self.tokens.forget(ep.id)  # it may serve another model (tokenizer) now
             ep.warming = True  # its cache is empty: the warm-up rule may let it in
             log.warning("replica %s restarted (process start time or counters reset); its cache entries "
                         "are forgotten", ep.id)

@@ -363,9 +363,10 @@ class Proxy:
         return None
 
     def _count_tokens(self, target: str, rid: str, body: bytes) -> None:
-        """Teach the token ratio the engine's own prompt count (``usage.prompt_tokens``)."""
+        """Teach the token ratio the engine's own prompt count (``usage.prompt_tokens``); a peer
+        gateway's answer is not one replica's count, so a forward teaches nothing."""
         estimated = self.estimates.get(rid)
-        if estimated:
+        if estimated and target not in self.rt.peering.links:
             reported = reported_prompt_tokens(body)
             if reported is not None:
                 self.rt.tokens.observe(target, estimated, reported)
