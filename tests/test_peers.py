@@ -234,7 +234,26 @@ def test_residency_pin_travels_with_the_forward(mesh):
     peer_ready(mesh, "us", "eu")
     r = post(mesh.url("us"), headers={"x-kvroute-residency": "west"})
     assert r.status_code == 200 and r.headers["x-kvroute-replica"] == "eu-0"
-    assert b"x-kvroute-residency: west" in mesh.upstreams[1].heads[-1].lower()
+    head = mesh.upstreams[1].heads[-1].lower()
+    assert b"x-kvroute-residency" not in head  # the pin reached eu's gateway, not its engine
+
+
+def test_routing_headers_stop_at_the_gateway(mesh):
+    """x-kvroute-residency and x-kvroute-region are the gateway's; the engine never sees them."""
+    mesh.gateway("us", [mesh.scripted()], [], mode="local", zone="west")
+    r = post(mesh.url("us"), headers={"x-kvroute-residency": "west", "x-kvroute-region": "us"})
+    assert r.status_code == 200
+    head = mesh.upstreams[0].heads[-1].lower()
+    assert b"x-kvroute-residency" not in head and b"x-kvroute-region" not in head
+
+
+def test_a_forward_carries_the_pin_and_the_region_to_the_peer(mesh):
+    gw = mesh.gateway("us", [mesh.scripted()], ["eu"])
+    from kvroute.model import Request
+
+    req = Request(id="r", region="asia", residency="eu")
+    out = dict(gw.runtime.peering.outbound([("content-type", "application/json")], req, {}))
+    assert out["x-kvroute-residency"] == "eu" and out["x-kvroute-region"] == "asia"
 
 
 def test_a_forward_teaches_the_token_ratio_nothing_at_home(mesh):
@@ -397,6 +416,7 @@ def test_peer_config_errors_name_the_field(tmp_path, monkeypatch):
         "routing_mode: skywalker\n": "list them under peers",
         "routing_mode: skywalker\npeers:\n  - {name: eu, url: 'http://127.0.0.1:1', region: eu}\n": "needs peer_auth",
         "routing_mode: nearest\n": "routing_mode",
+        "peers:\n  - {name: eu, url: 'http://127.0.0.1:1', region: eu}\n": "peers need peer_auth",
         "peers:\n  - {name: eu, url: 'ftp://x', region: eu}\n": "url must be",
     }
     for text, expected in cases.items():

@@ -402,6 +402,9 @@ class GatewayConfig(StrictModel):
                 raise ValueError(f"routing_mode {self.routing_mode} forwards to peers: list them under peers")
             if self.peer_auth is None:
                 raise ValueError(f"routing_mode {self.routing_mode} needs peer_auth (token_env or token_file)")
+        if self.peers and self.peer_auth is None:  # probes without the token are refused: every peer ejected
+            raise ValueError("peers need peer_auth (token_env or token_file): the shared token their status "
+                             "probes and forwards carry")
         return self
 
     @property
