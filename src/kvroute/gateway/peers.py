@@ -54,7 +54,7 @@ from prometheus_client.core import GaugeMetricFamily
 from kvroute.gateway.breaker import CircuitBreaker
 from kvroute.gateway.config import GatewayConfig, PeerConfig
 from kvroute.gateway.probes import ProbeStreak, probe_forever, tick_breakers
-from kvroute.gateway.residency import RESIDENCY_HEADER, eligible, request_zone
+from kvroute.gateway.residency import REGION_HEADER, RESIDENCY_HEADER, eligible, request_zone
 from kvroute.gateway.upstream import UpstreamPool
 from kvroute.model import Decision, Endpoint, EndpointKind, Request
 from kvroute.policy import Router, policy_from_config
@@ -251,13 +251,15 @@ class Peering:
     def outbound(self, headers: list[tuple[str, str]], req: Request,
                  inbound: dict[str, str]) -> list[tuple[str, str]]:
         """The headers of a forward: the client's (peer headers are hop-by-hop), the path so far
-        plus this region, the token, and the residency pin."""
+        plus this region, the token, the residency pin and the client's region."""
         path = inbound.get(FORWARDED_HEADER, "")
         via = f"{path},{self.config.region}" if path else self.config.region
-        out = [(k, v) for k, v in headers if k not in PEER_HEADERS and k != RESIDENCY_HEADER]
+        out = [(k, v) for k, v in headers if k not in PEER_HEADERS and k not in (RESIDENCY_HEADER, REGION_HEADER)]
         out += [(FORWARDED_HEADER, via), (TOKEN_HEADER, self.token or "")]
         if req.residency is not None:
             out.append((RESIDENCY_HEADER, req.residency))
+        if req.region is not None:
+            out.append((REGION_HEADER, req.region))
         return out
 
     # -- decisions ---------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from __future__ import annotations
 from kvroute.model import Endpoint, Request
 
 RESIDENCY_HEADER = "x-kvroute-residency"
+REGION_HEADER = "x-kvroute-region"  # the client's region (a routing hint, not a pin)
 
 
 class ResidencyConflict(ValueError):

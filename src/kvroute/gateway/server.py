@@ -41,7 +41,7 @@ from kvroute.gateway.continuation import Break, LegResponder, Splice, error_even
 from kvroute.gateway.http import HTTPServer, Responder
 from kvroute.gateway.http import Request as HTTPRequest
 from kvroute.gateway.peers import PEER_HEADERS, STATUS_PATH
-from kvroute.gateway.residency import ResidencyConflict
+from kvroute.gateway.residency import REGION_HEADER, RESIDENCY_HEADER, ResidencyConflict
 from kvroute.gateway.runtime import Outcome, PolicyError, QueueFull, QueueTimeout, Runtime
 from kvroute.gateway.tokens import reported_prompt_tokens
 from kvroute.gateway.tracing import Tracer
@@ -58,10 +58,12 @@ from kvroute.shutdown import until_stopped
 
 log = logging.getLogger("kvroute.gateway")
 access = logging.getLogger("kvroute.access")
-# never forwarded in either direction (RFC 9110 §7.6.1), plus what the gateway sets itself
+# never forwarded in either direction (RFC 9110 §7.6.1), plus what the gateway sets itself and its own
+# routing headers (an engine has no use for them; a forward to a peer carries them again: Peering.outbound)
 HOP_HEADERS = frozenset({"host", "content-length", "transfer-encoding", "connection", "keep-alive", "expect",
                          "accept-encoding", "upgrade", "te", "trailer", "proxy-authorization",
-                         "proxy-authenticate", "proxy-connection", "server", "date"}) | PEER_HEADERS
+                         "proxy-authenticate", "proxy-connection", "server", "date",
+                         RESIDENCY_HEADER, REGION_HEADER}) | PEER_HEADERS
 RESTART_ONLY = ("host", "port")  # the listening socket; everything else reloads
 ROUTES = {"/v1/chat/completions": "POST", "/v1/completions": "POST", "/v1/embeddings": "POST",
           "/v1/responses": "POST", "/tokenize": "POST", "/detokenize": "POST", "/v1/models": "GET",
@@ -217,7 +219,7 @@ class Proxy:
         req = Request(id=f"{self.id_prefix}{next(self.ids)}", arrival_s=time.monotonic(),
                       routing_key=routing_key, block_hashes=hashes, block_tokens=block_tokens,
                       prompt_tokens=tokens, max_output_tokens=max_out,
-                      region=headers.get("x-kvroute-region"), residency=headers.get("x-kvroute-residency"))
+                      region=headers.get(REGION_HEADER), residency=headers.get(RESIDENCY_HEADER))
         if estimated:
             self.estimates[req.id] = estimated
         return body, req
