@@ -148,3 +148,24 @@ def test_malformed_http_gets_a_json_error_and_the_server_survives(gw, payload, s
     out = _raw(_port(gw), payload, read_until=b"")
     assert out.startswith(b"HTTP/1.1 %d" % status) and b'"error"' in out
     assert httpx.get(f"{gw.url}/health").status_code == 200
+
+
+def test_replicas_without_a_region_are_in_the_gateways(tmp_path):
+    """`region: us` and replicas that name none: they are in us (and its zone), so a request pinned
+    to us is served, not refused; a replica that names its region keeps it; no gateway region: local."""
+    from tests.fake_upstream import FaultyDeployment, http_response, replies
+
+    cfg = tmp_path / "gw.yaml"
+    cfg.write_text("region: us\nreplicas:\n  - {url: 'http://127.0.0.1:1', id: a}\n"
+                   "  - {url: 'http://127.0.0.1:2', id: b, region: eu}\n")
+    assert [r.region for r in load_config(str(cfg)).replicas] == ["us", "eu"]
+    assert GatewayConfig(replicas=[{"url": "http://127.0.0.1:1"}]).replicas[0].region == "local"
+    dep = FaultyDeployment([replies(http_response())], region="us")
+    try:
+        assert dep.runtime.upstreams["r0"].endpoint.zone == "us"
+        r = httpx.post(f"{dep.url}/v1/completions", json={"prompt": "pinned", "max_tokens": 1},
+                       headers={"x-kvroute-residency": "us"}, timeout=5)
+        assert r.status_code == 200
+    finally:
+        dep.settle()
+        dep.close()

@@ -76,7 +76,7 @@ def handle_admin(rt: Runtime, request: Request, resp: Responder) -> None:
 
 def _add(rt: Runtime, request: Request, resp: Responder) -> None:
     try:
-        rc = ReplicaConfig.model_validate_json(request.body)
+        rc = rt.config.placed(ReplicaConfig.model_validate_json(request.body))
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"]) or "body"

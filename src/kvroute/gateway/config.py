@@ -61,7 +61,8 @@ class ReplicaConfig(StrictModel):
     url: str = Field(description="the engine's base URL, http://host:port")
     id: str | None = Field(None, description="its name in metrics, logs and x-kvroute-replica; default: host:port "
                            "of the url (two replicas at one address need one each)")
-    region: str = Field("local", description="the replica's region")
+    region: str = Field("local", description="the replica's region; default: the gateway's `region` when "
+                        "the config sets one, else local")
     zone: str | None = Field(None, description="the replica's residency zone; default: its region")
     engine: Literal["auto", "vllm", "sglang", "llamacpp"] = Field(
         "auto", description="which engine's metrics the probes read; auto: detected from /metrics")
@@ -391,6 +392,18 @@ class GatewayConfig(StrictModel):
     def _unique_peers(cls, peers: list[PeerConfig]) -> list[PeerConfig]:
         yamlconf.unique_items((p.name for p in peers), "peer names", "peers")
         return peers
+
+    @model_validator(mode="after")
+    def _replicas_at_home(self) -> GatewayConfig:
+        self.replicas = [self.placed(r) for r in self.replicas]
+        return self
+
+    def placed(self, replica: ReplicaConfig) -> ReplicaConfig:
+        """``replica`` in this gateway's region (and so its zone) when it names no region of its own
+        and this config sets one — a request pinned to the gateway's region then finds it."""
+        if "region" in replica.model_fields_set or "region" not in self.model_fields_set:
+            return replica
+        return replica.model_copy(update={"region": self.region})
 
     @model_validator(mode="after")
     def _peer_mode(self) -> GatewayConfig:
