@@ -210,7 +210,8 @@ def test_bad_deployment_files_are_one_line_naming_file_and_line(tmp_path, capsys
                     "replicas:\n  - {id: r, region: b, url: http://127.0.0.1:3}\n")
     assert main(["controller", "--config", str(path)]) == 2
     out = capsys.readouterr().err.strip()
-    assert len(out.splitlines()) == 1 and "no gateway manages" in out and str(path) in out
+    assert len(out.splitlines()) == 1 and "no gateway manages" in out
+    assert f"{path}:4: replicas.0.region: replica 'r'" in out and "got" not in out  # no file echoed
     path.write_text("gateways:\n  - {name: gw-a, region: a, url: http://127.0.0.1:1, colour: red}\n")
     assert main(["controller", "--config", str(path)]) == 2
     out = capsys.readouterr().err.strip()

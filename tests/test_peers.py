@@ -425,6 +425,7 @@ def test_peer_config_errors_name_the_field(tmp_path, monkeypatch):
         with pytest.raises(ConfigFileError) as err:
             load_config(str(path))
         assert expected in str(err.value) and "gw.yaml" in str(err.value)
+        assert ": : " not in str(err.value) and "{'region'" not in str(err.value)  # no empty field, no echo
 
 
 def test_forward_path_hops_and_no_way_back(mesh):

@@ -117,6 +117,9 @@ def validate(model: type[M], data: Any, source: str, text: str | None = None) ->
                 msgs.append(f"{at}: unknown key {where!r}; allowed: {', '.join(allowed_keys(model, loc))}")
             else:
                 msg = e["msg"].removeprefix("Value error, ")
+                if not loc:  # a check across fields: its message names them; the input is the whole file
+                    msgs.append(f"{at}: {msg}")
+                    continue
                 got = "" if isinstance(item, AtItem) else f" (got {e.get('input')!r})"
                 msgs.append(f"{at}: {where}: {msg}{got}")
         raise ConfigFileError("\n".join(msgs)) from None

@@ -130,10 +130,11 @@ class Deployment(StrictModel):
 
     @model_validator(mode="after")
     def _every_replica_has_a_home(self) -> Deployment:
-        for r in self.replicas:
+        for i, r in enumerate(self.replicas):
             if not any(g.manages_region(r.region) for g in self.gateways):
-                raise ValueError(f"replica {r.id!r} is in region {r.region!r}, which no gateway manages; gateway "
-                                 f"regions: {', '.join(sorted({g.region for g in self.gateways}))}")
+                raise yamlconf.AtItem(f"replica {r.id!r} is in region {r.region!r}, which no gateway manages; "
+                                      f"gateway regions: {', '.join(sorted({g.region for g in self.gateways}))}",
+                                      ("replicas", i, "region"))
         return self
 
     def admin_token(self) -> str | None:
