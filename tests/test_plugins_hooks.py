@@ -98,15 +98,22 @@ def test_gateway_feeds_measured_ttft_and_exports_plugin_state():
         c = openai.OpenAI(base_url=f"{dep.url}/v1", api_key="unused", max_retries=0, timeout=20)
         c.chat.completions.create(model="emulated", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
         stream = c.chat.completions.create(model="emulated", messages=[{"role": "user", "content": "yo"}],
-                                           max_tokens=3, stream=True)
+                                           max_tokens=4, stream=True)
         assert list(stream)
+        usage = c.chat.completions.create(model="emulated", messages=[{"role": "user", "content": "hey"}],
+                                          max_tokens=5, stream=True, stream_options={"include_usage": True})
+        assert list(usage)
+        completion = c.completions.create(model="emulated", prompt=[1, 2, 3], max_tokens=6, stream=True)
+        assert list(completion)  # token ids: no splice, the gateway counts the text pieces
         assert dep.settle() == (0, 0, 0)
         kinds = [e[0] for e in rec.events]
-        assert kinds == ["dispatched", "first", "finished"] * 2
+        assert kinds == ["dispatched", "first", "finished"] * 4
         for first, done in ((rec.events[1], rec.events[2]), (rec.events[4], rec.events[5])):
             assert 0 < first[3] <= done[3] < 20
+        # the completion tokens, as the simulator passes them: usage, else the pieces streamed
+        assert [e[4] for e in rec.events if e[0] == "finished"] == [3, 4, 5, 6]
         with urllib.request.urlopen(f"{dep.url}/metrics", timeout=5) as r:
             text = r.read().decode()
-        assert 'kvroute_policy_state{key="rec.events"} 6.0' in text
+        assert 'kvroute_policy_state{key="rec.events"} 12.0' in text
     finally:
         dep.close()

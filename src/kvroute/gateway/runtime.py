@@ -364,7 +364,8 @@ class Runtime:
         """An attempt ended. ``served``: the engine took the request, so its prompt counts in the
         hit ratio and stays indexed; otherwise (failed, refused) the index forgets what this
         dispatch taught it. ``e2e_s``: the request completed, this long after it reached the
-        gateway (the policy's plugins learn from it)."""
+        gateway; ``output_tokens``: what it generated (the policy's plugins learn from both, as
+        in the simulator)."""
         router = self.router
         ticket = router.tickets.get(rid)
         if ticket is not None and served:

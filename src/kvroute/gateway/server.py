@@ -43,7 +43,7 @@ from kvroute.gateway.http import Request as HTTPRequest
 from kvroute.gateway.peers import PEER_HEADERS, STATUS_PATH
 from kvroute.gateway.residency import REGION_HEADER, RESIDENCY_HEADER, ResidencyConflict
 from kvroute.gateway.runtime import Outcome, PolicyError, QueueFull, QueueTimeout, Runtime
-from kvroute.gateway.tokens import reported_prompt_tokens
+from kvroute.gateway.tokens import generated_pieces, reported_completion_tokens, reported_prompt_tokens
 from kvroute.gateway.tracing import Tracer
 from kvroute.gateway.upstream import (
     UpstreamConnectError,
@@ -394,6 +394,7 @@ class Proxy:
         upstream = None
         outcome = Outcome.NEUTRAL
         served = False  # the engine took the request (so it holds the prompt's prefix now)
+        output_tokens = 0  # what this attempt generated (the policy's on_finished hears it)
         try:
             try:
                 attempt_deadline = min(deadline, time.monotonic() + (to.first_byte_s if stream else to.non_stream_s))
@@ -423,7 +424,8 @@ class Proxy:
                 log.warning("upstream %s failed before responding: %s", target, exc)
                 return _failure_of(exc, target)
             if first is not None:
-                outcome, brk = await self._stream(resp, upstream, first, req, target, t0, kind.stream_end, splice)
+                outcome, brk, output_tokens = await self._stream(resp, upstream, first, req, target, t0,
+                                                                 kind.stream_end, splice)
                 return brk
             ttft = time.monotonic() - t0
             rt.first_token(req.id, ttft)
@@ -431,21 +433,23 @@ class Proxy:
             outcome = Outcome.OK if upstream.status < 500 else Outcome.NEUTRAL
             if upstream.status == 200:
                 self._count_tokens(target, req.id, payload)
+                output_tokens = reported_completion_tokens(payload) or 0
             resp.send(upstream.status, payload, self._resp_headers(upstream, target), content_type=None)
             return None
         finally:
-            rt.release(req.id, served, time.monotonic() - t0 if outcome is Outcome.OK else None)
+            rt.release(req.id, served, time.monotonic() - t0 if outcome is Outcome.OK else None, output_tokens)
             rt.attempt_done(target, outcome)
             if upstream is not None:
                 upstream.release()  # kept alive when fully read; closed (cancelling upstream) otherwise
 
     async def _stream(self, resp: Responder | LegResponder, upstream: UpstreamResponse, first: bytes, req: Request,
                       target: str, t0: float, end_marker: bytes | None,
-                      splice: Splice | None = None) -> tuple[Outcome, Break | None]:
+                      splice: Splice | None = None) -> tuple[Outcome, Break | None, int]:
         """Pass an SSE stream through. With a splice (a continuable request): whole events only,
         and a failure after bytes are out, or a sequence outgrowing the replica's context limit,
         returns a Break for the caller to continue elsewhere; without, a failure ends the stream
-        with an error event."""
+        with an error event. Also returns the tokens this leg generated: the engine's
+        ``usage.completion_tokens`` when it reports it, else the text pieces forwarded."""
         rt = self.rt
         ttft = time.monotonic() - t0
         rt.first_token(req.id, ttft)
@@ -457,6 +461,14 @@ class Proxy:
             splice.limit = limit if limit is not None and limit > splice.length() else None
         chunk: bytes | None = first
         tail = b""  # the stream's last bytes: is it at an event boundary, did [DONE] arrive?
+        pieces = 0  # generated text pieces seen (no splice: counted here)
+
+        def generated() -> int:
+            reported = reported_completion_tokens(tail)
+            if reported is not None:
+                return reported
+            return splice.tokens - splice.leg_start if splice is not None else pieces
+
         try:
             while chunk is not None:
                 await resp.write(chunk if splice is None else splice.feed(chunk))
@@ -466,7 +478,9 @@ class Proxy:
                         raise UpstreamError(f"error event: {splice.error}")
                     if splice.outgrown:
                         return Outcome.NEUTRAL, Break("migrate", f"the sequence reached {splice.limit} tokens, the "
-                                                 f"context limit of {target}")
+                                                 f"context limit of {target}"), generated()
+                else:
+                    pieces += generated_pieces(chunk)
                 chunk = await upstream.next_chunk()
             if splice is not None and splice.partial.strip():  # a last event without its blank line
                 await resp.write(splice.feed(b"\n\n"))
@@ -478,12 +492,12 @@ class Proxy:
             outcome = Outcome.FAILED
             log.warning("upstream %s failed mid-stream: %s", target, exc)
             if splice is not None and splice.continuable and not splice.done:
-                return outcome, Break("recover", f"upstream {target} failed mid-stream: {exc}")
+                return outcome, Break("recover", f"upstream {target} failed mid-stream: {exc}"), generated()
             # never glue the error onto a partial event
             sep = b"" if tail.endswith((b"\n\n", b"\r\n\r\n")) or not tail else b"\n\n"
             await resp.write(sep + error_event(f"upstream {target} failed mid-stream: {exc}", "upstream_stream_error"))
         await resp.end()
-        return outcome, None
+        return outcome, None, generated()
 
     async def _continue(self, request: HTTPRequest, resp: Responder, kind: Kind, headers: list[tuple[str, str]],
                         req: Request, served: dict[str, Any], splice: Splice, brk: Break | None) -> None:

@@ -29,6 +29,8 @@ MIN_TOKENS = 8  # smaller prompts say more about the chat template than about th
 RESIZE_STEP = 0.05  # index capacity is recomputed when the ratio moves this much (relative)
 
 _PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
+_COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+_GENERATED = re.compile(rb'"(?:content|text)"\s*:\s*"(?!")')  # a non-empty piece of generated text
 
 
 def reported_prompt_tokens(payload: bytes) -> int | None:
@@ -36,6 +38,19 @@ def reported_prompt_tokens(payload: bytes) -> int | None:
     in OpenAI responses and in the final stream chunk), or None."""
     found = _PROMPT_TOKENS.findall(payload)
     return int(found[-1]) if found else None
+
+
+def reported_completion_tokens(payload: bytes) -> int | None:
+    """The last ``"completion_tokens": N`` in a response body or stream tail, or None."""
+    found = _COMPLETION_TOKENS.findall(payload)
+    return int(found[-1]) if found else None
+
+
+def generated_pieces(chunk: bytes) -> int:
+    """Stream events in ``chunk`` that carry generated text — one token each, as engines stream
+    them — for a stream whose engine reports no usage. An estimate: a piece split across two
+    chunks is missed."""
+    return len(_GENERATED.findall(chunk))
 
 
 class TokenRatio:
