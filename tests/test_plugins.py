@@ -6,10 +6,12 @@ import textwrap
 
 import pytest
 
+from kvroute import policyfiles
 from kvroute.model import Branch, DecisionKind, Endpoint
-from kvroute.policy import ConfigError, Router, build_policy, load_policy_file, policy_from_config, registry
+from kvroute.policy import ConfigError, Router, build_policy, policy_from_config, registry
 from kvroute.policy.catalog import PLUGINS, PRESETS_TABLE
 from kvroute.policy.plugins import DecisionState
+from kvroute.policyfiles import load_policy_file
 from kvroute.prefix import PrefixIndex
 from tests.conftest import make_request
 
@@ -107,7 +109,7 @@ def test_user_preset_from_a_yaml_file_routes_with_its_own_params(tmp_path):
     f = tmp_path / "mine.yaml"
     f.write_text(PRESET_FILE)
     try:
-        assert registry.register_preset_file(f) == "cache_then_lmetric"
+        assert policyfiles.register_preset_file(f) == "cache_then_lmetric"
         router = warm_router("cache_then_lmetric")
         assert router.route(make_request("a", LONG)).branch == "strong-hit"
         strict = warm_router("cache_then_lmetric", params={"threshold": 1.0})
@@ -182,7 +184,7 @@ def test_user_preset_from_an_entry_point_routes(tmp_path, monkeypatch):
     _dist(tmp_path, "kvroute_ext_test", "kvroute_ext_test")
     monkeypatch.syspath_prepend(str(tmp_path))
     try:
-        registry.load_entry_points(force=True)
+        policyfiles.load_entry_points(force=True)
         assert "ext_least_tokens" in registry.PRESETS
         router = Router(build_policy("ext_least_tokens"), [Endpoint("a"), Endpoint("b")])
         router.commit(make_request("big", tokens=5000), "a")
@@ -198,11 +200,11 @@ def test_a_broken_entry_point_is_one_line_naming_it(tmp_path, monkeypatch):
     _dist(tmp_path, "kvroute_broken_test", "kvroute_no_such_module_xyz")
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(ConfigError) as exc:
-        registry.load_entry_points(force=True)
+        policyfiles.load_entry_points(force=True)
     msg = str(exc.value)
     assert "entry point 'kvroute_broken_test' (kvroute_no_such_module_xyz)" in msg and "\n" not in msg
     monkeypatch.undo()
-    registry.load_entry_points(force=True)  # the broken one is gone again
+    policyfiles.load_entry_points(force=True)  # the broken one is gone again
 
 
 def test_branch_labels_are_plain_strings():
@@ -262,3 +264,36 @@ def test_a_scenario_compares_an_inline_composition():
         assert set(runs) == {"round_robin", "p2c_tokens"} and runs["p2c_tokens"]["branches"] == {"p2c-tok": 60}
     finally:
         PRESETS_TABLE.pop("p2c_tokens", None)
+
+
+def test_the_policy_layer_reads_no_files_and_imports_no_packages():
+    """policy/ and model/ are pure: no file reading, no entry-point imports, no clock
+    (kvroute.policyfiles reads the files and loads the entry points)."""
+    import ast
+    from pathlib import Path
+
+    import kvroute
+
+    banned_modules = {"importlib.metadata", "time", "os", "pathlib", "asyncio", "socket"}
+    banned_calls = {"open", "read", "load", "read_text", "entry_points", "sleep", "monotonic", "perf_counter"}
+    root = Path(kvroute.__file__).parent
+    found = []
+    for pkg in ("policy", "model"):
+        for f in (root / pkg).rglob("*.py"):
+            tree = ast.parse(f.read_text())
+            for node in ast.walk(tree):
+                if isinstance(node, ast.ImportFrom):
+                    names = {node.module or ""} | {f"{node.module}.{a.name}" for a in node.names}
+                elif isinstance(node, ast.Import):
+                    names = {a.name for a in node.names}
+                elif isinstance(node, ast.Call):
+                    fn = node.func
+                    names = {fn.id if isinstance(fn, ast.Name) else fn.attr if isinstance(fn, ast.Attribute) else ""}
+                    if names & banned_calls:
+                        found.append(f"{f.relative_to(root)}:{node.lineno} calls {names & banned_calls}")
+                    continue
+                else:
+                    continue
+                if names & banned_modules:
+                    found.append(f"{f.relative_to(root)}:{node.lineno} imports {names & banned_modules}")
+    assert found == []

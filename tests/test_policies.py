@@ -98,7 +98,7 @@ def test_config_errors_name_what_is_wrong():
 
 
 def test_overrides_from_yaml(tmp_path):
-    from kvroute.policy import load_policy_file
+    from kvroute.policyfiles import load_policy_file
 
     f = tmp_path / "p.yaml"
     f.write_text("preset: sglang_cache_aware\nparams:\n  balance_abs: 4\n  admission: pending\n")

@@ -207,7 +207,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     """`kvroute simulate`: run a scenario's policies (or a --sweep of loads) in the simulator and print, write
     and plot the comparison."""
     from kvroute.policy import ConfigError
-    from kvroute.policy.registry import register_preset_file
+    from kvroute.policyfiles import register_preset_file
     from kvroute.sim.scenario import ScenarioError
     from kvroute.workload.traces import TraceError
 
@@ -790,6 +790,13 @@ def main(argv: list[str] | None = None) -> int:
     bad_output = _check_outputs(args)
     if bad_output is not None:
         return bad_output
+    from kvroute.policy import ConfigError
+    from kvroute.policyfiles import load_entry_points
+
+    try:
+        load_entry_points()  # presets and plugins shipped outside kvroute, before any config names them
+    except ConfigError as exc:
+        return error(str(exc))
     try:
         return args.func(args)
     except KeyboardInterrupt:

@@ -26,6 +26,7 @@ from kvroute.gateway.auth import KeyRing, KeyState, TokenBucket, digest
 from kvroute.gateway.http import HTTPLimits
 from kvroute.gateway.tracing import Tracer
 from kvroute.policy import DEFAULT_TICK_S, ConfigError, policy_from_config
+from kvroute.policyfiles import load_entry_points
 from kvroute.yamlconf import StrictModel
 
 
@@ -436,5 +437,10 @@ class GatewayConfig(StrictModel):
 
 
 def load_config(path: str) -> GatewayConfig:
-    """Read and validate a gateway YAML file; a ConfigFileError names file:line and the field."""
+    """Read and validate a gateway YAML file; a ConfigFileError names file:line and the field.
+    Presets shipped outside kvroute (entry points) are loaded first, so the file may name them."""
+    try:
+        load_entry_points()
+    except ConfigError as exc:
+        raise yamlconf.ConfigFileError(str(exc)) from None
     return yamlconf.load(GatewayConfig, path)

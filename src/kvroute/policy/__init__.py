@@ -2,8 +2,8 @@
 
 from kvroute.policy.base import Policy, PolicyParams, View
 from kvroute.policy.pacing import DEFAULT_TICK_S, DispatchPacer
-from kvroute.policy.registry import PRESETS, ConfigError, build_policy, load_policy_file, policy_from_config
+from kvroute.policy.registry import PRESETS, ConfigError, build_policy, policy_from_config
 from kvroute.policy.router import Router
 
 __all__ = ["DEFAULT_TICK_S", "PRESETS", "ConfigError", "DispatchPacer", "Policy", "PolicyParams", "Router", "View",
-           "build_policy", "load_policy_file", "policy_from_config"]
+           "build_policy", "policy_from_config"]

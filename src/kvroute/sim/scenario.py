@@ -25,6 +25,7 @@ from pydantic import Field
 from kvroute import yamlconf
 from kvroute.policy import ConfigError, policy_from_config
 from kvroute.policy.registry import preset_and_params
+from kvroute.policyfiles import load_entry_points
 from kvroute.sim.network import NetworkSpec
 from kvroute.sim.profile import ProfileError, load_profile
 from kvroute.sim.simulation import BalancerSpec, Limits, ReplicaSpec, Setup
@@ -409,10 +410,11 @@ def detect_trace_kind(path: str) -> str:
 
 def parse_scenario(data: Any, source: str = "scenario", text: str | None = None) -> Scenario:
     """Validate scenario data (a dict from YAML); errors become a ScenarioError naming ``source``:line and the
-    key."""
+    key. Presets shipped outside kvroute (entry points) are loaded first, so the scenario may name them."""
     try:
+        load_entry_points()
         return yamlconf.validate(Scenario, data, source, text)
-    except yamlconf.ConfigFileError as exc:
+    except (yamlconf.ConfigFileError, ConfigError) as exc:
         raise ScenarioError(str(exc)) from None
 
 
