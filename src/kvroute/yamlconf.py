@@ -7,16 +7,9 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ValidationError
 
 M = TypeVar("M", bound=BaseModel)
-
-
-class StrictModel(BaseModel):
-    """Base of every model read from user files: an unknown key is an error, not silently ignored,
-    so a misspelt option fails at load time with its file:line."""
-
-    model_config = ConfigDict(extra="forbid")
 
 
 class ConfigFileError(ValueError):

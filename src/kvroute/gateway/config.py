@@ -27,7 +27,7 @@ from kvroute.gateway.http import HTTPLimits
 from kvroute.gateway.tracing import Tracer
 from kvroute.policy import DEFAULT_TICK_S, ConfigError, policy_from_config
 from kvroute.policyfiles import load_entry_points
-from kvroute.yamlconf import StrictModel
+from kvroute.schema import StrictModel
 
 
 def base_url(v: str) -> str:

@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, Field
 
-from kvroute.yamlconf import StrictModel
+from kvroute.schema import StrictModel
 
 AdmissionName = Literal["blind", "pending", "outstanding"]
 

@@ -14,7 +14,7 @@ import random
 
 from pydantic import Field, field_validator
 
-from kvroute.yamlconf import StrictModel
+from kvroute.schema import StrictModel
 
 DEFAULT_RTT_MS = {("us", "eu"): 80.0, ("us", "asia"): 150.0, ("eu", "asia"): 200.0}
 DEFAULT_IN_REGION_MS = 2.0

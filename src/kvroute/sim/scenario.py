@@ -26,13 +26,13 @@ from kvroute import yamlconf
 from kvroute.policy import ConfigError, policy_from_config
 from kvroute.policy.registry import preset_and_params
 from kvroute.policyfiles import load_entry_points
+from kvroute.schema import StrictModel
 from kvroute.sim.network import NetworkSpec
 from kvroute.sim.profile import ProfileError, load_profile
 from kvroute.sim.simulation import BalancerSpec, Limits, ReplicaSpec, Setup
 from kvroute.workload import Workload
 from kvroute.workload.synthetic import ChatPoisson, ChatWorkload
 from kvroute.workload.traces import AzureTrace, MooncakeTrace, OpenAIConversations, TraceError, check_trace_file
-from kvroute.yamlconf import StrictModel
 
 SCENARIO_DIR = Path(str(resources.files("kvroute") / "scenarios"))  # package data
 # bundled traces live in shared/ beside the repository; KVROUTE_TRACES overrides
