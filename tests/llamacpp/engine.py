@@ -10,21 +10,16 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
 
 import httpx
 
+from kvroute.ports import free_port
+
 MODEL_ALIAS = "tiny"  # the model name the engines serve (/v1/models), as a deployment would set it
 DEFAULT_ARGS = ("-t", "1", "-tb", "1", "-np", "4", "--metrics", "-c", "16384", "--alias", MODEL_ALIAS)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class EngineError(RuntimeError):

@@ -33,6 +33,8 @@ import aiohttp
 import yaml
 
 from kvroute.calibrate.measure import WORDS
+from kvroute.metrics.stats import percentile
+from kvroute.ports import free_port
 from kvroute.prefix import chat_key, estimate_tokens
 
 POLICIES = ("round_robin", "sglang_cache_aware", "lmetric", "skywalker")
@@ -153,19 +155,14 @@ async def live_run(gateway_url: str, convs: list[list[dict]], max_tokens: int, t
     return run
 
 
-def _pct(values: list[float], p: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, round(p * (len(s) - 1)))] if s else 0.0
-
-
 def breakdown(ttft: list[float], e2e: list[float], prompt: list[int], cached: list[int]) -> dict:
     """Where the time goes, for finding what a model lacks: TTFT of requests that found less than
     half their prompt cached (cold) and of the rest (warm), their shares, and the decode phase
     (E2E − TTFT)."""
     cold = [t for t, p, c in zip(ttft, prompt, cached, strict=True) if p and c < p / 2]
     warm = [t for t, p, c in zip(ttft, prompt, cached, strict=True) if p and c >= p / 2]
-    return {"cold_requests": len(cold), "ttft_cold_p50": _pct(cold, 0.5), "ttft_warm_p50": _pct(warm, 0.5),
-            "decode_p50": _pct([e - t for e, t in zip(e2e, ttft, strict=True)], 0.5),
+    return {"cold_requests": len(cold), "ttft_cold_p50": percentile(cold, 0.5), "ttft_warm_p50": percentile(warm, 0.5),
+            "decode_p50": percentile([e - t for e, t in zip(e2e, ttft, strict=True)], 0.5),
             "prompt_tokens_mean": sum(prompt) / len(prompt) if prompt else 0.0}
 
 
@@ -175,8 +172,8 @@ def live_summary(run: LiveRun) -> dict:
     span = max(x.done for x in r) - min(x.sent for x in r) if r else 0.0
     prompt = sum(x.prompt_tokens for x in r)
     return {"requests": len(r), "errors": run.errors,
-            "ttft_p50": _pct([x.ttft for x in r], 0.5), "ttft_p99": _pct([x.ttft for x in r], 0.99),
-            "e2e_p50": _pct([x.e2e for x in r], 0.5), "throughput": len(r) / span if span else 0.0,
+            "ttft_p50": percentile([x.ttft for x in r], 0.5), "ttft_p99": percentile([x.ttft for x in r], 0.99),
+            "e2e_p50": percentile([x.e2e for x in r], 0.5), "throughput": len(r) / span if span else 0.0,
             "cached_share": sum(x.cached_tokens for x in r) / prompt if prompt else 0.0,
             "token_ratio": prompt / sum(x.estimated_tokens for x in r) if r else 1.0,
             **breakdown([x.ttft for x in r], [x.e2e for x in r], [x.prompt_tokens for x in r],
@@ -188,7 +185,7 @@ class GatewayProcess:
 
     def __init__(self, urls: list[str], policy: str, folder: Path):
         self.config = folder / f"gateway-{policy}.yaml"
-        self.port = _free_port()
+        self.port = free_port()
         self.config.write_text(yaml.safe_dump({
             "host": "127.0.0.1", "port": self.port, "policy": policy, "access_log": False,
             "replicas": [{"url": u, "id": f"engine-{i}"} for i, u in enumerate(urls)]}))
@@ -197,9 +194,12 @@ class GatewayProcess:
 
     @property
     def url(self) -> str:
+        """The gateway's base URL on 127.0.0.1."""
         return f"http://127.0.0.1:{self.port}"
 
     async def start(self, timeout_s: float = 20) -> None:
+        """Start `kvroute serve` and return once /health reports a healthy replica; RuntimeError with the
+        log's tail when it exits or times out."""
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen([sys.executable, "-m", "kvroute.cli", "serve", "--config", str(self.config),
                                           "--log-level", "WARNING"], stdout=log, stderr=subprocess.STDOUT,
@@ -229,6 +229,8 @@ class GatewayProcess:
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     def stop(self) -> None:
+        """SIGTERM by PID (a graceful drain), SIGKILL if it has not exited 10 s later; nothing when it already
+        ended."""
         if self.proc is None or self.proc.poll() is not None:
             return
         os.kill(self.proc.pid, signal.SIGTERM)
@@ -237,14 +239,6 @@ class GatewayProcess:
         except subprocess.TimeoutExpired:
             os.kill(self.proc.pid, signal.SIGKILL)
             self.proc.wait(5)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def simulate(convs: list[list[dict]], policy: str, profile: str, replicas: int, token_ratio: float,
