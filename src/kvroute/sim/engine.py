@@ -109,6 +109,9 @@ class Host:
 
 
 class Engine:
+    """One simulated engine replica (see the module docstring): sequences are submitted, and it calls back at
+    each first token and finish on the shared event loop."""
+
     def __init__(self, eid: str, profile: HardwareProfile, loop: Scheduler,
                  on_first_token: Callable[[Seq, float], None],
                  on_finish: Callable[[Seq, float], None],
@@ -193,6 +196,7 @@ class Engine:
 
     # -- arrivals --------------------------------------------------------------------------------
     def fits(self, prompt: int, output: int) -> bool:
+        """Whether a request of this prompt + output could ever fit the KV cache (else an engine refuses it)."""
         return prompt + output <= self.capacity
 
     def cancel(self, seq: Seq) -> None:
@@ -210,6 +214,8 @@ class Engine:
         seq.state = DONE
 
     def submit(self, seq: Seq) -> None:
+        """Queue a sequence (FCFS); an idle engine plans a step at once, a decode jump in progress is cut at
+        the next step boundary."""
         self.changes += 1
         self.waiting.append(seq)
         if not self._busy:

@@ -36,13 +36,19 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ConfigDict, Field, ValidationError
+
+from kvroute.schema import StrictModel
 
 PROFILE_DIR = Path(str(resources.files("kvroute") / "profiles"))  # package data
 
 
-class HardwareProfile(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class HardwareProfile(StrictModel):
+    """One engine on one machine as the simulator models it: step-time constants (fixed, per prefill token,
+    per decode, attention), KV capacity, batch limits, how prefixes are reused, and the published points it
+    must reproduce."""
+
+    model_config = ConfigDict(frozen=True)
 
     name: str
     hardware: str
@@ -82,9 +88,12 @@ class HardwareProfile(BaseModel):
 
     @property
     def kv_tokens(self) -> int:
+        """KV-cache capacity in tokens (blocks × block size)."""
         return self.kv_blocks * self.block_size
 
     def heterogeneity(self, n: int, ctx_sum: float, ctx_sq_sum: float) -> float:
+        """Attention slowdown of a decode batch with uneven contexts: 1 + h_cv × their coefficient of
+        variation, at most h_max (1 below two sequences)."""
         if n < 2 or ctx_sum <= 0:
             return 1.0
         mean = ctx_sum / n
@@ -103,6 +112,7 @@ class HardwareProfile(BaseModel):
         return self.step_time(tokens, prefill_attn=tokens * tokens / 2)
 
     def attention_share(self, decode: int, ctx_each: int) -> float:
+        """Share of one decode step spent in attention, for ``decode`` sequences of ``ctx_each`` tokens each."""
         attn = self.c_attn_fixed_s + self.c_attn_s * decode * ctx_each
         return attn / self.step_time(decode=decode, decode_ctx=decode * ctx_each)
 
@@ -112,10 +122,13 @@ class ProfileError(ValueError):
 
 
 def available_profiles() -> list[str]:
+    """Names of the bundled profiles (``src/kvroute/profiles/*.yaml``)."""
     return sorted(p.stem for p in PROFILE_DIR.glob("*.yaml"))
 
 
 def load_profile(name_or_path: str) -> HardwareProfile:
+    """A bundled profile by name, or a profile YAML file by path; unknown names list the bundled ones, invalid
+    fields are named (ProfileError)."""
     path = PROFILE_DIR / f"{name_or_path}.yaml"
     if not path.is_file():
         path = Path(name_or_path)
