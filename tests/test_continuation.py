@@ -305,6 +305,8 @@ def test_cascadeinfer_in_kvroute_serve_routes_by_length_and_migrates_a_growing_s
                                   stderr=subprocess.DEVNULL))
     url = f"http://127.0.0.1:{gw_port}"
     try:
+        for p in ports:  # an engine not listening yet would send the first request on to the other stage
+            wait_for_http(f"http://127.0.0.1:{p}/health", 9)
         wait_for_http(f"{url}/health", 9)
         raw = client(url).chat.completions.with_raw_response.create(model="emulated", messages=CHAT, max_tokens=16,
                                                                     stream=True)
