@@ -173,3 +173,20 @@ def test_predictor_grows_with_queue_batch_and_uncached_tokens():
     assert pred.predict(queued, 2000, 0) > pred.predict(busy, 2000, 0) > base
     # an idle replica's prediction is the profile's own single-prompt prefill, plus RTT/overhead
     assert base == pytest.approx(0.01 + prof.ttft_overhead_s + prof.prefill_time(2000), rel=1e-9)
+
+
+def test_predict_many_is_predict_per_endpoint():
+    pred = TTFTPredictor(load_profile("h20-qwen3-30b-a3b"))
+    rng = random.Random(3)
+    for _ in range(200):
+        eps = [Endpoint(f"r{i}", rtt_s=rng.random() / 10, running=rng.choice([0, 3, 300]),
+                        inflight=(n := rng.randint(0, 40)), inflight_tokens=n * rng.randint(0, 5000),
+                        queued_prefill_tokens=rng.choice([0, 700, 40_000])) for i in range(8)]
+        prompt, block = rng.randint(1, 20_000), 64
+        matches = {e.id: rng.randint(0, 400) for e in eps if rng.random() < 0.6}
+        many = pred.predict_many(eps, prompt, block, matches)
+        one = []
+        for e in eps:
+            cached = min(prompt, block * matches.get(e.id, 0))
+            one.append(pred.predict(e, prompt - cached, cached))
+        assert many == one  # bit for bit: simulate's fixed-seed JSON must not move

@@ -161,12 +161,6 @@ class PredictedTTFT(Scorer, PredictionErrorPlugin):
         """The predicted TTFT per endpoint (seconds), remembered so the error can be scored once the first
         token arrives."""
         req = st.req
-        p, bt = req.prompt_tokens, req.block_tokens
-        get = st.matches.get
-        predict = self.predictor.predict
-        preds = []
-        for e in eps:
-            cached = min(p, bt * get(e.id, 0))
-            preds.append(predict(e, p - cached, cached))
+        preds = self.predictor.predict_many(eps, req.prompt_tokens, req.block_tokens, st.matches)
         self.last = (req.id, {e.id: v for e, v in zip(eps, preds)})  # scored when it is dispatched
         return preds
