@@ -47,10 +47,12 @@ bench: $(STAMP)
 	$(BIN)/kvroute bench gateway --json $(OUT)/bench-gateway.json
 	$(BIN)/kvroute bench hostile --json $(OUT)/bench-hostile.json
 
-# issue 12: three llama-servers live through the gateway vs simulate (calibrates them first)
+# issue 12: three llama-servers live through the gateway vs simulate (calibrates them first);
+# every policy FIDELITY_REPEATS times, interleaved, reported as medians with their spread
+FIDELITY_REPEATS ?= 3
 fidelity: $(DEVSTAMP)
 	mkdir -p $(OUT)
-	$(BIN)/python -m tests.llamacpp.fidelity --json $(OUT)/bench-fidelity.json
+	$(BIN)/python -m tests.llamacpp.fidelity --json $(OUT)/bench-fidelity.json -- --repeats $(FIDELITY_REPEATS)
 
 clean:
 	rm -rf $(VENV) $(OUT) .pytest_cache

@@ -3,10 +3,14 @@ live run (a `kvroute serve` process, streamed chat through it) and the simulator
 scripted conversations. (Real llama-servers: `kvroute bench fidelity --url ...`, see README.)"""
 
 import asyncio
+import json
+import threading
+from dataclasses import replace
 
 from test_calibrate import KNOWN
 
-from kvroute.bench.fidelity import Workload, conversations, run_fidelity
+from kvroute.bench.fidelity import Workload, conversations
+from kvroute.cli import main
 from kvroute.emulator.server import Faults, start_emulator
 
 
@@ -16,39 +20,50 @@ def test_conversations_are_scripted_groups_sharing_a_system_prompt():
     systems = [c[0]["content"] for c in convs]
     assert len(convs) == 6 and sorted(systems.count(x) for x in set(systems)) == [2, 2, 2]
     # the groups start in a random order (seeded), as independent users do, not g0, g1, g2, g0, ...
-    assert [systems.index(x) for x in systems] != [0, 1, 2, 0, 1, 2]
+    orders = set()
+    for seed in range(5):
+        prompts = [c[0]["content"] for c in conversations(replace(w, seed=seed), 4.0, salt="x")]
+        orders.add(tuple(prompts.index(x) for x in prompts))
+    assert len(orders) > 1
     assert all(4 <= sum(m["role"] == "user" for m in c) <= 6 for c in convs)
     assert abs(len(convs[0][0]["content"]) / 4 - 200) < 20
-    assert conversations(w, 4.0, salt="y")[0][0] != convs[0][0]  # fresh prompts per run
+    other = conversations(w, 4.0, salt="y")
+    assert other[0][0] != convs[0][0]  # fresh prompts per run ...
+    assert [c[1:] for c in other] == [c[1:] for c in convs]  # ... the same turns for every policy of a repeat
 
 
-async def _run(tmp_path):
-    emus = [await start_emulator("127.0.0.1", 0, KNOWN, "llamacpp", Faults(close_after_stream=True))
+def _fidelity_cli(tmp_path, capsys) -> tuple[dict, str]:
+    """`kvroute bench fidelity --repeats 2` (two policies, a small workload) against three emulators
+    serving on a background event loop; its JSON and its table."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    def call(coro):
+        return asyncio.run_coroutine_threadsafe(coro, loop).result(30)
+
+    emus = [call(start_emulator("127.0.0.1", 0, KNOWN, "llamacpp", Faults(close_after_stream=True)))
             for _ in range(3)]
     profile = tmp_path / "known.yaml"
     profile.write_text(KNOWN.model_dump_json())  # JSON is YAML
     try:
-        w = Workload(users=6, groups=2, system_tokens=300, turns=(2, 3), max_tokens=8)
-        return await run_fidelity([f"http://127.0.0.1:{p}" for _, _, p in emus], str(profile),
-                                  ("round_robin", "sglang_cache_aware"), w)
+        urls = [x for _, _, p in emus for x in ("--url", f"http://127.0.0.1:{p}")]
+        code = main(["bench", "fidelity", *urls, "--profile", str(profile), "--policies",
+                     "round_robin,sglang_cache_aware", "--users", "6", "--groups", "2", "--system-tokens", "300",
+                     "--min-turns", "2", "--max-turns", "3", "--max-tokens", "8", "--repeats", "2",
+                     "--json", str(tmp_path / "out.json")])
+        assert code == 0
+        return json.loads((tmp_path / "out.json").read_text()), capsys.readouterr().out
     finally:
         for runner, _, _ in emus:
-            await runner.cleanup()
+            call(runner.cleanup())
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
 
 
-def test_live_and_simulated_runs_replay_the_same_requests(tmp_path):
-    out = asyncio.run(asyncio.wait_for(_run(tmp_path), 60))
-    for policy, row in out["policies"].items():
-        live, sim = row["live"], row["sim"]
-        assert live["errors"] == sim["errors"] == 0 and live["requests"] == sim["requests"] >= 12, policy
-        assert abs(live["token_ratio"] - 1) < 0.05  # the emulator counts bytes/4, as kvroute does
-        assert abs(live["cached_share"] - sim["cached_share"]) < 0.15, (policy, live, sim)
-        assert set(row["sim_over_live"]) == {"ttft_p50", "ttft_p99", "e2e_p50", "throughput", "cached_share"}
-    assert out["policies"]["sglang_cache_aware"]["live"]["cached_share"] > 0.5
-    live = out["policies"]["round_robin"]["live"]
-    assert 0 <= live["gateway_cpu_share"] < 1 and 0 < live["client_cpu_share"] < 1  # what they take from the cores
-    assert live["cold_requests"] >= 1 and live["ttft_cold_p50"] > 0 and live["decode_p50"] > 0
-    assert sorted(out["ranking_ttft_p99"]["live"]) == sorted(out["ranking_ttft_p99"]["sim"])
+def test_live_and_simulated_runs_replay_the_same_requests(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "250")  # the table on one line per row
+    out, table = _fidelity_cli(tmp_path, capsys)
 
 
 def _admitted_cached(reuse: str) -> dict[str, int]:

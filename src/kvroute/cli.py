@@ -470,6 +470,13 @@ def _fidelity_cell(key: str, value: float) -> str:
     return f"{value:.2f}" if key == "throughput" else f"{value * 1000:.0f} ms"
 
 
+def _fidelity_spread(key: str, lo: float, hi: float) -> str:
+    """A min-max spread in the cell's unit, said once: "(380-460)"."""
+    if key == "cached_share":
+        return f"({lo:.0%}-{hi:.0%})"
+    return f"({lo:.2f}-{hi:.2f})" if key == "throughput" else f"({lo * 1000:.0f}-{hi * 1000:.0f})"
+
+
 def cmd_bench_fidelity(args: argparse.Namespace) -> int:
     """`kvroute bench fidelity`: the same workload on real engines and in the simulator, metric by metric."""
     import asyncio
@@ -494,25 +501,42 @@ def cmd_bench_fidelity(args: argparse.Namespace) -> int:
     policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
     try:
         out = asyncio.run(run_fidelity(args.url, args.profile, policies, w, log=lambda line: err.print(line),
-                                       host_cores=args.host_cores))
+                                       host_cores=args.host_cores, repeats=args.repeats))
     except (RuntimeError, OSError) as exc:
         return error(f"bench fidelity: {exc}")
-    table = Table(title=f"fidelity: live through the gateway vs simulate ({args.profile}); sim/live in brackets")
+    n = out["repeats"]
+    table = Table(title=f"fidelity, live vs simulate ({args.profile}): median over {n} repeat(s) (min-max); "
+                        "×: sim/live of the medians; pooled: the p99 of all repeats' requests")
     table.add_column("policy")
-    for _, label in METRICS:
+    table.add_column("side")
+    columns = [*METRICS[:2], ("ttft_p99_pooled", "TTFT p99 pooled"), *METRICS[2:]]
+    for _, label in columns:
         table.add_column(label, justify="right")
     for policy, row in out["policies"].items():
-        cells = []
-        for key, _ in METRICS:
-            live, sim, ratio = row["live"][key], row["sim"][key], row["sim_over_live"][key]
-            both = f"{_fidelity_cell(key, live)} / {_fidelity_cell(key, sim)}"
-            cells.append(f"{both} [{ratio:.2f}]" if ratio is not None else both)
-        table.add_row(policy, *cells)
+        for side in ("live", "sim"):
+            cells = []
+            for key, _ in columns:
+                if key == "ttft_p99_pooled":
+                    pooled = row[key]
+                    cell, ratio = _fidelity_cell("ttft_p99", pooled[side]), pooled["sim_over_live"]
+                else:
+                    (lo, hi), ratio = row[f"{side}_range"][key], row["sim_over_live"][key]
+                    cell = _fidelity_cell(key, row[side][key])
+                    if n > 1:
+                        cell += f" {_fidelity_spread(key, lo, hi)}"
+                if side == "sim" and ratio is not None:
+                    cell += f" ×{ratio:.2f}"
+                cells.append(cell)
+            table.add_row(policy if side == "live" else "", side, *cells)
     console.print(table)
-    rank = out["ranking_ttft_p99"]
-    console.print(f"TTFT p99 ranking, live: {' < '.join(rank['live'])}; sim: {' < '.join(rank['sim'])}"
-                  f" ({'same' if rank['live'] == rank['sim'] else 'different'}); "
-                  f"{out['within_20pct']} of {out['compared']} sim/live ratios within 20 %")
+    for name, rank in (("median", out["ranking_ttft_p99"]), ("pooled", out["ranking_ttft_p99_pooled"])):
+        console.print(f"TTFT p99 ({name}) ranking, live: {' < '.join(rank['live'])}; sim: {' < '.join(rank['sim'])}"
+                      f" ({'same' if rank['live'] == rank['sim'] else 'different'})")
+    console.print(f"{out['within_20pct']} of {out['compared']} sim/live ratios of the medians within 20 %; "
+                  f"pooled TTFT p99: {out['pooled_p99_within_20pct']} of {out['pooled_p99_compared']}")
+    failed = {p: row["errors"] for p, row in out["policies"].items() if any(row["errors"].values())}
+    if failed:
+        err.print(f"failed requests (summed over the repeats): {failed}")
     if args.json:
         write_json(args.json, out)
     return 0
@@ -714,7 +738,10 @@ def build_parser() -> argparse.ArgumentParser:
     bf.add_argument("--min-turns", type=int, default=4, dest="min_turns")
     bf.add_argument("--max-turns", type=int, default=6, dest="max_turns")
     bf.add_argument("--max-tokens", type=int, default=16, dest="max_tokens")
-    bf.add_argument("--seed", type=int, default=0)
+    bf.add_argument("--seed", type=int, default=0, help="repeat i uses seed S + i, live and simulated alike")
+    bf.add_argument("--repeats", type=_positive_int, default=3, metavar="N",
+                    help="run every policy N times live (interleaved) and in simulate; report medians, min-max "
+                         "and pooled TTFT p99 (default 3)")
     bf.add_argument("--json", metavar="FILE")
     bf.set_defaults(func=cmd_bench_fidelity)
     rp = sub.add_parser("reproduce", help="a paper's claims beside kvroute's simulated numbers")

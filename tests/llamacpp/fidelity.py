@@ -5,8 +5,9 @@ as the cores they share), and stop every engine by its PID.
 
     python -m tests.llamacpp.fidelity [--engines N] [--json FILE] [-- extra bench fidelity args]
 
-(`make fidelity` runs it with the defaults.) Engines, gateway and clients share this machine:
-compare runs only at similar load averages, which the JSON records per policy.
+(`make fidelity` runs it with `-- --repeats 3`: every policy three times, interleaved.) Engines,
+gateway and clients share this machine: compare runs only at similar load averages, which the
+JSON records per policy and repeat.
 """
 
 from __future__ import annotations
