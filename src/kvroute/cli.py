@@ -506,7 +506,7 @@ def cmd_bench_fidelity(args: argparse.Namespace) -> int:
         return error(f"bench fidelity: {exc}")
     n = out["repeats"]
     table = Table(title=f"fidelity, live vs simulate ({args.profile}): median over {n} repeat(s) (min-max); "
-                        "×: sim/live of the medians; pooled: the p99 of all repeats' requests")
+                        "sim/live: of the medians; pooled: the p99 of all repeats' requests")
     table.add_column("policy")
     table.add_column("side")
     columns = [*METRICS[:2], ("ttft_p99_pooled", "TTFT p99 pooled"), *METRICS[2:]]
@@ -517,17 +517,15 @@ def cmd_bench_fidelity(args: argparse.Namespace) -> int:
             cells = []
             for key, _ in columns:
                 if key == "ttft_p99_pooled":
-                    pooled = row[key]
-                    cell, ratio = _fidelity_cell("ttft_p99", pooled[side]), pooled["sim_over_live"]
-                else:
-                    (lo, hi), ratio = row[f"{side}_range"][key], row["sim_over_live"][key]
-                    cell = _fidelity_cell(key, row[side][key])
-                    if n > 1:
-                        cell += f" {_fidelity_spread(key, lo, hi)}"
-                if side == "sim" and ratio is not None:
-                    cell += f" ×{ratio:.2f}"
-                cells.append(cell)
+                    cells.append(_fidelity_cell("ttft_p99", row[key][side]))
+                    continue
+                lo, hi = row[f"{side}_range"][key]
+                spread = f" {_fidelity_spread(key, lo, hi)}" if n > 1 else ""
+                cells.append(_fidelity_cell(key, row[side][key]) + spread)
             table.add_row(policy if side == "live" else "", side, *cells)
+        ratios = [row["ttft_p99_pooled"]["sim_over_live"] if key == "ttft_p99_pooled" else row["sim_over_live"][key]
+                  for key, _ in columns]
+        table.add_row("", "sim/live", *("-" if r is None else f"×{r:.2f}" for r in ratios), end_section=True)
     console.print(table)
     for name, rank in (("median", out["ranking_ttft_p99"]), ("pooled", out["ranking_ttft_p99_pooled"])):
         console.print(f"TTFT p99 ({name}) ranking, live: {' < '.join(rank['live'])}; sim: {' < '.join(rank['sim'])}"
