@@ -1,6 +1,7 @@
 """Operating the gateway: liveness and readiness through a drain, request ids end to end."""
 
 import asyncio
+import contextlib
 import time
 
 import httpx
@@ -93,10 +94,8 @@ def test_a_client_leaving_after_its_queued_dispatch_was_decided_undoes_it_as_nev
         rt.drain_queue()  # the waiter's future now holds the dispatch; the task has not resumed
         assert breaker.trial_running and "left" in rt.router.tickets
         task.cancel()
-        try:
+        with contextlib.suppress(asyncio.CancelledError):
             await task
-        except asyncio.CancelledError:
-            pass
         return (breaker.trial_running, breaker.allows, rt.prompt_tokens_routed, dict(rt.router.tickets),
                 rt.router.prefix.match(req.block_hashes))
 

@@ -15,6 +15,7 @@ from kvroute.emulator.server import Faults, start_emulator
 from kvroute.gateway.config import GatewayConfig, PeerConfig, ReplicaConfig
 from kvroute.gateway.peers import FORWARDED_HEADER, STATUS_PATH, TOKEN_HEADER
 from kvroute.gateway.server import Gateway
+from kvroute.live.delay import DelayProxy
 from kvroute.ports import free_port
 from tests.fake_upstream import METRICS, SSE_HEAD, ScriptedUpstream, chunk, replies
 
@@ -39,7 +40,7 @@ class Mesh:
         self.ports: dict[str, int] = {}
         self.upstreams: list[ScriptedUpstream] = []
         self.runners: list = []
-        self.servers: list = []  # delay proxies
+        self.servers: list[DelayProxy] = []
 
     def call(self, coro, timeout: float = 20):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
@@ -97,7 +98,7 @@ class Mesh:
     def close(self) -> None:
         async def stop():
             for server in self.servers:
-                server.close()
+                await server.stop()
             for gw in self.gateways.values():
                 await gw.stop()
             for runner in self.runners:
@@ -361,25 +362,10 @@ async def _make_event() -> asyncio.Event:
     return asyncio.Event()
 
 
-async def _delay_proxy(target_port: int, delay_s: float) -> tuple[asyncio.base_events.Server, int]:
-    """A TCP proxy adding ``delay_s`` to every piece each way (a far region's link)."""
-    async def pipe(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-        try:
-            while data := await r.read(65536):
-                await asyncio.sleep(delay_s)
-                w.write(data)
-                await w.drain()
-        except (ConnectionError, asyncio.CancelledError):
-            pass
-        finally:
-            w.close()
-
-    async def serve(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-        ur, uw = await asyncio.open_connection("127.0.0.1", target_port)
-        await asyncio.gather(pipe(r, uw), pipe(ur, w))
-
-    server = await asyncio.start_server(serve, "127.0.0.1", 0)
-    return server, server.sockets[0].getsockname()[1]
+async def _delay_proxy(target_port: int, delay_s: float) -> tuple[DelayProxy, int]:
+    """kvroute live's delay proxy in front of ``target_port``: ``delay_s`` each way (a far region)."""
+    proxy = DelayProxy(one_way_s=delay_s, target=("127.0.0.1", target_port), name="far")
+    return proxy, await proxy.start()
 
 
 def test_gorgo_proxy_routes_with_measured_rtt(mesh):
@@ -403,7 +389,7 @@ def test_gorgo_proxy_routes_with_measured_rtt(mesh):
         assert served == ["near"] * 5
         assert gw.runtime.router.endpoint("near").rtt_s < far_ep.rtt_s
     finally:
-        server.close()
+        mesh.call(server.stop())
 
 
 def test_peer_config_errors_name_the_field(tmp_path, monkeypatch):

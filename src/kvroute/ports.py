@@ -3,6 +3,7 @@ ones, then wait until something answers there."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import time
 import urllib.error
@@ -46,12 +47,10 @@ def wait_for_http(url: str, timeout_s: float = 20.0) -> None:
     """Return once a GET of ``url`` answers 200 (e.g. a ``/health`` page); TimeoutError after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
     while True:
-        try:
+        with contextlib.suppress(OSError, urllib.error.URLError):  # not listening yet
             with urllib.request.urlopen(url, timeout=1.0) as resp:
                 if resp.status == 200:
                     return
-        except (OSError, urllib.error.URLError):
-            pass
         if time.monotonic() >= deadline:
             raise TimeoutError(f"{url} did not answer 200 within {timeout_s:g} s")
         time.sleep(0.05)

@@ -25,6 +25,7 @@ gateway learns online), so both count the engine's tokens.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -218,12 +219,10 @@ class GatewayProcess:
             while time.monotonic() < deadline:
                 if self.proc.poll() is not None:
                     break
-                try:
+                with contextlib.suppress(aiohttp.ClientError, TimeoutError):  # not up yet
                     async with s.get(f"{self.url}/health", timeout=aiohttp.ClientTimeout(total=1)) as r:
                         if r.status == 200 and (await r.json()).get("healthy"):
                             return
-                except (aiohttp.ClientError, TimeoutError):
-                    pass
                 await asyncio.sleep(0.1)
         self.stop()
         raise RuntimeError(f"the gateway did not become healthy; log: {self.log.read_text()[-800:]}")

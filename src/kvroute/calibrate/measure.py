@@ -19,6 +19,7 @@ the engine's tokens, never an estimate.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
 import statistics
@@ -137,7 +138,8 @@ class _Engine:
         _, tokens = await self.complete(text, 1)
         self.bytes_per_token = len(text.encode()) / max(1, tokens)
         facts = EngineFacts(self.url, self.bytes_per_token)
-        try:  # llama-server: slots and context per slot
+        # llama-server: slots and context per slot (other engines have no /props: nothing learned)
+        with contextlib.suppress(aiohttp.ClientError, TimeoutError, json.JSONDecodeError, AttributeError):
             async with self.session.get(f"{self.url}/props", timeout=aiohttp.ClientTimeout(total=5)) as r:
                 props = await r.json(content_type=None) if r.status == 200 else {}
             slots = props.get("total_slots")
@@ -149,16 +151,13 @@ class _Engine:
                 facts.batch_tokens = LLAMA_SERVER_N_BATCH
                 if isinstance(n_ctx, int) and n_ctx > 0:
                     facts.kv_tokens = slots * n_ctx
-        except (aiohttp.ClientError, TimeoutError, json.JSONDecodeError, AttributeError):
-            pass
         if facts.kv_tokens is None:
             from kvroute.gateway.probes import kv_capacity
 
-            try:  # vLLM's cache_config_info, SGLang's max_total_num_tokens
+            # vLLM's cache_config_info, SGLang's max_total_num_tokens (unreadable: capacity unknown)
+            with contextlib.suppress(aiohttp.ClientError, TimeoutError, UnicodeDecodeError):
                 async with self.session.get(f"{self.url}/metrics", timeout=aiohttp.ClientTimeout(total=5)) as r:
                     facts.kv_tokens = kv_capacity(await r.text()) if r.status == 200 else None
-            except (aiohttp.ClientError, TimeoutError, UnicodeDecodeError):
-                pass
         return facts
 
 
