@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 DEVSTAMP:= $(VENV)/.installed-dev
 OUT     ?= out
 
-.PHONY: install install-dev demo lint test bench fidelity clean
+.PHONY: install install-dev demo lint test bench fidelity clean system-deps
 
 # held to mypy --strict: the pure layers and the gateway's protocols
 STRICT  := src/kvroute/model src/kvroute/prefix src/kvroute/policy src/kvroute/gateway/breaker.py \
@@ -22,7 +22,7 @@ $(STAMP): $(BIN)/python pyproject.toml
 	touch $@
 
 $(DEVSTAMP): $(STAMP)
-	$(BIN)/pip install -q -e '.[sim,dev]'
+	$(BIN)/pip install -q -e '.[sim,dev,k8s]'
 	touch $@
 
 install: $(STAMP)
@@ -37,7 +37,15 @@ lint: $(DEVSTAMP)
 	$(BIN)/mypy
 	$(BIN)/mypy --strict --follow-imports=silent $(STRICT)
 
-test: lint
+# system binaries real-component tests use (DNS discovery runs a dnsmasq on a loopback port); installed
+# from Debian's packages when running as root (CI), else their tests skip and say so
+system-deps:
+	@command -v dnsmasq >/dev/null 2>&1 || [ -x /usr/sbin/dnsmasq ] || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -q dnsmasq-base >/dev/null; \
+	  else echo "dnsmasq is missing and this is not root: the DNS discovery tests will skip"; fi; }
+
+test: lint system-deps
 	$(BIN)/python -m pytest --cov --cov-report=term:skip-covered --cov-fail-under=$(COV_MIN)
 
 bench: $(STAMP)

@@ -320,14 +320,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
             return error(str(exc))
         overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
         config = config.model_copy(update=overrides)
-        if not config.replicas:
-            return error(f"{args.config} lists no replicas; add e.g. "
+        if not config.replicas and not config.discovery:
+            return error(f"{args.config} lists no replicas and no discovery; add e.g. "
                          "replicas: [{url: http://10.0.0.5:8000, engine: vllm}]")
 
         async def main() -> None:
             await serve(config, args.config,
                         on_ready=lambda gw: err.print(f"kvroute gateway on http://{config.host}:{gw.port} "
-                                                      f"({len(config.replicas)} replicas, "
+                                                      f"({len(gw.runtime.upstreams)} replicas, "
                                                       f"policy {gw.runtime.policy_name})"))
         return _listen(main(), f"{config.host}:{config.port}")
 

@@ -79,8 +79,10 @@ def meaning(model: type[BaseModel], name: str, field: FieldInfo) -> str:
 
 
 def _members(ann: Any) -> list[Any]:
+    if typing.get_origin(ann) is typing.Annotated:  # e.g. a union discriminated by a field
+        return _members(typing.get_args(ann)[0])
     if typing.get_origin(ann) in (typing.Union, types.UnionType):
-        return [a for a in typing.get_args(ann) if a is not type(None)]
+        return [m for a in typing.get_args(ann) if a is not type(None) for m in _members(a)]
     return [ann]
 
 
@@ -104,7 +106,7 @@ def type_text(ann: Any) -> str:
                 a.__name__, a.__name__))
         else:  # pragma: no cover - a typing form not used by the config models
             parts.append(str(a))
-    return " or ".join(parts)
+    return " or ".join(dict.fromkeys(parts))  # a union of sections is one "section" (told apart by kind)
 
 
 def bounds_text(field: FieldInfo) -> str:
@@ -141,17 +143,32 @@ def default_text(field: FieldInfo) -> str:
     return f"`{_flow(value)}`"
 
 
-def _nested(ann: Any) -> tuple[type[BaseModel], str] | None:
-    """The model a field holds and how its keys continue: ``.``, ``[].`` (list) or ``.<key>.`` (map)."""
+def _models(ann: Any) -> list[type[BaseModel]]:
+    return [m for m in _members(ann) if isinstance(m, type) and issubclass(m, BaseModel)]
+
+
+def _kind(model: type[BaseModel]) -> str | None:
+    """The ``kind`` literal that tells a model apart in a discriminated union."""
+    field = model.model_fields.get("kind")
+    args = typing.get_args(field.annotation) if field is not None else ()
+    return str(args[0]) if field is not None and typing.get_origin(field.annotation) is Literal and args else None
+
+
+def _nested(ann: Any) -> list[tuple[type[BaseModel], str]]:
+    """The models a field holds and how their keys continue: ``.``, ``[].`` (list) or ``.<key>.`` (map);
+    a list of several models told apart by ``kind`` continues ``[kind=X].``."""
     for a in _members(ann):
         origin, args = typing.get_origin(a), typing.get_args(a)
         if isinstance(a, type) and issubclass(a, BaseModel):
-            return a, "."
-        if origin is list and args and isinstance(args[0], type) and issubclass(args[0], BaseModel):
-            return args[0], "[]."
+            return [(a, ".")]
+        if origin is list and args and _models(args[0]):
+            models = _models(args[0])
+            if len(models) == 1:
+                return [(models[0], "[].")]
+            return [(m, f"[kind={_kind(m)}].") for m in models]
         if origin is dict and args and isinstance(args[1], type) and issubclass(args[1], BaseModel):
-            return args[1], ".<key>."
-    return None
+            return [(args[1], ".<key>.")]
+    return []
 
 
 def rows(model: type[BaseModel], prefix: str = "") -> list[tuple[str, str, str, str]]:
@@ -162,11 +179,11 @@ def rows(model: type[BaseModel], prefix: str = "") -> list[tuple[str, str, str, 
         typ = type_text(field.annotation)
         bounds = bounds_text(field)
         desc = meaning(model, name, field)
-        if nested and not desc and nested[0].__doc__:
-            desc = " ".join(nested[0].__doc__.strip().split("\n\n")[0].split())
+        if len(nested) == 1 and not desc and nested[0][0].__doc__:
+            desc = " ".join((nested[0][0].__doc__ or "").strip().split("\n\n")[0].split())
         out.append((f"{prefix}{name}", f"{typ} ({bounds})" if bounds else typ, default_text(field), desc))
-        if nested:
-            out += rows(nested[0], f"{prefix}{name}{nested[1]}")
+        for sub, sep in nested:
+            out += rows(sub, f"{prefix}{name}{sep}")
     return out
 
 

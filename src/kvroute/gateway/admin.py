@@ -9,6 +9,7 @@ file. Every call needs an API key with ``admin: true`` (without one configured t
     POST   /admin/replicas/{id}/drain   no new requests; in-flight ones finish
     POST   /admin/replicas/{id}/undrain take new requests again
     GET    /admin/policy                the active policy
+    GET    /admin/discovery             each discovery source: its engines, synced, last error
 """
 
 from __future__ import annotations
@@ -56,6 +57,8 @@ def handle_admin(rt: Runtime, request: Request, resp: Responder) -> None:
         resp.send(200, json.dumps({"replicas": [replica_view(rt, n) for n in rt.upstreams]}).encode())
     elif parts == ["replicas"] and method == "POST":
         _add(rt, request, resp)
+    elif parts == ["discovery"] and method == "GET":
+        resp.send(200, json.dumps(rt.discovery.status() if rt.discovery is not None else {}).encode())
     elif parts == ["policy"] and method == "GET":
         resp.send(200, json.dumps({"name": rt.policy_name, "config": rt.config.policy}).encode())
     elif len(parts) in (2, 3) and parts[0] == "replicas":

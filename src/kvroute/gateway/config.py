@@ -22,6 +22,7 @@ from urllib.parse import urlsplit
 from pydantic import Field, field_validator, model_validator
 
 from kvroute import yamlconf
+from kvroute.discovery.config import Source
 from kvroute.gateway.auth import KeyRing, KeyState, TokenBucket, digest
 from kvroute.gateway.http import HTTPLimits
 from kvroute.gateway.tracing import Tracer
@@ -315,6 +316,9 @@ class GatewayConfig(StrictModel):
     policy: str | dict[str, Any] = Field("skywalker", description="a preset name, `{preset, params}`, or a "
                                          "composition of plugins (docs/policies.md; `kvroute policies`)")
     replicas: list[ReplicaConfig] = Field(default_factory=list, description="the engines behind the gateway")
+    discovery: list[Source] = Field(default_factory=list, description="where more engines come from at run "
+                                    "time: kubernetes (EndpointSlices), dns (a headless Service), file "
+                                    "(re-read on change); see kvroute/discovery")
     zone: str | None = Field(None, description="the gateway's residency zone; default: its region")
     peers: list[PeerConfig] = Field(default_factory=list, description="other regions' gateways; "
                                     "`skywalker` and `gorgo_distributed` forward to them, other modes ignore them")

@@ -16,6 +16,7 @@ from typing import Any
 
 import aiohttp
 
+from kvroute.discovery.manager import Discovery
 from kvroute.gateway.breaker import CircuitBreaker
 from kvroute.gateway.config import GatewayConfig, ReplicaConfig
 from kvroute.gateway.metrics import GatewayMetrics
@@ -114,6 +115,11 @@ class Runtime:
         self.peering = Peering(self)  # peer gateways and forwarding (gateway/peers.py)
         self._probe_task: asyncio.Task | None = None
         self.session: aiohttp.ClientSession | None = None
+        self.discovery = self._discovery(config)  # engines that come and go (kvroute/discovery)
+        self._discovery_swap: asyncio.Task | None = None  # a reload's restart of discovery, running
+
+    def _discovery(self, config: GatewayConfig) -> Discovery | None:
+        return Discovery(self) if config.discovery else None
 
     def _pacer(self, config: GatewayConfig) -> DispatchPacer | None:
         """Pace the queue only for policies that can hold requests in it (selective pushing)."""
@@ -246,11 +252,29 @@ class Runtime:
             changes.append("api keys")
         if self.peering.reconfigure(new):
             changes.append("peers")
+        restart_discovery = new.discovery != self.config.discovery
         self.config = new
+        if restart_discovery:
+            self._restart_discovery()
+            changes.append("discovery (restarted)")
         self.pacer = self._pacer(new)
         self._replicas_changed()
         self.drain_queue()
         return changes
+
+    def _restart_discovery(self) -> None:
+        """A reload changed ``discovery:``: stop the old sources, drop what they added, start the new."""
+        old, self.discovery = self.discovery, self._discovery(self.config)
+
+        async def swap() -> None:
+            if old is not None:
+                await old.stop()
+                for source in list(old.reconciler.owned):
+                    old.reconciler.forget(source)
+            if self.discovery is not None:
+                await self.discovery.start()
+        if self.session is not None:  # started: swap in the background (reconfigure is synchronous)
+            self._discovery_swap = asyncio.get_running_loop().create_task(swap())
 
     # -- admission and accounting ----------------------------------------------------------------
     async def admit(self, req: Request) -> Decision:
@@ -403,6 +427,8 @@ class Runtime:
         self.session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, force_close=False),
             auto_decompress=False)
+        if self.discovery is not None:
+            await self.discovery.start()
         await self.probe_all()
         self._probe_task = asyncio.create_task(
             probe_forever(lambda: self.config.probe.interval_s, self.probe_all, "probe round failed"))
@@ -417,6 +443,8 @@ class Runtime:
             self._probe_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._probe_task
+        if self.discovery is not None:
+            await self.discovery.stop()
         await self.peering.stop()
         for w in self.queue:
             if not w.future.done():
