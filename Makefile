@@ -9,7 +9,7 @@ OUT     ?= out
 .PHONY: install install-dev demo lint test bench fidelity clean system-deps
 
 # held to mypy --strict: the pure layers and the gateway's protocols
-STRICT  := src/kvroute/model src/kvroute/prefix src/kvroute/policy src/kvroute/gateway/breaker.py \
+STRICT  := src/kvroute/model src/kvroute/prefix src/kvroute/perf src/kvroute/policy src/kvroute/gateway/breaker.py \
            src/kvroute/gateway/http.py src/kvroute/gateway/upstream.py
 COV_MIN ?= 75
 

@@ -2,6 +2,7 @@ import pytest
 
 from kvroute.model import Endpoint, Request
 from kvroute.policy import Router, build_policy
+from kvroute.policyfiles import load_entry_points
 from kvroute.prefix import BlockHasher, chat_key
 from kvroute.sim.scenario import DATA_DIR
 
@@ -17,6 +18,13 @@ def make_request(rid: str, text: str = "", *, key: str | None = None, tokens: in
     hashes, est = BlockHasher(block_tokens)(chat_key([{"role": "user", "content": text or rid}]))
     return Request(id=rid, block_hashes=hashes, block_tokens=block_tokens,
                    prompt_tokens=tokens if tokens is not None else est, routing_key=key, **kw)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def runtime_start_up():
+    """What every runtime does at start-up (CLI, gateway config, scenario parsing): install the
+    hardware-profile loader the llm_d predictor resolves its profile with, load entry points."""
+    load_entry_points()
 
 
 @pytest.fixture

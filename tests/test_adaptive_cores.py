@@ -10,11 +10,11 @@ import pytest
 
 from kvroute.metrics.stats import percentile_sorted
 from kvroute.model import Endpoint
+from kvroute.perf.loader import load_profile
 from kvroute.policy.adaptive.es_tuner import GORGO_RANGES, OnePlusOneES, WeightRange
 from kvroute.policy.adaptive.hotspot import HotspotDetector
 from kvroute.policy.adaptive.predictor import TTFTPredictor
 from kvroute.policy.adaptive.ttft_fit import TTFTFit
-from kvroute.sim.profile import load_profile
 
 
 def _bowl(w: dict[str, float], rng: random.Random) -> float:

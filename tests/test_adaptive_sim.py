@@ -106,7 +106,7 @@ def test_hotspot_detector_is_silent_without_a_hot_class():
 
 def test_balancers_keep_rtt_as_an_ewma_of_probe_round_trips():
     """Like the gateway: each probe's round trip (the network's RTT ± jitter) enters an EWMA."""
-    from kvroute.sim.network import Network
+    from kvroute.perf.network import Network
 
     sc = parse_scenario({"name": "rtt", "seed": 1, "policies": ["gorgo"], **CROSS_REGION,
                          "limits": {"max_requests": 200}}, "test")

@@ -9,7 +9,8 @@ from kvroute.calibrate import Sweep, fit_profile, measure, write_profile
 from kvroute.calibrate.fit import nonneg_lstsq
 from kvroute.cli import main
 from kvroute.emulator.server import Faults, start_emulator
-from kvroute.sim.profile import HardwareProfile, load_profile
+from kvroute.perf.loader import load_profile
+from kvroute.perf.profile import HardwareProfile
 
 # CPU-engine-like costs: steps of milliseconds, so the emulator's real-time clock resolves them
 KNOWN = HardwareProfile(name="known", hardware="test", model="test", c0_s=0.004, c_prefill_s=8e-5,

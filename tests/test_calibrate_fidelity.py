@@ -69,9 +69,9 @@ def test_live_and_simulated_runs_replay_the_same_requests(tmp_path, capsys, monk
 def _admitted_cached(reuse: str) -> dict[str, int]:
     """Cached prompt tokens of b (admitted while a, with the same 512-token prefix, decodes) and
     of c (admitted after both finished)."""
+    from kvroute.perf.loader import load_profile
     from kvroute.sim.engine import Engine, Seq
     from kvroute.sim.events import EventLoop
-    from kvroute.sim.profile import load_profile
 
     profile = load_profile("l4-llama3.1-8b").model_copy(update={"prefix_reuse": reuse})
     loop = EventLoop()
@@ -96,9 +96,9 @@ def test_llama_server_reuses_a_prefix_only_from_an_idle_slot():
 def test_one_idle_slot_serves_two_concurrent_requests_then_its_prefix_is_gone():
     """llama-server: the slot's copy, then the old content it saved to the host cache (measured:
     two of three concurrent requests for a prefix one idle slot held were served from cache)."""
+    from kvroute.perf.loader import load_profile
     from kvroute.sim.engine import Engine, Seq
     from kvroute.sim.events import EventLoop
-    from kvroute.sim.profile import load_profile
 
     profile = load_profile("l4-llama3.1-8b").model_copy(update={"prefix_reuse": "idle_slots"})
     loop = EventLoop()

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from kvroute.model import Endpoint, Request
+from kvroute.perf.loader import load_profile
 from kvroute.policy.compose import ConfigError
 from kvroute.policy.presets.cascadeinfer import stage_filter
 from kvroute.policy.registry import build_policy, policy_from_config
@@ -15,7 +16,6 @@ from kvroute.reproduce import reproduce
 from kvroute.reproduce.common import YES
 from kvroute.sim.engine import DECODE, DONE, Engine, Seq
 from kvroute.sim.events import EventLoop
-from kvroute.sim.profile import load_profile
 from kvroute.sim.qoe_profiling import fit_profile
 from kvroute.sim.runner import run_scenario
 from kvroute.sim.scenario import parse_scenario

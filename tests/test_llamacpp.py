@@ -551,7 +551,7 @@ async def _parse(gw: LiveGateway, raw: bytes, kind):
 
 def test_calibrate_fits_real_llama_servers_loaded_together(engines, tmp_path):
     from kvroute.calibrate import Sweep, fit_profile, measure, write_profile
-    from kvroute.sim.profile import load_profile
+    from kvroute.perf.loader import load_profile
 
     eng = engines(2)
     sweep = Sweep(prefill_lengths=(128, 512, 1024), batch_sizes=(1, 2), contexts=(128, 512), decode_tokens=12,

@@ -5,9 +5,9 @@ import pytest
 
 from kvroute.calibrate import fit_profile
 from kvroute.calibrate.measure import EngineFacts, Measurements
+from kvroute.perf.profile import HardwareProfile
 from kvroute.sim.engine import Engine, Host, Seq
 from kvroute.sim.events import EventLoop
-from kvroute.sim.profile import HardwareProfile
 from kvroute.sim.runner import run_scenario
 from kvroute.sim.scenario import ScenarioError, parse_scenario
 

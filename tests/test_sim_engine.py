@@ -6,9 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvroute.perf.loader import available_profiles, load_profile
 from kvroute.sim.engine import Engine, Seq
 from kvroute.sim.events import EventLoop
-from kvroute.sim.profile import available_profiles, load_profile
 
 
 def small_profile(**kw):

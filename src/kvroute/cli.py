@@ -353,7 +353,7 @@ def cmd_emulate(args: argparse.Namespace) -> int:
     """`kvroute emulate`: one emulated engine (vLLM, SGLang or llama.cpp API and metrics, timing from a
     hardware profile), with optional injected faults."""
     from kvroute.emulator.server import Faults, start_emulator
-    from kvroute.sim.profile import ProfileError, load_profile
+    from kvroute.perf.loader import ProfileError, load_profile
 
     try:
         profile = load_profile(args.profile)
@@ -483,7 +483,7 @@ def cmd_bench_fidelity(args: argparse.Namespace) -> int:
 
     from kvroute.bench.fidelity import METRICS, Workload, calibrate_engines, run_fidelity
     from kvroute.calibrate import CalibrationError
-    from kvroute.sim.profile import ProfileError, load_profile
+    from kvroute.perf.loader import ProfileError, load_profile
 
     if args.profile is None:  # self-contained: calibrate these engines first, sharing counted
         args.host_cores = args.host_cores or os.cpu_count() or 1

@@ -6,9 +6,11 @@ packages lives here and hands the pure registry mappings and classes:
 * :func:`load_policy_file` and :func:`register_preset_file` read a YAML file with
   :mod:`kvroute.yamlconf` and pass its mapping to :mod:`kvroute.policy.registry`; an error the
   registry raises names the item it concerns (``ConfigError.loc``), which becomes file:line here.
-* :func:`load_entry_points` imports what the ``kvroute.policies`` entry points name (a module that
-  registers with the decorators of :mod:`kvroute.policy.catalog`, a
-  :class:`~kvroute.policy.compose.Preset`, a plugin class or a policy class) and registers it.
+* :func:`load_entry_points` installs :func:`kvroute.perf.loader.load_profile` as the policy
+  layer's profile source (:mod:`kvroute.policy.profiles`), then imports what the
+  ``kvroute.policies`` entry points name (a module that registers with the decorators of
+  :mod:`kvroute.policy.catalog`, a :class:`~kvroute.policy.compose.Preset`, a plugin class or a
+  policy class) and registers it.
   Runtimes call it once at start-up: the CLI, :func:`kvroute.gateway.config.load_config`, the
   gateway and the simulator's scenario parsing. A program that builds policies through
   ``kvroute.policy`` alone calls it first to see presets shipped outside the tree.
@@ -21,10 +23,13 @@ from pathlib import Path
 from typing import Any
 
 from kvroute import yamlconf
+from kvroute.perf.loader import load_profile
 from kvroute.policy.base import Policy
-from kvroute.policy.catalog import add_preset, register_plugin, register_policy_class
+from kvroute.policy.catalog import PRESETS_TABLE, add_preset, register_plugin, register_policy_class
+from kvroute.policy.compiler import check_preset
 from kvroute.policy.compose import ConfigError, Preset
 from kvroute.policy.plugins import Plugin
+from kvroute.policy.profiles import install_profile_source
 from kvroute.policy.registry import policy_from_config, register_preset_mapping
 
 ENTRY_POINT_GROUP = "kvroute.policies"
@@ -32,13 +37,16 @@ _entry_points_loaded = False
 
 
 def load_entry_points(force: bool = False) -> None:
-    """Import and register what the ``kvroute.policies`` entry points name (once; ``force``: again).
+    """Install the hardware-profile loader, then import and register what the ``kvroute.policies``
+    entry points name (once; ``force``: again), compiling each preset they add with its defaults.
     A broken entry point is a one-line ConfigError naming it."""
     global _entry_points_loaded
     if _entry_points_loaded and not force:
         return
     _entry_points_loaded = True
+    install_profile_source(load_profile)
     for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
+        before = set(PRESETS_TABLE)
         try:
             obj = ep.load()
             if isinstance(obj, Preset):
@@ -47,6 +55,8 @@ def load_entry_points(force: bool = False) -> None:
                 register_plugin(obj)
             elif isinstance(obj, type) and issubclass(obj, Policy):
                 register_policy_class(obj)
+            for name in set(PRESETS_TABLE) - before:  # decorated presets are not compiled on import
+                check_preset(PRESETS_TABLE[name])
         except Exception as exc:  # one line naming the broken entry point, never a traceback
             raise ConfigError(f"entry point {ep.name!r} ({ep.value}) of group {ENTRY_POINT_GROUP} "
                               f"failed to load: {type(exc).__name__}: {exc}") from None

@@ -1,4 +1,4 @@
-"""Fit the simulator's step-time model (:mod:`kvroute.sim.profile`) to measured points, and write
+"""Fit the simulator's step-time model (:mod:`kvroute.perf.profile`) to measured points, and write
 the profile with the fit's error at every point.
 
 Decode steps fit ``T = c0 + c_decode·B + c_attn·B·ctx`` (a uniform batch: heterogeneity 1), so
@@ -32,7 +32,7 @@ from pathlib import Path
 import yaml
 
 from kvroute.calibrate.measure import Measurements, Sweep
-from kvroute.sim.profile import HardwareProfile
+from kvroute.perf.profile import HardwareProfile
 
 
 def nonneg_lstsq(rows: list[list[float]], y: list[float]) -> list[float]:

@@ -24,8 +24,8 @@ from pydantic import Field, field_validator, model_validator
 
 from kvroute import yamlconf
 from kvroute.gateway.config import ReplicaConfig, base_url, read_secret
+from kvroute.perf.network import NetworkSpec
 from kvroute.schema import StrictModel
-from kvroute.sim.network import NetworkSpec
 
 
 class SecretSource(StrictModel):

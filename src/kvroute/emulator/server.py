@@ -33,9 +33,10 @@ from aiohttp import web
 
 from kvroute.emulator.realtime import RealtimeLoop
 from kvroute.gateway.http import error_object
+from kvroute.perf.loader import load_profile
+from kvroute.perf.profile import HardwareProfile
 from kvroute.prefix import BlockHasher, PromptError, chat_key, completion_key
 from kvroute.sim.engine import DONE, Engine, Seq
-from kvroute.sim.profile import HardwareProfile, load_profile
 
 ENGINES = ("vllm", "sglang", "llamacpp")
 EMULATOR = web.AppKey("emulator", object)

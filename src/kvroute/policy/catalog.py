@@ -35,14 +35,16 @@ def register_plugin(cls: P) -> P:
     return cls
 
 
-def add_preset(preset: Preset) -> Preset:
-    """Register ``preset`` under its name (a second preset of the same name is an error)."""
+def add_preset(preset: Preset, check: bool = True) -> Preset:
+    """Register ``preset`` under its name (a second preset of the same name is an error);
+    ``check``: compile it with its default parameters now, so a broken one fails here."""
     old = PRESETS_TABLE.get(preset.name)
     if old is not None and old != preset:
         raise ConfigError(f"preset {preset.name!r} is already registered (from {old.origin})")
-    from kvroute.policy.compiler import check_preset  # imported here: it needs this module
+    if check:
+        from kvroute.policy.compiler import check_preset  # imported here: it needs this module
 
-    check_preset(preset)
+        check_preset(preset)
     PRESETS_TABLE[preset.name] = preset
     return preset
 
@@ -56,10 +58,12 @@ def register_policy_class(cls: C) -> C:
 
 def register_preset(name: str, *, source: str = "", **spec: Any) -> Callable[[T], T]:
     """Decorator on a parameter model: register a preset called ``name`` whose parameters are
-    that model, whose description is its docstring, and whose composition is ``spec`` (the
-    keys of :mod:`kvroute.policy.compose`)."""
+    keys of :mod:`kvroute.policy.compose`). It is compiled when first built, not on import: a
+    plugin may need what the runtime provides at start-up (a hardware profile); the tests compile
+    every built-in preset, and :func:`kvroute.policyfiles.load_entry_points` those of other
+    packages."""
 
     def wrap(params: T) -> T:
-        add_preset(Preset(name, params, spec, source, params.__doc__ or "", params.__module__))
+        add_preset(Preset(name, params, spec, source, params.__doc__ or "", params.__module__), check=False)
         return params
     return wrap

@@ -16,8 +16,8 @@ import statistics
 import time
 
 from kvroute.cascade import partition
+from kvroute.perf.loader import load_profile
 from kvroute.reproduce.common import DIRECTION, NO, YES, Lab, Row, pct, ratio_agreement, unstable_note
-from kvroute.sim.profile import load_profile
 from kvroute.sim.qoe_profiling import fit_profile
 from kvroute.workload.long_context import LongContext
 

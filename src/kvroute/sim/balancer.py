@@ -23,11 +23,11 @@ from collections.abc import Mapping
 from typing import Any, Protocol
 
 from kvroute.model import DecisionKind, Endpoint, EndpointKind
+from kvroute.perf.network import RTT_EWMA, Network
+from kvroute.perf.profile import HardwareProfile
 from kvroute.policy import DEFAULT_TICK_S, DispatchPacer, Router, build_policy
 from kvroute.policy.admission import replica_available
 from kvroute.sim.events import Scheduler
-from kvroute.sim.network import RTT_EWMA, Network
-from kvroute.sim.profile import HardwareProfile
 from kvroute.workload.base import SimRequest
 
 

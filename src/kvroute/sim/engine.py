@@ -36,9 +36,9 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 from typing import Any
 
+from kvroute.perf.profile import HardwareProfile
 from kvroute.prefix.index import cached_prefix
 from kvroute.sim.events import Scheduler
-from kvroute.sim.profile import HardwareProfile
 
 WAITING, PREFILL, DECODE, DONE = 0, 1, 2, 3
 
@@ -129,10 +129,6 @@ class Engine:
         self.on_step = on_step
         self.max_jump_steps = max_jump_steps
         self.p = profile
-        # the step-time constants, read on every plan (the profile is frozen)
-        self._consts = (profile.c0_s, profile.c_prefill_s, profile.c_decode_s, profile.c_attn_s,
-                        profile.c_prefill_attn_s, profile.c_attn_fixed_s, profile.h_cv, profile.h_max,
-                        profile.max_batched_tokens)
         self.loop = loop
         self.on_first_token = on_first_token
         self.on_finish = on_finish
@@ -321,9 +317,8 @@ class Engine:
             host.stepping_changed(self, True)
         self._busy = True
         self._version += 1
-        c0, c_prefill, c_decode, c_attn, c_prefill_attn, c_attn_fixed, h_cv, h_max, max_tokens = self._consts
+        p = self.p
         T = self.steps
-        h = 1.0
         ctx_sum = 0
         ctx_sq = 0
         if n_dec:
@@ -332,16 +327,9 @@ class Engine:
             ctx_a = self.ctx_a
             ctx_sum = ctx_a + n_dec * T
             ctx_sq = self.ctx_a2 + 2 * T * ctx_a + n_dec * T * T
-            if n_dec > 1 and h_cv and not prefilling:  # batch heterogeneity (see profile.py)
-                mean = ctx_sum / n_dec
-                var = ctx_sq / n_dec - mean * mean
-                if var > 0:
-                    h = 1.0 + h_cv * math.sqrt(var) / mean
-                    if h > h_max:
-                        h = h_max
         loop = self.loop
         if prefilling:
-            budget = max_tokens - n_dec
+            budget = p.max_batched_tokens - n_dec
             chunks, tokens, attn = [], 0, 0.0
             n_all, len_sum, len_sq = n_dec, ctx_sum, ctx_sq
             for seq in prefilling:
@@ -357,19 +345,10 @@ class Engine:
                 n_all += 1
                 len_sum += end
                 len_sq += end * end
-            if n_all > 1 and h_cv:  # one varlen attention pass over decodes and chunks
-                mean = len_sum / n_all
-                var = len_sq / n_all - mean * mean
-                if var > 0:
-                    h = 1.0 + h_cv * math.sqrt(var) / mean
-                    if h > h_max:
-                        h = h_max
             self._chunks = chunks
             self._jump = None
-            dt = (c0 + c_prefill * tokens + c_decode * n_dec
-                  + h * (c_attn * ctx_sum + c_prefill_attn * attn))
-            if n_dec:
-                dt += c_attn_fixed
+            # one varlen attention pass over decodes and chunks (heterogeneity: perf/profile.py)
+            dt = p.step_time(tokens, n_dec, ctx_sum, attn, p.heterogeneity(n_all, len_sum, len_sq))
             if host is not None:  # cores shared with other engines (Host)
                 self._slow = host.slowdown
                 dt *= self._slow
@@ -393,8 +372,10 @@ class Engine:
             K = 1
         if self.max_jump_steps is not None and K > self.max_jump_steps:
             K = self.max_jump_steps
-        alpha = c0 + c_attn_fixed + c_decode * n_dec + c_attn * h * ctx_sum
-        beta = c_attn * h * n_dec
+        # step k of the jump takes alpha + beta·k: every context grows by one token per step
+        h = p.heterogeneity(n_dec, ctx_sum, ctx_sq)
+        alpha = p.step_time(0, n_dec, ctx_sum, 0.0, h)
+        beta = p.decode_growth(n_dec, h)
         if host is not None:  # cores shared with other engines (Host)
             self._slow = slow = host.slowdown
             alpha *= slow

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 
-from kvroute.sim.profile import HardwareProfile
+from kvroute.perf.profile import HardwareProfile
 
 PREFLIGHT_SCAN = 200_000  # requests looked at before a run (a longer trace is sampled by its head)
 COMFORT_LOAD = 0.7  # what the suggested fixes aim for: ~70 % of the estimated capacity

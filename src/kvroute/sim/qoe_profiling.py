@@ -21,9 +21,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvroute.cascade.qoe import Features, QoEModel, fit, mean_relative_error
+from kvroute.perf.profile import HardwareProfile
 from kvroute.sim.engine import Engine, Seq
 from kvroute.sim.events import EventLoop
-from kvroute.sim.profile import HardwareProfile
 
 OutputSampler = Callable[[random.Random], int]
 

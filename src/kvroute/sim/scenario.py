@@ -23,12 +23,12 @@ from typing import Any, Literal, NamedTuple
 from pydantic import Field
 
 from kvroute import yamlconf
+from kvroute.perf.loader import ProfileError, load_profile
+from kvroute.perf.network import NetworkSpec
 from kvroute.policy import ConfigError, policy_from_config
 from kvroute.policy.registry import preset_and_params
 from kvroute.policyfiles import load_entry_points
 from kvroute.schema import StrictModel
-from kvroute.sim.network import NetworkSpec
-from kvroute.sim.profile import ProfileError, load_profile
 from kvroute.sim.simulation import BalancerSpec, Limits, ReplicaSpec, Setup
 from kvroute.workload import Workload
 from kvroute.workload.synthetic import ChatPoisson, ChatWorkload

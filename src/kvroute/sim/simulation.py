@@ -15,13 +15,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from kvroute.metrics import Recorder
+from kvroute.perf.network import Network
+from kvroute.perf.profile import HardwareProfile
 from kvroute.policy import Router
 from kvroute.sim.balancer import SimBalancer
 from kvroute.sim.engine import Engine, Host, Seq
 from kvroute.sim.events import EventLoop
 from kvroute.sim.migration import make_migrator
-from kvroute.sim.network import Network
-from kvroute.sim.profile import HardwareProfile
 from kvroute.workload import Program, SimRequest, Workload
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from kvroute.model import Branch, Decision, Endpoint
+from kvroute.perf.profile import HardwareProfile
 from kvroute.policy.adaptive.es_tuner import GORGO_RANGES, OnePlusOneES, WeightRange
 from kvroute.policy.adaptive.hotspot import HotspotDetector
 from kvroute.policy.adaptive.plugins import CalibrationPlugin, HotspotPlugin, PredictionErrorPlugin, TunerPlugin
@@ -22,6 +23,7 @@ from kvroute.policy.adaptive.ttft_fit import TTFTFit
 from kvroute.policy.base import argmin, explain
 from kvroute.policy.catalog import PLUGINS, register_plugin
 from kvroute.policy.plugins import DecisionState, Route, Scorer
+from kvroute.policy.profiles import resolve_profile
 
 
 def _scorer(name: str) -> Scorer:
@@ -148,14 +150,9 @@ class PredictedTTFT(Scorer, PredictionErrorPlugin):
     name = "predictor"
     inputs = frozenset({"prefix", "prefill_backlog", "load", "rtt"})
 
-    def __init__(self, profile: str = "h20-qwen3-30b-a3b"):
-        from kvroute.sim.profile import ProfileError, load_profile  # the model of the simulator
-
+    def __init__(self, profile: str | HardwareProfile = "h20-qwen3-30b-a3b"):
         PredictionErrorPlugin.__init__(self)
-        try:
-            self.predictor = TTFTPredictor(load_profile(profile))
-        except ProfileError as exc:
-            raise ValueError(str(exc)) from None
+        self.predictor = TTFTPredictor(resolve_profile(profile))  # a name: the runtime's profile source
 
     def values(self, st: DecisionState, eps: list[Endpoint]) -> list[float]:
         """The predicted TTFT per endpoint (seconds), remembered so the error can be scored once the first

@@ -7,7 +7,7 @@ from pydantic import Field, field_validator
 from kvroute.model import Branch
 from kvroute.policy.catalog import register_preset
 from kvroute.policy.params import PolicyParams
-from kvroute.sim.profile import ProfileError, available_profiles, load_profile
+from kvroute.policy.profiles import resolve_profile
 
 
 @register_preset("llm_d", source="LMetric §4.6 / Fig. 14 (llm-d's simulator-based TTFT prediction)",
@@ -17,7 +17,7 @@ class LLMDParams(PolicyParams):
 
     LMetric §4.6 (Figure 14): llm-d's latency-based scheduler simulates every instance and
     routes to the lowest estimated TTFT. kvroute's predictor is its own simulator's step-time
-    model (:class:`~kvroute.sim.profile.HardwareProfile`, loaded once when the policy is built)
+    model (:class:`~kvroute.perf.profile.HardwareProfile`, resolved once when the policy is built)
     fed with the probed running batch, the router's queued prefill tokens and decode contexts,
     the RTT and the request's uncached tokens (:mod:`kvroute.policy.adaptive.predictor`). This
     differs from ``weighted`` (llm-d's default scorer profile: prefix 3, queue 2, KV 2 with a
@@ -25,15 +25,12 @@ class LLMDParams(PolicyParams):
     prediction error against measured TTFTs is exported as ``predictor.*`` policy state.
     """
 
-    profile: str = Field("h20-qwen3-30b-a3b", description="hardware profile (name or YAML path) "
-                         "whose step-time model predicts TTFT; a mismatched one predicts worse "
-                         f"(LMetric Figs. 15-16); bundled: {', '.join(available_profiles())}")
+    profile: str = Field("h20-qwen3-30b-a3b", description="hardware profile whose step-time model "
+                         "predicts TTFT: a bundled name (`src/kvroute/profiles/`) or a YAML path; a "
+                         "mismatched one predicts worse (LMetric Figs. 15-16)")
 
     @field_validator("profile")
     @classmethod
-    def _loads(cls, v: str) -> str:
-        try:
-            load_profile(v)
-        except ProfileError as exc:
-            raise ValueError(str(exc)) from None
+    def _resolves(cls, v: str) -> str:
+        resolve_profile(v)  # an unknown name fails here, at its parameter (ValueError)
         return v

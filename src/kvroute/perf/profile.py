@@ -25,22 +25,22 @@ One engine step runs P prefill tokens (chunked) and D decode sequences. Its time
 ``ttft_overhead_s`` is a per-request latency outside the engine's step loop (HTTP, tokenizing,
 scheduling); it adds to the first token's time without occupying the engine.
 
-Profiles live in ``kvroute/profiles/*.yaml`` (package data) with every number annotated with its source.
+Profiles live in ``kvroute/profiles/*.yaml`` (package data) with every number annotated with its source;
+:mod:`kvroute.perf.loader` reads them (this module does no I/O, so the policy layer can use it).
+
+:meth:`HardwareProfile.step_time` is the one place the formula is written: the simulated engine
+(``sim/engine.py``, per step and per decode jump), the llm_d predictor, calibration's fit, the
+overload pre-flight and the QoE profiling all call it.
 """
 
 from __future__ import annotations
 
 import math
-from importlib import resources
-from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-import yaml
-from pydantic import ConfigDict, Field, ValidationError
+from pydantic import ConfigDict, Field
 
 from kvroute.schema import StrictModel
-
-PROFILE_DIR = Path(str(resources.files("kvroute") / "profiles"))  # package data
 
 
 class HardwareProfile(StrictModel):
@@ -82,7 +82,7 @@ class HardwareProfile(StrictModel):
     # {prefill, expect_s} | {prefill, ttft_s} | {decode, ctx, expect_s} | {decode, ctx, attn_share}
     # | {heterogeneity_cv, expect_h}, with its source. ``independent: true`` marks an anchor
     # that no constant was fitted to (a check, not a calibration).
-    points: list[dict] = Field(default_factory=list)
+    points: list[dict[str, Any]] = Field(default_factory=list)
     # when no independent published anchor exists, why (the tests require one or the other)
     no_independent_anchor: str | None = None
 
@@ -91,21 +91,36 @@ class HardwareProfile(StrictModel):
         """KV-cache capacity in tokens (blocks × block size)."""
         return self.kv_blocks * self.block_size
 
-    def heterogeneity(self, n: int, ctx_sum: float, ctx_sq_sum: float) -> float:
-        """Attention slowdown of a decode batch with uneven contexts: 1 + h_cv × their coefficient of
-        variation, at most h_max (1 below two sequences)."""
-        if n < 2 or ctx_sum <= 0:
+    def heterogeneity(self, n: int, len_sum: float, len_sq_sum: float) -> float:
+        """Attention slowdown H of a step whose attention runs over ``n`` lengths (decode contexts
+        and prefill chunk ends) with sum ``len_sum`` and sum of squares ``len_sq_sum``:
+        1 + h_cv × their coefficient of variation, at most h_max (1 below two lengths)."""
+        if n < 2 or len_sum <= 0 or not self.h_cv:
             return 1.0
-        mean = ctx_sum / n
-        var = max(0.0, ctx_sq_sum / n - mean * mean)
-        return min(self.h_max, 1.0 + self.h_cv * math.sqrt(var) / mean)
+        mean = len_sum / n
+        var = len_sq_sum / n - mean * mean
+        if var <= 0:
+            return 1.0
+        h = 1.0 + self.h_cv * math.sqrt(var) / mean
+        return self.h_max if h > self.h_max else h
 
     def step_time(self, prefill_tokens: int = 0, decode: int = 0, decode_ctx: float = 0.0,
                   prefill_attn: float = 0.0, h: float = 1.0) -> float:
-        """Seconds for one step; ``prefill_attn`` = Σ chunk·(ctx_before + chunk/2)."""
-        return (self.c0_s + self.c_prefill_s * prefill_tokens + self.c_decode_s * decode
-                + (self.c_attn_fixed_s if decode else 0.0)
-                + h * (self.c_attn_s * decode_ctx + self.c_prefill_attn_s * prefill_attn))
+        """Seconds for one step of ``prefill_tokens`` chunked-prefill tokens and ``decode``
+        sequences whose contexts sum to ``decode_ctx``; ``prefill_attn`` = Σ chunk·(ctx_before +
+        chunk/2); ``h``: :meth:`heterogeneity`. The terms are added in one fixed order so that
+        every caller gets bit-identical times for the same step."""
+        t = (self.c0_s + self.c_prefill_s * prefill_tokens + self.c_decode_s * decode
+             + h * (self.c_attn_s * decode_ctx + self.c_prefill_attn_s * prefill_attn))
+        if decode:
+            t += self.c_attn_fixed_s
+        return t
+
+    def decode_growth(self, decode: int, h: float = 1.0) -> float:
+        """How much longer each further decode-only step of ``decode`` sequences takes than the
+        one before: every context grows by a token per step (the slope of :meth:`step_time` in
+        ``decode_ctx`` times ``decode``)."""
+        return h * self.c_attn_s * decode
 
     def prefill_time(self, tokens: int) -> float:
         """One prompt prefilled alone in a single step (no decodes in the batch)."""
@@ -115,28 +130,3 @@ class HardwareProfile(StrictModel):
         """Share of one decode step spent in attention, for ``decode`` sequences of ``ctx_each`` tokens each."""
         attn = self.c_attn_fixed_s + self.c_attn_s * decode * ctx_each
         return attn / self.step_time(decode=decode, decode_ctx=decode * ctx_each)
-
-
-class ProfileError(ValueError):
-    """An unknown or invalid hardware profile."""
-
-
-def available_profiles() -> list[str]:
-    """Names of the bundled profiles (``src/kvroute/profiles/*.yaml``)."""
-    return sorted(p.stem for p in PROFILE_DIR.glob("*.yaml"))
-
-
-def load_profile(name_or_path: str) -> HardwareProfile:
-    """A bundled profile by name, or a profile YAML file by path; unknown names list the bundled ones, invalid
-    fields are named (ProfileError)."""
-    path = PROFILE_DIR / f"{name_or_path}.yaml"
-    if not path.is_file():
-        path = Path(name_or_path)
-    if not path.is_file():
-        raise ProfileError(f"unknown profile {name_or_path!r}; available: {', '.join(available_profiles())}")
-    data = yaml.safe_load(path.read_text())
-    try:
-        return HardwareProfile(**data)
-    except ValidationError as err:
-        e = err.errors()[0]
-        raise ProfileError(f"{path}: field {'.'.join(map(str, e['loc']))}: {e['msg']}") from None
