@@ -37,13 +37,18 @@ lint: $(DEVSTAMP)
 	$(BIN)/mypy
 	$(BIN)/mypy --strict --follow-imports=silent $(STRICT)
 
-# system binaries real-component tests use (DNS discovery runs a dnsmasq on a loopback port); installed
-# from Debian's packages when running as root (CI), else their tests skip and say so
+# system binaries real-component tests start on loopback ports, from Debian's packages: dnsmasq
+# (DNS discovery), nats-server and haproxy (several gateways per region sharing load over NATS
+# behind HAProxy); installed only when missing and running as root (CI), else those tests skip
+SYSTEM_DEBS := dnsmasq:dnsmasq-base nats-server:nats-server haproxy:haproxy
 system-deps:
-	@command -v dnsmasq >/dev/null 2>&1 || [ -x /usr/sbin/dnsmasq ] || { \
+	@missing=""; for bp in $(SYSTEM_DEBS); do b=$${bp%%:*}; \
+	  command -v $$b >/dev/null 2>&1 || [ -x /usr/sbin/$$b ] || missing="$$missing $${bp#*:}"; done; \
+	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -q dnsmasq-base >/dev/null; \
-	  else echo "dnsmasq is missing and this is not root: the DNS discovery tests will skip"; fi; }
+	    echo "installing$$missing from Debian's packages (real-component tests)"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $$missing >/dev/null; \
+	  else echo "note:$$missing not installed and not root: the tests needing them skip"; fi; fi
 
 test: lint system-deps
 	$(BIN)/python -m pytest --cov --cov-report=term:skip-covered --cov-fail-under=$(COV_MIN)

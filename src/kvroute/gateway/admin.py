@@ -10,6 +10,7 @@ file. Every call needs an API key with ``admin: true`` (without one configured t
     POST   /admin/replicas/{id}/undrain take new requests again
     GET    /admin/policy                the active policy
     GET    /admin/discovery             each discovery source: its engines, synced, last error
+    GET    /admin/fleet                 this instance's fleet sync: synced or local-view, siblings
 """
 
 from __future__ import annotations
@@ -59,6 +60,9 @@ def handle_admin(rt: Runtime, request: Request, resp: Responder) -> None:
         _add(rt, request, resp)
     elif parts == ["discovery"] and method == "GET":
         resp.send(200, json.dumps(rt.discovery.status() if rt.discovery is not None else {}).encode())
+    elif parts == ["fleet"] and method == "GET":
+        view = rt.fleet.view() if rt.fleet is not None else {"sync": "off"}
+        resp.send(200, json.dumps(view).encode())
     elif parts == ["policy"] and method == "GET":
         resp.send(200, json.dumps({"name": rt.policy_name, "config": rt.config.policy}).encode())
     elif len(parts) in (2, 3) and parts[0] == "replicas":

@@ -277,6 +277,8 @@ class Peering:
             return None
         rt = self.rt
         backlog = sum(w.request.prompt_tokens for w in rt.queue if not w.future.done())
+        if rt.fleet is not None:  # the region's other instances queue too
+            backlog += rt.fleet.sibling_queued_tokens()
         peers = self.router.endpoints
         target = gorgo_peer_choice(req, rt.router.endpoints, rt.router.prefix.match(req.block_hashes), backlog,
                                    peers, self.router.prefix.match(req.block_hashes),
@@ -319,10 +321,14 @@ class Peering:
         eps = [e for e in rt.router.endpoints if e.routable and e.id not in rt.drained]
         waiting = [w.request for w in rt.queue if not w.future.done()]
         queued_tokens = sum(r.prompt_tokens for r in waiting)
+        queue = len(waiting)
+        if rt.fleet is not None:  # several instances in this region: the region's queue is all of theirs
+            queue += rt.fleet.sibling_queue()
+            queued_tokens += rt.fleet.sibling_queued_tokens()
         w = self.weights
         best = min((w.base(e.rtt_s, e.inflight_tokens) for e in eps), default=None)
         return {"region": self.config.region, "zone": self.config.home_zone, "mode": self.mode,
-                "queue": len(waiting), "available": sum(1 for e in eps if replica_available(e)),
+                "queue": queue, "available": sum(1 for e in eps if replica_available(e)),
                 "replicas": len(eps), "inflight": sum(e.inflight for e in rt.router.endpoints),
                 "queued_tokens": queued_tokens,
                 "gorgo_base_cost": None if best is None else best + w.w_queue * queued_tokens}

@@ -12,7 +12,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
@@ -36,6 +36,9 @@ from kvroute.gateway.tokens import RESIZE_STEP, TokenRatio
 from kvroute.gateway.upstream import UpstreamPool
 from kvroute.model import Decision, DecisionKind, Endpoint, Request
 from kvroute.policy import DispatchPacer, Router
+
+if TYPE_CHECKING:
+    from kvroute.fleet.sync import FleetSync
 
 log = logging.getLogger("kvroute.gateway")
 
@@ -113,6 +116,7 @@ class Runtime:
         self.draining = False
         self.metrics = GatewayMetrics(self)
         self.peering = Peering(self)  # peer gateways and forwarding (gateway/peers.py)
+        self.fleet = self._fleet(config)  # sibling instances of this region (kvroute/fleet), or None
         self._probe_task: asyncio.Task | None = None
         self.session: aiohttp.ClientSession | None = None
         self.discovery = self._discovery(config)  # engines that come and go (kvroute/discovery)
@@ -120,6 +124,13 @@ class Runtime:
 
     def _discovery(self, config: GatewayConfig) -> Discovery | None:
         return Discovery(self) if config.discovery else None
+
+    def _fleet(self, config: GatewayConfig) -> FleetSync | None:
+        if config.fleet is None:
+            return None
+        from kvroute.fleet.sync import FleetSync  # nats-py is an optional extra
+
+        return FleetSync(self, config.fleet)
 
     def _pacer(self, config: GatewayConfig) -> DispatchPacer | None:
         """Pace the queue only for policies that can hold requests in it (selective pushing)."""
@@ -252,6 +263,10 @@ class Runtime:
             changes.append("api keys")
         if self.peering.reconfigure(new):
             changes.append("peers")
+            if self.fleet is not None:
+                self.fleet.rebind()
+        if new.fleet != self.config.fleet:
+            changes.append("fleet (needs a restart; kept as it was)")
         restart_discovery = new.discovery != self.config.discovery
         self.config = new
         if restart_discovery:
@@ -358,7 +373,8 @@ class Runtime:
                 w.future.set_exception(exc)
                 continue
             if d.kind is DecisionKind.HOLD:
-                forward = self.peering.on_hold(w.request, len(queue) - 1)  # SkyWalker: a peer that admits it
+                behind = len(queue) - 1 + (self.fleet.sibling_queue() if self.fleet is not None else 0)
+                forward = self.peering.on_hold(w.request, behind)  # SkyWalker: a peer that admits it
                 if forward is None:
                     return
                 d = forward
@@ -377,12 +393,16 @@ class Runtime:
         self.drain_queue()
 
     def dispatched(self, req: Request, d: Decision) -> None:
-        """A decision is about to be forwarded."""
+        """A decision is about to be forwarded (the fleet hears of it: its siblings count it)."""
         self.metrics.count_branch(self.policy_name, d.branch)
+        if self.fleet is not None and d.target is not None:
+            self.fleet.dispatched(req, d.target)
 
     def first_token(self, rid: str, ttft_s: float | None = None) -> None:
         """The first token of ``rid`` arrived, ``ttft_s`` after the request reached the gateway."""
         self.router.on_first_token(rid, ttft_s)
+        if self.fleet is not None:
+            self.fleet.prefill_done(rid)
 
     def release(self, rid: str, served: bool = True, e2e_s: float | None = None, output_tokens: int = 0) -> None:
         """An attempt ended. ``served``: the engine took the request, so its prompt counts in the
@@ -400,6 +420,8 @@ class Runtime:
         else:
             router.on_failed(rid)
         self.peering.release(rid, served)
+        if self.fleet is not None:
+            self.fleet.released(rid, served)
         if self.queue:
             self.drain_queue()
 
@@ -433,6 +455,8 @@ class Runtime:
         self._probe_task = asyncio.create_task(
             probe_forever(lambda: self.config.probe.interval_s, self.probe_all, "probe round failed"))
         self.peering.start()
+        if self.fleet is not None:
+            self.fleet.start()
 
     async def stop(self) -> None:
         """Stop probing, fail every queued request with QueueTimeout (shutting down) and close sessions and
@@ -446,6 +470,8 @@ class Runtime:
         if self.discovery is not None:
             await self.discovery.stop()
         await self.peering.stop()
+        if self.fleet is not None:
+            await self.fleet.stop()
         for w in self.queue:
             if not w.future.done():
                 w.future.set_exception(QueueTimeout("gateway is shutting down"))

@@ -589,6 +589,8 @@ class Gateway:
         ok = healthy and rt.ready and not rt.draining
         body = {"status": "ok" if ok else "unavailable", "replicas": len(rt.upstreams), "healthy": healthy,
                 "queue": len(rt.queue), "policy": rt.policy_name}
+        if rt.fleet is not None:  # routing goes on without NATS: said here, not failed
+            body["fleet"] = rt.fleet.state
         resp.send(200 if ok else 503, json.dumps(body).encode())
 
     def _authenticate(self, request: HTTPRequest, resp: Responder) -> KeyState | None | Literal[False]:

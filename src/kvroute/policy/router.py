@@ -136,11 +136,15 @@ class Router:
             self.commit(req, decision.target, decision.matched_blocks or None)
         return decision
 
-    def commit(self, req: Request, endpoint_id: str, matched_blocks: int | None = None) -> None:
+    def commit(self, req: Request, endpoint_id: str, matched_blocks: int | None = None, *,
+               notify: bool = True) -> None:
         """Account ``req`` as dispatched to ``endpoint_id`` (a re-dispatch first undoes the old
-        one); ``matched_blocks`` is the prefix the decision found there (None: look it up)."""
+        one); ``matched_blocks`` is the prefix the decision found there (None: look it up).
+        ``notify=False``: counters and index only, the policy's listeners are not told — for a
+        request another load balancer of the same fleet dispatched (``kvroute/fleet``), whose
+        outcome this Router's learning plugins never see."""
         if req.id in self.tickets:  # re-dispatch (retry on another endpoint): undo the old one
-            self.on_finish(req.id)
+            self.on_finish(req.id, notify=notify)
         ep = self._eps[endpoint_id]
         if matched_blocks is None:
             matched_blocks = self.prefix.match_one(endpoint_id, req.block_hashes)
@@ -154,8 +158,9 @@ class Router:
         hashes = req.block_hashes
         tick = self.prefix.insert(endpoint_id, hashes) if hashes else 0
         self.tickets[req.id] = Ticket(endpoint_id, req.prompt_tokens, prefill, matched_blocks, tick, hashes)
-        for plugin in self.policy.listeners:
-            plugin.on_dispatched(req, ep, prefill)
+        if notify:
+            for plugin in self.policy.listeners:
+                plugin.on_dispatched(req, ep, prefill)
 
     def on_first_token(self, req_id: str, ttft_s: float | None = None) -> None:
         """Prefill is done: the request no longer adds to its endpoint's prefill backlog.
@@ -174,16 +179,17 @@ class Router:
             for plugin in self.policy.listeners:
                 plugin.on_first_token(req_id, t.endpoint_id, ttft_s)
 
-    def on_failed(self, req_id: str) -> None:
+    def on_failed(self, req_id: str, *, notify: bool = True) -> None:
         """The endpoint did not serve the request (it failed or refused it): besides undoing the
         counters, forget the prefix blocks this dispatch taught the index, unless a later request
         has used them since."""
         t = self.tickets.get(req_id)
         if t is not None and t.index_tick:
             self.prefix.forget(t.endpoint_id, t.hashes, t.matched_blocks, t.index_tick)
-        self.on_finish(req_id)
+        self.on_finish(req_id, notify=notify)
 
-    def on_finish(self, req_id: str, e2e_s: float | None = None, output_tokens: int = 0) -> None:
+    def on_finish(self, req_id: str, e2e_s: float | None = None, output_tokens: int = 0, *,
+                  notify: bool = True) -> None:
         """Undo a dispatch: finished, failed, cancelled or re-routed. Safe to call twice.
 
         With ``e2e_s`` (the measured end-to-end latency at the load balancer) the request
@@ -197,7 +203,7 @@ class Router:
             ep.inflight -= 1
             ep.inflight_tokens -= t.tokens
             ep.queued_prefill_tokens -= t.prefill_tokens
-        listeners = self.policy.listeners  # told after the counters are right again
+        listeners = self.policy.listeners if notify else ()  # told after the counters are right again
         if listeners:
             if e2e_s is None:
                 for plugin in listeners:

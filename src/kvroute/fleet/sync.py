@@ -1,0 +1,316 @@
+"""Several gateways per region as one: the NATS transport of the fleet ledger (``fleet/ledger.py``).
+
+Each instance publishes its own requests' lifecycle on the region's subject
+(``<subject_prefix>.<region>``, NATS core, fire and forget — Dynamo's ``--router-replica-sync``
+design) and applies what the others publish. Every ``heartbeat_s`` it sends a heartbeat with its
+LB queue, and every ``snapshot_every`` heartbeats its whole in-flight set; an instance silent for
+``timeout_s`` is forgotten.
+
+**Without NATS** the gateway keeps routing on its own view and says so: at start it routes while
+the connection is attempted in the background (forever, every ``reconnect_s``); when the
+connection drops it forgets every sibling at once (their load can no longer be followed), logs
+one warning, ``kvroute_fleet_connected`` goes to 0 and ``/health`` and ``GET /admin/fleet`` show
+``"sync": "local-view"``. Messages are not buffered while disconnected (they would be stale);
+on reconnection the instance says ``hello`` — every sibling answers with a snapshot — and sends
+its own, so the views agree again within one NATS round trip, and one info line says so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import socket
+import time
+import uuid
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import Counter
+from prometheus_client.core import GaugeMetricFamily
+
+from kvroute.fleet.ledger import (
+    PEER,
+    REPLICA,
+    BadMessage,
+    Ledger,
+    add_message,
+    decode,
+    encode,
+    simple_message,
+    snapshot_message,
+)
+
+if TYPE_CHECKING:
+    from kvroute.gateway.config import FleetConfig
+    from kvroute.gateway.runtime import Runtime
+    from kvroute.model import Request
+
+log = logging.getLogger("kvroute.fleet")
+
+
+class FleetUnavailable(RuntimeError):
+    """The fleet section is configured but its client library is missing (install ``kvroute[fleet]``)."""
+
+
+def instance_name(configured: str | None) -> str:
+    """This instance's name on the fleet subject: configured, else host-pid-random (unique per process,
+    so a restarted instance is a new sibling and the old one's state expires)."""
+    return configured or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
+
+
+class FleetSync:
+    """One gateway's membership in its region's fleet: publishes its dispatches, mirrors the others'."""
+
+    def __init__(self, runtime: Runtime, config: FleetConfig):
+        try:
+            import nats  # noqa: F401 - checked at construction, so a missing extra fails at start-up
+        except ImportError:
+            raise FleetUnavailable("the fleet section needs nats-py: pip install 'kvroute[fleet]'") from None
+        self.rt = runtime
+        self.config = config
+        self.name = instance_name(config.instance)
+        self.subject = f"{config.subject_prefix}.{runtime.config.region}"
+        self.ledger = Ledger(self.name, self._routers(), config.timeout_s)
+        self.own: dict[str, str] = {}  # request id → layer, for our dispatches in flight
+        self.seq = itertools.count()
+        self.outbox: deque[bytes] = deque()
+        self._wake = asyncio.Event()
+        self.nc: Any = None
+        self.connected = False
+        self.ever_connected = False
+        self.since = time.monotonic()  # of the current state
+        self._tasks: list[asyncio.Task] = []
+        self._bad_logged: set[str] = set()  # senders whose malformed messages were logged once
+        self._skip_logged: set[str] = set()
+        r = runtime.metrics.registry
+        self.sent = Counter("kvroute_fleet_messages_sent", "Fleet messages published, by type", ["type"], registry=r)
+        self.received = Counter("kvroute_fleet_messages_received", "Fleet messages applied, by type", ["type"],
+                                registry=r)
+        self.bad = Counter("kvroute_fleet_bad_messages", "Fleet messages refused as malformed", registry=r)
+        self.lost = Counter("kvroute_fleet_lost_messages", "Sibling messages missed (sequence gaps; the next "
+                            "snapshot repairs them)", registry=r)
+        self.dropped = Counter("kvroute_fleet_unsent_messages", "Messages not sent because NATS was unreachable",
+                               registry=r)
+        self.expired = Counter("kvroute_fleet_siblings_expired", "Siblings forgotten after timeout_s of silence",
+                               registry=r)
+        r.register(_FleetCollector(self))
+
+    def _routers(self) -> dict[str, Any]:
+        return {REPLICA: self.rt.router, PEER: self.rt.peering.router}
+
+    def rebind(self) -> None:
+        """The peer Router was rebuilt (a reload changed the peers): mirror into the new one."""
+        self.ledger.routers = self._routers()
+
+    # -- what the runtime tells us -----------------------------------------------------------------
+    def dispatched(self, req: Request, target: str) -> None:
+        """``req`` was committed to ``target`` (a replica, or a peer gateway)."""
+        layer = PEER if target in self.rt.peering.links else REPLICA
+        ticket = self.ledger.routers[layer].tickets.get(req.id)
+        if ticket is None:
+            return
+        self.own[req.id] = layer
+        self._send(add_message(self.name, next(self.seq), req.id, ticket, req.block_tokens, layer))
+
+    def prefill_done(self, rid: str) -> None:
+        """The first token of ``rid`` arrived."""
+        if rid in self.own:
+            self._send(simple_message("prefill", self.name, next(self.seq), id=rid))
+
+    def released(self, rid: str, served: bool) -> None:
+        """An attempt of ``rid`` ended (``served``: the engine took it)."""
+        if self.own.pop(rid, None) is not None:
+            self._send(simple_message("free", self.name, next(self.seq), id=rid, ok=served))
+
+    def sibling_queue(self) -> int:
+        """Requests waiting in the other instances' LB queues."""
+        return self.ledger.queue()
+
+    def sibling_queued_tokens(self) -> int:
+        """Prompt tokens waiting in the other instances' LB queues."""
+        return self.ledger.queued_tokens()
+
+    # -- state ------------------------------------------------------------------------------------------
+    @property
+    def state(self) -> str:
+        """``synced`` while connected, else ``local-view``."""
+        return "synced" if self.connected else "local-view"
+
+    def view(self) -> dict[str, Any]:
+        """What ``GET /admin/fleet`` shows."""
+        now = time.monotonic()
+        return {"instance": self.name, "subject": self.subject, "nats": self.config.nats_url, "sync": self.state,
+                "state_for_s": round(now - self.since, 3), "own_inflight": len(self.own),
+                "siblings": [{"name": s.name, "last_seen_s": round(now - s.last_seen, 3), "queue": s.queue,
+                              "inflight": len(s.requests)} for s in self.ledger.siblings.values()]}
+
+    # -- the loop side ----------------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Connect in the background and start heartbeats (routing does not wait for NATS)."""
+        self._tasks = [asyncio.create_task(self._connect()), asyncio.create_task(self._publisher()),
+                       asyncio.create_task(self._ticker())]
+
+    async def stop(self) -> None:
+        """Say nothing more, close the connection (siblings forget us after ``timeout_s``)."""
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._tasks = []
+        if self.nc is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.nc.close(), 2.0)
+
+    async def _connect(self) -> None:
+        import nats
+
+        cfg = self.config
+        failures = 0
+
+        async def on_error(exc: Exception) -> None:
+            nonlocal failures
+            failures += 1
+            if failures == 1 and not self.ever_connected:  # once; a lost connection logs in _set_connected
+                log.warning("fleet: NATS at %s: %s (retrying every %g s; routing on this instance's own view "
+                            "meanwhile)", cfg.nats_url, exc or exc.__class__.__name__, cfg.reconnect_s)
+
+        async def on_disconnect() -> None:
+            self._set_connected(False)
+
+        async def on_reconnect() -> None:
+            nonlocal failures
+            failures = 0
+            self._set_connected(True)
+
+        self.nc = await nats.connect(
+            cfg.nats_url, name=f"kvroute-{self.name}", no_echo=True, allow_reconnect=True,
+            max_reconnect_attempts=-1, reconnect_time_wait=cfg.reconnect_s, connect_timeout=cfg.connect_timeout_s,
+            ping_interval=cfg.ping_interval_s, max_outstanding_pings=2, error_cb=on_error,
+            disconnected_cb=on_disconnect, reconnected_cb=on_reconnect)
+        await self.nc.subscribe(self.subject, cb=self._on_message)
+        failures = 0
+        self._set_connected(True)
+
+    def _set_connected(self, up: bool) -> None:
+        if up == self.connected:
+            return
+        self.connected, self.since = up, time.monotonic()
+        if up:
+            first = not self.ever_connected
+            self.ever_connected = True
+            log.info("fleet: %s NATS at %s as %s (subject %s); asking the siblings for their state",
+                     "joined" if first else "reconnected to", self.config.nats_url, self.name, self.subject)
+            self._send(simple_message("hello", self.name, next(self.seq)))
+            self._send_snapshot()
+        else:
+            n = len(self.ledger.siblings)
+            self.outbox.clear()
+            if self.ledger.forget_all():
+                self.rt.drain_queue()
+            log.warning("fleet: lost NATS at %s; routing on this instance's own view (%d sibling(s) forgotten) "
+                        "until it returns", self.config.nats_url, n)
+
+    def _send(self, msg: dict[str, Any]) -> None:
+        if not self.connected:
+            self.dropped.inc()
+            return
+        self.outbox.append(encode(msg))
+        self.sent.labels(msg["t"]).inc()
+        self._wake.set()
+
+    def _send_snapshot(self) -> None:
+        rt = self.rt
+        waiting = [w.request for w in rt.queue if not w.future.done()]
+        self._send(snapshot_message(self.name, next(self.seq), self.ledger.routers, list(self.own.items()),
+                                    len(waiting), sum(r.prompt_tokens for r in waiting)))
+
+    async def _publisher(self) -> None:
+        """Hand the outbox to the NATS client in order (the hooks above run inside routing and must not wait)."""
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self.outbox:
+                data = self.outbox.popleft()
+                if self.nc is None or not self.connected:
+                    self.outbox.clear()
+                    break
+                try:
+                    await self.nc.publish(self.subject, data)
+                except Exception as exc:  # the connection went away under us: the snapshot will repair
+                    self.dropped.inc()
+                    log.debug("fleet: publish failed: %s", exc)
+
+    async def _ticker(self) -> None:
+        cfg = self.config
+        for beat in itertools.count(1):
+            await asyncio.sleep(cfg.heartbeat_s)
+            try:
+                if self.connected:
+                    if beat % cfg.snapshot_every == 0:
+                        self._send_snapshot()
+                    else:
+                        rt = self.rt
+                        waiting = [w.request for w in rt.queue if not w.future.done()]
+                        self._send(simple_message("hb", self.name, next(self.seq), q=len(waiting),
+                                                  qt=sum(r.prompt_tokens for r in waiting)))
+                gone = self.ledger.expire(time.monotonic())
+                for name, n in gone:
+                    self.expired.inc()
+                    log.warning("fleet: instance %s silent for %g s; its %d in-flight request(s) are forgotten",
+                                name, cfg.timeout_s, n)
+                if gone:
+                    self.rt.drain_queue()
+            except Exception:  # a heartbeat must never stop for good
+                log.exception("fleet heartbeat failed")
+
+    async def _on_message(self, msg: Any) -> None:
+        try:
+            data = decode(msg.data)
+            applied = self.ledger.apply(data, time.monotonic())
+        except BadMessage as exc:
+            self.bad.inc()
+            sender = "?"
+            with contextlib.suppress(BadMessage):
+                sender = decode(msg.data).get("o", "?")
+            if sender not in self._bad_logged:  # once per sender
+                self._bad_logged.add(sender)
+                log.warning("fleet: malformed message from %s ignored: %s", sender, exc)
+            return
+        self.received.labels(data["t"]).inc()
+        if applied.gap:
+            self.lost.inc(applied.gap)
+        if applied.restarted:
+            log.info("fleet: instance %s restarted; its old state is forgotten", data["o"])
+        if applied.skipped and applied.skipped not in self._skip_logged:
+            self._skip_logged.add(applied.skipped)
+            log.warning("fleet: instance %s routes to %s, which this instance does not have; not mirrored "
+                        "(are the instances' replica lists the same?)", data["o"], applied.skipped)
+        if applied.wants_snapshot:
+            self._send_snapshot()
+        if applied.freed and self.rt.queue:
+            self.rt.drain_queue()
+
+
+class _FleetCollector:
+    """Fleet gauges read at scrape time."""
+
+    def __init__(self, sync: FleetSync) -> None:
+        self.sync = sync
+
+    def collect(self):
+        s = self.sync
+        up = GaugeMetricFamily("kvroute_fleet_connected", "1 while this instance shares state over NATS; 0: it "
+                               "routes on its own view")
+        up.add_metric([], 1 if s.connected else 0)
+        sib = GaugeMetricFamily("kvroute_fleet_siblings", "Other instances of this region heard within timeout_s")
+        sib.add_metric([], len(s.ledger.siblings))
+        mirrored = GaugeMetricFamily("kvroute_fleet_mirrored_requests", "Siblings' requests in flight, counted in "
+                                     "this instance's load indicators")
+        mirrored.add_metric([], s.ledger.mirrored())
+        queue = GaugeMetricFamily("kvroute_fleet_sibling_queue", "Requests in the siblings' LB queues")
+        queue.add_metric([], s.ledger.queue())
+        yield from (up, sib, mirrored, queue)
