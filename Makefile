@@ -10,7 +10,7 @@ OUT     ?= out
 
 # held to mypy --strict: the pure layers and the gateway's protocols
 STRICT  := src/kvroute/model src/kvroute/prefix src/kvroute/perf src/kvroute/policy src/kvroute/gateway/breaker.py \
-           src/kvroute/gateway/http.py src/kvroute/gateway/upstream.py
+           src/kvroute/gateway/http.py src/kvroute/gateway/upstream.py src/kvroute/fleet/ledger.py
 COV_MIN ?= 75
 
 $(BIN)/python:
