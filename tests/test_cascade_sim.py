@@ -6,9 +6,9 @@ import json
 
 import pytest
 
+from kvroute.errors import ConfigError
 from kvroute.model import Endpoint, Request
 from kvroute.perf.loader import load_profile
-from kvroute.policy.compose import ConfigError
 from kvroute.policy.presets.cascadeinfer import stage_filter
 from kvroute.policy.registry import build_policy, policy_from_config
 from kvroute.policy.router import Router

@@ -7,8 +7,9 @@ import textwrap
 import pytest
 
 from kvroute import policyfiles
+from kvroute.errors import ConfigError
 from kvroute.model import Branch, DecisionKind, Endpoint
-from kvroute.policy import ConfigError, Router, build_policy, policy_from_config, registry
+from kvroute.policy import Router, build_policy, policy_from_config, registry
 from kvroute.policy.catalog import PLUGINS, PRESETS_TABLE
 from kvroute.policy.plugins import DecisionState
 from kvroute.policyfiles import load_policy_file

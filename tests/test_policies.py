@@ -2,8 +2,9 @@
 
 import pytest
 
+from kvroute.errors import ConfigError
 from kvroute.model import DecisionKind, Endpoint, Request
-from kvroute.policy import PRESETS, ConfigError, Router, build_policy, policy_from_config
+from kvroute.policy import PRESETS, Router, build_policy, policy_from_config
 from tests.conftest import make_request
 
 LONG = "shared context about the deployment " * 120  # ~4.3K chars → 16 blocks of 64 tokens

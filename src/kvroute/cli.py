@@ -19,7 +19,7 @@ def cmd_policies(args: argparse.Namespace) -> int:
     regenerates docs/policies.md."""
     from pathlib import Path
 
-    from kvroute.policy import ConfigError
+    from kvroute.errors import ConfigError
     from kvroute.policy.listing import describe_presets, presets_markdown
     from kvroute.policy.registry import plugin_table
 
@@ -206,7 +206,7 @@ def _scenario_from_args(args: argparse.Namespace):
 def cmd_simulate(args: argparse.Namespace) -> int:
     """`kvroute simulate`: run a scenario's policies (or a --sweep of loads) in the simulator and print, write
     and plot the comparison."""
-    from kvroute.policy import ConfigError
+    from kvroute.errors import ConfigError
     from kvroute.policyfiles import register_preset_file
     from kvroute.sim.scenario import ScenarioError
     from kvroute.workload.traces import TraceError
@@ -629,7 +629,7 @@ def cmd_config_reference(args: argparse.Namespace) -> int:
             err.print(f"{path} is out of date with the config models: run `kvroute config-reference --write`",
                       markup=False, soft_wrap=True)
             return 1
-    except docs_gen.ReferenceError as exc:
+    except docs_gen.MarkerMissing as exc:
         return error(f"{path}: {exc}; put the two marker lines where the reference belongs")
     except OSError as exc:
         return error(f"{path}: {exc.strerror or exc}")
@@ -859,15 +859,14 @@ def main(argv: list[str] | None = None) -> int:
     bad_output = _check_outputs(args)
     if bad_output is not None:
         return bad_output
-    from kvroute.policy import ConfigError
+    from kvroute.errors import KvrouteError, exit_code
     from kvroute.policyfiles import load_entry_points
 
     try:
         load_entry_points()  # presets and plugins shipped outside kvroute, before any config names them
-    except ConfigError as exc:
-        return error(str(exc))
-    try:
         return args.func(args)
+    except KvrouteError as exc:  # whatever a command did not catch itself: one line, never a traceback
+        return error(str(exc), exit_code(exc))
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:

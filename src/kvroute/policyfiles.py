@@ -23,11 +23,12 @@ from pathlib import Path
 from typing import Any
 
 from kvroute import yamlconf
+from kvroute.errors import ConfigError
 from kvroute.perf.loader import load_profile
 from kvroute.policy.base import Policy
 from kvroute.policy.catalog import PRESETS_TABLE, add_preset, register_plugin, register_policy_class
 from kvroute.policy.compiler import check_preset
-from kvroute.policy.compose import ConfigError, Preset
+from kvroute.policy.compose import Preset
 from kvroute.policy.plugins import Plugin
 from kvroute.policy.profiles import install_profile_source
 from kvroute.policy.registry import policy_from_config, register_preset_mapping

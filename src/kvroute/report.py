@@ -98,10 +98,11 @@ def warn(line: str) -> None:
     err.print(f"[bold yellow]warning:[/bold yellow] {escape(line)}", highlight=False, soft_wrap=True)
 
 
-def error(line: str) -> int:
-    """An error line on stderr (one line per problem, never wrapped); returns the exit code, 2."""
+def error(line: str, code: int = 2) -> int:
+    """An error line on stderr (one line per problem, never wrapped); returns the exit code
+    (2: bad input)."""
     err.print(f"[red]error:[/red] {escape(line)}", highlight=False, soft_wrap=True)
-    return 2
+    return code
 
 
 def run_simulation(sc, json_path: str | None = None, plots: str | None = None) -> dict:

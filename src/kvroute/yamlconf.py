@@ -9,20 +9,18 @@ from typing import Any, TypeVar
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from kvroute.errors import ConfigError
+
 M = TypeVar("M", bound=BaseModel)
 
 
-class ConfigFileError(ValueError):
+class ConfigFileError(ConfigError):
     """Unreadable or invalid YAML configuration; the message names file:line and the field."""
 
 
-class AtItem(ValueError):
+class AtItem(ConfigError):
     """Raised by a validator whose error belongs below its field (``loc``, e.g. a list index), so
     that the message names that item's line rather than the field's."""
-
-    def __init__(self, msg: str, loc: tuple):
-        super().__init__(msg)
-        self.loc = loc
 
 
 def first_repeat(names: Iterable[str]) -> tuple[int, int] | None:

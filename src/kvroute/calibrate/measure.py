@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
+from kvroute.errors import ServiceError
+
 WORDS = ("the", "a", "of", "and", "to", "in", "is", "for", "on", "that", "with", "as", "it", "at",
          "by", "from", "this", "be", "are", "or", "an", "was", "not", "but", "all", "can", "has",
          "more", "one", "time", "data", "model", "system", "value", "state", "point", "number")
@@ -37,7 +39,7 @@ WORDS = ("the", "a", "of", "and", "to", "in", "is", "for", "on", "that", "with",
 LLAMA_SERVER_N_BATCH = 2048  # llama-server's default --batch-size (logical batch of prompt tokens)
 
 
-class CalibrationError(RuntimeError):
+class CalibrationError(ServiceError):
     """An engine could not be measured; the message names it and why."""
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from kvroute.discovery.config import DNSSource
 from kvroute.discovery.model import Engine, host_port
+from kvroute.errors import ServiceError
 
 log = logging.getLogger("kvroute.discovery")
 
@@ -25,7 +26,7 @@ A, AAAA, SRV = 1, 28, 33
 NXDOMAIN = 3
 
 
-class DNSError(Exception):
+class DNSError(ServiceError):
     """The server failed the query (SERVFAIL, refused, timeout, unreadable answer)."""
 
 

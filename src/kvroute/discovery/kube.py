@@ -25,6 +25,7 @@ import aiohttp
 
 from kvroute.discovery.config import KubernetesSource
 from kvroute.discovery.model import ROLE_VALUES, Engine, host_port
+from kvroute.errors import ServiceError
 
 log = logging.getLogger("kvroute.discovery")
 
@@ -32,7 +33,7 @@ SERVICE_LABEL = "kubernetes.io/service-name"  # the label every EndpointSlice of
 MAX_EVENT_BYTES = 16 * 1024 * 1024  # one watch event longer than this is malformed
 
 
-class Relist(Exception):
+class Relist(ServiceError):
     """The watch cannot go on from its resourceVersion: list again — at once when it expired,
     after ``retry_s`` when the server sent something unreadable (``backoff``)."""
 
@@ -41,7 +42,7 @@ class Relist(Exception):
         self.backoff = backoff
 
 
-class APIError(Exception):
+class APIError(ServiceError):
     """The API server refused or failed a call."""
 
 

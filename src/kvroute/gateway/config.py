@@ -23,10 +23,11 @@ from pydantic import Field, field_validator, model_validator
 
 from kvroute import yamlconf
 from kvroute.discovery.config import Source
+from kvroute.errors import ConfigError
 from kvroute.gateway.auth import KeyRing, KeyState, TokenBucket, digest
 from kvroute.gateway.http import HTTPLimits
 from kvroute.gateway.tracing import Tracer
-from kvroute.policy import DEFAULT_TICK_S, ConfigError, policy_from_config
+from kvroute.policy import DEFAULT_TICK_S, policy_from_config
 from kvroute.policyfiles import load_entry_points
 from kvroute.schema import StrictModel
 

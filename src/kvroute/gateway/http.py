@@ -36,6 +36,8 @@ from typing import cast
 
 import httptools
 
+from kvroute.errors import ClientError
+
 log = logging.getLogger("kvroute.gateway")
 
 REASONS = {100: "Continue", 200: "OK", 204: "No Content", 400: "Bad Request", 401: "Unauthorized",
@@ -74,12 +76,11 @@ def error_body(message: str, type_: str = "invalid_request_error", param: str | 
     return json.dumps(error_object(message, type_, param, code)).encode()
 
 
-class BadRequest(Exception):
+class BadRequest(ClientError):
     """The request cannot be read to its end: answer ``status`` and close the connection."""
 
     def __init__(self, status: int, message: str):
-        super().__init__(message)
-        self.status = status
+        super().__init__(message, status)
 
 
 class Request:

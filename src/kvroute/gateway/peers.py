@@ -51,6 +51,7 @@ import aiohttp
 from prometheus_client import Counter
 from prometheus_client.core import GaugeMetricFamily
 
+from kvroute.errors import ServiceError
 from kvroute.gateway.breaker import CircuitBreaker
 from kvroute.gateway.config import GatewayConfig, PeerConfig
 from kvroute.gateway.probes import ProbeStreak, probe_forever, tick_breakers
@@ -75,7 +76,7 @@ PEER_HEADERS = frozenset({FORWARDED_HEADER, TOKEN_HEADER})  # never passed on as
 FORWARD_BRANCH = "forward"  # the policy-branch label of a forward
 
 
-class PeerRefused(Exception):
+class PeerRefused(ServiceError):
     """A request claims to come from a peer but cannot prove it (answered 401)."""
 
 

@@ -25,6 +25,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
+from kvroute.errors import ServiceError
 from kvroute.gateway.breaker import CircuitBreaker
 from kvroute.model import Endpoint
 
@@ -47,7 +48,7 @@ WANTED = tuple(sorted({START_TIME, SGLANG_CAPACITY, *(n for names in ENGINE_METR
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
 
 
-class ProbeError(Exception):
+class ProbeError(ServiceError):
     """A scrape answered, but without usable load metrics."""
 
 

@@ -9,13 +9,14 @@ header, so the next gateway filters again with its own replicas.
 
 from __future__ import annotations
 
+from kvroute.errors import ClientError
 from kvroute.model import Endpoint, Request
 
 RESIDENCY_HEADER = "x-kvroute-residency"
 REGION_HEADER = "x-kvroute-region"  # the client's region (a routing hint, not a pin)
 
 
-class ResidencyConflict(ValueError):
+class ResidencyConflict(ClientError):
     """The request asks for a zone its API key is not pinned to (answered 403)."""
 
 

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 
 from kvroute.discovery.manager import Discovery
+from kvroute.errors import ServiceError
 from kvroute.gateway.breaker import CircuitBreaker
 from kvroute.gateway.config import GatewayConfig, ReplicaConfig
 from kvroute.gateway.metrics import GatewayMetrics
@@ -70,15 +71,15 @@ class Waiter:
     enqueued: float = field(default_factory=time.monotonic)
 
 
-class QueueFull(Exception):
+class QueueFull(ServiceError):
     """The LB queue is at its configured length; the gateway answers 429."""
 
 
-class QueueTimeout(Exception):
+class QueueTimeout(ServiceError):
     """No replica took the request within the queue's max wait; the gateway answers 503."""
 
 
-class PolicyError(Exception):
+class PolicyError(ServiceError):
     """The routing policy raised; logged with its traceback, answered 503 without details."""
 
 

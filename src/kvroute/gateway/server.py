@@ -33,6 +33,7 @@ from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import Any, Literal
 
+from kvroute.errors import ClientError
 from kvroute.gateway.admin import handle_admin
 from kvroute.gateway.auth import KeyState, bearer
 from kvroute.gateway.breaker import CircuitState
@@ -114,12 +115,11 @@ class Failure:
     code: str = "upstream_error"
 
 
-class BadInput(Exception):
+class BadInput(ClientError):
     """The request body is unusable; the message names the field."""
 
     def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.param = param
+        super().__init__(message, 400, param)
 
 
 def _failure_of(exc: UpstreamError, target: str) -> Failure:

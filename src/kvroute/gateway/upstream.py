@@ -34,8 +34,10 @@ from urllib.parse import urlsplit
 
 import httptools
 
+from kvroute.errors import ServiceError
 
-class UpstreamError(Exception):
+
+class UpstreamError(ServiceError):
     """An upstream attempt failed."""
 
 

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
+from kvroute.errors import ServiceError
 from kvroute.metrics import Recorder
 from kvroute.workload import Workload
 from kvroute.workload.base import Program, SimRequest
@@ -91,15 +92,15 @@ class Resolver:
             del self._cache[region]
 
 
-class RetryableError(Exception):
+class RetryableError(ServiceError):
     """An attempt failed before the first byte of the answer."""
 
 
-class StreamCut(Exception):
+class StreamCut(ServiceError):
     """The stream ended or broke after the answer had begun."""
 
 
-class Refused(Exception):
+class Refused(ServiceError):
     """The gateway refused the request itself (a 4xx): retrying elsewhere would not help."""
 
 

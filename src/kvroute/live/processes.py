@@ -19,10 +19,12 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvroute.errors import ServiceError
+
 READY = re.compile(rb" on (https?://[0-9.]+:(\d+))")
 
 
-class ProcessError(RuntimeError):
+class ProcessError(ServiceError, RuntimeError):
     """A child did not come up; the message names it and ends with its last log lines."""
 
 

@@ -13,10 +13,11 @@ from pathlib import Path
 import yaml
 from pydantic import ValidationError
 
+from kvroute.errors import ConfigError
 from kvroute.perf.profile import HardwareProfile
 
 
-class ProfileError(ValueError):
+class ProfileError(ConfigError):
     """An unknown or invalid hardware profile."""
 
 

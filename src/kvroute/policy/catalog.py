@@ -10,8 +10,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from kvroute.errors import ConfigError
 from kvroute.policy.base import Policy
-from kvroute.policy.compose import ConfigError, Preset
+from kvroute.policy.compose import Preset
 from kvroute.policy.params import PolicyParams
 from kvroute.policy.plugins import KINDS, Plugin
 

@@ -12,9 +12,10 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from kvroute.errors import ConfigError
 from kvroute.policy.base import Policy
 from kvroute.policy.catalog import PLUGINS
-from kvroute.policy.compose import PRESET_KEYS, RULE_KEYS, ConfigError, Pipeline, Preset, Rule
+from kvroute.policy.compose import PRESET_KEYS, RULE_KEYS, Pipeline, Preset, Rule
 from kvroute.policy.params import PolicyParams
 from kvroute.policy.plugins import Condition, Filter, Picker, Plugin, Route, Scorer
 

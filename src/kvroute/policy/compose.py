@@ -37,17 +37,6 @@ RULE_KEYS = ("when", "among", "cost", "score", "picker", "route", "branch", "ena
 PRESET_KEYS = ("filters", "rules", "cost", "score", "picker", "route", "branch")
 
 
-class ConfigError(ValueError):
-    """Invalid policy configuration; the message names the field and the allowed values.
-
-    ``loc`` is the path of the offending item inside the configuration (keys and list
-    indices), so a caller that has the YAML text can name its line."""
-
-    def __init__(self, msg: str, loc: tuple[str | int, ...] = ()):
-        super().__init__(msg)
-        self.loc = loc
-
-
 @dataclass(frozen=True)
 class Preset:
     """A named composition: its parameters' model, its spec (the mapping above), and where the

@@ -26,11 +26,12 @@ from typing import Any
 
 from pydantic import Field, create_model
 
+from kvroute.errors import ConfigError
 from kvroute.policy import presets as _builtin_presets  # noqa: F401  (registers the built-ins)
 from kvroute.policy.base import Policy
 from kvroute.policy.catalog import PLUGINS, PRESETS_TABLE, add_preset
 from kvroute.policy.compiler import compile_preset, instantiate, parse_params
-from kvroute.policy.compose import PRESET_KEYS, ConfigError, Preset
+from kvroute.policy.compose import PRESET_KEYS, Preset
 from kvroute.policy.params import AdmissionName, PolicyParams, admission_field
 
 __all__ = ["PRESETS", "ConfigError", "build_policy", "plugin_table", "policy_from_config", "preset_and_params",

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvroute.errors import ClientError
+
 CHARS_PER_TOKEN = 4  # GORGO's estimate: tokens ≈ (chars + 3) / 4
 
 
-class PromptError(ValueError):
+class PromptError(ClientError):
     """The request body has no usable prompt; the message names the offending field."""
 
 

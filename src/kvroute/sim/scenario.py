@@ -23,9 +23,10 @@ from typing import Any, Literal, NamedTuple
 from pydantic import Field
 
 from kvroute import yamlconf
+from kvroute.errors import ConfigError
 from kvroute.perf.loader import ProfileError, load_profile
 from kvroute.perf.network import NetworkSpec
-from kvroute.policy import ConfigError, policy_from_config
+from kvroute.policy import policy_from_config
 from kvroute.policy.registry import preset_and_params
 from kvroute.policyfiles import load_entry_points
 from kvroute.schema import StrictModel
@@ -42,7 +43,7 @@ WORKLOAD_KINDS = ("chat", "tot", "mixed", "chat-poisson", "mooncake", "azure", "
 TOPOLOGIES = ("regional", "global", "two-layer", "distributed")
 
 
-class ScenarioError(ValueError):
+class ScenarioError(ConfigError):
     """An invalid scenario; the message names file:line, the key and what is allowed."""
 
 

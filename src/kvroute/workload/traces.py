@@ -13,6 +13,7 @@ from collections.abc import Iterator, Mapping
 from datetime import datetime
 from pathlib import Path
 
+from kvroute.errors import ConfigError
 from kvroute.model import Request
 from kvroute.prefix import BlockHasher, PromptError, chat_key, estimate_tokens
 from kvroute.workload.base import Program, SimRequest, Workload
@@ -21,7 +22,7 @@ MOONCAKE_BLOCK_TOKENS = 512  # Mooncake: one hash id per 512-token block
 _INT_ONLY = {int}
 
 
-class TraceError(ValueError):
+class TraceError(ConfigError):
     """A malformed trace line; the message names file:line and the field."""
 
 
