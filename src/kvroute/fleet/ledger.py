@@ -39,6 +39,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvroute.errors import ServiceError
 from kvroute.model import Request
 from kvroute.policy.router import Router, Ticket
 
@@ -47,7 +48,7 @@ PEER = "peer"  # ... or forwarded to another region's gateway (SkyWalker / GORGO
 LAYERS = (REPLICA, PEER)
 
 
-class BadMessage(ValueError):
+class BadMessage(ServiceError):
     """A fleet message that cannot be applied; the text says why (it is counted, never raised on)."""
 
 

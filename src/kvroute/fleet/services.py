@@ -25,12 +25,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvroute.errors import ServiceError
 from kvroute.live.processes import _die_with_parent
 from kvroute.ports import HOST, free_port, wait_for_port
-
-
-class ServiceError(RuntimeError):
-    """A service binary is missing or did not come up; the message says which and how to fix it."""
 
 
 def find_binary(name: str) -> str:

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import Counter
 from prometheus_client.core import GaugeMetricFamily
 
+from kvroute.errors import ServiceError
 from kvroute.fleet.ledger import (
     PEER,
     REPLICA,
@@ -51,7 +52,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvroute.fleet")
 
 
-class FleetUnavailable(RuntimeError):
+class FleetUnavailable(ServiceError, RuntimeError):
     """The fleet section is configured but its client library is missing (install ``kvroute[fleet]``)."""
 
 
