@@ -391,6 +391,10 @@ def cmd_emulate(args: argparse.Namespace) -> int:
         return error(str(exc))
     if not 0.5 <= args.bytes_per_token <= 16:
         return error(f"--bytes-per-token must be from 0.5 to 16, got {args.bytes_per_token:g}")
+    if args.kv_link_gb_s <= 0:
+        return error(f"--kv-link-gb-s must be > 0, got {args.kv_link_gb_s:g}")
+    if args.bootstrap_port is not None and (args.engine != "sglang" or args.pd_role != "prefill"):
+        return error("--bootstrap-port is for SGLang prefill engines (--engine sglang --pd-role prefill)")
     faults = Faults()
     try:
         faults.update({"fail_rate": args.fail_rate, "hang": args.hang, "close_after_tokens": args.close_after_tokens,
@@ -404,8 +408,11 @@ def cmd_emulate(args: argparse.Namespace) -> int:
         from kvroute.shutdown import until_stopped
 
         runner, emu, port = await start_emulator(args.host, args.port, profile, args.engine, faults, args.model,
-                                                 args.bytes_per_token)
-        err.print(f"emulated {args.engine} replica ({profile.name}) on http://{args.host}:{port}")
+                                                 args.bytes_per_token, args.pd_role, args.bootstrap_port,
+                                                 args.kv_link_gb_s)
+        role = "" if args.pd_role == "mixed" else f" as a {args.pd_role} engine"
+        boot = f", bootstrap on port {emu.pd.bootstrap_port}" if emu.pd.bootstrap_port else ""
+        err.print(f"emulated {args.engine} replica ({profile.name}){role} on http://{args.host}:{port}{boot}")
         await until_stopped()
         await runner.cleanup()
 
@@ -742,6 +749,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="non-stream requests run to the end after the client left (llama-server)")
     em.add_argument("--bytes-per-token", type=float, default=4.0, dest="bytes_per_token",
                     help="the emulated tokenizer's UTF-8 bytes per prompt token (0.5-16; kvroute estimates 4)")
+    em.add_argument("--pd-role", choices=["mixed", "prefill", "decode"], default="mixed", dest="pd_role",
+                    help="prefill/decode disaggregation: the engine's role (SGLang's --disaggregation-mode; vLLM "
+                    "engines read it from kv_transfer_params)")
+    em.add_argument("--bootstrap-port", type=_port, dest="bootstrap_port",
+                    help="SGLang prefill engines: serve the KV bootstrap on this port too (SGLang's default 8998)")
+    em.add_argument("--kv-link-gb-s", type=float, default=25.0, dest="kv_link_gb_s",
+                    help="simulated KV-transfer link, GB/s (decode engines)")
     em.set_defaults(func=cmd_emulate)
 
     bg = bench.add_parser("gateway", help="gateway vs direct throughput and added latency")

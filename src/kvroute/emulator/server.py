@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import xxhash
 from aiohttp import web
 
+from kvroute.emulator.pd import PDEngine, PDRefused, add_routes, start_bootstrap
 from kvroute.emulator.realtime import RealtimeLoop
 from kvroute.gateway.http import error_object
 from kvroute.perf.loader import load_profile
@@ -144,7 +145,7 @@ class Emulator:
 
     def __init__(self, profile: HardwareProfile, engine_type: str = "vllm", model: str = "emulated",
                  faults: Faults | None = None, seed: int = 0, block_tokens: int = 64,
-                 bytes_per_token: float = 4.0):
+                 bytes_per_token: float = 4.0, pd: PDEngine | None = None):
         if engine_type not in ENGINES:
             raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {engine_type!r}")
         self.profile = profile
@@ -159,6 +160,8 @@ class Emulator:
         # many tokens (prefix blocks stay the hasher's byte spans, worth more or fewer tokens)
         self.bytes_per_token = bytes_per_token
         self.clock = RealtimeLoop(slowdown=self.faults.slowdown)
+        # prefill/decode disaggregation (emulator/pd.py); a mixed engine by default
+        self.pd = pd or PDEngine(kv_bytes_per_token=profile.kv_bytes_per_token, sglang=engine_type == "sglang")
         self.streams: dict[str, _Stream] = {}
         self.restart()
 
@@ -200,8 +203,9 @@ class Emulator:
             st.queue.put_nowait(None)
 
     # -- requests ---------------------------------------------------------------------------------
-    async def generate(self, key, max_tokens: int, usage: dict):
-        """Yields token indexes as the model produces them; fills ``usage`` when done."""
+    async def generate(self, key, max_tokens: int, usage: dict, remote=None):
+        """Yields token indexes as the model produces them; fills ``usage`` when done.
+        ``remote``: the prompt's KV comes from a prefill engine (``Seq.remote``)."""
         hashes, prompt_tokens = self.hasher(key)
         block_tokens = self.hasher.block_tokens
         if isinstance(key, str) and self.bytes_per_token != 4.0:
@@ -209,6 +213,7 @@ class Emulator:
             block_tokens = max(1, round(block_tokens * 4.0 / self.bytes_per_token))
         rid = uuid.uuid4().hex
         seq = Seq(rid, max(1, prompt_tokens), max(1, max_tokens), hashes, block_tokens)
+        seq.remote = remote
         if not self.engine.fits(seq.prompt, seq.output):
             raise web.HTTPBadRequest(
                 text=json.dumps(error_object(f"prompt ({seq.prompt} tokens) + max_tokens ({seq.output}) "
@@ -272,6 +277,19 @@ class Emulator:
         return "\n".join(lines) + "\n"
 
 
+async def _settled(gen, plan, usage: dict):
+    """Pass tokens through; a prefill leg that does not finish (cancelled, failed) tells its plan."""
+    finished = False
+    try:
+        async for item in gen:
+            yield item
+        finished = True
+    finally:
+        if not finished:
+            plan.failed("the prefill did not finish")
+        await gen.aclose()
+
+
 # -- HTTP -----------------------------------------------------------------------------------------
 
 def _error(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None):
@@ -302,6 +320,8 @@ def build_app(emu: Emulator) -> web.Application:
         if f.hang:
             await asyncio.sleep(3600)
         if f.fail_rate and emu.rng.random() < f.fail_rate:
+            if "bootstrap_room" in body and emu.pd.role == "prefill":  # its decode engine hears of it
+                emu.pd._sglang_prefill(body["bootstrap_room"]).failed("injected failure")
             return _error(500, "injected failure", "server_error")
         key: str | list[int]
         try:
@@ -317,12 +337,20 @@ def build_app(emu: Emulator) -> web.Application:
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens", DEFAULT_MAX_TOKENS))
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             return _error(400, "max_tokens must be a positive integer", param="max_tokens")
+        try:
+            plan = await emu.pd.plan(body)  # a prefill or decode leg (emulator/pd.py)
+        except PDRefused as exc:
+            return _error(exc.status, str(exc), "server_error" if exc.status >= 500 else "invalid_request_error")
+        if plan is not None and plan.max_tokens is not None:
+            max_tokens = plan.max_tokens
         stream = bool(body.get("stream", False))
         created = int(time.time())
         cid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         obj = "chat.completion" if chat else "text_completion"
         usage: dict = {}
-        gen = emu.generate(key, max_tokens, usage)
+        gen = emu.generate(key, max_tokens, usage, plan.remote if plan is not None else None)
+        if plan is not None:
+            gen = _settled(gen, plan, usage)
         if not stream:
             async def run_to_end() -> int:
                 n = 0
@@ -335,8 +363,9 @@ def build_app(emu: Emulator) -> web.Application:
             text = "".join(words.next() for _ in range(n))
             choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}
                       if chat else {"index": 0, "text": text, "finish_reason": "length", "logprobs": None})
+            extra = plan.done(usage["prompt_tokens"]) if plan is not None else {}
             return web.json_response({"id": cid, "object": obj, "created": created, "model": emu.model,
-                                      "choices": [choice], "usage": usage})
+                                      "choices": [choice], "usage": usage, **extra})
         headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         if f.close_after_stream:
             headers["Keep-Alive"] = "timeout=5, max=100"  # advertised, and then not honoured
@@ -360,7 +389,7 @@ def build_app(emu: Emulator) -> web.Application:
         final = ({"index": 0, "delta": {}, "finish_reason": "length"} if chat
                  else {"index": 0, "text": "", "finish_reason": "length"})
         tail = {"id": cid, "object": chunk_obj, "created": created, "model": emu.model, "choices": [final],
-                "usage": usage}
+                "usage": usage, **(plan.done(usage["prompt_tokens"]) if plan is not None else {})}
         await resp.write(f"data: {json.dumps(tail)}\n\ndata: [DONE]\n\n".encode())
         await resp.write_eof()
         if f.close_after_stream and request.transport is not None:
@@ -412,6 +441,7 @@ def build_app(emu: Emulator) -> web.Application:
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/get_load", get_load)
+    add_routes(app, emu.pd)
     app.router.add_post("/_fault", fault)
     app.router.add_post("/_restart", restart)
     return app
@@ -419,14 +449,24 @@ def build_app(emu: Emulator) -> web.Application:
 
 async def start_emulator(host: str, port: int, profile: str | HardwareProfile = "l4-llama3.1-8b",
                          engine_type: str = "vllm", faults: Faults | None = None,
-                         model: str = "emulated", bytes_per_token: float = 4.0) -> tuple[web.AppRunner, Emulator, int]:
+                         model: str = "emulated", bytes_per_token: float = 4.0, pd_role: str = "mixed",
+                         bootstrap_port: int | None = None,
+                         kv_link_gb_s: float = 25.0) -> tuple[web.AppRunner, Emulator, int]:
     """Start an emulator listening on ``host:port`` (0: any free port); returns its runner (cleanup() stops
-    it), the Emulator and the port."""
+    it), the Emulator and the port. ``pd_role``: a prefill or decode engine of a disaggregated
+    deployment (emulator/pd.py); ``bootstrap_port``: also serve SGLang's bootstrap there (0: any
+    free port, then ``emu.pd.bootstrap_port``); ``kv_link_gb_s``: the simulated KV link."""
     prof = load_profile(profile) if isinstance(profile, str) else profile
-    emu = Emulator(prof, engine_type, model, faults, bytes_per_token=bytes_per_token)
-    runner = web.AppRunner(build_app(emu), handler_cancellation=True, access_log=None)
+    pd = PDEngine(pd_role, prof.kv_bytes_per_token, kv_link_gb_s, sglang=engine_type == "sglang")
+    emu = Emulator(prof, engine_type, model, faults, bytes_per_token=bytes_per_token, pd=pd)
+    app = build_app(emu)
+    app.on_cleanup.append(lambda _app: pd.close())
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()
     bound: int = runner.addresses[0][1]
+    pd.host, pd.port = host, bound
+    if bootstrap_port is not None:
+        pd.bootstrap_port = await start_bootstrap(runner, host, bootstrap_port)
     return runner, emu, bound

@@ -28,6 +28,7 @@ from kvroute.gateway.auth import KeyRing, KeyState, TokenBucket, digest
 from kvroute.gateway.http import HTTPLimits
 from kvroute.gateway.tracing import Tracer
 from kvroute.policy import DEFAULT_TICK_S, policy_from_config
+from kvroute.policy.pd import PDPolicySpec, role_check
 from kvroute.policyfiles import load_entry_points
 from kvroute.schema import StrictModel
 
@@ -78,6 +79,12 @@ class ReplicaConfig(StrictModel):
                                     "once); unset: learned from the engine's metrics where they say")
     # the models this replica serves; unset: read from its /v1/models by the probes
     models: list[str] | None = None
+    role: Literal["mixed", "prefill", "decode"] = Field(
+        "mixed", description="prefill/decode disaggregation (needs `pd:`): prefill engines compute prompts and "
+        "hand the KV cache to decode engines; mixed engines do both")
+    bootstrap_port: int | None = Field(None, ge=1, le=65535, description="SGLang prefill engines: the port of "
+                                       "their KV bootstrap server (--disaggregation-bootstrap-port); default 8998, "
+                                       "SGLang's own default")
 
     ca_file: str | None = None  # https: trust this CA bundle (e.g. a self-signed engine's certificate)
     tls_verify: bool = True  # https: check the engine's certificate and name
@@ -337,6 +344,16 @@ class FleetConfig(StrictModel):
 
 
 RoutingMode = Literal["local", "skywalker", "gorgo_distributed", "gorgo_proxy"]
+SGLANG_BOOTSTRAP_PORT = 8998  # SGLang's default --disaggregation-bootstrap-port (srt/server_args.py)
+
+
+class PDConfig(PDPolicySpec):
+    """Prefill/decode disaggregation: the wire protocol the engines speak and how pairs are chosen
+    (docs/pd.md)."""
+
+    protocol: Literal["vllm", "sglang"] = Field(description="vllm: prefill with kv_transfer_params, then decode "
+                                                "with what the prefill returned (NixlConnector); sglang: "
+                                                "bootstrap_host/port/room injected, both requests sent at once")
 
 
 class GatewayConfig(StrictModel):
@@ -388,6 +405,9 @@ class GatewayConfig(StrictModel):
     seed: int = Field(0, description="seeds the policy's random choices")
     fleet: FleetConfig | None = Field(None, description="several instances of this gateway in one region, "
                                       "sharing in-flight load and queue over NATS")
+    pd: PDConfig | None = Field(None, description="prefill/decode disaggregation: replicas with role prefill "
+                                "and decode, the protocol and the pair's policies (docs/pd.md); `policy` then "
+                                "does not apply: give pd.decode_policy")
 
     @field_validator("policy")
     @classmethod
@@ -460,6 +480,39 @@ class GatewayConfig(StrictModel):
                              "probes and forwards carry")
         return self
 
+    @model_validator(mode="after")
+    def _pd_roles(self) -> GatewayConfig:
+        """Roles need `pd:`, `pd:` needs roles, and each side needs the other (one line, at the replica)."""
+        roles: list[str] = [r.role for r in self.replicas]
+        split = [i for i, role in enumerate(roles) if role != "mixed"]
+        if self.pd is None:
+            if split:
+                i = split[0]
+                raise yamlconf.AtItem(f"role {roles[i]} needs a `pd:` section naming the protocol (vllm or sglang)",
+                                      ("replicas", i, "role"))
+            return self
+        if "policy" in self.model_fields_set:
+            raise yamlconf.AtItem("with `pd:` the decode engine is chosen by pd.decode_policy and the prefill "
+                                  "engine by pd.prefill_policy; remove `policy`", ("policy",))
+        if not split:
+            raise yamlconf.AtItem("pd: no replica has role prefill or decode", ("pd",))
+        why = role_check(roles)
+        if why is not None:
+            lonely = "prefill" if "no decode" in why else "decode"
+            raise yamlconf.AtItem(why, ("replicas", roles.index(lonely), "role"))
+        if self.pd.protocol == "sglang":
+            if "mixed" in roles:
+                raise yamlconf.AtItem("protocol sglang: an SGLang engine is started in prefill or decode mode "
+                                      "(--disaggregation-mode); give every replica one of those roles",
+                                      ("replicas", roles.index("mixed"), "role"))
+            if self.pd.disaggregate != "always":
+                raise yamlconf.AtItem("protocol sglang: SGLang decode engines cannot prefill alone, so every "
+                                      "request is split; use disaggregate: always", ("pd", "disaggregate"))
+            self.replicas = [r if r.role == "decode" or r.bootstrap_port is not None
+                             else r.model_copy(update={"bootstrap_port": SGLANG_BOOTSTRAP_PORT})
+                             for r in self.replicas]
+        return self
+
     @property
     def home_zone(self) -> str:
         """The gateway's residency zone (its region unless set)."""
@@ -471,8 +524,19 @@ class GatewayConfig(StrictModel):
 
     def build_policy(self):
         """A fresh Policy for ``policy`` (a preset name, preset with params, or composition), seeded with
-        ``seed``."""
+        ``seed``; with `pd:` the decode side's."""
+        if self.pd is not None:
+            return policy_from_config(self.pd.decode_policy, seed=self.seed)
         return policy_from_config(self.policy, seed=self.seed)
+
+    def build_router(self, **kwargs: Any):
+        """The Router for this config: a PDRouter (both sides' policies) with `pd:`, else a Router."""
+        from kvroute.policy import Router
+        from kvroute.policy.pd import PDRouter
+
+        if self.pd is not None:
+            return PDRouter.from_spec(self.pd, self.seed, decode_alone=self.pd.protocol != "sglang", **kwargs)
+        return Router(self.build_policy(), **kwargs)
 
 
 def load_config(path: str) -> GatewayConfig:

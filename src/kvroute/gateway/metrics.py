@@ -87,7 +87,7 @@ class _LiveCollector:
         restarts = CounterMetricFamily("kvroute_replica_restarts", "Engine restarts detected by probes",
                                        labels=["replica"])
         ratio = GaugeMetricFamily("kvroute_prefix_hit_ratio", "Expected cached share of routed prompt tokens")
-        for ep in rt.router.endpoints:
+        for ep in rt.router.all_endpoints:
             up = rt.upstreams[ep.id]
             inflight.add_metric([ep.id], ep.inflight)
             circuit.add_metric([ep.id], int(up.breaker.state))

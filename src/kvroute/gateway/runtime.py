@@ -36,7 +36,7 @@ from kvroute.gateway.probes import (
 from kvroute.gateway.tokens import RESIZE_STEP, TokenRatio
 from kvroute.gateway.upstream import UpstreamPool
 from kvroute.model import Decision, DecisionKind, Endpoint, Request
-from kvroute.policy import DispatchPacer, Router
+from kvroute.policy import DispatchPacer
 
 if TYPE_CHECKING:
     from kvroute.fleet.sync import FleetSync
@@ -98,8 +98,8 @@ class Runtime:
     def __init__(self, config: GatewayConfig):
         self.config = config
         self.policy_name = self._policy_label(config)
-        self.router = Router(config.build_policy(), index_block_tokens=config.block_tokens,
-                             max_prefix_blocks=config.max_prefix_blocks)
+        self.router = config.build_router(index_block_tokens=config.block_tokens,
+                                          max_prefix_blocks=config.max_prefix_blocks)
         self.upstreams: dict[str, Upstream] = {}
         self.drained: set[str] = set()  # replicas taking no new requests (admin API)
         self._excluded: dict[str | None, tuple[str, ...] | None] = {}  # excluded_for, per model
@@ -151,7 +151,7 @@ class Runtime:
 
     def _add(self, rc: ReplicaConfig) -> None:
         ep = Endpoint(rc.name, region=rc.region, zone=rc.zone, weight=rc.weight, block_size=1,
-                      kv_blocks=rc.kv_tokens or 0)
+                      kv_blocks=rc.kv_tokens or 0, role=rc.role)
         if rc.max_running:
             ep.max_running = rc.max_running
         self.router.add_endpoint(ep)
@@ -227,7 +227,11 @@ class Runtime:
             self._add(fresh[name])
             changes.append(f"added {name}")
         for name in fresh.keys() & old.keys():
-            if fresh[name] != old[name]:
+            if fresh[name].role != old[name].role:  # another side of a P/D deployment: route it anew
+                self._drop(name)
+                self._add(fresh[name])
+                changes.append(f"updated {name} (role {fresh[name].role})")
+            elif fresh[name] != old[name]:
                 up = self.upstreams[name]
                 if fresh[name].url != up.config.url:
                     up.pool.close()
@@ -327,6 +331,8 @@ class Runtime:
         elif not w.future.cancelled() and w.future.exception() is None and (d := w.future.result()).dispatched:
             self.release(w.request.id, served=False)
             self.attempt_done(d.target or "", Outcome.NEUTRAL)
+            if d.prefill is not None:
+                self.attempt_done(d.prefill, Outcome.NEUTRAL)
 
     def _route(self, req: Request) -> Decision:
         """Decide and commit; a dispatch to a half-open replica takes its single trial slot.
@@ -338,10 +344,11 @@ class Runtime:
             log.exception("routing %s raised", req.id)
             raise self._policy_failed() from exc
         if d.kind is DecisionKind.DISPATCH:
-            up = self.upstreams.get(d.target or "")
-            if up is not None:
-                up.breaker.dispatched()
-                up.endpoint.circuit_open = not up.breaker.allows
+            for name in (d.target, d.prefill):  # a prefill/decode pair takes a trial slot on each
+                up = self.upstreams.get(name or "")
+                if up is not None:
+                    up.breaker.dispatched()
+                    up.endpoint.circuit_open = not up.breaker.allows
         elif d.branch == "policy-error":
             log.error("routing %s: %s", req.id, d.reason)
             raise self._policy_failed()
@@ -498,7 +505,7 @@ class Runtime:
             return
         self._index_scale = scale
         self.router.index_block_tokens = self.tokens.block_tokens(self.config.block_tokens)
-        for ep in self.router.endpoints:
+        for ep in self.router.all_endpoints:
             self.router.resize_index(ep.id)
 
     async def _probe(self, up: Upstream) -> None:
@@ -530,7 +537,7 @@ class Runtime:
             self._replicas_changed()
         if restarted(up.reading, reading):  # a restart faster than ejection: the cache is gone
             up.restarts += 1
-            self.router.prefix.clear(ep.id)
+            self.router.forget_cache(ep.id)
             self.tokens.forget(ep.id)  # it may serve another model (tokenizer) now
             ep.warming = True  # its cache is empty: the warm-up rule may let it in
             log.warning("replica %s restarted (process start time or counters reset); its cache entries "
@@ -550,7 +557,7 @@ class Runtime:
         ep.apply_probe(reading.running, reading.waiting, reading.kv_usage)
         if up.streak.succeeded(ep.healthy, pc.healthy_after):
             ep.healthy = True
-            self.router.prefix.clear(ep.id)  # it may have restarted with an empty cache
+            self.router.forget_cache(ep.id)  # it may have restarted with an empty cache
             ep.warming = True
             log.info("replica %s re-admitted", ep.id)
 

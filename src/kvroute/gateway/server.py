@@ -41,6 +41,7 @@ from kvroute.gateway.config import GatewayConfig, load_config
 from kvroute.gateway.continuation import Break, LegResponder, Splice, error_event
 from kvroute.gateway.http import HTTPServer, Responder
 from kvroute.gateway.http import Request as HTTPRequest
+from kvroute.gateway.pd import forward_split
 from kvroute.gateway.peers import PEER_HEADERS, STATUS_PATH
 from kvroute.gateway.residency import REGION_HEADER, RESIDENCY_HEADER, ResidencyConflict
 from kvroute.gateway.runtime import Outcome, PolicyError, QueueFull, QueueTimeout, Runtime
@@ -65,7 +66,7 @@ HOP_HEADERS = frozenset({"host", "content-length", "transfer-encoding", "connect
                          "accept-encoding", "upgrade", "te", "trailer", "proxy-authorization",
                          "proxy-authenticate", "proxy-connection", "server", "date",
                          RESIDENCY_HEADER, REGION_HEADER}) | PEER_HEADERS
-RESTART_ONLY = ("host", "port")  # the listening socket; everything else reloads
+RESTART_ONLY = ("host", "port", "pd")  # the listening socket and the P/D router; everything else reloads
 ROUTES = {"/v1/chat/completions": "POST", "/v1/completions": "POST", "/v1/embeddings": "POST",
           "/v1/responses": "POST", "/tokenize": "POST", "/detokenize": "POST", "/v1/models": "GET",
           "/health": "GET", "/livez": "GET", "/readyz": "GET", "/metrics": "GET"}
@@ -113,6 +114,7 @@ class Failure:
     message: str
     status: int = 502
     code: str = "upstream_error"
+    replica: str | None = None  # the replica that failed, when not the attempt's target (a prefill leg)
 
 
 class BadInput(ClientError):
@@ -347,11 +349,15 @@ class Proxy:
             served["replica"], served["branch"] = target, decision.branch
             rt.dispatched(req, decision)
             sent = rt.peering.outbound(headers, req, request.headers) if target in rt.peering.links else headers
-            result = await self._forward(request, resp, kind, sent, req, target, stream, t0, deadline, splice)
+            if decision.prefill is not None:  # a prefill/decode pair (gateway/pd.py)
+                result = await forward_split(self, request, resp, kind, sent, req, decision, stream, t0, deadline,
+                                             splice)
+            else:
+                result = await self._forward(request, resp, kind, sent, req, target, stream, t0, deadline, splice)
             if not isinstance(result, Failure):
                 return result  # the client has its answer, or the stream is to go on elsewhere
             failure = result
-            excluded.append(target)
+            excluded.append(result.replica or target)
             req.exclude = (*unfit, *excluded)
             left = deadline - time.monotonic()
             if attempt == rc.max_attempts or left <= 0:

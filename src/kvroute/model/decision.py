@@ -63,6 +63,9 @@ class Decision:
     # per-endpoint scores for explanation: kept as (endpoints, values) and turned into a dict
     # only when someone asks, since the hot path never does
     _explain: tuple[Sequence[Endpoint], Sequence[float]] | None = field(default=None, repr=False)
+    # prefill/decode disaggregation (policy/pd.py): the engine that prefills while ``target``
+    # decodes; None when ``target`` serves the whole request
+    prefill: str | None = None
 
     @property
     def dispatched(self) -> bool:

@@ -33,6 +33,9 @@ class Endpoint:
     kind: EndpointKind = EndpointKind.REPLICA
     zone: str | None = None  # residency zone; defaults to the region
     weight: float = 1.0
+    # prefill/decode disaggregation (policy/pd.py): "prefill" engines only prefill and hand the KV
+    # to a "decode" engine; "mixed" engines do both (every engine of an aggregated fleet)
+    role: str = "mixed"
     # static capacity
     kv_blocks: int = 0  # 0 = unknown
     block_size: int = 16

@@ -28,6 +28,10 @@ class Request:
     from_peer: bool = False  # arrived from another load balancer: never forwarded again
     hops: int = 0  # load balancers that forwarded it so far (live gateways; GORGO's max_hops)
     exclude: tuple[str, ...] = ()  # endpoints not to use (already failed for this request)
+    # prefill/decode disaggregation (policy/pd.py): the prefill engine chosen for this request
+    # and its region, while the decode engine is being chosen (the proximity scorer reads them)
+    pd_prefill: str | None = None
+    pd_prefill_region: str | None = None
 
     @property
     def has_prompt(self) -> bool:

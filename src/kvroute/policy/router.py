@@ -103,6 +103,10 @@ class Router:
             return max(1, ep.kv_blocks * ep.block_size // self.index_block_tokens)
         return None
 
+    def forget_cache(self, endpoint_id: str) -> None:
+        """The endpoint's cache is gone (it restarted or came back): forget its index entries."""
+        self.prefix.clear(endpoint_id)
+
     def endpoint(self, endpoint_id: str) -> Endpoint | None:
         """The registered endpoint called ``endpoint_id``, or None."""
         return self._eps.get(endpoint_id)
@@ -110,6 +114,11 @@ class Router:
     @property
     def endpoints(self) -> list[Endpoint]:
         """Every registered endpoint, in registration order."""
+        return self.view.endpoints
+
+    @property
+    def all_endpoints(self) -> list[Endpoint]:
+        """Every endpoint this router accounts for (a PDRouter's prefill side too)."""
         return self.view.endpoints
 
     # -- decisions and accounting -------------------------------------------------------------
@@ -137,20 +146,22 @@ class Router:
         return decision
 
     def commit(self, req: Request, endpoint_id: str, matched_blocks: int | None = None, *,
-               notify: bool = True) -> None:
+               notify: bool = True, prefill_tokens: int | None = None) -> None:
         """Account ``req`` as dispatched to ``endpoint_id`` (a re-dispatch first undoes the old
         one); ``matched_blocks`` is the prefix the decision found there (None: look it up).
         ``notify=False``: counters and index only, the policy's listeners are not told — for a
         request another load balancer of the same fleet dispatched (``kvroute/fleet``), whose
-        outcome this Router's learning plugins never see."""
+        outcome this Router's learning plugins never see. ``prefill_tokens`` overrides what the
+        endpoint must prefill (0 for a decode engine that receives the prompt's KV from a
+        prefill engine, policy/pd.py)."""
         if req.id in self.tickets:  # re-dispatch (retry on another endpoint): undo the old one
             self.on_finish(req.id, notify=notify)
         ep = self._eps[endpoint_id]
         if matched_blocks is None:
             matched_blocks = self.prefix.match_one(endpoint_id, req.block_hashes)
         prefill = req.prompt_tokens - matched_blocks * req.block_tokens  # req.new_prefill_tokens, inlined
-        if prefill < 0:
-            prefill = 0
+        if prefill < 0 or prefill_tokens is not None:
+            prefill = prefill_tokens or 0
         ep.inflight += 1
         ep.inflight_tokens += req.prompt_tokens
         ep.queued_prefill_tokens += prefill

@@ -50,7 +50,7 @@ class Seq:
 
     __slots__ = ("rid", "payload", "prompt", "output", "hashes", "bt", "state", "cached",
                  "prefill_left", "private", "refs", "a", "finish_at", "order", "first_token_done",
-                 "generated", "moving")
+                 "generated", "moving", "remote")
 
     def __init__(self, rid: str, prompt: int, output: int, hashes: tuple[int, ...], bt: int,
                  payload: Any = None):
@@ -71,6 +71,10 @@ class Seq:
         self.first_token_done = False
         self.generated = 0  # tokens generated before a preemption (or a migration)
         self.moving = False  # past its engine's context limit, or chosen to migrate
+        # prefill/decode disaggregation: the prompt's KV comes from a prefill engine; called at
+        # admission with the tokens to move (the prompt less this engine's cached prefix), it
+        # returns the transfer's seconds (sim/disagg.py, emulator/pd.py)
+        self.remote: Callable[[int], float] | None = None
 
 
 class Host:
@@ -169,6 +173,7 @@ class Engine:
         self.leaving: list[tuple[Seq, Callable[[Seq, int], None]]] = []
         self.incoming: list[tuple[Seq, int]] = []
         self.reserved = 0  # KV tokens held for migrations on their way in
+        self.loading = 0  # admitted sequences whose KV is still arriving from a prefill engine
 
     # -- indicators (what a probe reads) -------------------------------------------------------
     @property
@@ -178,8 +183,9 @@ class Engine:
 
     @property
     def queued(self) -> int:
-        """Sequences waiting for admission."""
-        return len(self.waiting)
+        """Sequences waiting for admission, or for their KV from a prefill engine (vLLM lists
+        those as waiting too)."""
+        return len(self.waiting) + self.loading
 
     def kv_usage(self, now: float) -> float:
         """Share of KV capacity held by requests, as vLLM v1 reports it: cached blocks that no
@@ -224,7 +230,7 @@ class Engine:
         cap = self.p.max_running
         waiting, prefilling, decoding = self.waiting, self.prefilling, self.decoding
         refcnt, evictable = self.refcnt, self.evictable
-        while waiting and len(prefilling) + len(decoding) < cap:
+        while waiting and len(prefilling) + len(decoding) + self.loading < cap:
             seq = waiting[0]
             hashes = seq.hashes
             m = cached_prefix(hashes, refcnt)  # the cache is prefix-closed: blocks leave tail first
@@ -264,7 +270,31 @@ class Engine:
             seq.state = PREFILL
             self._order += 1
             seq.order = self._order
+            if seq.remote is not None:  # disaggregated: memory is held, the KV arrives, then the
+                self._load(seq, need)  # last prompt token is computed here (the first token)
+                continue
             prefilling.append(seq)
+
+    def _load(self, seq: Seq, tokens: int) -> None:
+        """Admitted with its KV on the way from a prefill engine: it joins the batch when the
+        transfer of ``tokens`` ends, with one prompt token left to compute."""
+        assert seq.remote is not None
+        delay = seq.remote(tokens)
+        seq.remote = None
+        seq.prefill_left = 1
+        self.loading += 1
+        self.loop.at(self.loop.now + delay, self._loaded, seq)
+
+    def _loaded(self, seq: Seq) -> None:
+        self.loading -= 1
+        self.changes += 1
+        if seq.state != PREFILL:
+            return  # cancelled while its KV was arriving (cancel freed its memory)
+        self.prefilling.append(seq)
+        if not self._busy:
+            self._plan()
+        elif self._jump is not None:
+            self._interrupt(self._jump)
 
     def _make_room(self, need: int, protect: tuple[int, ...] = ()) -> bool:
         free = self.capacity - self.used

@@ -9,4 +9,4 @@ written as a :class:`~kvroute.policy.base.Policy` subclass would register with
 # ruff: noqa: I001, F401  (registration on import, in listing order)
 from kvroute.policy import builtin
 from kvroute.policy.presets import basic, hashing, sglang, aibrix, vllm, dynamo, llm_d, weighted
-from kvroute.policy.presets import skywalker, gorgo, gorgo_tuned, lmetric, cascadeinfer, llumnix
+from kvroute.policy.presets import skywalker, gorgo, gorgo_tuned, lmetric, cascadeinfer, llumnix, pd
