@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 from kvroute.model import Endpoint, Request
 from kvroute.policy.catalog import register_plugin
 from kvroute.policy.plugins import Condition, DecisionState, Filter, Scorer
+from kvroute.policy.profiles import resolve_profile
 
 if TYPE_CHECKING:
     from kvroute.policy.router import Router
@@ -165,12 +166,7 @@ class Adaptive(Condition):
 
     def __init__(self, profile: str = "h100-llama3.2-3b", link_gb_s: float = 25.0, rtt_s: float = 0.0005,
                  cross_region_rtt_s: float = 0.08, stall_weight: float = 1.0):
-        from kvroute.sim.profile import ProfileError, load_profile  # the llm_d preset's precedent
-
-        try:
-            self.profile = load_profile(profile)
-        except ProfileError as exc:
-            raise ValueError(str(exc)) from None
+        self.profile = resolve_profile(profile)  # as the llm_d predictor does (policy/profiles.py)
         for n, v in (("link_gb_s", link_gb_s), ("rtt_s", rtt_s), ("cross_region_rtt_s", cross_region_rtt_s),
                      ("stall_weight", stall_weight)):
             if isinstance(v, bool) or not isinstance(v, int | float) or v < 0 or (n == "link_gb_s" and v <= 0):
@@ -190,4 +186,4 @@ class Adaptive(Condition):
         remote = (pd.prefill.queued_prefill_tokens * prof.c_prefill_s + (prof.prefill_time(u_p) if u_p else 0.0)
                   + kv_transfer_s(u_d, self.kv_bytes, self.link_gb_s, rtt))
         stall = prefill_d * (pd.decode.running + pd.decode.dispatched_since_probe)
-        return remote - local < self.stall_weight * stall
+        return bool(remote - local < self.stall_weight * stall)
