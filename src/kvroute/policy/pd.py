@@ -266,16 +266,17 @@ class PDRouter(Router):
         self.prefill.on_first_token(req_id, ttft_s)
         self.prefill.on_finish(req_id, ttft_s, 1 if ttft_s is not None else 0)
 
-    def on_failed(self, req_id: str) -> None:
+    def on_failed(self, req_id: str, *, notify: bool = True) -> None:
         """Neither engine served the request: undo both sides."""
-        self.prefill.on_failed(req_id)
-        super().on_failed(req_id)
+        self.prefill.on_failed(req_id, notify=notify)
+        super().on_failed(req_id, notify=notify)
 
-    def on_finish(self, req_id: str, e2e_s: float | None = None, output_tokens: int = 0) -> None:
+    def on_finish(self, req_id: str, e2e_s: float | None = None, output_tokens: int = 0, *,
+                  notify: bool = True) -> None:
         """The request is over (or re-routed): undo both sides (the prefill side only if its
         leg never reported done)."""
-        self.prefill.on_finish(req_id)
-        super().on_finish(req_id, e2e_s, output_tokens)
+        self.prefill.on_finish(req_id, notify=notify)
+        super().on_finish(req_id, e2e_s, output_tokens, notify=notify)
 
     def prefill_ticket(self, req_id: str) -> str | None:
         """The prefill engine a request's open prefill leg is on, or None."""
