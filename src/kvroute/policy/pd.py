@@ -30,11 +30,11 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
+from kvroute.errors import ConfigError
 from kvroute.model import Decision, DecisionKind, Endpoint, Request
 from kvroute.policy.base import Policy
 from kvroute.policy.builtin.pd import PDState, kv_transfer_s
 from kvroute.policy.compiler import make_plugin
-from kvroute.policy.compose import ConfigError
 from kvroute.policy.hooks import Lifecycle
 from kvroute.policy.params import PolicyParams
 from kvroute.policy.plugins import Condition
