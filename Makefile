@@ -22,7 +22,7 @@ $(STAMP): $(BIN)/python pyproject.toml
 	touch $@
 
 $(DEVSTAMP): $(STAMP)
-	$(BIN)/pip install -q -e '.[sim,dev,k8s]'
+	$(BIN)/pip install -q -e '.[sim,dev,k8s,ray]'
 	touch $@
 
 install: $(STAMP)

@@ -11,6 +11,7 @@ import sys
 from rich.table import Table
 
 from kvroute import __version__
+from kvroute.parallel import add_arguments as add_parallel
 from kvroute.report import console, err, error, routing_table, run_simulation, write_json
 
 
@@ -213,6 +214,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
     try:
         args.file_presets = [register_preset_file(f) for f in args.policy_file or ()]
+        for f in args.policy_file or ():  # the sweep's workers register them too
+            from pathlib import Path
+
+            from kvroute.parallel import add_prelude
+
+            add_prelude("kvroute.policyfiles:register_preset_file_text", f, Path(f).read_text())
         sc = _scenario_from_args(args)
         sc.policy_list()
         sc.setup()
@@ -220,9 +227,15 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         return error(str(exc))
     try:
         if args.sweep:
+            from kvroute.parallel import ExecutorError, make_executor
             from kvroute.report import run_sweep
 
-            run_sweep(sc, args.json, args.plots)
+            try:
+                executor = make_executor(args.workers, args.ray)
+            except ExecutorError as exc:
+                return error(str(exc))
+            with executor:
+                run_sweep(sc, args.json, args.plots, executor)
         else:
             run_simulation(sc, args.json, args.plots)
     except (ScenarioError, TraceError) as exc:  # a bad trace line found while replaying
@@ -582,13 +595,15 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
     and why not."""
     from pathlib import Path
 
+    from kvroute.parallel import ExecutorError, make_executor
     from kvroute.reproduce import markdown, reproduce
     from kvroute.sim.scenario import ScenarioError
 
     try:
-        result = reproduce(args.paper, quick=args.quick,
-                           progress=lambda m: err.print(f"[dim]{m}[/dim]", highlight=False))
-    except ScenarioError as exc:
+        with make_executor(args.workers, args.ray) as executor:
+            result = reproduce(args.paper, quick=args.quick, executor=executor,
+                               progress=lambda m: err.print(f"[dim]{m}[/dim]", highlight=False))
+    except (ScenarioError, ExecutorError) as exc:
         return error(str(exc))
     table = Table(title=f"{result['title']}: paper vs kvroute" + (" (--quick)" if args.quick else ""))
     for col in ("claim", "paper", "kvroute", "agrees?", "why not"):
@@ -700,6 +715,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="find each policy's capacity knee, then compare at 50/70/90%% of it")
     sim.add_argument("--json", metavar="FILE")
     sim.add_argument("--plots", metavar="DIR", help="write CDF, throughput, load-over-time and per-replica PNGs")
+    add_parallel(sim)
     sim.set_defaults(func=cmd_simulate)
 
     bs = bench.add_parser("sim-speed", help="simulated requests per wall second; 1M-request run")
@@ -805,6 +821,7 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--quick", action="store_true", help="fewer requests per run (≤ 3 minutes per paper)")
     rp.add_argument("--json", metavar="FILE")
     rp.add_argument("--md", metavar="FILE", help="write the table as Markdown")
+    add_parallel(rp)
     rp.set_defaults(func=cmd_reproduce)
 
     ca = sub.add_parser("calibrate", help="measure live engines together and fit a hardware profile for simulate")

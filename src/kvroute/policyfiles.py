@@ -89,6 +89,17 @@ def load_policy_file(path: str | Path, seed: int = 0) -> Policy:
         raise _at(path, text, exc) from None
 
 
+def register_preset_file_text(source: str, text: str) -> str:
+    """:func:`register_preset_file` on a file's text (a parallel worker that cannot read the caller's file)."""
+    import yaml
+
+    load_entry_points()
+    try:
+        return register_preset_mapping(yaml.safe_load(text), source)  # the caller parsed it once already
+    except ConfigError as exc:
+        raise _at(source, text, exc) from None
+
+
 def register_preset_file(path: str | Path) -> str:
     """Register the preset a YAML file composes (it must have a ``name``); returns the name."""
     load_entry_points()

@@ -189,8 +189,8 @@ def sweep_tables(sc, result: dict) -> list[Table]:
     return tables
 
 
-def run_sweep(sc, json_path: str | None = None, plots: str | None = None) -> dict:
-    """``simulate --sweep``: knees, comparison, goodput-vs-load plot."""
+def run_sweep(sc, json_path: str | None = None, plots: str | None = None, executor=None) -> dict:
+    """``simulate --sweep``: knees, comparison, goodput-vs-load plot; the runs go to ``executor``."""
     from kvroute.sim.overload import preflight
     from kvroute.sim.sweep import sweep
 
@@ -198,7 +198,9 @@ def run_sweep(sc, json_path: str | None = None, plots: str | None = None) -> dic
     for line in checks["messages"]:
         if any(k in line for k in ("never run", "idle replica", "not sorted", "no requests in this trace")):
             warn(line)
-    result = sweep(sc, progress=lambda m: err.print(f"[dim]{m}[/dim]", highlight=False))
+    if executor is not None:
+        err.print(f"[dim]sweep runs on {executor.describe()}[/dim]", highlight=False)
+    result = sweep(sc, progress=lambda m: err.print(f"[dim]{m}[/dim]", highlight=False), executor=executor)
     for t in sweep_tables(sc, result):
         console.print(t)
     if result.get("slo_unmet"):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from kvroute.parallel import Executor
 from kvroute.reproduce import cascadeinfer, gorgo, lmetric, skywalker
 from kvroute.reproduce.common import Lab, Row
 
@@ -22,10 +23,12 @@ PAPERS: dict[str, tuple[str, Callable[[Lab], list[Row]]]] = {
 }
 
 
-def reproduce(paper: str, quick: bool = False, progress: Callable[[str], None] | None = None) -> dict:
-    """Run one paper's reproduction; returns rows plus what ran (scenario, requests, wall time)."""
+def reproduce(paper: str, quick: bool = False, progress: Callable[[str], None] | None = None,
+              executor: Executor | None = None) -> dict:
+    """Run one paper's reproduction; returns rows plus what ran (scenario, requests, wall time). Each
+    experiment's policies run as tasks of ``executor`` (default: serial)."""
     title, fn = PAPERS[paper]
-    lab = Lab(quick=quick, progress=progress)
+    lab = Lab(quick=quick, progress=progress, executor=executor or Executor(1))
     t0 = time.perf_counter()
     rows = fn(lab)
     return {"paper": paper, "title": title, "quick": quick, "wall_s": round(time.perf_counter() - t0, 1),

@@ -14,7 +14,8 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
-from kvroute.sim.runner import run_scenario
+from kvroute.parallel import Executor
+from kvroute.sim.runner import run_scenario_on
 from kvroute.sim.scenario import SCENARIO_DIR, load_scenario, parse_scenario
 
 QUICK_FRACTION = 0.4  # --quick runs this share of each scenario's requests
@@ -46,6 +47,7 @@ class Lab:
 
     quick: bool = False
     progress: Callable[[str], None] | None = None
+    executor: Executor = field(default_factory=Executor)  # where a scenario's policies run (in parallel)
     runs: dict = field(default_factory=dict)  # experiment key → {label: result}
     meta: dict = field(default_factory=dict)  # experiment key → scenario file, requests, wall time
 
@@ -76,7 +78,7 @@ class Lab:
             self.progress(f"running {key} ({sc.limits.max_requests or 'all'} requests, "
                           f"{len(sc.policies)} policies)")
         t0 = time.perf_counter()
-        results = {r.label: r.result for r in run_scenario(sc)}
+        results = {r.label: r.result for r in run_scenario_on(sc, self.executor)}
         self.runs[key] = results
         self.meta[key] = {"scenario": f"reproduce/{name}", "overrides": overrides or {},
                           "requests": sc.limits.max_requests, "wall_s": round(time.perf_counter() - t0, 2),

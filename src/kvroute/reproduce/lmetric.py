@@ -24,7 +24,7 @@ from kvroute.reproduce.common import (
     Row,
     unstable_note,
 )
-from kvroute.sim.runner import PolicyRun, run_scenario
+from kvroute.sim.runner import PolicyRun, run_scenario_on
 from kvroute.sim.scenario import parse_scenario
 from kvroute.sim.simulation import Simulation
 from kvroute.workload import SimRequest, Workload
@@ -96,7 +96,7 @@ def run_with_shares(lab: Lab, key: str, overrides: dict) -> dict[str, dict]:
         if lab.progress:
             lab.progress(f"running {key} ({sc.limits.max_requests or 'all'} requests, {len(sc.policies)} policies)")
         results = {}
-        for r in run_scenario(sc):
+        for r in run_scenario_on(sc, lab.executor):
             results[r.label] = {**r.result, "top_replica_share": top_share(r)}
         lab.runs[key] = results
         lab.meta[key] = {"scenario": "reproduce/lmetric", "overrides": overrides,

@@ -31,6 +31,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from kvroute.parallel import Executor
 from kvroute.sim.scenario import Scenario, parse_scenario
 from kvroute.sim.simulation import Simulation
 
@@ -245,15 +246,49 @@ def slo_diagnosis(sc: Scenario) -> tuple[Callable[[list[dict]], str], str]:
     return why, "; ".join(parts)
 
 
-def sweep(sc: Scenario, progress: Callable[[str], None] | None = None) -> dict:
-    """Both knees per policy, then every policy at 50/70/90 % of the reference knee."""
-    knees = {}
-    why, detail = slo_diagnosis(sc)
-    for label, preset, params, topo in sc.policy_list():
-        entry = {"preset": preset, "params": params} if params else preset
+def _entry(sc: Scenario, label: str) -> tuple[str | dict, str, dict | None, str | None]:
+    """A policy of ``sc`` by its label: ``(entry, preset, params, topology)``."""
+    for lbl, preset, params, topo in sc.policy_list():
+        if lbl == label:
+            return ({"preset": preset, "params": params} if params else preset), preset, params, topo
+    raise KeyError(label)
+
+
+def knee_task(task: tuple[dict, str]) -> dict:
+    """One policy's knees from ``(scenario data, policy label)``: self-contained, for any executor."""
+    data, label = task
+    sc = parse_scenario(data, "sweep")
+    entry, preset, params, topo = _entry(sc, label)
+    return find_knee(sc, entry, preset, params, topology=topo, why_slo=slo_diagnosis(sc)[0])
+
+
+def compare_task(task: tuple[dict, str, float]) -> dict:
+    """One policy at one load factor from ``(scenario data, policy label, factor)``, as a comparison row."""
+    data, label, f = task
+    sc = parse_scenario(data, "sweep")
+    entry, preset, params, topo = _entry(sc, label)
+    r = _run(sc, f, entry, preset, params, topo)
+    return _point(f, r) | {"tpot_p50_s": r["tpot_s"]["p50"], "prefix_hit_rate": r["prefix_hit_rate"]}
+
+
+def sweep(sc: Scenario, progress: Callable[[str], None] | None = None, executor: Executor | None = None) -> dict:
+    """Both knees per policy, then every policy at 50/70/90 % of the reference knee.
+
+    Each policy's knee search is one task and each comparison run another, handed to ``executor``
+    (default: serial in this process); the searches themselves stay sequential, since every
+    bisection step depends on the one before. The result does not depend on the executor.
+    """
+    ex = executor or Executor(1)
+    data = sc.model_dump(exclude_none=True)
+    labels = [p.label for p in sc.policy_list()]
+    _, detail = slo_diagnosis(sc)
+
+    def knee_done(i: int, k: dict) -> None:
         if progress:
-            progress(f"knees of {label}")
-        knees[label] = find_knee(sc, entry, preset, params, progress=progress, topology=topo, why_slo=why)
+            s = k["slo"]["factor"]
+            progress(f"knees of {labels[i]}: SLO x{s:.3g}" if s is not None else f"knees of {labels[i]}: no SLO knee")
+    found = ex.map(knee_task, [(data, lbl) for lbl in labels], knee_done)
+    knees = dict(zip(labels, found))
     out: dict = {"slo": sc.slo.model_dump(), "knees": knees, "compare": {}, "reference": None,
                  "slo_unmet": None}
     missing = [lbl for lbl, k in knees.items() if k["slo"]["factor"] is None]
@@ -270,14 +305,10 @@ def sweep(sc: Scenario, progress: Callable[[str], None] | None = None) -> dict:
     if out["reference"] is None:
         return out
     ref = out["reference"]["factor"]
-    for level in LEVELS:
-        row = {}
-        for label, preset, params, topo in sc.policy_list():
-            entry = {"preset": preset, "params": params} if params else preset
-            r = _run(sc, ref * level, entry, preset, params, topo)
-            row[label] = _point(ref * level, r) | {"tpot_p50_s": r["tpot_s"]["p50"],
-                                                    "prefix_hit_rate": r["prefix_hit_rate"]}
-        out["compare"][f"{round(level * 100)}%"] = row
-        if progress:
-            progress(f"compared at {level:.0%} of the {out['reference']['basis']} knee")
+    cells = [(level, lbl) for level in LEVELS for lbl in labels]
+    rows = ex.map(compare_task, [(data, lbl, ref * level) for level, lbl in cells])
+    for (level, lbl), row in zip(cells, rows):
+        out["compare"].setdefault(f"{round(level * 100)}%", {})[lbl] = row
+    if progress:
+        progress(f"compared at 50/70/90 % of the {out['reference']['basis']} knee")
     return out

@@ -1,0 +1,91 @@
+"""One executor for independent simulations: a local process pool gives the serial run's results, bit for bit."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from kvroute.cli import main
+from kvroute.parallel import Executor, ExecutorError, PoolExecutor, make_executor
+from kvroute.sim.runner import run_scenario, run_scenario_on
+from kvroute.sim.scenario import parse_scenario
+from kvroute.sim.sweep import sweep
+from tests.ray_head import LOOPBACK_ENV, ray_binary, ray_head
+
+
+def small(policies, n=150, rate=5.0):
+    return parse_scenario({"replicas": [{"region": "us", "count": 2, "profile": "h100-llama3.2-3b"}],
+                           "workload": {"kind": "chat-poisson", "rate": rate, "clients": {"us": 1}},
+                           "policies": policies, "limits": {"max_requests": n}, "seed": 7})
+
+
+def test_pool_sweep_equals_the_serial_sweep():
+    sc = small(["round_robin", "least_request", "lmetric"])
+    serial = sweep(sc, executor=Executor(1))
+    with PoolExecutor(2) as pool:
+        parallel = sweep(sc, executor=pool)
+    assert json.dumps(serial, sort_keys=True) == json.dumps(parallel, sort_keys=True)
+    assert serial["reference"] is not None and len(serial["compare"]["90%"]) == 3
+
+
+def test_pool_runs_every_policy_as_the_serial_runner_does():
+    sc = small(["round_robin", "sglang_cache_aware", "skywalker"], n=200)
+    direct = run_scenario(sc)
+    with PoolExecutor(2) as pool:
+        pooled = run_scenario_on(sc, pool)
+    assert [r.label for r in pooled] == [r.label for r in direct]
+    for a, b in zip(direct, pooled):
+        assert a.result == b.result
+        assert list(a.recorder.ttft) == list(b.recorder.ttft)
+
+
+def test_the_pool_keeps_item_order_and_reports_each_result():
+    seen = []
+    with PoolExecutor(2) as pool:
+        out = pool.map(abs, [-3, 1, -2, 5], on_done=lambda i, r: seen.append((i, r)))
+    assert out == [3, 1, 2, 5] and sorted(seen) == [(0, 3), (1, 1), (2, 2), (3, 5)]
+    assert isinstance(make_executor(1), Executor) and not isinstance(make_executor(1), PoolExecutor)
+    assert isinstance(make_executor(2), PoolExecutor)
+
+
+def test_a_policy_file_preset_reaches_the_pool_workers(tmp_path, capsys):
+    f = tmp_path / "p.yaml"
+    f.write_text("name: filed_least\ncost: {inflight: 1}\nbranch: least\n")
+    rc = main(["simulate", "--workload", "chat-poisson", "--rate", "4", "--replicas", "2", "--profile",
+               "h100-llama3.2-3b", "--max-requests", "100", "--policy", "round_robin", "--policy-file", str(f),
+               "--sweep", "--workers", "2", "--json", str(tmp_path / "s.json")])
+    assert rc == 0, capsys.readouterr().err
+    knees = json.loads((tmp_path / "s.json").read_text())["sweep"]["knees"]
+    assert set(knees) == {"round_robin", "filed_least"}
+
+
+def test_an_unreachable_ray_address_is_one_line_and_exit_2(capsys):
+    for addr in ("127.0.0.1:1", "not-an-address"):
+        rc = main(["simulate", "--workload", "chat-poisson", "--max-requests", "50", "--sweep", "--ray", addr])
+        err = capsys.readouterr().err.strip()
+        assert rc == 2 and len(err.splitlines()) == 1 and "--ray" in err, err
+    try:
+        make_executor(ray="127.0.0.1:1")
+    except ExecutorError as exc:
+        assert "no Ray cluster answers" in str(exc)
+    else:
+        raise AssertionError("expected ExecutorError")
+
+
+ray_missing = ray_binary() is None
+
+
+@pytest.mark.skipif(ray_missing, reason="Ray is not installed (make test installs kvroute[ray])")
+def test_a_sweep_on_a_real_ray_head_equals_the_serial_sweep(tmp_path):
+    args = ["simulate", "--workload", "chat-poisson", "--rate", "5", "--replicas", "2", "--profile",
+            "h100-llama3.2-3b", "--max-requests", "120", "--policy", "round_robin,least_request", "--sweep"]
+    assert main([*args, "--workers", "1", "--json", str(tmp_path / "serial.json")]) == 0
+    with ray_head(cpus=2) as address:
+        run = subprocess.run([sys.executable, "-m", "kvroute", *args, "--ray", address,
+                              "--json", str(tmp_path / "ray.json")],
+                             env={**os.environ, **LOOPBACK_ENV}, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert f"Ray cluster {address} (2 CPUs)" in run.stderr
+    assert (tmp_path / "ray.json").read_text() == (tmp_path / "serial.json").read_text()
