@@ -5,8 +5,8 @@ FROM python:3.11-slim AS build
 WORKDIR /src
 COPY pyproject.toml README.md LICENSE ./
 COPY src ./src
-# the gateway and the ext_proc picker; not the simulator's numpy/matplotlib
-RUN pip install --no-cache-dir --prefix=/install '.[k8s]'
+# the gateway, the ext_proc picker and fleet mode (NATS); not the simulator's numpy/matplotlib
+RUN pip install --no-cache-dir --prefix=/install '.[k8s,fleet]'
 
 FROM python:3.11-slim
 COPY --from=build /install /usr/local

@@ -85,3 +85,40 @@ def test_discovered_id_clashing_with_a_static_replica_is_skipped(tmp_path, caplo
 
     assert asyncio.run(run()) == ({"static", "new"}, "http://127.0.0.1:1")
     assert "engine static (http://127.0.0.1:2) skipped: a replica with that id exists already" in caplog.text
+
+
+def test_reload_restarts_discovery_and_admin_shows_it(tmp_path):
+    import hashlib
+
+    from kvroute.gateway.config import load_config
+
+    a, b = tmp_path / "a.yaml", tmp_path / "b.yaml"
+    a.write_text("replicas:\n  - {url: http://127.0.0.1:1, id: from-a}\n")
+    b.write_text("replicas:\n  - {url: http://127.0.0.1:2, id: from-b}\n")
+    digest = hashlib.sha256(b"admin-key").hexdigest()
+    cfg = tmp_path / "gateway.yaml"
+    body = ("port: 0\nauth: {keys: [{name: ops, sha256: %s, admin: true}]}\n"
+            "replicas: [{url: 'http://127.0.0.1:3', id: static}]\n"
+            "discovery: [{kind: file, path: '%s', interval_s: 0.05}]\n")
+    cfg.write_text(body % (digest, a))
+
+    async def run():
+        gw = Gateway(load_config(str(cfg)), str(cfg))
+        await gw.start()
+        try:
+            assert set(gw.runtime.upstreams) == {"static", "from-a"}
+            cfg.write_text(body % (digest, b))
+            assert "discovery (restarted)" in gw.reload()
+            await until(lambda: set(gw.runtime.upstreams) == {"static", "from-b"}, what="the new source")
+            async with httpx.AsyncClient() as c:
+                r = await c.get(f"http://127.0.0.1:{gw.port}/admin/discovery",
+                                headers={"authorization": "Bearer admin-key"})
+            return r.status_code, r.json()
+        finally:
+            await gw.stop()
+
+    status, view = asyncio.run(run())
+    assert status == 200
+    (source,) = view.values()
+    assert source["synced"] and source["error"] is None
+    assert source["engines"] == [{"id": "from-b", "url": "http://127.0.0.1:2", "role": "both", "kv_events": None}]
