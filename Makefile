@@ -10,7 +10,7 @@ OUT     ?= out
 
 # held to mypy --strict: the pure layers and the gateway's protocols
 STRICT  := src/kvroute/model src/kvroute/prefix src/kvroute/perf src/kvroute/policy src/kvroute/gateway/breaker.py \
-           src/kvroute/gateway/http.py src/kvroute/gateway/upstream.py src/kvroute/fleet/ledger.py
+           src/kvroute/gateway/http.py src/kvroute/gateway/limits.py src/kvroute/gateway/upstream.py src/kvroute/fleet/ledger.py
 COV_MIN ?= 75
 
 $(BIN)/python:
@@ -54,6 +54,7 @@ test: lint system-deps
 	$(BIN)/python -m pytest --cov --cov-report=term:skip-covered --cov-fail-under=$(COV_MIN)
 
 bench: $(STAMP)
+	$(BIN)/pip install -q -e '.[sim,bench]'
 	mkdir -p $(OUT)
 	$(BIN)/kvroute bench routing --json $(OUT)/bench-routing.json
 	$(BIN)/kvroute bench sim-speed --json $(OUT)/bench-sim-speed.json

@@ -158,13 +158,21 @@ def test_deadlines_by_phase():
             resp.send(200, b"")
         server, conn, t = _server_conn(handler, header_timeout_s=1, body_timeout_s=2, keepalive_timeout_s=3)
         now = server.now
-        assert conn.deadline == pytest.approx(now + 3)  # idle
+        assert conn.deadline == pytest.approx(now + 1)  # a new connection: the head deadline, not keep-alive's
+        server.now += 0.5
+        conn.data_received(b"GET / HTTP/1.1\r\nHost: a\r\n")
+        assert conn.deadline == pytest.approx(now + 1)  # still counted from the accept
+        conn.data_received(b"\r\n")
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert t.out.startswith(b"HTTP/1.1 200") and conn.deadline == pytest.approx(now + 0.5 + 3)  # idle
         conn.data_received(b"POST / HTTP/1.1\r\nHost: a\r\n")
-        assert conn.deadline == pytest.approx(now + 1)  # head
+        assert conn.deadline == pytest.approx(now + 0.5 + 1)  # the next head
         conn.data_received(b"Content-Length: 3\r\n\r\na")
-        assert conn.deadline == pytest.approx(now + 2)  # body
+        assert conn.deadline == pytest.approx(now + 0.5 + 2)  # body
         conn.expire()
-        assert t.out.startswith(b"HTTP/1.1 408") and t.closed
+        assert t.out.count(b"HTTP/1.1 408") == 1 and t.closed
+        assert server.rejections.counts == {(408, "body_timeout"): 1}
     asyncio.run(run())
 
 

@@ -43,6 +43,11 @@ async def chat(request):
     if delay:
         await asyncio.sleep(delay)  # an engine's time to first token
     if not body.get("stream"):
+        if body.get("pad_bytes"):  # an answer this long (bench hostile: answers a client never reads)
+            text = "x" * int(body["pad_bytes"])
+            padded = {"choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                                   "finish_reason": "stop"}]}
+            return web.Response(body=json.dumps(padded).encode(), content_type="application/json")
         return web.Response(body=BODY, content_type="application/json")
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await resp.prepare(request)

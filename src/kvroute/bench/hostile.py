@@ -1,176 +1,447 @@
-"""`kvroute bench hostile`: does the gateway keep serving normal clients while hostile ones
-hold connections, drip headers, send pathological bodies or pipeline without reading?
+"""`kvroute bench hostile`: what each cheap, unauthenticated attack costs the gateway, beside what
+it costs uvicorn and aiohttp serving the same routes.
 
-For each attack a normal closed-loop client (the same lean load client as ``bench gateway``, in
-its own process) runs the same bounded load while the attack is in progress; the table compares
-its latency with a quiet run and reports the gateway process's resident memory and CPU time
-(from /proc) over the attack. With ``--baseline-src`` the same attacks run against a gateway
-imported from another source tree, in the same run. Every process started here is stopped by
-its PID; every attack is bounded in connections and time.
+Every attack runs from its own address (127.0.0.2) against a fresh server process, while a
+prober opens a *new* connection from 127.0.0.1 every 20 ms for ``GET /health`` (so a connection
+flood that locks new clients out shows as failed probes). For each the table reports the
+server process's resident memory (peak during the attack and what is left 1 s after it, over the
+level before) and CPU time, both from /proc, the probe latency and failures, and what the
+attacker saw (bytes the server took before it stopped reading, answers, closes).
+
+The reference servers are uvicorn (httptools, uvloop: what vLLM and SGLang serve with) and
+aiohttp (the engine emulator's server) running a small app with the same routes: ``/health``,
+``/metrics`` (a fixed text as long as the gateway's) and ``/v1/chat/completions`` (reads the body,
+parses the JSON, answers at once; ``pad_bytes`` asks for an answer that long). The gateway's
+upstreams answer the same way. The bound each attack is checked against (``--check``): RSS
+growth ≤ 64 MB (what is left after an aborted-body attack, whose bodies are held while they
+arrive by design, the peak for the rest), CPU ≤ 1 s, probe p99 ≤ 50 ms and no failed probe.
+Every process started here is stopped by its PID; every attack is bounded in connections,
+bytes and time.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from importlib.util import find_spec
 from pathlib import Path
 
-from kvroute.bench.gateway import UPSTREAM, _gateway, _load, _proc_stats, _stop
+from kvroute.bench.gateway import UPSTREAM, _gateway, _proc_stats, _stop
 from kvroute.ports import free_ports, wait_for_port
 
-ATTACKS = ("idle-2000", "slow-headers-200", "tiny-chunks-80057", "pipelined-200x1MiB")
+ATTACKER = "127.0.0.2"  # every attack's source address; the prober and the load are 127.0.0.1
 HEAD = b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
+MiB = 1 << 20
+LIMITS = {"rss_mb": 64.0, "cpu_s": 1.0, "probe_p99_ms": 50.0}  # the issue's bounds (issue 24)
 
 
-def _chat(text: str) -> bytes:
-    return json.dumps({"model": "m", "messages": [{"role": "user", "content": text}], "max_tokens": 4}).encode()
+def _chat(text: str, **extra: object) -> bytes:
+    return json.dumps({"model": "m", "messages": [{"role": "user", "content": text}], "max_tokens": 4,
+                       **extra}).encode()
 
 
-class Attack:
-    """One attack on a background event loop: ``start`` opens it, ``stop`` ends it and returns
-    what it observed."""
-
-    def __init__(self, name: str, port: int):
-        self.name, self.port = name, port
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.writers: list[asyncio.StreamWriter] = []
-        self.tasks: list[asyncio.Task] = []
-        self.observed: dict = {}
-
-    def start(self) -> None:
-        """Start the attack's event-loop thread and open its connections."""
-        self.thread.start()
-        asyncio.run_coroutine_threadsafe(self._open(), self.loop).result(60)
-
-    def stop(self) -> dict:
-        """Close the attack's connections, stop its thread and return what it observed."""
-        asyncio.run_coroutine_threadsafe(self._close(), self.loop).result(120)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-        return self.observed
-
-    async def _connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-        r, w = await asyncio.open_connection("127.0.0.1", self.port)
-        self.writers.append(w)
-        return r, w
-
-    async def _open(self) -> None:
-        name = self.name
-        if name == "idle-2000":
-            for _ in range(2000):
-                await self._connect()
-        elif name == "slow-headers-200":
-            for _ in range(200):
-                _, w = await self._connect()
-                w.write(HEAD)
-                self.tasks.append(asyncio.create_task(self._drip(w)))
-        elif name == "tiny-chunks-80057":
-            self.tasks.append(asyncio.create_task(self._tiny_chunks()))
-        elif name == "pipelined-200x1MiB":
-            self.tasks.append(asyncio.create_task(self._pipelined()))
-        await asyncio.sleep(0.5)  # let it take hold before the measured load starts
-
-    async def _drip(self, w: asyncio.StreamWriter) -> None:
-        i = 0
-        while True:  # one header line a second, never the blank line
-            await asyncio.sleep(1.0)
-            w.write(b"X-Drip-%d: 1\r\n" % i)
-            i += 1
-
-    async def _tiny_chunks(self) -> None:
-        r, w = await self._connect()
-        body = _chat("x" * 80_000)
-        w.write(HEAD + b"Transfer-Encoding: chunked\r\n\r\n")
-        t0 = time.perf_counter()
-        w.write(b"".join(b"1\r\n%c\r\n" % b for b in body) + b"0\r\n\r\n")
-        self.observed["chunks"] = len(body)
-        status = await asyncio.wait_for(r.readline(), 120)
-        self.observed["answered"] = status.decode("latin-1").strip()
-        self.observed["answer_s"] = round(time.perf_counter() - t0, 3)
-
-    async def _pipelined(self) -> None:
-        _, w = await self._connect()
-        body = _chat("y" * (1 << 20))
-        one = HEAD + b"Content-Length: %d\r\n\r\n%b" % (len(body), body)
-        sent = 0
-        for _ in range(200):  # never read a response: a well-behaved server stops reading too
-            w.write(one)
-            try:
-                await asyncio.wait_for(w.drain(), 2.0)
-            except TimeoutError:
-                break
-            sent += 1
-        self.observed["requests_sent"] = sent
-
-    async def _close(self) -> None:
-        for t in self.tasks:
-            if self.name == "tiny-chunks-80057" and not t.done():
-                try:
-                    await asyncio.wait_for(asyncio.shield(t), 120)  # its answer is the result
-                except (TimeoutError, ConnectionError):
-                    self.observed.setdefault("answered", "no answer within 120 s")
-            t.cancel()
-        if self.name == "tiny-chunks-80057" and self.tasks and self.tasks[0].done() \
-                and not self.tasks[0].cancelled() and self.tasks[0].exception() is not None:
-            self.observed["answered"] = f"connection failed: {self.tasks[0].exception()!r}"
-        for w in self.writers:
-            w.close()
+async def _connect(port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    return await asyncio.open_connection("127.0.0.1", port, local_addr=(ATTACKER, 0))
 
 
-def _measure(pid: int, port: int, requests: int, concurrency: int, limit_s: float, attack: str | None) -> dict:
-    rss0, cpu0 = _proc_stats(pid)
-    handle = Attack(attack, port) if attack else None
-    if handle is not None:
-        handle.start()
+async def _send(w: asyncio.StreamWriter, data: bytes, stall_s: float) -> bool:
+    """Write and wait until the peer took it; False when it stopped taking bytes for ``stall_s``
+    or closed."""
+    w.write(data)
+    try:
+        await asyncio.wait_for(w.drain(), stall_s)
+    except (TimeoutError, ConnectionError):
+        return False
+    return True
+
+
+async def _answer(r: asyncio.StreamReader, wait_s: float) -> str:
+    """The status line the server sent, if any, within ``wait_s``."""
+    try:
+        line = await asyncio.wait_for(r.readline(), wait_s)
+    except (TimeoutError, ConnectionError):
+        return "none"
+    return line.decode("latin-1").strip() or "closed without an answer"
+
+
+def _close(writers: list[asyncio.StreamWriter]) -> None:
+    for w in writers:
+        w.close()
+
+
+# -- the attacks: each returns what the attacker observed ------------------------------------------
+
+async def aborted_bodies(port: int, clients: int = 10, size: int = 16 * MiB, rounds: int = 3,
+                         wait_answer_s: float = 0.0) -> dict:
+    """``clients`` connections each announce ``size`` bytes of body and send all but the last,
+    then go away, ``rounds`` times (issue 24 item 1); with ``wait_answer_s``, each waits that long
+    for the server's answer (its body deadline) before going away."""
+    sent = 0
+    piece = b"x" * MiB
+    answers: dict[str, int] = {}
+    for _ in range(rounds):
+        conns = await asyncio.gather(*(_connect(port) for _ in range(clients)))
+
+        async def one(w: asyncio.StreamWriter) -> int:
+            if not await _send(w, HEAD + b"Content-Length: %d\r\n\r\n" % size, 5):
+                return 0
+            n = 0
+            while n < size - 1:
+                k = min(MiB, size - 1 - n)
+                if not await _send(w, piece[:k], 5):
+                    break
+                n += k
+            return n
+        sent += sum(await asyncio.gather(*(one(w) for _, w in conns)))
+        if wait_answer_s:
+            for status in await asyncio.gather(*(_answer(r, wait_answer_s) for r, _ in conns)):
+                answers[status[:12]] = answers.get(status[:12], 0) + 1
+        else:
+            await asyncio.sleep(0.3)
+        _close([w for _, w in conns])
+        await asyncio.sleep(0.5)
+    return {"body_mb_sent": round(sent / MiB), **({"answers": answers} if answers else {})}
+
+
+async def pipelined_metrics(port: int, total: int = 64 * MiB, stall_s: float = 2.0) -> dict:
+    """Pipelined ``GET /metrics`` without ever reading an answer (issue 24 item 2). The issue's
+    1.7 MB fits in the kernel's socket buffers, so up to ``total`` is offered to see where the
+    server stops reading."""
+    r, w = await _connect(port)
+    one = b"GET /metrics HTTP/1.1\r\nHost: gw\r\n\r\n"
+    batch = one * (65536 // len(one))
+    sent = 0
+    while sent < total and await _send(w, batch, stall_s):
+        sent += len(batch)
+    w.close()
+    return {"requests_taken": sent // len(one), "stopped_reading": sent < total}
+
+
+async def pipelined_answers(port: int, n: int = 200, answer: int = MiB, hold_s: float = 3.0) -> dict:
+    """``n`` pipelined requests each asking for a 1 MiB answer, none read (issue 24 item 2)."""
+    r, w = await _connect(port)
+    body = _chat("z", pad_bytes=answer)
+    w.write((HEAD + b"Content-Length: %d\r\n\r\n%b" % (len(body), body)) * n)
+    await asyncio.sleep(hold_s)
+    w.close()
+    return {"answers_asked_mb": round(n * answer / MiB)}
+
+
+async def pipelined_bodies(port: int, n: int = 200, size: int = MiB) -> dict:
+    """``n`` pipelined requests of ``size`` bytes each, answers never read."""
+    r, w = await _connect(port)
+    body = _chat("y" * size)
+    one = HEAD + b"Content-Length: %d\r\n\r\n%b" % (len(body), body)
+    sent = 0
+    while sent < n and await _send(w, one, 2.0):
+        sent += 1
+    w.close()
+    return {"requests_sent": sent}
+
+
+async def unterminated_trailer(port: int, total: int = 100 * MiB, stall_s: float = 2.0) -> dict:
+    """A chunked body whose trailer section opens a field that never ends (issue 24 item 3)."""
+    r, w = await _connect(port)
     t0 = time.perf_counter()
-    load = _load([f"http://127.0.0.1:{port}"], requests, concurrency, False, limit_s)
+    await _send(w, HEAD + b"Transfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\nX-Trailer: ", stall_s)
+    piece = b"a" * 65536
+    sent = 0
+    while sent < total and await _send(w, piece, stall_s):
+        sent += len(piece)
+    answer = await _answer(r, 1.0)
+    w.close()
+    return {"trailer_mb_taken": round(sent / MiB, 1), "answer": answer, "s": round(time.perf_counter() - t0, 2)}
+
+
+async def silent_flood(port: int, n: int = 4096, hold_s: float = 12.0) -> dict:
+    """``n`` connections that never send a byte, held ``hold_s`` (issue 24 item 4); counts those
+    refused at once and those the server closed, and when."""
+    t0 = time.perf_counter()
+    outcome: dict[str, list[float]] = {"refused": [], "closed": []}
+
+    async def watch(r: asyncio.StreamReader) -> None:
+        with contextlib.suppress(ConnectionError):
+            data = await r.read(200)
+            kind = "refused" if data.startswith(b"HTTP/1.1 503") or data.startswith(b"HTTP/1.1 429") else "closed"
+            outcome[kind].append(time.perf_counter() - t0)
+
+    writers, tasks, failed = [], [], 0
+    for _ in range(n):
+        try:
+            r, w = await asyncio.wait_for(_connect(port), 5)
+        except (OSError, TimeoutError):
+            failed += 1
+            continue
+        writers.append(w)
+        tasks.append(asyncio.create_task(watch(r)))
+    await asyncio.sleep(max(0.0, hold_s - (time.perf_counter() - t0)))
+    for t in tasks:
+        t.cancel()
+    _close(writers)
+    closed = sorted(outcome["closed"])
+    return {"refused": len(outcome["refused"]), "closed_by_server": len(closed), "connect_failed": failed,
+            "median_close_s": round(closed[len(closed) // 2], 1) if closed else None}
+
+
+async def idle(port: int, n: int = 2000, hold_s: float = 5.0) -> dict:
+    """``n`` connections that send nothing, held ``hold_s``."""
+    writers = [w for _, w in await asyncio.gather(*(_connect(port) for _ in range(n)), return_exceptions=False)]
+    await asyncio.sleep(hold_s)
+    _close(writers)
+    return {}
+
+
+async def slow_headers(port: int, n: int = 200, hold_s: float = 5.0) -> dict:
+    """``n`` connections that send one header line a second and never end the head."""
+    conns = await asyncio.gather(*(_connect(port) for _ in range(n)))
+    for _, w in conns:
+        w.write(HEAD)
+    for i in range(int(hold_s)):
+        await asyncio.sleep(1.0)
+        for _, w in conns:
+            if not w.is_closing():
+                w.write(b"X-Drip-%d: 1\r\n" % i)
+    _close([w for _, w in conns])
+    return {}
+
+
+async def tiny_chunks(port: int, n: int = 80_057) -> dict:
+    """One request whose body comes as ``n`` one-byte chunks; the answer is awaited."""
+    r, w = await _connect(port)
+    body = _chat("x" * (n - len(_chat(""))))
+    t0 = time.perf_counter()
+    w.write(HEAD + b"Transfer-Encoding: chunked\r\n\r\n" + b"".join(b"1\r\n%c\r\n" % b for b in body) + b"0\r\n\r\n")
+    answer = await _answer(r, 60)
+    w.close()
+    return {"chunks": len(body), "answer": answer, "answer_s": round(time.perf_counter() - t0, 2)}
+
+
+@dataclass(frozen=True)
+class AttackSpec:
+    """One attack: its coroutine, and whether its bound is on what is left after it (``after``)
+    or on the peak while it runs."""
+
+    run: Callable[[int], Awaitable[dict]]
+    bound_on: str = "peak"
+    note: str = ""
+
+
+ATTACKS: dict[str, AttackSpec] = {
+    "aborted-bodies-10x16MiB-x3": AttackSpec(aborted_bodies, "after", "bodies are held while they arrive"),
+    "pipelined-metrics-64MB": AttackSpec(pipelined_metrics),
+    "pipelined-200-answers-of-1MiB": AttackSpec(pipelined_answers),
+    "unterminated-trailer-100MB": AttackSpec(unterminated_trailer),
+    "silent-flood-4096": AttackSpec(silent_flood),
+    "idle-2000": AttackSpec(idle),
+    "slow-headers-200": AttackSpec(slow_headers),
+    "tiny-chunks-80057": AttackSpec(tiny_chunks),
+    "pipelined-200x1MiB": AttackSpec(pipelined_bodies),
+}
+
+# -- probing and measuring -------------------------------------------------------------------------------
+
+PROBER = r'''
+import json, select, socket, sys, time
+port, period = int(sys.argv[1]), float(sys.argv[2])
+lat, failures = [], []
+while not select.select([sys.stdin], [], [], 0)[0]:
+    t0 = time.perf_counter()
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=2) as s:
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: probe\r\nConnection: close\r\n\r\n")
+            data = b""
+            while chunk := s.recv(65536):
+                data += chunk
+        ok = data[9:12] in (b"200", b"503") and b"too_many" not in data
+        why = None if ok else (data[:12].decode("latin-1") or "closed")
+    except OSError as exc:
+        ok, why = False, type(exc).__name__
+    dt = time.perf_counter() - t0
+    if ok:
+        lat.append(dt)
+    else:
+        failures.append(why)
+    time.sleep(max(0.0, period - dt))
+lat.sort()
+q = lambda p: lat[min(len(lat) - 1, int(p * len(lat)))] * 1000 if lat else None
+print(json.dumps({"probes": len(lat) + len(failures), "p50_ms": q(0.5), "p99_ms": q(0.99),
+                  "failed": len(failures), "failures": sorted(set(failures))[:4]}))
+'''
+
+
+class RSSPeak:
+    """The peak resident memory of a process, sampled every 20 ms on a thread."""
+
+    def __init__(self, pid: int):
+        self.pid, self.peak, self._stop = pid, 0.0, threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.02):
+            with contextlib.suppress(OSError, StopIteration):
+                self.peak = max(self.peak, _proc_stats(self.pid)[0])
+
+    def stop(self) -> float:
+        self._stop.set()
+        self._thread.join(2)
+        return self.peak
+
+
+def measure(pid: int, port: int, name: str, settle_s: float = 1.0, spec: AttackSpec | None = None) -> dict:
+    """Run attack ``name`` (or ``spec``) on ``port`` while probing ``/health``; the server process
+    ``pid``'s memory and CPU over it (RSS growth: over the level before the attack)."""
+    spec = spec or ATTACKS[name]
+    rss0, cpu0 = _proc_stats(pid)
+    sampler = RSSPeak(pid)
+    prober = subprocess.Popen([sys.executable, "-c", PROBER, str(port), "0.02"], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    t0 = time.perf_counter()
+    try:
+        observed = asyncio.run(asyncio.wait_for(spec.run(port), 180))
+    except Exception as exc:  # the attack's own failure is a finding, not a crash of the bench
+        observed = {"attack_failed": repr(exc)[:200]}
+    wall = time.perf_counter() - t0
+    time.sleep(settle_s)
+    assert prober.stdin is not None
+    out, _ = prober.communicate("stop\n", timeout=30)
+    peak = sampler.stop()
     rss1, cpu1 = _proc_stats(pid)
-    observed = handle.stop() if handle is not None else {}
-    return {"rps": round(load["rps"], 1), "p50_ms": round(load["p50_ms"], 3), "p99_ms": round(load["p99_ms"], 3),
-            "ok": load["ok"], "errors": load["errors"], "wall_s": round(time.perf_counter() - t0, 2),
-            "gateway_rss_mb": round(rss1, 1), "gateway_rss_growth_mb": round(rss1 - rss0, 1),
-            "gateway_cpu_s": round(cpu1 - cpu0, 2), "attack": observed}
+    probes = json.loads(out.strip().splitlines()[-1])
+    peak = max(peak, rss1)
+    row = {"rss_before_mb": round(rss0, 1), "rss_peak_growth_mb": round(peak - rss0, 1),
+           "rss_after_growth_mb": round(rss1 - rss0, 1), "cpu_s": round(cpu1 - cpu0, 2),
+           "attack_s": round(wall, 1), "probe": probes, "attack": observed, "bound_on": spec.bound_on}
+    row["rss_growth_mb"] = row["rss_after_growth_mb"] if spec.bound_on == "after" else row["rss_peak_growth_mb"]
+    row["within"] = within(row)
+    return row
 
 
-def run(requests: int = 2000, concurrency: int = 8, limit_s: float = 60.0, attacks=ATTACKS,
-        baseline_src: str | None = None, progress=print) -> dict:
-    """Quiet run, then each attack, for this gateway and optionally a baseline one."""
+def within(row: dict) -> dict[str, bool]:
+    """Which of the issue's bounds a measured row meets."""
+    p99 = row["probe"]["p99_ms"]
+    return {"rss": row["rss_growth_mb"] <= LIMITS["rss_mb"], "cpu": row["cpu_s"] <= LIMITS["cpu_s"],
+            "probe_p99": p99 is not None and p99 <= LIMITS["probe_p99_ms"],
+            "probes_served": row["probe"]["failed"] == 0}
+
+
+# -- the servers ----------------------------------------------------------------------------------------
+
+REFERENCE_APP = r'''
+import json, sys
+kind, port, metrics_len = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+line = b'kvroute_reference_series{replica="r"} 1\n'
+METRICS = (line * (metrics_len // len(line) + 1))[:metrics_len]
+OK = json.dumps({"id": "x", "object": "chat.completion", "created": 0, "model": "m",
+                 "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"},
+                              "finish_reason": "stop"}]}).encode()
+def answer(path, body):
+    if path == "/health":
+        return 200, b'{"status": "ok"}', "application/json"
+    if path == "/metrics":
+        return 200, METRICS, "text/plain"
+    try:
+        req = json.loads(body)
+    except ValueError:
+        return 400, b'{"error": "bad json"}', "application/json"
+    pad = req.get("pad_bytes") if isinstance(req, dict) else None
+    if pad:
+        return 200, json.dumps({"choices": [{"message": {"content": "x" * int(pad)}}]}).encode(), "application/json"
+    return 200, OK, "application/json"
+if kind == "uvicorn":
+    import uvicorn
+    async def app(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        parts, more = [], True
+        while more:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                return
+            parts.append(msg.get("body", b""))
+            more = msg.get("more_body", False)
+        status, body, ctype = answer(scope["path"], b"".join(parts))
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", ctype.encode())]})
+        await send({"type": "http.response.body", "body": body})
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False, lifespan="off",
+                loop="uvloop", http="httptools")
+else:
+    import uvloop
+    from aiohttp import web
+    async def handle(request):
+        status, body, ctype = answer(request.path, await request.read())
+        return web.Response(status=status, body=body, content_type=ctype)
+    app = web.Application(client_max_size=32 << 20)
+    app.router.add_get("/health", handle)
+    app.router.add_get("/metrics", handle)
+    app.router.add_post("/v1/chat/completions", handle)
+    web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None, loop=uvloop.new_event_loop())
+'''
+
+
+def references() -> list[str]:
+    """The reference servers installed here (uvicorn comes with the ``bench`` extra)."""
+    return [name for name in ("uvicorn", "aiohttp") if find_spec(name) is not None]
+
+
+def _metrics_len(port: int) -> int:
+    import http.client
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    c.request("GET", "/metrics")
+    n = len(c.getresponse().read())
+    c.close()
+    return n
+
+
+def run(attacks=tuple(ATTACKS), baseline_src: str | None = None, with_references: bool = True,
+        progress=print) -> dict:
+    """Each attack against a fresh gateway, then (with ``baseline_src``) a gateway from another
+    source tree, then each reference server."""
     up_ports = free_ports(2)
     upstream = subprocess.Popen([sys.executable, "-c", UPSTREAM, "0", *map(str, up_ports)],
                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     procs = [upstream]
-    result: dict = {"requests": requests, "concurrency": concurrency, "variants": {}}
+    servers = ["gateway"] + (["baseline"] if baseline_src else []) + (references() if with_references else [])
+    result: dict = {"limits": LIMITS, "attacker": ATTACKER, "servers": {s: {} for s in servers}}
+    metrics_len = 8192
     try:
         for p in up_ports:
             wait_for_port(p)
         with tempfile.TemporaryDirectory() as tmp:
-            for name, src in (("gateway", None), ("baseline", baseline_src)):
-                if name == "baseline" and not src:
-                    continue
-                rows = result["variants"][name] = {}
-                for attack in (None, *attacks):  # a fresh gateway per attack: no leftovers between them
+            for attack in attacks:
+                for server in servers:  # interleaved: drift of the shared machine hits all alike
                     port = free_ports(1)[0]
-                    cfg = Path(tmp) / f"{name}.yaml"
-                    cfg.write_text(json.dumps({"port": port, "policy": "round_robin", "max_body_bytes": 2 << 20,
-                                               "replicas": [{"url": f"http://127.0.0.1:{p}", "engine": "vllm"}
-                                                            for p in up_ports]}))
-                    gw = _gateway(src, cfg)
-                    procs.append(gw)
+                    if server in ("gateway", "baseline"):
+                        cfg = Path(tmp) / f"{server}.yaml"
+                        cfg.write_text(json.dumps({"port": port, "policy": "round_robin",
+                                                   "replicas": [{"url": f"http://127.0.0.1:{p}", "engine": "vllm"}
+                                                                for p in up_ports]}))
+                        proc = _gateway(baseline_src if server == "baseline" else None, cfg)
+                    else:
+                        proc = subprocess.Popen([sys.executable, "-c", REFERENCE_APP, server, str(port),
+                                                 str(metrics_len)], stderr=subprocess.DEVNULL)
+                    procs.append(proc)
                     try:
                         wait_for_port(port)
-                        row = rows[attack or "quiet"] = _measure(gw.pid, port, requests, concurrency, limit_s, attack)
-                        progress(f"{name} {attack or 'quiet'}: p50 {row['p50_ms']:.2f} ms, p99 {row['p99_ms']:.2f} ms, "
-                                 f"{row['errors']} errors, RSS {row['gateway_rss_mb']:.0f} MB, "
-                                 f"CPU {row['gateway_cpu_s']:.1f} s {row['attack'] or ''}")
+                        if server == "gateway":
+                            metrics_len = _metrics_len(port)
+                        time.sleep(0.5)  # its start-up work (imports, probes) is not the attack's
+                        row = result["servers"][server][attack] = measure(proc.pid, port, attack)
+                        progress(f"{attack} on {server}: RSS +{row['rss_growth_mb']:.0f} MB ({row['bound_on']}), "
+                                 f"CPU {row['cpu_s']:.2f} s, probe p99 {row['probe']['p99_ms'] or 0:.1f} ms, "
+                                 f"{row['probe']['failed']} failed; {json.dumps(row['attack'])}")
                     finally:
-                        _stop(gw)
-                        procs.remove(gw)
+                        _stop(proc)
+                        procs.remove(proc)
     finally:
         for proc in procs:
             _stop(proc)

@@ -221,7 +221,10 @@ class HTTPConfig(StrictModel):
     header_timeout_s: float = Field(10.0, gt=0)  # to send a whole request head (slowloris)
     body_timeout_s: float = Field(60.0, gt=0)  # to send a whole body, once the head is in
     keepalive_timeout_s: float = Field(30.0, gt=0)  # an idle kept-alive connection is closed
-    max_connections: int = Field(4096, ge=1)  # beyond: 503 and close
+    max_connections: int = Field(4096, ge=1)  # beyond: 503 + Retry-After and close
+    max_connections_per_client: int = Field(
+        1024, ge=1, description="open connections per client address; beyond: 503 + Retry-After and close "
+                                "(behind a front proxy every client has its address: set it to max_connections)")
 
 
 class KeyConfig(StrictModel):

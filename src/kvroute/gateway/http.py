@@ -10,11 +10,20 @@ plain ``chunked`` is refused (501), HTTP/1.1 without exactly one Host header is 
 other than 1.0/1.1 is a 505.
 
 Every resource a client can hold is bounded (defaults in ``HTTPLimits``): head bytes and header
-count (counted from the parsed fields, so independent of how reads arrive), body bytes, the time
-to send a head (slowloris), the time to send a body, idle keep-alive time, concurrent
-connections, and pipelining (reading pauses while a complete request waits behind a running
-one). Deadlines are checked by one sweep per server rather than a timer per request, which keeps
-the per-request cost at assigning one float.
+count (counted from the parsed fields, so independent of how reads arrive; bytes of a field not
+yet complete count too), the chunk framing and trailer section of a body under the same limit,
+body bytes, the time to send a head (slowloris; a new connection that sends nothing is held to
+it too), the time to send a body, idle keep-alive time, concurrent connections in all and per
+client address (``gateway/limits.py``), and pipelining: reading pauses while a complete request
+waits behind a running one, and the next request is not started while the client leaves the
+last answer unread (uvicorn's flow control does the same), so a client that sends without
+reading costs one answer, not one per request. Deadlines are checked by one sweep per server
+rather than a timer per request, which keeps the per-request cost at assigning one float.
+
+A closed connection lets go of its parser and any partial body at once: the parser holds the
+connection's callbacks, a reference cycle that would otherwise keep an aborted body alive until
+the cyclic GC happens to run. Every refusal (400/408/413/429/431/501/503/505) is counted by status
+and reason and logged at a bounded rate (``limits.Rejections``).
 
 Why not aiohttp's web server: on this project's 2-core machines it spends about 50 µs of CPU per
 trivial request against about 20 µs here, most of a proxy hop's budget (``kvroute bench
@@ -29,6 +38,7 @@ import logging
 import math
 import socket
 import ssl
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
@@ -37,6 +47,7 @@ from typing import cast
 import httptools
 
 from kvroute.errors import ClientError
+from kvroute.gateway.limits import ClientCounts, Rejections
 
 log = logging.getLogger("kvroute.gateway")
 
@@ -52,7 +63,7 @@ class HTTPLimits:
     """What one client may hold. Defaults follow the common servers: 64 KiB of head and 100
     header fields (nginx/uvicorn allow less or about as much), 10 s to send a head (nginx's
     client_header_timeout is 60 s; a proxy for API clients needs far less), 60 s for a body,
-    30 s idle keep-alive (uvicorn 5 s, nginx 75 s)."""
+    30 s idle keep-alive (uvicorn 5 s, nginx 75 s); a quarter of the connections per client address."""
 
     max_head_bytes: int = 64 * 1024
     max_headers: int = 100
@@ -61,6 +72,7 @@ class HTTPLimits:
     body_timeout_s: float = 60.0
     keepalive_timeout_s: float = 30.0
     max_connections: int = 4096
+    max_connections_per_client: int = 1024
 
 
 def error_object(message: str, type_: str = "invalid_request_error", param: str | None = None,
@@ -77,10 +89,12 @@ def error_body(message: str, type_: str = "invalid_request_error", param: str | 
 
 
 class BadRequest(ClientError):
-    """The request cannot be read to its end: answer ``status`` and close the connection."""
+    """The request cannot be read to its end: answer ``status`` and close the connection.
+    ``reason`` is the short label it is counted under (``kvroute_http_rejected``)."""
 
-    def __init__(self, status: int, message: str):
+    def __init__(self, status: int, message: str, reason: str = "malformed"):
         super().__init__(message, status)
+        self.reason = reason
 
 
 class Request:
@@ -90,10 +104,21 @@ class Request:
 
     def __init__(self, method: str, target: str, headers: dict[str, str], keep_alive: bool):
         self.method = method
+        if target[:1] != "/" and target[:8].lower().startswith(("http://", "https://")):
+            target = origin_form(target)
         self.path, _, self.query = target.partition("?")
         self.headers = headers
         self.body = b""
         self.keep_alive = keep_alive
+
+
+def origin_form(target: str) -> str:
+    """``http://host:port/p?q`` → ``/p?q``: a server must accept a request target in absolute form
+    (RFC 9112 §3.2.2); the authority names this gateway, so only the path and query matter."""
+    rest = target[target.index("//") + 2:]
+    cut = min((i for i in (rest.find("/"), rest.find("?")) if i >= 0), default=len(rest))
+    tail = rest[cut:]
+    return tail if tail.startswith("/") else "/" + tail
 
 
 class Responder:
@@ -158,8 +183,12 @@ class Responder:
 
 Handler = Callable[[Request, Responder], Awaitable[None]]
 
-# connection phases, for deadlines
-_IDLE, _HEAD, _BODY, _BUSY = 0, 1, 2, 3
+# connection phases, for deadlines: _NEW has sent nothing yet (held to the head deadline, counted
+# from the accept); _IDLE waits between kept-alive requests
+_IDLE, _HEAD, _BODY, _BUSY, _NEW = 0, 1, 2, 3, 4
+LINGER_S = 1.0  # a refused connection is read and discarded this long, so the refusal is not lost to a reset
+MAX_LINGERING = 256  # refused connections lingering at once; beyond, they are closed at once
+_DETACHED = httptools.HttpRequestParser(object())  # a closed connection's parser: holds no callbacks
 
 
 class _Connection(asyncio.Protocol):
@@ -171,7 +200,10 @@ class _Connection(asyncio.Protocol):
     def __init__(self, server: HTTPServer):
         self.server = server
         self.limits = server.limits
-        self.parser = httptools.HttpRequestParser(self)
+        self.parser = httptools.HttpRequestParser(self)  # holds our callbacks: dropped by connection_lost
+        self.client = ""  # the peer's address
+        self.counted = False  # in server.connections and server.clients
+        self.lingering = False  # refused: reading and discarding until LINGER_S passes
         self.pending: deque[Request] = deque()
         self.task: asyncio.Task[None] | None = None
         self.closed = False
@@ -188,6 +220,7 @@ class _Connection(asyncio.Protocol):
         self._head_bytes = 0
         self._n_headers = 0
         self._head_seen = 0  # raw bytes received while a head is incomplete (unterminated fields)
+        self._stall = 0  # raw bytes of a body since its last data: chunk framing, trailers
         self._in_trailers = False
         self._body: list[bytes] = []
         self._body_len = 0
@@ -196,24 +229,58 @@ class _Connection(asyncio.Protocol):
     # -- transport events ---------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport = cast(asyncio.Transport, transport)  # uvloop's are not subclasses
-        server = self.server
-        if len(server.connections) >= self.limits.max_connections:
-            server.refused += 1
-            transport.write(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
-                            b"Retry-After: 1\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%b"
-                            % (len(_TOO_MANY), _TOO_MANY))
-            transport.close()
-            self.closed = True
+        server, limits = self.server, self.limits
+        peer = transport.get_extra_info("peername")
+        self.client = client = str(peer[0]) if isinstance(peer, tuple) and peer else ""
+        if len(server.connections) >= limits.max_connections:
+            self._refuse(503, "too_many_connections", _TOO_MANY,
+                         f"the gateway holds its limit of {limits.max_connections} connections")
+            return
+        if not server.clients.add(client, limits.max_connections_per_client):
+            self._refuse(503, "too_many_client_connections", _TOO_MANY_CLIENT,
+                         f"the address holds its limit of {limits.max_connections_per_client} connections")
             return
         sock = transport.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         server.connections.add(self)
-        self._idle()
+        self.counted = True
+        self.phase, self.deadline = _NEW, server.now + limits.header_timeout_s  # not the keep-alive time
+
+    def _refuse(self, status: int, reason: str, body: bytes, detail: str) -> None:
+        """Answer a connection over a limit before reading anything, then close it. The answer goes
+        out with a FIN while what the client sends meanwhile is read and dropped (for ``LINGER_S``),
+        so a client that wrote its request first still reads the refusal instead of a reset."""
+        server, transport = self.server, self.transport
+        server.rejections.record(status, reason, self.client, detail, time.monotonic())
+        self.closed = True  # nothing is parsed or answered on this connection
+        transport.write(b"HTTP/1.1 %d %b\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
+                        b"Connection: close\r\nContent-Length: %d\r\n\r\n%b"
+                        % (status, REASONS[status].encode(), len(body), body))
+        if server.lingering < MAX_LINGERING and transport.can_write_eof():
+            transport.write_eof()
+            self.lingering = True
+            server.lingering += 1
+            asyncio.get_running_loop().call_later(LINGER_S, transport.close)
+        else:
+            transport.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
-        self.server.connections.discard(self)
+        server = self.server
+        if self.counted:
+            self.counted = False
+            server.connections.discard(self)
+            server.clients.remove(self.client)
+        if self.lingering:
+            self.lingering = False
+            server.lingering -= 1
+        # the parser holds this connection's callbacks (a reference cycle): drop it, and any partial
+        # body, now rather than whenever the cyclic GC runs
+        self.parser = _DETACHED
+        self._body = []
+        self._req = None
+        self.pending.clear()
         if self.task is not None and not self.task.done():
             self.task.cancel()  # the client went away: stop working for it
         if self._drain is not None and not self._drain.done():
@@ -239,10 +306,12 @@ class _Connection(asyncio.Protocol):
             self.transport.write(data)
 
     def data_received(self, data: bytes) -> None:
-        if self.rejection is not None or self.upgraded:
-            return  # the stream is out of sync; what follows is never read
+        if self.rejection is not None or self.upgraded or self.closed:
+            return  # the stream is out of sync, or the connection refused: what follows is never read
         limits = self.limits
-        if self.phase != _BODY:
+        if self.phase == _BODY:
+            self._stall += len(data)  # back to 0 at each piece of body data (on_body)
+        else:
             self._head_seen += len(data)
         try:
             self.parser.feed_data(data)
@@ -255,15 +324,22 @@ class _Connection(asyncio.Protocol):
             self._stop_reading()
             return
         except httptools.HttpParserError as exc:
-            self._fail(BadRequest(400, f"malformed HTTP request: {exc}"))
+            self._fail(BadRequest(400, f"malformed HTTP request: {exc}", "malformed"))
             return
-        if self.phase == _HEAD and self._head_seen > limits.max_head_bytes:
-            self._fail(BadRequest(431, f"request head larger than {limits.max_head_bytes} bytes"))
+        phase = self.phase
+        if phase == _HEAD and self._head_seen > limits.max_head_bytes:
+            self._fail(BadRequest(431, f"request head larger than {limits.max_head_bytes} bytes", "head_too_large"))
+        elif phase == _BODY and self._stall > limits.max_head_bytes:
+            # an unterminated trailer field or chunk extension: without this it is bounded only by
+            # the body deadline, and llhttp's partial fields are joined at a cost that grows with them
+            self._fail(BadRequest(431, f"chunk framing or trailer section larger than {limits.max_head_bytes} "
+                                       "bytes", "trailer_too_large"))
 
     # -- llhttp callbacks -----------------------------------------------------------------------
     def on_message_begin(self) -> None:
+        if self.phase != _NEW:  # a new connection's head deadline runs from the accept
+            self.deadline = self.server.now + self.limits.header_timeout_s
         self.phase = _HEAD
-        self.deadline = self.server.now + self.limits.header_timeout_s
         self._url = b""
         self._headers = {}
         self._head_bytes = 0
@@ -281,7 +357,7 @@ class _Connection(asyncio.Protocol):
         self._count_head(len(name) + len(value) + 4)
         self._n_headers += 1
         if self._n_headers > limits.max_headers:
-            raise BadRequest(431, f"more than {limits.max_headers} header fields")
+            raise BadRequest(431, f"more than {limits.max_headers} header fields", "too_many_headers")
         if self._in_trailers:
             return  # legal, counted against the head limits, not used
         key = name.decode("latin-1").lower()
@@ -289,30 +365,36 @@ class _Connection(asyncio.Protocol):
         prior = self._headers.get(key)
         if prior is not None:
             if key == "host":
-                raise BadRequest(400, "more than one Host header")
-            text = f"{prior}, {text}"  # RFC 9110 §5.3: repeated fields are one comma-joined list
+                raise BadRequest(400, "more than one Host header", "host")
+            # RFC 9110 §5.3: repeated fields are one comma-joined list; Cookie is joined with "; "
+            # (RFC 6265 §5.4), since a comma may be part of a cookie's value
+            text = f"{prior}; {text}" if key == "cookie" else f"{prior}, {text}"
         self._headers[key] = text
 
     def _count_head(self, n: int) -> None:
         self._head_bytes += n
         if self._head_bytes > self.limits.max_head_bytes:
-            raise BadRequest(431, f"request head larger than {self.limits.max_head_bytes} bytes")
+            raise BadRequest(431, f"request head larger than {self.limits.max_head_bytes} bytes", "head_too_large")
 
     def on_headers_complete(self) -> None:
         parser, headers, limits = self.parser, self._headers, self.limits
         version = parser.get_http_version()
         if version not in ("1.1", "1.0"):  # 0.9 means a request line without a version
-            raise BadRequest(505 if version >= "2" else 400, f"HTTP/{version} is not supported; use HTTP/1.1")
+            raise BadRequest(505 if version >= "2" else 400, f"HTTP/{version} is not supported; use HTTP/1.1",
+                             "version")
         if version == "1.1" and "host" not in headers:
-            raise BadRequest(400, "HTTP/1.1 request without a Host header")
+            raise BadRequest(400, "HTTP/1.1 request without a Host header", "host")
         te = headers.get("transfer-encoding")
         if te is not None and te.strip().lower() != "chunked":
-            raise BadRequest(501, f"unsupported Transfer-Encoding {te[:40]!r}; only 'chunked' is accepted")
+            raise BadRequest(501, f"unsupported Transfer-Encoding {te[:40]!r}; only 'chunked' is accepted",
+                             "transfer_coding")
         length = headers.get("content-length")
         if length is not None and int(length) > limits.max_body_bytes:  # llhttp checked the digits
-            raise BadRequest(413, f"request body exceeds the limit of {limits.max_body_bytes} bytes")
+            raise BadRequest(413, f"request body exceeds the limit of {limits.max_body_bytes} bytes",
+                             "body_too_large")
         self._in_trailers = True
         self._head_seen = 0
+        self._stall = 0
         self.phase = _BODY
         self.deadline = self.server.now + limits.body_timeout_s
         self._req = Request(parser.get_method().decode("ascii"), self._url.decode("latin-1"), headers,
@@ -322,9 +404,11 @@ class _Connection(asyncio.Protocol):
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
     def on_body(self, data: bytes) -> None:
+        self._stall = 0
         self._body_len += len(data)
         if self._body_len > self.limits.max_body_bytes:
-            raise BadRequest(413, f"request body exceeds the limit of {self.limits.max_body_bytes} bytes")
+            raise BadRequest(413, f"request body exceeds the limit of {self.limits.max_body_bytes} bytes",
+                             "body_too_large")
         self._body.append(data)
 
     def on_message_complete(self) -> None:
@@ -343,8 +427,11 @@ class _Connection(asyncio.Protocol):
 
     # -- failures -------------------------------------------------------------------------------
     def _fail(self, exc: BadRequest) -> None:
-        """Stop reading; answer the error after the requests before it, then close."""
+        """Stop reading; answer the error after the requests before it, then close. A partial body
+        is dropped now: it is never used."""
         self.rejection = exc
+        self._body = []
+        self.server.rejections.record(exc.status, exc.reason, self.client, str(exc), time.monotonic())
         self._stop_reading()
         if self.task is None:
             self._next()
@@ -359,13 +446,15 @@ class _Connection(asyncio.Protocol):
         self.deadline = self.server.now + self.limits.keepalive_timeout_s
 
     def expire(self) -> None:
-        """A deadline passed: a half-sent request gets 408; an idle connection is just closed."""
+        """A deadline passed: a half-sent request gets 408; an idle or silent connection, or one
+        whose client left an answer unread, is just closed."""
         if self.phase in (_HEAD, _BODY) and self.task is None:
             what = "head" if self.phase == _HEAD else "body"
-            log.info("closing a connection whose request %s did not arrive in time", what)
-            self.server.timed_out += 1
+            self.server.rejections.record(408, f"{what}_timeout", self.client,
+                                          f"the request {what} did not arrive in time", time.monotonic())
             Responder(self, keep_alive=False).send(408, error_body(f"request {what} not received in time"))
         self.closed = True
+        self._body = []
         self.transport.close()
 
     # -- handling ---------------------------------------------------------------------------------
@@ -426,10 +515,23 @@ class _Connection(asyncio.Protocol):
             self.closed = True
             self.transport.close()
             return
+        if self.paused and not self.closed:
+            # the client has not read this answer: start no other one until it does (a client that
+            # pipelines without reading would otherwise have every answer buffered here), and give
+            # it the keep-alive time to read
+            self.deadline = server.now + self.limits.keepalive_timeout_s
+            try:
+                await self.drained()
+            except ConnectionResetError:
+                return
+            self.deadline = math.inf
         self._next()
 
 
-_TOO_MANY = error_body("too many connections to the gateway", "server_error", code="too_many_connections")
+_TOO_MANY = error_body("too many connections to the gateway; retry shortly", "server_error",
+                       code="too_many_connections")
+_TOO_MANY_CLIENT = error_body("too many connections from this address; close some or retry shortly",
+                              "server_error", code="too_many_client_connections")
 
 
 class HTTPServer:
@@ -441,8 +543,9 @@ class HTTPServer:
         self.connections: set[_Connection] = set()
         self.active = 0
         self.closing = False
-        self.refused = 0  # connections turned away at max_connections
-        self.timed_out = 0  # half-sent requests answered 408
+        self.clients = ClientCounts()  # open connections per client address
+        self.rejections = Rejections(log)  # refusals by (status, reason), logged at a bounded rate
+        self.lingering = 0  # refused connections still being read and discarded
         self.errors = 0  # handler exceptions answered 500
         self.idle_waiter: asyncio.Future[None] | None = None
         self.now = 0.0  # the loop's clock as of the last sweep: deadlines need no finer grain
@@ -454,7 +557,8 @@ class HTTPServer:
         loop = asyncio.get_running_loop()
         self.now = loop.time()
         self._server = await loop.create_server(lambda: _Connection(self), host, port, reuse_address=True,
-                                                backlog=1024, ssl=tls)
+                                                backlog=1024, ssl=tls,  # a silent TLS client: the head deadline
+                                                ssl_handshake_timeout=self.limits.header_timeout_s if tls else None)
         self._sweeper = loop.create_task(self._sweep())
         bound: int = self._server.sockets[0].getsockname()[1]
         return bound

@@ -56,9 +56,29 @@ class GatewayMetrics:
         """Count one routing decision by the policy branch that made it."""
         self._child(self.branches, policy, branch).inc()
 
+    def watch_http(self, server) -> None:
+        """Export the HTTP server's refusals (``HTTPServer.rejections``) as ``kvroute_http_rejected``."""
+        self.registry.register(_RejectionCollector(server))
+
     def render(self) -> bytes:
         """The registry in Prometheus text format, for ``GET /metrics``."""
         return generate_latest(self.registry)
+
+
+class _RejectionCollector:
+    """Requests and connections the HTTP server refused, by status and reason (read at scrape time;
+    the server's reference is looked up each time, so a replaced server is followed)."""
+
+    def __init__(self, server) -> None:
+        self.server = server
+
+    def collect(self):
+        family = CounterMetricFamily("kvroute_http_rejected", "Requests and connections refused by the HTTP "
+                                     "server before reaching a handler, by status and reason",
+                                     labels=["status", "reason"])
+        for (status, reason), n in sorted(self.server.rejections.counts.items()):
+            family.add_metric([str(status), reason], n)
+        yield family
 
 
 class _LiveCollector:

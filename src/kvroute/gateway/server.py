@@ -561,6 +561,7 @@ class Gateway:
         self.runtime = Runtime(config)
         self.proxy = Proxy(self.runtime)
         self.http = HTTPServer(self.dispatch, config.http_limits())
+        self.runtime.metrics.watch_http(self.http)
         self.port = config.port
 
     async def dispatch(self, request: HTTPRequest, resp: Responder) -> None:
