@@ -25,8 +25,9 @@ from typing import Any, Protocol
 from kvroute.model import DecisionKind, Endpoint, EndpointKind
 from kvroute.perf.network import RTT_EWMA, Network
 from kvroute.perf.profile import HardwareProfile
-from kvroute.policy import DEFAULT_TICK_S, DispatchPacer, Router, build_policy
+from kvroute.policy import DEFAULT_TICK_S, DispatchPacer, Router, build_policy, policy_from_config
 from kvroute.policy.admission import replica_available
+from kvroute.policy.pd import PDRouter, compile_decider
 from kvroute.sim.events import Scheduler
 from kvroute.workload.base import SimRequest
 
@@ -99,6 +100,9 @@ class BalancerHost(Protocol):
     def dispatch(self, flight: Any, lb: SimBalancer, replica_id: str, branch: str) -> None:
         """Send ``flight`` to a replica."""
 
+    def dispatch_split(self, flight: Any, lb: SimBalancer, prefill_id: str, replica_id: str, branch: str) -> None:
+        """Send ``flight``'s prefill leg to ``prefill_id``, its decode leg then to ``replica_id``."""
+
     def forward(self, flight: Any, src: SimBalancer, via: Router, dst: SimBalancer) -> None:
         """Send ``flight`` on to a peer balancer."""
 
@@ -123,12 +127,17 @@ class SimBalancer:
             rep = sim.replicas[rid]
             p = rep.engine.p
             eps.append(Endpoint(rid, region=rep.region, kv_blocks=p.kv_blocks, block_size=p.block_size,
-                                max_running=p.max_running, rtt_s=sim.network.rtt(region, rep.region)))
-        self.router = Router(build_policy(preset, params, seed=seed), eps,
-                             index_block_tokens=index_block_tokens)
+                                max_running=p.max_running, rtt_s=sim.network.rtt(region, rep.region),
+                                role=getattr(rep, "role", "mixed")))
+        pd = getattr(getattr(sim, "setup", None), "pd", None)
+        self.router: Router = (Router(build_policy(preset, params, seed=seed), eps,
+                                      index_block_tokens=index_block_tokens) if pd is None else
+                               PDRouter(build_policy(preset, params, seed=seed),
+                                        policy_from_config(pd.prefill_policy, seed=seed + 1),
+                                        compile_decider(pd.disaggregate), eps, index_block_tokens=index_block_tokens))
         # [endpoint, engine, engine.changes at the last probe]: an engine whose waiting and running
         # sets did not change since keeps its probed counts (most probes find most replicas unchanged)
-        self._probed: list[list] = [[ep, sim.replicas[ep.id].engine, -1] for ep in self.router.endpoints]
+        self._probed: list[list] = [[ep, sim.replicas[ep.id].engine, -1] for ep in self.router.all_endpoints]
         self.peers: Router | None = None
         self.peer_lbs: dict[str, SimBalancer] = {}
         self._preset, self._params = preset, params
@@ -178,7 +187,10 @@ class SimBalancer:
                 queue.popleft()
                 if pacer is not None:
                     pacer.dispatched(now)
-                self.sim.dispatch(flight, self, d.target, d.branch)
+                if d.prefill is not None:  # a prefill/decode pair (sim/disagg.py)
+                    self.sim.dispatch_split(flight, self, d.prefill, d.target, d.branch)
+                else:
+                    self.sim.dispatch(flight, self, d.target, d.branch)
                 continue
             if d.kind is DecisionKind.HOLD and self.peers is not None and not req.from_peer:
                 self.peers.view.local_queue = len(queue) - 1  # the rest of the queue behind it
@@ -216,7 +228,7 @@ class SimBalancer:
             ep.dispatched_since_probe = 0
         net = self.sim.network
         if net.jitter:  # RTT as the gateway keeps it: an EWMA of probe round trips
-            for ep in self.router.endpoints:
+            for ep in self.router.all_endpoints:
                 ep.rtt_s = RTT_EWMA * net.probe_rtt(self.region, ep.region) + (1.0 - RTT_EWMA) * ep.rtt_s
         if self.peers is not None:
             for ep in self.peers.endpoints:

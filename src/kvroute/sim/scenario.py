@@ -20,7 +20,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
-from pydantic import Field
+from pydantic import Field, ValidationError, model_validator
 
 from kvroute import yamlconf
 from kvroute.errors import ConfigError
@@ -30,6 +30,7 @@ from kvroute.policy import policy_from_config
 from kvroute.policy.registry import preset_and_params
 from kvroute.policyfiles import load_entry_points
 from kvroute.schema import StrictModel
+from kvroute.sim.disagg import PDSetup
 from kvroute.sim.simulation import BalancerSpec, Limits, ReplicaSpec, Setup
 from kvroute.workload import Workload
 from kvroute.workload.synthetic import ChatPoisson, ChatWorkload
@@ -54,6 +55,9 @@ class ReplicaGroup(StrictModel):
     count: int = Field(1, ge=1, description="replicas in this group (`--replicas` sets every group's)")
     profile: str = Field("l4-llama3.1-8b", description="hardware profile: a bundled name (`src/kvroute/profiles/`) "
                          "or a YAML file (`--profile`)")
+    role: Literal["mixed", "prefill", "decode"] = Field(
+        "mixed", description="prefill/decode disaggregation (with `pd:`): prefill engines compute prompts and hand "
+        "the KV cache to decode engines (sim/disagg.py); mixed engines do both")
     host_cores: int | None = Field(None, ge=1, description="the group's replicas share one machine with this many "
                                    "cores: while n of them step at once, each step takes max(1, n / cores) times "
                                    "its profile time (unset: every replica has a machine of its own)")
@@ -159,6 +163,28 @@ class SLOSpec(StrictModel):
                           "under the SLO knee (`--slo-target`)")
 
 
+class PDSpec(StrictModel):
+    """Prefill/decode disaggregation in a scenario: how the prefill engine is chosen, when a
+    request is split (the scenario's policies choose the decode engine), and the KV links."""
+
+    prefill_policy: str | dict[str, Any] = Field("sglang_cache_aware", description="chooses the prefill engine "
+                                                 "among prefill and mixed replicas")
+    disaggregate: str | dict[str, Any] | list[Any] = Field(
+        "always", description="always | never | conditions that must all hold to split a request "
+        "({pd_uncached_at_least: N}, {pd_dynamo: {...}}, pd_adaptive; docs/pd.md)")
+    link_gb_s: float = Field(25.0, gt=0, description="KV transfer bandwidth between engines of one region, GB/s "
+                             "(assumed: 200 Gb/s InfiniBand)")
+    cross_region_link_gb_s: float = Field(1.25, gt=0, description="KV transfer bandwidth between regions, GB/s "
+                                          "(assumed: 10 Gb/s)")
+
+    def validated(self) -> PDSpec:
+        """Check the policies and the decider now (a typo fails before any run)."""
+        from kvroute.policy.pd import PDPolicySpec
+
+        PDPolicySpec(prefill_policy=self.prefill_policy, disaggregate=self.disaggregate)
+        return self
+
+
 class PolicyEntry(NamedTuple):
     """One policy to compare: its label in results, preset, parameters and an optional topology of its own."""
 
@@ -195,6 +221,31 @@ class Scenario(StrictModel):
                                            "for mooncake, whose hash ids cover 512 tokens; else 64)")
     slo: SLOSpec = Field(default_factory=SLOSpec, description="service-level objective for goodput and the "
                          "capacity knee")
+    pd: PDSpec | None = Field(None, description="prefill/decode disaggregation: replica groups with role prefill "
+                              "and decode, the prefill policy, when to split, the KV links (sim/disagg.py); "
+                              "`policies` then choose the decode engine")
+
+    @model_validator(mode="after")
+    def _pd_roles(self) -> Scenario:
+        """Roles need `pd:`, and each side needs the other (one line, at the group's role)."""
+        from kvroute.policy.pd import role_check
+
+        roles: list[str] = [g.role for g in self.replicas]
+        split = [i for i, r in enumerate(roles) if r != "mixed"]
+        if self.pd is None and split:
+            raise yamlconf.AtItem(f"role {roles[split[0]]} needs a `pd:` section (prefill policy, when to split, "
+                                  "links)", ("replicas", split[0], "role"))
+        why = role_check(roles)
+        if why is not None:
+            lonely = "prefill" if "no decode" in why else "decode"
+            raise yamlconf.AtItem(why, ("replicas", roles.index(lonely), "role"))
+        if self.pd is not None:
+            try:
+                self.pd.validated()
+            except ValidationError as err:
+                e = err.errors()[0]
+                raise yamlconf.AtItem(e["msg"].removeprefix("Value error, "), ("pd", *e["loc"])) from None
+        return self
 
     # -- derived ---------------------------------------------------------------------------------
     def regions(self) -> list[str]:
@@ -261,9 +312,11 @@ class Scenario(StrictModel):
                 prof = load_profile(g.profile)
             except ProfileError as exc:
                 raise ScenarioError(f"replicas: {exc}") from None
-            n0 = sum(1 for r in replicas if r.region == g.region)
+            n0 = sum(1 for r in replicas if r.region == g.region and r.role == g.role)
             host = (f"group-{len(replicas)}", g.host_cores) if g.host_cores else None
-            replicas += [ReplicaSpec(f"{g.region}-{n0 + i}", g.region, prof, host) for i in range(g.count)]
+            role = "" if g.role == "mixed" else f"{g.role[0]}-"  # p-us-0, d-us-0: the role in the id
+            replicas += [ReplicaSpec(f"{role}{g.region}-{n0 + i}", g.region, prof, host, g.role)
+                         for i in range(g.count)]
         groups = self.balancer_groups(topology)
         self._check_client_regions(groups)
         balancers = []
@@ -277,9 +330,13 @@ class Scenario(StrictModel):
             balancers.append(BalancerSpec(f"lb-{b.region}", b.region, ids, b.probe_interval_s, b.forward,
                                           b.dispatch_tick_s))
         bt = self.index_block_tokens or (512 if self.workload.kind == "mooncake" else 64)
+        pd = None
+        if self.pd is not None:
+            p = self.pd
+            pd = PDSetup(p.prefill_policy, p.disaggregate, p.link_gb_s, p.cross_region_link_gb_s)
         return Setup(replicas, balancers, self.network.model(),
                      Limits(self.limits.max_requests, self.limits.max_sim_s, self.limits.drain_s),
-                     self.seed, self.sample_interval_s, bt, self.slo.ttft_s, self.slo.tpot_s)
+                     self.seed, self.sample_interval_s, bt, self.slo.ttft_s, self.slo.tpot_s, pd)
 
     def _check_client_regions(self, groups: list[BalancerGroup]) -> None:
         """Clients in a region with neither replicas nor a load balancer are a typo more often

@@ -19,6 +19,7 @@ from kvroute.perf.network import Network
 from kvroute.perf.profile import HardwareProfile
 from kvroute.policy import Router
 from kvroute.sim.balancer import SimBalancer
+from kvroute.sim.disagg import Disaggregation, PDSetup, PrefillLeg
 from kvroute.sim.engine import Engine, Host, Seq
 from kvroute.sim.events import EventLoop
 from kvroute.sim.migration import make_migrator
@@ -33,6 +34,7 @@ class ReplicaSpec:
     region: str
     profile: HardwareProfile
     host: tuple[str, int] | None = None  # (machine, cores) it shares with the replicas naming that machine
+    role: str = "mixed"  # prefill / decode / mixed (sim/disagg.py)
 
 
 @dataclass
@@ -72,6 +74,7 @@ class Setup:
     index_block_tokens: int = 64
     slo_ttft_s: float = 5.0  # goodput counts requests meeting both objectives
     slo_tpot_s: float = 0.1
+    pd: PDSetup | None = None  # prefill/decode disaggregation (sim/disagg.py)
 
 
 @dataclass
@@ -81,6 +84,7 @@ class Replica:
     id: str
     region: str
     engine: Engine
+    role: str = "mixed"
 
 
 class Flight:
@@ -88,7 +92,7 @@ class Flight:
     met, and the times it reached each (for latency breakdowns and on_finish calls)."""
 
     __slots__ = ("sreq", "client_region", "sent", "reached_lb", "at_peer", "notify", "replica", "back_s",
-                 "first", "net_s", "dispatched")
+                 "first", "net_s", "dispatched", "prefill", "transfer_s")
 
     def __init__(self, sreq: SimRequest, client_region: str, sent: float):
         self.sreq = sreq
@@ -103,6 +107,8 @@ class Flight:
         self.first = 0.0
         self.net_s = 0.0  # LB → LB forwarding time (not queueing)
         self.dispatched = 0.0
+        self.prefill: str | None = None  # the prefill engine of a split request (sim/disagg.py)
+        self.transfer_s = 0.0
 
 
 class Simulation:
@@ -122,8 +128,10 @@ class Simulation:
         hosts = {r.host: Host(r.host[1]) for r in setup.replicas if r.host is not None}
         self.replicas = {r.id: Replica(r.id, r.region, Engine(r.id, r.profile, self.loop,
                                                               self._first_token, self._finish,
-                                                              host=hosts.get(r.host) if r.host else None))
+                                                              host=hosts.get(r.host) if r.host else None), r.role)
                          for r in setup.replicas}
+        # prefill/decode legs (sim/disagg.py): None for an aggregated deployment
+        self.pd = Disaggregation(self, setup.pd) if setup.pd is not None else None
         self.recorder = Recorder(list(self.replicas), [r.region for r in self.replicas.values()])
         self.lbs = [SimBalancer(self, b.id, b.region, b.replicas, preset, params, b.probe_interval_s,
                                 b.forward, setup.index_block_tokens, b.dispatch_tick_s)
@@ -241,6 +249,19 @@ class Simulation:
         delay = self.network.one_way(lb.region, rep.region) + rep.engine.p.ttft_overhead_s
         self.loop.at(self.loop.now + delay, self._arrive_replica, flight)
 
+    def dispatch_split(self, flight: Flight, lb: SimBalancer, prefill_id: str, replica_id: str, branch: str) -> None:
+        """A balancer splits ``flight``: prefilled on ``prefill_id``, decoded on ``replica_id``
+        (sim/disagg.py); the decode leg starts when the prefill leg is done."""
+        assert self.pd is not None
+        rep = self.replicas[replica_id]
+        rec = self.recorder
+        rec.branches[branch] = rec.branches.get(branch, 0) + 1
+        flight.replica = replica_id
+        flight.dispatched = self.loop.now
+        reached = flight.at_peer if flight.at_peer >= 0 else flight.reached_lb
+        flight.notify.append((lb.router, lb, self.network.one_way(rep.region, lb.region), reached))
+        self.pd.split(flight, lb, prefill_id)
+
     def forward(self, flight: Flight, src: SimBalancer, via: Router, dst: SimBalancer) -> None:
         """``src`` sends ``flight`` on to its peer ``dst``, chosen by ``via`` (``src.peers``)."""
         self.recorder.forwarded += 1
@@ -267,6 +288,10 @@ class Simulation:
             self.progress(self.recorder.completed)
 
     # -- replicas -----------------------------------------------------------------------------
+    def arrive_replica(self, flight: Flight) -> None:
+        """``flight`` reaches its (decode) replica."""
+        self._arrive_replica(flight)
+
     def _arrive_replica(self, flight: Flight) -> None:
         rep = self.replicas[flight.replica]
         req = flight.sreq.req
@@ -282,14 +307,20 @@ class Simulation:
         if not eng.fits(req.prompt_tokens, flight.sreq.output_tokens):
             self.loop.at(self.loop.now + flight.back_s, self._reject, flight)
             return
-        eng.submit(Seq(req.id, req.prompt_tokens, flight.sreq.output_tokens, req.block_hashes,
-                       req.block_tokens, flight))
+        seq = Seq(req.id, req.prompt_tokens, flight.sreq.output_tokens, req.block_hashes, req.block_tokens, flight)
+        if flight.prefill is not None and self.pd is not None:  # its KV comes from the prefill engine
+            seq.remote = self.pd.transfer(flight)
+        eng.submit(seq)
 
     def _reject(self, flight: Flight) -> None:
         self.fail(flight, "rejected: prompt + output exceed the replica's KV capacity")
 
     def _first_token(self, seq: Seq, t: float) -> None:
         flight = seq.payload
+        if flight.__class__ is PrefillLeg:  # a prefill engine's part of a split request
+            assert self.pd is not None
+            self.pd.prefill_done(seq, t)
+            return
         flight.first = t + flight.back_s
         if not self._first_token_matters:
             return
@@ -305,6 +336,10 @@ class Simulation:
 
     def _finish(self, seq: Seq, t: float) -> None:
         flight = seq.payload
+        if flight.__class__ is PrefillLeg:
+            return  # its one token was the prefill's: the decode leg carries on
+        if flight.prefill is not None and self.pd is not None:
+            self.pd.finished(flight)
         out = flight.sreq.output_tokens
         for router, lb, delay, reached in flight.notify:
             at = t + delay
@@ -393,6 +428,8 @@ class Simulation:
         result["slo"] = self.recorder.slo(self.setup.slo_ttft_s, self.setup.slo_tpot_s, self.issued)
         if self.migrator is not None:
             result["migration"] = self.migrator.summary()
+        if self.pd is not None:
+            result["pd"] = self.pd.summary([lb.router for lb in self.lbs])
         state = self.policy_state()
         if state:  # only policies with stateful plugins have any
             result["policy_state"] = state
