@@ -85,9 +85,11 @@ class Disaggregation:
     def _arrive_prefill(self, leg: PrefillLeg) -> None:
         flight = leg.flight
         req = flight.sreq.req
-        eng = self.sim.replicas[flight.prefill].engine
+        assert flight.prefill is not None
+        rep = self.sim.replicas[flight.prefill]
+        eng = rep.engine
         if not eng.fits(req.prompt_tokens, 1):
-            back = self.sim.network.one_way(self.sim.replicas[flight.prefill].region, leg.lb.region)
+            back = self.sim.network.one_way(rep.region, leg.lb.region)
             self.sim.loop.at(self.sim.loop.now + back, self._reject, flight)
             return
         eng.submit(Seq(req.id, req.prompt_tokens, 1, req.block_hashes, req.block_tokens, leg))
@@ -100,6 +102,7 @@ class Disaggregation:
         leg: PrefillLeg = seq.payload
         flight, lb, sim = leg.flight, leg.lb, self.sim
         self.prefill_s.append(t - leg.arrived)
+        assert flight.prefill is not None
         here = sim.replicas[flight.prefill].region
         back = sim.network.one_way(here, lb.region)
         for router, blb, _delay, reached in flight.notify:  # every LB that routed it (the last is lb)
@@ -111,6 +114,7 @@ class Disaggregation:
 
     def transfer(self, flight: Flight) -> Callable[[int], float]:
         """The decode engine's ``Seq.remote``: seconds to bring ``tokens`` of KV from the prefill engine."""
+        assert flight.prefill is not None
         src = self.sim.replicas[flight.prefill]
         dst = self.sim.replicas[flight.replica]
         same = src.region == dst.region
