@@ -428,7 +428,7 @@ def cmd_emulate(args: argparse.Namespace) -> int:
     try:
         faults.update({"fail_rate": args.fail_rate, "hang": args.hang, "close_after_tokens": args.close_after_tokens,
                        "slowdown": args.slowdown, "close_after_stream": args.close_after_stream,
-                       "ignore_disconnect": args.ignore_disconnect})
+                       "ignore_disconnect": args.ignore_disconnect, "empty_text": args.empty_text})
     except ValueError as exc:  # name the flag the user typed, not the fault's field
         field = str(exc).split(" ", 1)[0]
         return error(f"--{field.replace('_', '-')}" + str(exc)[len(field):])
@@ -438,7 +438,7 @@ def cmd_emulate(args: argparse.Namespace) -> int:
 
         runner, emu, port = await start_emulator(args.host, args.port, profile, args.engine, faults, args.model,
                                                  args.bytes_per_token, args.pd_role, args.bootstrap_port,
-                                                 args.kv_link_gb_s)
+                                                 args.kv_link_gb_s, max_model_len=args.max_model_len)
         role = "" if args.pd_role == "mixed" else f" as a {args.pd_role} engine"
         boot = f", bootstrap on port {emu.pd.bootstrap_port}" if emu.pd.bootstrap_port else ""
         err.print(f"emulated {args.engine} replica ({profile.name}){role} on http://{args.host}:{port}{boot}")
@@ -788,6 +788,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="SGLang prefill engines: serve the KV bootstrap on this port too (SGLang's default 8998)")
     em.add_argument("--kv-link-gb-s", type=float, default=25.0, dest="kv_link_gb_s",
                     help="simulated KV-transfer link, GB/s (decode engines)")
+    em.add_argument("--empty-text", type=float, default=0.0, dest="empty_text", metavar="SHARE",
+                    help="share of stream events sent with empty text, their text coming with a later event, "
+                         "and chat's role in an event of its own (vLLM's detokenizer; 0-1, default 0)")
+    em.add_argument("--max-model-len", type=_positive_int, dest="max_model_len", metavar="N",
+                    help="context limit in tokens: listed in /v1/models, longer requests refused 400 (vLLM)")
     em.set_defaults(func=cmd_emulate)
 
     bg = bench.add_parser("gateway", help="gateway vs direct throughput and added latency")

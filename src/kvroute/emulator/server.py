@@ -8,7 +8,9 @@ read it exactly as they read vLLM, SGLang or llama.cpp; SGLang's ``/get_load`` i
 Fault knobs, for tests and chaos drills (flags, or ``POST /_fault`` with the same keys):
 ``fail_rate`` (fraction answered 500 before any byte), ``hang`` (accept, never answer),
 ``close_after_tokens`` (drop the connection mid-stream), ``slowdown`` (model time ×N),
-``probe_hang`` (``/metrics`` and ``/health`` never answer).
+``probe_hang`` (``/metrics`` and ``/health`` never answer). What real vLLM did that the plain
+emulator does not — empty-text stream events, a frozen engine core behind a live API server,
+``max_model_len`` — are options too (``emulator/quirks.py``).
 
 Generated text is deterministic in its context: each token is a word chosen by a hash of every
 word before it (prompt, then what was generated), so a request continued elsewhere with its
@@ -32,6 +34,7 @@ import xxhash
 from aiohttp import web
 
 from kvroute.emulator.pd import PDEngine, PDRefused, add_routes, start_bootstrap
+from kvroute.emulator.quirks import EmptyText, Freeze, context_error, model_card
 from kvroute.emulator.realtime import RealtimeLoop
 from kvroute.gateway.http import error_object
 from kvroute.perf.loader import load_profile
@@ -56,6 +59,9 @@ class Faults:
     # what llama-server (llama-cpp-python 0.3.36) does, see shared/design/facts.md:
     close_after_stream: bool = False  # close the connection after each stream despite Keep-Alive
     ignore_disconnect: bool = False  # a non-stream request runs on after its client left
+    # what vLLM (CPU build, 0.32) does, see emulator/quirks.py:
+    empty_text: float = 0.0  # share of stream events sent with empty text (the text comes later)
+    frozen: bool = False  # the engine core stops; /health, /metrics, /v1/models still answer
 
     def update(self, changes: dict[str, object]) -> None:
         """Apply run-time changes, all or none; a bad name or value raises ValueError naming it."""
@@ -69,12 +75,15 @@ class Faults:
 
 
 def _check_fault(name: str, value: object) -> object:
-    if name in ("hang", "probe_hang", "close_after_stream", "ignore_disconnect"):
+    if name in ("hang", "probe_hang", "close_after_stream", "ignore_disconnect", "frozen"):
         if not isinstance(value, bool):
             raise ValueError(f"{name} must be true or false, got {value!r}")
     elif name == "fail_rate":
         if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
             raise ValueError(f"fail_rate must be a number from 0 to 1, got {value!r}")
+    elif name == "empty_text":
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < 1:
+            raise ValueError(f"empty_text must be a number from 0 to below 1, got {value!r}")
     elif name == "slowdown":
         if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 1000:
             raise ValueError(f"slowdown must be a number > 0 and <= 1000, got {value!r}")
@@ -145,7 +154,8 @@ class Emulator:
 
     def __init__(self, profile: HardwareProfile, engine_type: str = "vllm", model: str = "emulated",
                  faults: Faults | None = None, seed: int = 0, block_tokens: int = 64,
-                 bytes_per_token: float = 4.0, pd: PDEngine | None = None):
+                 bytes_per_token: float = 4.0, pd: PDEngine | None = None,
+                 max_model_len: int | None = None):
         if engine_type not in ENGINES:
             raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {engine_type!r}")
         self.profile = profile
@@ -159,6 +169,11 @@ class Emulator:
         # a tokenizer other than kvroute's bytes/4 estimate: text prompts count bytes / this
         # many tokens (prefix blocks stay the hasher's byte spans, worth more or fewer tokens)
         self.bytes_per_token = bytes_per_token
+        if max_model_len is not None and max_model_len < 1:
+            raise ValueError(f"max_model_len must be a positive integer, got {max_model_len}")
+        self.max_model_len = max_model_len  # vLLM's context limit: in /v1/models, enforced
+        self.freeze = Freeze()
+        self.freeze.set(self.faults.frozen)
         self.clock = RealtimeLoop(slowdown=self.faults.slowdown)
         # prefill/decode disaggregation (emulator/pd.py); a mixed engine by default
         self.pd = pd or PDEngine(kv_bytes_per_token=profile.kv_bytes_per_token, sglang=engine_type == "sglang")
@@ -214,6 +229,10 @@ class Emulator:
         rid = uuid.uuid4().hex
         seq = Seq(rid, max(1, prompt_tokens), max(1, max_tokens), hashes, block_tokens)
         seq.remote = remote
+        too_long = context_error(seq.prompt, seq.output, self.max_model_len)
+        if too_long:
+            raise web.HTTPBadRequest(text=json.dumps(error_object(too_long, param="max_tokens")),
+                                     content_type="application/json")
         if not self.engine.fits(seq.prompt, seq.output):
             raise web.HTTPBadRequest(
                 text=json.dumps(error_object(f"prompt ({seq.prompt} tokens) + max_tokens ({seq.output}) "
@@ -223,10 +242,12 @@ class Emulator:
         st = self.streams[rid] = _Stream()
         self.requests_total += 1
         self.prompt_tokens_total += seq.prompt
-        self.engine.submit(seq)
         try:
+            await self.freeze.wait()  # a frozen core takes the request and schedules nothing
+            self.engine.submit(seq)
             while True:
                 item = await st.queue.get()
+                await self.freeze.wait()
                 if item is None:
                     break
                 yield item
@@ -372,6 +393,12 @@ def build_app(emu: Emulator) -> web.Application:
         resp = web.StreamResponse(headers=headers)
         await resp.prepare(request)
         chunk_obj = "chat.completion.chunk" if chat else "text_completion"
+        empty = EmptyText(f.empty_text)  # on: vLLM's stream shape (emulator/quirks.py)
+        if chat and empty:  # vLLM announces the role in an event of its own
+            role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+            payload = {"id": cid, "object": chunk_obj, "created": created, "model": emu.model, "choices": [role]}
+            await resp.write(f"data: {json.dumps(payload)}\n\n".encode())
+        last = max(1, max_tokens) - 1
         i = 0
         async for _ in gen:
             if f.close_after_tokens is not None and i >= f.close_after_tokens:
@@ -379,16 +406,22 @@ def build_app(emu: Emulator) -> web.Application:
                     request.transport.close()  # abrupt: no terminating chunk
                 await gen.aclose()
                 return resp
-            token = words.next()
-            delta = ({"index": 0, "delta": ({"role": "assistant", "content": token} if i == 0
-                                             else {"content": token}), "finish_reason": None}
-                     if chat else {"index": 0, "text": token, "finish_reason": None})
+            token = empty.text(words.next())
+            finish = None
+            if empty and i == last:  # vLLM: the last token's event carries the ending
+                token, finish = token + empty.flush(), "length"
+            delta = ({"index": 0, "delta": ({"role": "assistant", "content": token} if i == 0 and not empty
+                                             else {"content": token}), "finish_reason": finish}
+                     if chat else {"index": 0, "text": token, "finish_reason": finish})
             payload = {"id": cid, "object": chunk_obj, "created": created, "model": emu.model, "choices": [delta]}
             await resp.write(f"data: {json.dumps(payload)}\n\n".encode())
             i += 1
-        final = ({"index": 0, "delta": {}, "finish_reason": "length"} if chat
-                 else {"index": 0, "text": "", "finish_reason": "length"})
-        tail = {"id": cid, "object": chunk_obj, "created": created, "model": emu.model, "choices": [final],
+        if empty:  # vLLM's usage chunk (stream_options.include_usage) has no choices
+            final = []
+        else:
+            final = [{"index": 0, "delta": {}, "finish_reason": "length"} if chat
+                     else {"index": 0, "text": "", "finish_reason": "length"}]
+        tail = {"id": cid, "object": chunk_obj, "created": created, "model": emu.model, "choices": final,
                 "usage": usage, **(plan.done(usage["prompt_tokens"]) if plan is not None else {})}
         await resp.write(f"data: {json.dumps(tail)}\n\ndata: [DONE]\n\n".encode())
         await resp.write_eof()
@@ -403,8 +436,7 @@ def build_app(emu: Emulator) -> web.Application:
         return await completions(request, False)
 
     async def models(request):
-        return web.json_response({"object": "list", "data": [
-            {"id": emu.model, "object": "model", "created": 0, "owned_by": "kvroute-emulator"}]})
+        return web.json_response({"object": "list", "data": [model_card(emu.model, emu.max_model_len)]})
 
     async def health(request):
         if emu.faults.probe_hang:
@@ -427,6 +459,7 @@ def build_app(emu: Emulator) -> web.Application:
         try:
             emu.faults.update(body)
             emu.clock.slowdown = emu.faults.slowdown
+            emu.freeze.set(emu.faults.frozen)
         except ValueError as exc:
             return _error(400, str(exc))
         return web.json_response({"faults": emu.faults.__dict__})
@@ -451,14 +484,16 @@ async def start_emulator(host: str, port: int, profile: str | HardwareProfile = 
                          engine_type: str = "vllm", faults: Faults | None = None,
                          model: str = "emulated", bytes_per_token: float = 4.0, pd_role: str = "mixed",
                          bootstrap_port: int | None = None,
-                         kv_link_gb_s: float = 25.0) -> tuple[web.AppRunner, Emulator, int]:
+                         kv_link_gb_s: float = 25.0,
+                         max_model_len: int | None = None) -> tuple[web.AppRunner, Emulator, int]:
     """Start an emulator listening on ``host:port`` (0: any free port); returns its runner (cleanup() stops
     it), the Emulator and the port. ``pd_role``: a prefill or decode engine of a disaggregated
     deployment (emulator/pd.py); ``bootstrap_port``: also serve SGLang's bootstrap there (0: any
     free port, then ``emu.pd.bootstrap_port``); ``kv_link_gb_s``: the simulated KV link."""
     prof = load_profile(profile) if isinstance(profile, str) else profile
     pd = PDEngine(pd_role, prof.kv_bytes_per_token, kv_link_gb_s, sglang=engine_type == "sglang")
-    emu = Emulator(prof, engine_type, model, faults, bytes_per_token=bytes_per_token, pd=pd)
+    emu = Emulator(prof, engine_type, model, faults, bytes_per_token=bytes_per_token, pd=pd,
+                   max_model_len=max_model_len)
     app = build_app(emu)
     app.on_cleanup.append(lambda _app: pd.close())
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)

@@ -24,7 +24,15 @@ The client sees one stream: only whole events are forwarded (a leg that dies mid
 fragment), later legs carry the ``id``, ``created`` and ``model`` the client saw first, the
 assistant role is announced once, ``[DONE]`` comes once, and a final usage chunk counts the
 original prompt (the leg's prompt minus the tokens it was given back) and every generated token.
-A token is one content-bearing event — the engines kvroute fronts stream one token per event.
+
+Tokens are counted by stream events, not by text: the engines stream one event per token, and
+many carry empty text — vLLM's detokenizer holds back a token that ends inside a character (or
+is skipped as special) and sends its text with a later event; 663–727 of 900 events were empty
+in one run (shared/design/real-vllm-cpu.md). An event counts one token unless it only announces
+the role or only carries the ending (empty text with ``finish_reason``); where an event reports
+``usage.completion_tokens`` (vLLM's ``continuous_usage_stats``) that count is taken instead, so
+an engine sending several tokens per event is counted exactly too. Empty events are forwarded
+on every leg like the others (a client may count tokens by events, as benchmark clients do).
 
 Not continued (the stream ends with an SSE error as before): ``n``/``best_of`` > 1, ``echo``,
 token-id or batched prompts, structured output (a grammar would restart in mid-answer), and
@@ -40,6 +48,7 @@ from typing import Any, Literal
 from kvroute.gateway.http import error_object
 
 Reason = Literal["migrate", "recover"]
+GENERATED = ("content", "reasoning_content", "reasoning", "tool_calls", "function_call")  # a chat delta's output
 _STRUCTURED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "json_schema", "regex", "ebnf")
 
 
@@ -58,8 +67,10 @@ class Splice:
         self.chat = chat
         self.body = body
         self.prompt_tokens = prompt_tokens  # the original prompt, as the gateway counted it
-        self.pieces: list[str] = []  # generated text forwarded to the client, per token
+        self.pieces: list[str] = []  # generated text forwarded to the client, per event
+        self.count = 0  # tokens generated (and forwarded) over every leg, counted by events
         self.leg_start = 0  # tokens generated before the current leg
+        self.finished = False  # an event carried finish_reason: nothing is left to generate
         self.legs = 1
         self.ident: dict[str, Any] | None = None  # id, created, model, ... of the first event
         self.partial = b""  # an event not complete yet
@@ -86,7 +97,7 @@ class Splice:
     @property
     def tokens(self) -> int:
         """Tokens generated (and forwarded) so far, over every leg."""
-        return len(self.pieces)
+        return self.count
 
     @property
     def text(self) -> str:
@@ -153,6 +164,9 @@ class Splice:
             self.error = str((obj.get("error") or {}).get("message", obj["error"]))[:300]
             return None
         later = self.legs > 1
+        choices = obj.get("choices")
+        announcement = self.chat and later and bool(choices) and isinstance(choices, list) \
+            and all(_role_only(c) for c in choices)
         if self.ident is None:
             self.ident = {k: obj[k] for k in ("id", "created", "model", "system_fingerprint") if k in obj}
         elif later:
@@ -160,30 +174,47 @@ class Splice:
         for choice in obj.get("choices") or ():
             if not isinstance(choice, dict):
                 continue
-            piece = self._piece(choice, later)
+            piece, token = self._piece(choice, later)
             if piece:
                 self.pieces.append(piece)
+            self.count += token
+            if choice.get("finish_reason"):
+                self.finished = True
+        usage = obj.get("usage")
+        reported = usage.get("completion_tokens") if isinstance(usage, dict) else None
+        if isinstance(reported, int) and not isinstance(reported, bool) and reported >= 0:
+            self.count = self.leg_start + reported  # the engine's own count of this leg beats ours
         if not later:
             return event
-        usage = obj.get("usage")
         if isinstance(usage, dict):
             self._correct(usage)
-        elif self.chat and obj.get("choices") and all(_empty(c) for c in obj["choices"]) and not usage:
+        elif announcement:
             return None  # the new leg's role announcement: the client has had one
         return b"data: " + json.dumps(obj).encode()
 
-    def _piece(self, choice: dict[str, Any], later: bool) -> str:
+    def _piece(self, choice: dict[str, Any], later: bool) -> tuple[str, int]:
+        """The text one choice of an event adds, and whether it is a token (see the module
+        docstring: every generation event is, empty or not, but a role announcement or a bare
+        ending is not)."""
+        ending = bool(choice.get("finish_reason"))
         if not self.chat:
-            return str(choice.get("text") or "")
+            text = choice.get("text")
+            if not isinstance(text, str):
+                return "", 0
+            return text, int(bool(text) or not ending)
         delta = choice.get("delta")
         if not isinstance(delta, dict):
-            return ""
-        if later:
-            delta.pop("role", None)
+            return "", 0
+        role = (delta.pop("role", None) if later else delta.get("role")) is not None
         if delta.get("tool_calls") or delta.get("function_call") or delta.get("reasoning_content") \
                 or delta.get("reasoning"):
             self.continuable = False
-        return str(delta.get("content") or "")
+        fields = [delta[k] for k in GENERATED if delta.get(k) is not None]
+        if not fields:
+            return "", 0
+        text = delta.get("content")
+        text = text if isinstance(text, str) else ""
+        return text, int(any(fields) or not (role or ending))
 
     def _correct(self, usage: dict[str, Any]) -> None:
         """Usage of the whole request from a later leg's: that leg's prompt held the tokens it was
@@ -199,10 +230,10 @@ class Splice:
     # -- the next leg ---------------------------------------------------------------------------
     def next_body(self) -> dict[str, Any] | None:
         """The body that continues this stream on any replica; None when the client's limit is
-        already spent (the stream is complete but for its ending)."""
+        already spent or the engine said it finished (the stream is complete but for its ending)."""
         body = dict(self.body)
         top = self.max_tokens()
-        if top is not None and self.tokens >= top:
+        if self.finished or (top is not None and self.tokens >= top):
             return None
         for field in ("max_tokens", "max_completion_tokens"):
             if isinstance(body.get(field), int):
@@ -227,7 +258,10 @@ class Splice:
     # -- endings the gateway writes itself ------------------------------------------------------
     def length_ending(self) -> bytes:
         """The final chunk and ``[DONE]`` of a stream whose every token was delivered before its
-        replica failed: ``finish_reason`` is ``length``, as the engine would have said."""
+        replica failed: ``finish_reason`` is ``length``, as the engine would have said (only
+        ``[DONE]`` when the engine had sent its finishing event already)."""
+        if self.finished:
+            return b"data: [DONE]\n\n"
         ident = self.ident or {}
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         choice: dict[str, Any] = ({"index": 0, "delta": {}, "finish_reason": "length"} if self.chat
@@ -236,12 +270,13 @@ class Splice:
         return f"data: {json.dumps(event)}\n\ndata: [DONE]\n\n".encode()
 
 
-def _empty(choice: Any) -> bool:
-    """A chat choice that carries nothing (its delta had only the role)."""
+def _role_only(choice: Any) -> bool:
+    """A chat choice that only announces the role (``role`` and no generated text); an
+    empty-text token event, which has no ``role``, is not one."""
     if not isinstance(choice, dict) or choice.get("finish_reason") or choice.get("logprobs"):
         return False
     delta = choice.get("delta")
-    return not isinstance(delta, dict) or not any(v for v in delta.values())
+    return isinstance(delta, dict) and "role" in delta and not any(delta.get(k) for k in GENERATED)
 
 
 def error_event(message: str, code: str) -> bytes:

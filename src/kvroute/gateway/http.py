@@ -123,13 +123,16 @@ def origin_form(target: str) -> str:
 
 class Responder:
     """Writes the response to one request: either ``send`` (whole body) or ``start`` / ``write``
-    / ``end`` (chunked stream)."""
+    / ``end`` (chunked stream). The response to a HEAD request (``head_only``) is its head alone,
+    with the headers a GET would get (RFC 9110 §9.3.2): a body there would be read by a kept-alive
+    client as the next response."""
 
-    __slots__ = ("_conn", "keep_alive", "status", "started", "finished", "extra_headers")
+    __slots__ = ("_conn", "keep_alive", "head_only", "status", "started", "finished", "extra_headers")
 
-    def __init__(self, conn: _Connection, keep_alive: bool):
+    def __init__(self, conn: _Connection, keep_alive: bool, head_only: bool = False):
         self._conn = conn
         self.keep_alive = keep_alive
+        self.head_only = head_only
         self.status = 0
         self.started = False
         self.finished = False
@@ -153,7 +156,8 @@ class Responder:
         if self.started:
             raise RuntimeError("response already started")
         self.status, self.started, self.finished = status, True, True
-        self._conn.write(self._head(status, headers, content_type, len(body)) + body)
+        head = self._head(status, headers, content_type, len(body))
+        self._conn.write(head if self.head_only else head + body)
 
     def send_error(self, status: int, message: str, type_: str = "invalid_request_error",
                    param: str | None = None, code: str | None = None,
@@ -168,7 +172,7 @@ class Responder:
 
     async def write(self, data: bytes) -> None:
         """One chunk of a started response; waits while the client's socket buffer is full."""
-        if data:
+        if data and not self.head_only:
             conn = self._conn
             conn.write(b"%x\r\n%b\r\n" % (len(data), data))
             if conn.paused:
@@ -178,7 +182,8 @@ class Responder:
         """The last chunk."""
         if not self.finished:
             self.finished = True
-            self._conn.write(b"0\r\n\r\n")
+            if not self.head_only:
+                self._conn.write(b"0\r\n\r\n")
 
 
 Handler = Callable[[Request, Responder], Awaitable[None]]
@@ -486,7 +491,7 @@ class _Connection(asyncio.Protocol):
     async def _run(self, req: Request) -> None:
         server = self.server
         keep_alive = req.keep_alive and not server.closing and not self.upgraded
-        resp = Responder(self, keep_alive)
+        resp = Responder(self, keep_alive, req.method == "HEAD")
         server.active += 1
         try:
             await server.handler(req, resp)

@@ -45,7 +45,7 @@ from kvroute.gateway.pd import forward_split
 from kvroute.gateway.peers import PEER_HEADERS, STATUS_PATH
 from kvroute.gateway.residency import REGION_HEADER, RESIDENCY_HEADER, ResidencyConflict
 from kvroute.gateway.runtime import Outcome, PolicyError, QueueFull, QueueTimeout, Runtime
-from kvroute.gateway.tokens import generated_pieces, reported_completion_tokens, reported_prompt_tokens
+from kvroute.gateway.tokens import reported_completion_tokens, reported_prompt_tokens, token_events
 from kvroute.gateway.tracing import Tracer
 from kvroute.gateway.upstream import (
     UpstreamConnectError,
@@ -455,7 +455,7 @@ class Proxy:
         and a failure after bytes are out, or a sequence outgrowing the replica's context limit,
         returns a Break for the caller to continue elsewhere; without, a failure ends the stream
         with an error event. Also returns the tokens this leg generated: the engine's
-        ``usage.completion_tokens`` when it reports it, else the text pieces forwarded."""
+        ``usage.completion_tokens`` when it reports it, else the token events forwarded."""
         rt = self.rt
         ttft = time.monotonic() - t0
         rt.first_token(req.id, ttft)
@@ -467,7 +467,7 @@ class Proxy:
             splice.limit = limit if limit is not None and limit > splice.length() else None
         chunk: bytes | None = first
         tail = b""  # the stream's last bytes: is it at an event boundary, did [DONE] arrive?
-        pieces = 0  # generated text pieces seen (no splice: counted here)
+        pieces = 0  # token events seen (no splice: counted here)
 
         def generated() -> int:
             reported = reported_completion_tokens(tail)
@@ -486,7 +486,7 @@ class Proxy:
                         return Outcome.NEUTRAL, Break("migrate", f"the sequence reached {splice.limit} tokens, the "
                                                  f"context limit of {target}"), generated()
                 else:
-                    pieces += generated_pieces(chunk)
+                    pieces += token_events(chunk)
                 chunk = await upstream.next_chunk()
             if splice is not None and splice.partial.strip():  # a last event without its blank line
                 await resp.write(splice.feed(b"\n\n"))
@@ -565,8 +565,11 @@ class Gateway:
         self.port = config.port
 
     async def dispatch(self, request: HTTPRequest, resp: Responder) -> None:
-        """Serve one request by path."""
+        """Serve one request by path. HEAD is served wherever GET is, as a GET whose body the
+        responder leaves out (``gateway/http.py``)."""
         method = ROUTES.get(request.path)
+        if request.method == "HEAD" and (method == "GET" or method is None):
+            request.method = "GET"  # resp.head_only drops the body; admin and peer paths read GET
         if request.path.startswith("/admin/"):
             handle_admin(self.runtime, request, resp)
         elif request.path == STATUS_PATH:
@@ -574,8 +577,9 @@ class Gateway:
         elif method is None:
             resp.send_error(404, f"unknown path {request.path}", code="not_found")
         elif request.method != method:
-            resp.send_error(405, f"method {request.method} not allowed on {request.path}; allowed: {method}",
-                            headers=[("Allow", method)])
+            allowed = "GET, HEAD" if method == "GET" else method
+            resp.send_error(405, f"method {request.method} not allowed on {request.path}; allowed: {allowed}",
+                            headers=[("Allow", allowed)])
         elif request.path in PROXIED:
             key = self._authenticate(request, resp)
             if key is not False:

@@ -30,7 +30,9 @@ RESIZE_STEP = 0.05  # index capacity is recomputed when the ratio moves this muc
 
 _PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
 _COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
-_GENERATED = re.compile(rb'"(?:content|text)"\s*:\s*"(?!")')  # a non-empty piece of generated text
+_GENERATED = re.compile(rb'"(?:content|text|reasoning_content|reasoning)"\s*:\s*"')  # a generated piece
+_EMPTY = re.compile(rb'"(?:content|text)"\s*:\s*""')
+_ENDING = re.compile(rb'"finish_reason"\s*:\s*"')
 
 
 def reported_prompt_tokens(payload: bytes) -> int | None:
@@ -46,11 +48,17 @@ def reported_completion_tokens(payload: bytes) -> int | None:
     return int(found[-1]) if found else None
 
 
-def generated_pieces(chunk: bytes) -> int:
-    """Stream events in ``chunk`` that carry generated text — one token each, as engines stream
-    them — for a stream whose engine reports no usage. An estimate: a piece split across two
-    chunks is missed."""
-    return len(_GENERATED.findall(chunk))
+def token_events(chunk: bytes) -> int:
+    """Stream events in ``chunk`` that carry a generated token — counted by events, not by text:
+    engines stream one event per token and many carry empty text (``gateway/continuation.py``
+    counts exactly the same way from parsed events). An empty event that announces the role or
+    only carries the ending is not a token. For a stream whose engine reports no usage; an
+    estimate: an event split across two chunks may be missed or counted twice."""
+    n = 0
+    for event in chunk.split(b"\n\n"):
+        if _GENERATED.search(event) and not (_EMPTY.search(event) and (b'"role"' in event or _ENDING.search(event))):
+            n += 1
+    return n
 
 
 class TokenRatio:

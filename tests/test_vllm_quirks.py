@@ -1,0 +1,170 @@
+"""What real vLLM engines exposed (issue 26), reproduced with the emulator set to behave as vLLM
+did (emulator/quirks.py): streams with many empty-text events, HEAD requests, a frozen engine
+core behind a live API server, the context limit in /v1/models. Real HTTP on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import httpx
+import pytest
+
+from kvroute.gateway.continuation import Splice
+from kvroute.gateway.tokens import token_events
+from tests.gateway_harness import LiveDeployment
+from tests.test_continuation import CHAT, PROMPT, TwoStages, continuations
+
+
+@pytest.fixture
+def live():
+    dep = LiveDeployment(replicas=2, policy="round_robin")
+    yield dep
+    counters = dep.settle()
+    dep.close()
+    assert counters == (0, 0, 0), f"in-flight / queue / tickets not back to zero: {counters}"
+
+
+def sse(url: str, path: str, body: dict) -> list[dict]:
+    """A streamed request's events (without [DONE], which must come exactly once, last)."""
+    with httpx.stream("POST", f"{url}{path}", json={**body, "stream": True}, timeout=20) as r:
+        assert r.status_code == 200, r.read()
+        text = r.read().decode()
+    events = [line[6:] for line in text.split("\n") if line.startswith("data: ")]
+    assert events.count("[DONE]") == 1 and events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+def generated(live: LiveDeployment) -> list[int]:
+    return [emu.generation_tokens_total for _, emu, _ in live.dep.emulators]
+
+
+# -- 1. tokens counted by stream events ---------------------------------------------------------------
+
+def test_a_vllm_shaped_stream_cut_mid_way_is_continued_for_exactly_the_tokens_left(live):
+    """vLLM streams one event per token, many with empty text: the continuation asks for
+    max_tokens minus the events seen, the engines generate the request's tokens in all, and the
+    client's usage and its count of token events are both the request's max_tokens."""
+    live.runtime.router.policy = TwoStages(None)  # emulated-0 while it is up
+    for i in (0, 1):
+        live.fault(i, empty_text=0.75)
+    live.fault(0, close_after_tokens=60)
+    events = sse(live.url, "/v1/completions", {"model": "emulated", "prompt": PROMPT, "max_tokens": 200,
+                                               "stream_options": {"include_usage": True}})
+    live.settle()
+    tokens = [e for e in events if e["choices"]]
+    empty = sum(1 for e in tokens if e["choices"][0]["text"] == "")
+    assert len(tokens) == 200 and empty > 100  # every token event reached the client, empty ones too
+    assert events[-1]["usage"]["completion_tokens"] == 200
+    first, second = generated(live)
+    assert second == 140  # the continuation asked for exactly the 200 - 60 tokens left
+    assert 60 <= first <= 62  # what the cut leg generated before its connection dropped
+    assert continuations(live.url) == {("recover", "continued"): 1.0}
+
+
+def test_a_vllm_shaped_chat_stream_keeps_its_empty_events_and_one_role_on_every_leg(live):
+    live.runtime.router.policy = TwoStages(None)
+    for i in (0, 1):
+        live.fault(i, empty_text=0.75)
+    live.fault(0, close_after_tokens=30)
+    events = sse(live.url, "/v1/chat/completions", {"model": "emulated", "messages": CHAT, "max_tokens": 90,
+                                                    "stream_options": {"include_usage": True}})
+    live.settle()
+    deltas = [e["choices"][0]["delta"] for e in events if e["choices"]]
+    assert [d for d in deltas if "role" in d] == [{"role": "assistant", "content": ""}]  # announced once
+    assert sum(1 for d in deltas if "role" not in d and "content" in d) == 90
+    assert events[-1]["usage"]["completion_tokens"] == 90
+    assert generated(live)[1] == 60
+    assert len({(e["id"], e["created"]) for e in events}) == 1
+
+
+def test_splice_counts_events_not_text():
+    s = Splice.open("chat", {"messages": CHAT, "stream": True, "max_tokens": 10}, 20)
+    assert s is not None
+
+    def feed(delta, finish=None, usage=None):
+        event = {"id": "a", "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+        if usage is not None:
+            event = {"id": "a", "choices": [], "usage": usage}
+        return s.feed(f"data: {json.dumps(event)}\n\n".encode())
+
+    feed({"role": "assistant", "content": ""})  # the announcement is no token
+    for text in ("", "", " ab", "", "c"):
+        feed({"content": text})
+    assert s.tokens == 5 and s.text == " abc"
+    assert s.next_body()["max_tokens"] == 5
+    feed({}, "length")  # a bare ending is no token either
+    assert s.tokens == 5 and s.finished and s.next_body() is None
+    assert s.length_ending() == b"data: [DONE]\n\n"  # the engine had said it finished
+    feed({}, usage={"prompt_tokens": 20, "completion_tokens": 7, "total_tokens": 27})
+    assert s.tokens == 7  # the engine's own count wins (several tokens per event)
+
+
+def test_token_events_counts_empty_events_but_not_announcements_or_bare_endings():
+    def event(choice):
+        return f"data: {json.dumps({'choices': [choice]})}\n\n".encode()
+
+    chunk = b"".join([event({"delta": {"role": "assistant", "content": ""}}), event({"delta": {"content": ""}}),
+                      event({"delta": {"content": "x"}}), event({"text": ""}), event({"text": "y"}),
+                      event({"text": "", "finish_reason": "length"}), event({"delta": {}, "finish_reason": "stop"}),
+                      b"data: [DONE]\n\n"])
+    assert token_events(chunk) == 4
+
+
+# -- 2. HEAD ---------------------------------------------------------------------------------------
+
+def _exchange(port: int, raw: bytes, responses: int) -> bytes:
+    """Send ``raw`` on one connection and read until ``responses`` heads arrived and the
+    connection has nothing more to say for a moment."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        sock.sendall(raw)
+        data = b""
+        sock.settimeout(1.0)
+        while True:
+            try:
+                got = sock.recv(65536)
+            except TimeoutError:
+                break
+            if not got:
+                break
+            data += got
+        assert data.count(b"HTTP/1.1 ") >= responses, data[:400]
+        return data
+
+
+def _responses(data: bytes) -> list[tuple[bytes, dict[str, str], bytes]]:
+    """Split what came back into (status line, headers, body): the first answers a HEAD (no
+    body, whatever its Content-Length says), the others are sized by Content-Length."""
+    out: list[tuple[bytes, dict[str, str], bytes]] = []
+    while data:
+        head, _, rest = data.partition(b"\r\n\r\n")
+        lines = head.split(b"\r\n")
+        fields = (line.decode().split(": ", 1) for line in lines[1:])
+        headers = {name.lower(): value for name, value in fields}
+        length = int(headers.get("content-length", 0)) if out else 0
+        out.append((lines[0], headers, rest[:length]))
+        data = rest[length:]
+    return out
+
+
+@pytest.mark.parametrize("path", ["/metrics", "/health", "/readyz", "/livez", "/v1/models", "/v1/completions",
+                                  "/nowhere"])
+def test_head_gets_headers_only_and_the_connection_serves_the_next_request(live, path):
+    port = int(live.url.rsplit(":", 1)[1])
+    raw = (f"HEAD {path} HTTP/1.1\r\nHost: x\r\n\r\n" "GET /livez HTTP/1.1\r\nHost: x\r\n\r\n").encode()
+    (status, headers, body), (status2, _, body2) = _responses(_exchange(port, raw, 2))
+    assert body == b"" and int(headers["content-length"]) > 0  # the length a GET would have
+    assert status2 == b"HTTP/1.1 200 OK" and json.loads(body2) == {"status": "alive"}
+    if path == "/v1/completions":
+        assert status.startswith(b"HTTP/1.1 405") and headers["allow"] == "POST"
+    elif path == "/nowhere":
+        assert status.startswith(b"HTTP/1.1 404")
+    else:
+        assert status == b"HTTP/1.1 200 OK"
+    if path == "/metrics":
+        assert headers["content-type"].startswith("text/plain")
+
+
+def test_a_get_only_route_allows_head_and_says_so(live):
+    r = httpx.post(f"{live.url}/metrics")
+    assert r.status_code == 405 and r.headers["allow"] == "GET, HEAD"
