@@ -179,3 +179,41 @@ def test_kubernetes_source_outside_a_cluster_fails_at_load(tmp_path, monkeypatch
     p.write_text("discovery:\n  - kind: kubernetes\n    service: engines\n")
     with pytest.raises(yamlconf.ConfigFileError, match=r"gw.yaml:2: .*KUBERNETES_SERVICE_HOST unset"):
         load_config(str(p))
+
+
+def test_roles_reach_replicas_only_in_a_pd_gateway(monkeypatch):
+    from kvroute.discovery.model import Engine
+    from kvroute.discovery.reconcile import Reconciler
+
+    added = {}
+    rec = Reconciler(lambda rc: added.__setitem__(rc.name, rc), added.pop, lambda n: n in added)
+    engines = [Engine("p0", "http://10.0.0.1:8000", "prefill", "tcp://10.0.0.1:5557", {"bootstrap_port": 8998}),
+               Engine("d0", "http://10.0.0.2:8000", "decode")]
+    rec.apply("k", engines, {"engine": "sglang"})
+    assert {n: rc.role for n, rc in added.items()} == {"p0": "mixed", "d0": "mixed"}  # no pd: whole requests
+    rec.forget("k")
+    assert not added
+    rec.roles = True
+    rec.apply("k", engines, {"engine": "sglang"})
+    assert {n: (rc.role, rc.bootstrap_port, rc.engine) for n, rc in added.items()} == {
+        "p0": ("prefill", 8998, "sglang"), "d0": ("decode", None, "sglang")}
+    assert rec.status()["k"]["engines"][0]["kv_events"] == "tcp://10.0.0.1:5557"
+    # a pod that changes role is a new replica (removed, added again)
+    assert rec.apply("k", [Engine("p0", "http://10.0.0.1:8000", "decode"), engines[1]], {}) == ["-p0", "+p0"]
+    assert added["p0"].role == "decode"
+
+
+def test_pd_gateway_may_take_all_its_engines_from_discovery(monkeypatch):
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.96.0.1")
+    cfg = GatewayConfig(pd={"protocol": "sglang"}, discovery=[
+        {"kind": "kubernetes", "service": "sglang", "port": "http"}])
+    assert cfg.pd is not None and not cfg.replicas
+
+
+def test_bootstrap_port_from_the_pod_annotation():
+    src = KubernetesSource(kind="kubernetes", service="s", api_server="http://127.0.0.1:1")
+    sl = {"endpoints": [{"addresses": ["10.0.0.1"], "targetRef": {"kind": "Pod", "name": "p"}}],
+          "ports": [{"port": 30000}]}
+    pods = {"p": {"labels": {"llm-d.ai/role": "prefill"}, "annotations": {"sglang.ai/bootstrap-port": "8999"}}}
+    (e,) = ready_endpoints({"a": sl}, src, pods)
+    assert (e.role, e.fields, e.url) == ("prefill", {"bootstrap_port": 8999}, "http://10.0.0.1:30000")

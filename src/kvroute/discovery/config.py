@@ -61,6 +61,9 @@ class KubernetesSource(_Source):
                                              "publisher (tcp://ip:port)")
     kv_events_annotation: str | None = Field("kvroute.io/kv-events", description="pod annotation naming the "
                                              "KV-event endpoint (tcp://host:port, or a port of the pod's IP)")
+    bootstrap_port_annotation: str | None = Field("sglang.ai/bootstrap-port", description="pod annotation with "
+                                                  "an SGLang prefill engine's KV bootstrap port (SGLang's router "
+                                                  "reads the same one)")
     role_label: str | None = Field("llm-d.ai/role", description="pod label giving the role: prefill, decode or "
                                    "prefill-decode; unset: every engine does both")
     api_server: str | None = Field(None, description="API server base URL; default: in-cluster, from "

@@ -96,8 +96,12 @@ def ready_endpoints(slices: dict[str, dict[str, Any]], src: KubernetesSource,
             note = (meta.get("annotations") or {}).get(src.kv_events_annotation or "")
             if kv is None and isinstance(note, str):
                 kv = _kv_endpoint(note, ip)
+            fields = {}
+            boot = (meta.get("annotations") or {}).get(src.bootstrap_port_annotation or "")
+            if isinstance(boot, str) and boot.isdigit() and 0 < int(boot) < 65536:
+                fields["bootstrap_port"] = int(boot)
             name = pod_name or host_port(ip, port)
-            out[name] = Engine(name, f"{src.scheme}://{host_port(ip, port)}", role, kv)
+            out[name] = Engine(name, f"{src.scheme}://{host_port(ip, port)}", role, kv, fields)
     return sorted(out.values(), key=lambda e: e.id)
 
 
@@ -233,7 +237,7 @@ class EndpointSliceWatcher:
     async def _read_pods(self, session: aiohttp.ClientSession) -> None:
         """Labels and annotations of pods not seen yet (for role and KV-event endpoint); a pod that
         cannot be read is taken with neither, and read again at the next change."""
-        if not (self.src.role_label or self.src.kv_events_annotation):
+        if not (self.src.role_label or self.src.kv_events_annotation or self.src.bootstrap_port_annotation):
             return
         names = {ep["targetRef"]["name"] for sl in self.slices.values() for ep in sl.get("endpoints") or []
                  if isinstance(ep, dict) and isinstance(ep.get("targetRef"), dict)

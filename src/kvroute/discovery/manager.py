@@ -40,6 +40,7 @@ class Discovery:
 
     def _watcher(self, src: KubernetesSource | DNSSource | FileSource, label: str) -> Watcher:
         def publish(engines: list[Engine]) -> None:
+            self.reconciler.roles = getattr(self.rt.config, "pd", None) is not None
             self.reconciler.apply(label, engines, src.defaults)
             self.rt.drain_queue()  # a new engine may take what the queue holds
 

@@ -23,7 +23,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvroute.discovery")
 
 # ReplicaConfig fields the discovered role and KV-event endpoint fill when the config has them
-# (the P/D and KV-event work define them); otherwise they stay in the discovery status only
+# (the P/D work defines role: prefill | decode | mixed; the KV-event work its endpoint); otherwise
+# they stay in the discovery status only
 ROLE_FIELD, KV_EVENTS_FIELD = "role", "kv_events"
 
 
@@ -37,14 +38,17 @@ class Reconciler:
         self.owned: dict[str, dict[str, Engine]] = {}  # source → id → engine it added
         self.synced: set[str] = set()  # sources that delivered at least one snapshot
         self.errors: dict[str, str] = {}  # source → its last error, until a snapshot succeeds
+        self.roles = False  # pass discovered prefill/decode roles on (the gateway runs P/D)
 
     def replica(self, e: Engine, defaults: dict[str, Any]) -> ReplicaConfig:
         """The ``replicas:`` entry for ``e``: the source's defaults, the engine's own fields, its id and URL."""
         from kvroute.gateway.config import ReplicaConfig
 
-        data: dict[str, Any] = {**defaults, **e.fields, "url": e.url, "id": e.id}
-        if ROLE_FIELD in ReplicaConfig.model_fields and e.role != "both":
-            data[ROLE_FIELD] = e.role
+        known = ReplicaConfig.model_fields  # a field the gateway does not define is dropped, not an error
+        data: dict[str, Any] = {**defaults, **{k: v for k, v in e.fields.items() if k in known},
+                                "url": e.url, "id": e.id}
+        if self.roles and ROLE_FIELD in ReplicaConfig.model_fields and e.role != "both":
+            data[ROLE_FIELD] = e.role  # only for a P/D gateway: elsewhere every engine serves whole requests
         if KV_EVENTS_FIELD in ReplicaConfig.model_fields and e.kv_events:
             data[KV_EVENTS_FIELD] = e.kv_events
         return self._place(ReplicaConfig.model_validate(data))

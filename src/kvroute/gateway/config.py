@@ -497,9 +497,9 @@ class GatewayConfig(StrictModel):
         if "policy" in self.model_fields_set:
             raise yamlconf.AtItem("with `pd:` the decode engine is chosen by pd.decode_policy and the prefill "
                                   "engine by pd.prefill_policy; remove `policy`", ("policy",))
-        if not split:
+        if not split and not self.discovery:  # discovered engines bring their roles at run time
             raise yamlconf.AtItem("pd: no replica has role prefill or decode", ("pd",))
-        why = role_check(roles)
+        why = role_check(roles) if not self.discovery else None
         if why is not None:
             lonely = "prefill" if "no decode" in why else "decode"
             raise yamlconf.AtItem(why, ("replicas", roles.index(lonely), "role"))
