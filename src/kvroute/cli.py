@@ -432,13 +432,30 @@ def cmd_emulate(args: argparse.Namespace) -> int:
     except ValueError as exc:  # name the flag the user typed, not the fault's field
         field = str(exc).split(" ", 1)[0]
         return error(f"--{field.replace('_', '-')}" + str(exc)[len(field):])
+    kv_events = None
+    if args.kv_events:
+        from kvroute.emulator.kv_events import KVEventsOptions
+        from kvroute.gateway.config import events_extra_installed
+
+        try:
+            events_extra_installed()
+        except ValueError as exc:
+            return error(str(exc).replace("replicas[].kv_events", "--kv-events"))
+        for flag, value in (("--kv-events", args.kv_events), ("--kv-events-replay", args.kv_events_replay)):
+            if value is not None and not value.startswith(("tcp://", "ipc://", "inproc://")):
+                return error(f"{flag} must be a ZMQ endpoint (tcp://*:PORT, ipc://PATH, inproc://NAME), got {value!r}")
+        kv_events = KVEventsOptions(args.kv_events, args.kv_events_replay, args.kv_events_topic,
+                                    args.kv_events_format, args.kv_events_hash == "bytes")
+    elif args.kv_events_replay:
+        return error("--kv-events-replay needs --kv-events (the PUB endpoint)")
 
     async def main() -> None:
         from kvroute.shutdown import until_stopped
 
         runner, emu, port = await start_emulator(args.host, args.port, profile, args.engine, faults, args.model,
                                                  args.bytes_per_token, args.pd_role, args.bootstrap_port,
-                                                 args.kv_link_gb_s, max_model_len=args.max_model_len)
+                                                 args.kv_link_gb_s, max_model_len=args.max_model_len,
+                                                 kv_events=kv_events, block_tokens=args.block_tokens)
         role = "" if args.pd_role == "mixed" else f" as a {args.pd_role} engine"
         boot = f", bootstrap on port {emu.pd.bootstrap_port}" if emu.pd.bootstrap_port else ""
         err.print(f"emulated {args.engine} replica ({profile.name}){role} on http://{args.host}:{port}{boot}")
@@ -793,6 +810,17 @@ def build_parser() -> argparse.ArgumentParser:
                          "and chat's role in an event of its own (vLLM's detokenizer; 0-1, default 0)")
     em.add_argument("--max-model-len", type=_positive_int, dest="max_model_len", metavar="N",
                     help="context limit in tokens: listed in /v1/models, longer requests refused 400 (vLLM)")
+    em.add_argument("--block-tokens", type=_positive_int, default=64, dest="block_tokens",
+                    help="tokens per KV-cache block (the gateway's block_tokens must match for KV events)")
+    em.add_argument("--kv-events", dest="kv_events", metavar="ENDPOINT",
+                    help="publish KV-cache events as vLLM does, e.g. tcp://*:5557 (binds with a *, else connects)")
+    em.add_argument("--kv-events-replay", dest="kv_events_replay", metavar="ENDPOINT",
+                    help="the replay ROUTER endpoint, e.g. tcp://*:5558")
+    em.add_argument("--kv-events-topic", dest="kv_events_topic", default="", help="the events' topic frame")
+    em.add_argument("--kv-events-format", dest="kv_events_format", choices=["map", "array"], default="map",
+                    help="events as maps with a type key (vLLM >= 0.26) or positional arrays (legacy)")
+    em.add_argument("--kv-events-hash", dest="kv_events_hash", choices=["int", "bytes"], default="int",
+                    help="block hashes as 64-bit ints (vLLM's default) or 32-byte digests")
     em.set_defaults(func=cmd_emulate)
 
     bg = bench.add_parser("gateway", help="gateway vs direct throughput and added latency")

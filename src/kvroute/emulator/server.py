@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import xxhash
 from aiohttp import web
 
+from kvroute.emulator.kv_events import EmulatorEvents, KVEventsOptions, pseudo_token_ids
 from kvroute.emulator.pd import PDEngine, PDRefused, add_routes, start_bootstrap
 from kvroute.emulator.quirks import EmptyText, Freeze, context_error, model_card
 from kvroute.emulator.realtime import RealtimeLoop
@@ -155,7 +156,8 @@ class Emulator:
     def __init__(self, profile: HardwareProfile, engine_type: str = "vllm", model: str = "emulated",
                  faults: Faults | None = None, seed: int = 0, block_tokens: int = 64,
                  bytes_per_token: float = 4.0, pd: PDEngine | None = None,
-                 max_model_len: int | None = None):
+                 max_model_len: int | None = None, events: EmulatorEvents | None = None):
+        """``events``: publish the cache's KV events (``emulator/kv_events.py``)."""
         if engine_type not in ENGINES:
             raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {engine_type!r}")
         self.profile = profile
@@ -178,6 +180,7 @@ class Emulator:
         # prefill/decode disaggregation (emulator/pd.py); a mixed engine by default
         self.pd = pd or PDEngine(kv_bytes_per_token=profile.kv_bytes_per_token, sglang=engine_type == "sglang")
         self.streams: dict[str, _Stream] = {}
+        self.events = events
         self.restart()
 
     def restart(self) -> None:
@@ -188,6 +191,8 @@ class Emulator:
         self.streams.clear()
         self.engine = Engine("emulated", self.profile, self.clock, self._first_token, self._finished,
                              on_step=self._stepped, max_jump_steps=1)
+        if self.events is not None:
+            self.events.restart(self.engine)
         self.started_at = time.time()
         self.requests_total = 0
         self.prompt_tokens_total = 0
@@ -242,6 +247,9 @@ class Emulator:
         st = self.streams[rid] = _Stream()
         self.requests_total += 1
         self.prompt_tokens_total += seq.prompt
+        events = self.events
+        if events is not None:
+            events.tokens[rid] = pseudo_token_ids(key)
         try:
             await self.freeze.wait()  # a frozen core takes the request and schedules nothing
             self.engine.submit(seq)
@@ -253,6 +261,8 @@ class Emulator:
                 yield item
         finally:
             self.streams.pop(rid, None)
+            if events is not None:
+                events.tokens.pop(rid, None)
             if seq.state != DONE:  # client went away: free the engine's resources
                 self.engine.cancel(seq)
         usage.update({"prompt_tokens": seq.prompt, "completion_tokens": seq.output,
@@ -485,17 +495,28 @@ async def start_emulator(host: str, port: int, profile: str | HardwareProfile = 
                          model: str = "emulated", bytes_per_token: float = 4.0, pd_role: str = "mixed",
                          bootstrap_port: int | None = None,
                          kv_link_gb_s: float = 25.0,
-                         max_model_len: int | None = None) -> tuple[web.AppRunner, Emulator, int]:
+                         max_model_len: int | None = None, kv_events: KVEventsOptions | None = None,
+                         block_tokens: int = 64) -> tuple[web.AppRunner, Emulator, int]:
     """Start an emulator listening on ``host:port`` (0: any free port); returns its runner (cleanup() stops
     it), the Emulator and the port. ``pd_role``: a prefill or decode engine of a disaggregated
     deployment (emulator/pd.py); ``bootstrap_port``: also serve SGLang's bootstrap there (0: any
-    free port, then ``emu.pd.bootstrap_port``); ``kv_link_gb_s``: the simulated KV link."""
+    free port, then ``emu.pd.bootstrap_port``); ``kv_link_gb_s``: the simulated KV link;
+    ``kv_events``: publish the cache's KV events there (the runner's cleanup closes the publisher)."""
     prof = load_profile(profile) if isinstance(profile, str) else profile
     pd = PDEngine(pd_role, prof.kv_bytes_per_token, kv_link_gb_s, sglang=engine_type == "sglang")
-    emu = Emulator(prof, engine_type, model, faults, bytes_per_token=bytes_per_token, pd=pd,
-                   max_model_len=max_model_len)
+    events = None
+    if kv_events is not None:
+        publisher = kv_events.publisher()
+        publisher.start()
+        events = EmulatorEvents(publisher, block_tokens, kv_events.hash_bytes)
+    emu = Emulator(prof, engine_type, model, faults, bytes_per_token=bytes_per_token, pd=pd, events=events,
+                   block_tokens=block_tokens, max_model_len=max_model_len)
     app = build_app(emu)
     app.on_cleanup.append(lambda _app: pd.close())
+    if events is not None:
+        async def close_events(_app: web.Application) -> None:
+            await events.publisher.close()
+        app.on_cleanup.append(close_events)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port)

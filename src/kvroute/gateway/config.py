@@ -59,6 +59,47 @@ def read_secret(env: str | None, file: str | None, owner: str = "") -> str:
     return value
 
 
+_ZMQ_SCHEMES = ("tcp://", "ipc://", "inproc://")
+
+
+def zmq_endpoint(v: str, what: str) -> str:
+    """``v`` if it is an endpoint a subscriber can connect to: tcp://host:port, ipc://path or
+    inproc://name (a ``*`` host is where an engine binds, not an address to dial)."""
+    if not v.startswith(_ZMQ_SCHEMES):
+        raise ValueError(f"{what} must start with one of {', '.join(_ZMQ_SCHEMES)}, got {v!r}")
+    if v.startswith("tcp://"):
+        host, _, port = v[len("tcp://"):].rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"{what} must be tcp://host:port with a port from 1 to 65535, got {v!r}")
+        if host == "*":
+            raise ValueError(f"{what} {v!r} is the engine's bind address; give the host to connect to, "
+                             "e.g. tcp://10.0.0.5:5557")
+    return v
+
+
+class ReplicaEventsConfig(StrictModel):
+    """Where a replica publishes its KV-cache events (vLLM ``--kv-events-config``, SGLang alike):
+    the gateway subscribes and keeps the replica's exact cache in its prefix index."""
+
+    endpoint: str = Field(description="the engine's event PUB endpoint to connect to, tcp://host:port "
+                          "(the engine binds tcp://*:port)")
+    replay_endpoint: str | None = Field(None, description="the engine's replay ROUTER endpoint, tcp://host:port; "
+                                        "without it gaps cannot be recovered (the replica goes stale)")
+    topic: str = Field("", description="the engine's topic (first frame); subscribed as a prefix")
+    dp_ranks: int = Field(1, ge=1, le=1024, description="data-parallel ranks publishing, on consecutive ports "
+                          "from endpoint's (and replay_endpoint's)")
+
+    @field_validator("endpoint")
+    @classmethod
+    def _endpoint(cls, v: str) -> str:
+        return zmq_endpoint(v, "endpoint")
+
+    @field_validator("replay_endpoint")
+    @classmethod
+    def _replay(cls, v: str | None) -> str | None:
+        return None if v is None else zmq_endpoint(v, "replay_endpoint")
+
+
 class ReplicaConfig(StrictModel):
     """One engine replica behind the gateway: where it is, what it runs and how to reach it."""
 
@@ -85,6 +126,8 @@ class ReplicaConfig(StrictModel):
     bootstrap_port: int | None = Field(None, ge=1, le=65535, description="SGLang prefill engines: the port of "
                                        "their KV bootstrap server (--disaggregation-bootstrap-port); default 8998, "
                                        "SGLang's own default")
+    kv_events: ReplicaEventsConfig | None = Field(None, description="the replica's KV-cache events; unset: "
+                                                  "its prefix index is the gateway's approximate one")
 
     ca_file: str | None = None  # https: trust this CA bundle (e.g. a self-signed engine's certificate)
     tls_verify: bool = True  # https: check the engine's certificate and name
@@ -128,6 +171,16 @@ class ProbeConfig(StrictModel):
     healthy_after: int = Field(2, ge=1)  # consecutive successes → re-admitted
     rtt_ewma: float = Field(0.3, gt=0, le=1)  # GORGO's RTT smoothing
     models_every_s: float = Field(10.0, gt=0)  # how often /v1/models is read, for model routing
+
+
+class KVEventsSettings(StrictModel):
+    """How the gateway consumes the replicas' KV-cache events (``replicas[].kv_events``)."""
+
+    stale_s: float = Field(30.0, gt=0, description="after a gap replay cannot fill, the replica is routed on the "
+                           "approximate index for this long while events rebuild its table")
+    speculative_ttl_s: float = Field(2.0, ge=0, description="a routed prompt counts as cached on its replica for "
+                                     "this long unless its BlockStored arrives first (0: off)")
+    replay_timeout_s: float = Field(2.0, gt=0, description="a replay that sends nothing for this long failed")
 
 
 class QueueConfig(StrictModel):
@@ -401,6 +454,8 @@ class GatewayConfig(StrictModel):
     max_prefix_blocks: int = Field(256, ge=0)  # leading blocks indexed per prompt (llm-d: 256); 0 = all
     tokenizer_path: str | None = Field(None, description="a local HF tokenizer.json: blocks of exact token ids "
                                        "instead of about 4 bytes per token; never downloaded")
+    kv_events: KVEventsSettings = Field(default_factory=KVEventsSettings, description="consuming the replicas' "
+                                        "KV-cache events (replicas[].kv_events)")
     access_log: bool = True  # one structured line per request (ids, replica, branch, timings)
     log_prompts: bool = False  # add the prompt's canonical key (truncated) to access lines
     drain_delay_s: float = Field(0.0, ge=0)  # on SIGTERM: /readyz 503 but still serving, this long
@@ -449,6 +504,12 @@ class GatewayConfig(StrictModel):
             raise ValueError("tokenizer_path needs the optional 'tokenizers' package: "
                              "pip install 'kvroute[tokenizers]'")
         return v
+
+    @model_validator(mode="after")
+    def _events_installed(self) -> GatewayConfig:
+        if any(r.kv_events is not None for r in self.replicas):
+            events_extra_installed()
+        return self
 
     @field_validator("peers")
     @classmethod
@@ -540,6 +601,16 @@ class GatewayConfig(StrictModel):
         if self.pd is not None:
             return PDRouter.from_spec(self.pd, self.seed, decode_alone=self.pd.protocol != "sglang", **kwargs)
         return Router(self.build_policy(), **kwargs)
+
+
+def events_extra_installed() -> None:
+    """KV events need pyzmq and msgspec (the ``events`` extra): a ValueError saying so otherwise."""
+    from importlib.util import find_spec
+
+    missing = [m for m in ("zmq", "msgspec") if find_spec(m) is None]
+    if missing:
+        raise ValueError(f"replicas[].kv_events needs the optional 'events' extra (missing: {', '.join(missing)}): "
+                         "pip install 'kvroute[events]'")
 
 
 def load_config(path: str) -> GatewayConfig:

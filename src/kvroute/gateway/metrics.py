@@ -107,6 +107,14 @@ class _LiveCollector:
         restarts = CounterMetricFamily("kvroute_replica_restarts", "Engine restarts detected by probes",
                                        labels=["replica"])
         ratio = GaugeMetricFamily("kvroute_prefix_hit_ratio", "Expected cached share of routed prompt tokens")
+        source = GaugeMetricFamily("kvroute_replica_kv_source", "1 for where the replica's prefix index comes "
+                                   "from: events, stale (events lost, approximate until rebuilt), approximate",
+                                   labels=["replica", "source"])
+        lag = GaugeMetricFamily("kvroute_replica_kv_event_lag_seconds", "Receive time minus publish time of the "
+                                "replica's last KV-event batch", labels=["replica"])
+        ev_counts = CounterMetricFamily("kvroute_kv_events", "KV-event stream counts per replica (kind: stored, "
+                                        "removed, gaps, replays, malformed_*, unknown_events, out_of_order, ...)",
+                                        labels=["replica", "kind"])
         for ep in rt.router.all_endpoints:
             up = rt.upstreams[ep.id]
             inflight.add_metric([ep.id], ep.inflight)
@@ -122,6 +130,15 @@ class _LiveCollector:
                     kv.add_metric([ep.id], reading.kv_usage)
             if up.streak.rtt_ewma_s is not None:
                 rtt.add_metric([ep.id], up.streak.rtt_ewma_s)
+            ks = rt.kv_source(ep.id)
+            source.add_metric([ep.id, ks["source"]], 1)
+            if ks.get("lag_s") is not None:
+                lag.add_metric([ep.id], ks["lag_s"])
+            if "ranks" in ks:
+                for kind in ("stored", "removed", "ignored", "unknown_parent"):
+                    ev_counts.add_metric([ep.id, kind], sum(r[kind] for r in ks["ranks"]))
+                for kind, n in ks["counters"].items():
+                    ev_counts.add_metric([ep.id, kind], n)
         total = rt.prompt_tokens_routed
         ratio.add_metric([], rt.hit_tokens_routed / total if total else 0.0)
         prompt = CounterMetricFamily("kvroute_prompt_tokens", "Estimated prompt tokens routed")
@@ -147,4 +164,5 @@ class _LiveCollector:
             for key, value in state.items():
                 gauge.add_metric([key], value)
             yield gauge
-        yield from (inflight, circuit, healthy, running, waiting, kv, rtt, engine, restarts, ratio)
+        yield from (inflight, circuit, healthy, running, waiting, kv, rtt, engine, restarts, ratio, source, lag,
+                    ev_counts)

@@ -101,6 +101,7 @@ class Runtime:
         self.router = config.build_router(index_block_tokens=config.block_tokens,
                                           max_prefix_blocks=config.max_prefix_blocks)
         self.upstreams: dict[str, Upstream] = {}
+        self.events: Any = None  # the KV-event consumer (kvroute.kvevents), made for the first replica with events
         self.drained: set[str] = set()  # replicas taking no new requests (admin API)
         self._excluded: dict[str | None, tuple[str, ...] | None] = {}  # excluded_for, per model
         for rc in config.replicas:
@@ -155,6 +156,7 @@ class Runtime:
         if rc.max_running:
             ep.max_running = rc.max_running
         self.router.add_endpoint(ep)
+        self._follow_events(rc)
         bc = self.config.breaker
         breaker = CircuitBreaker(bc.failures, bc.cooldown_s, bc.successes)
         up = self.upstreams[rc.name] = Upstream(rc, ep, breaker, UpstreamPool(rc.url, tls=rc.tls_context()),
@@ -163,6 +165,33 @@ class Runtime:
         if rc.models is not None:
             up.models = frozenset(rc.models)
             up.model_cards = [{"id": m, "object": "model", "owned_by": rc.name} for m in rc.models]
+
+    def _follow_events(self, rc: ReplicaConfig) -> None:
+        """Subscribe to the replica's KV events (a replica without them is routed on the approximate
+        index); the consumer hands its exact table to the prefix index while it trusts it."""
+        if rc.kv_events is None:
+            if self.events is not None:
+                self.events.remove(rc.name)
+            return
+        from kvroute.kvevents import EventSource, KVEventConsumer
+
+        if self.events is None:
+            ks = self.config.kv_events
+            self.events = KVEventConsumer(self.config.block_tokens, stale_s=ks.stale_s,
+                                          speculative_ttl_s=ks.speculative_ttl_s,
+                                          replay_timeout_s=ks.replay_timeout_s, on_change=self._events_changed)
+        ec = rc.kv_events
+        self.router.use_cache_table(rc.name, None)
+        self.events.add(rc.name, EventSource(ec.endpoint, ec.replay_endpoint, ec.topic, ec.dp_ranks))
+
+    def _events_changed(self, name: str, table: dict[int, int] | None) -> None:
+        self.router.use_cache_table(name, table)
+
+    def kv_source(self, name: str) -> dict[str, Any]:
+        """Where the replica's prefix index comes from: ``events`` (its KV events), ``stale`` (events
+        lost: approximate until rebuilt) or ``approximate`` (no events), with the consumer's status."""
+        status = self.events.status(name) if self.events is not None else None
+        return status if status is not None else {"source": "approximate"}
 
     def add_replica(self, rc: ReplicaConfig) -> None:
         """Add a replica at run time (admin API); it is probed from the next round on."""
@@ -178,6 +207,8 @@ class Runtime:
     def _drop(self, name: str) -> None:
         """Forget a replica: routing, its pool, its token ratio and its drained mark."""
         self.router.remove_endpoint(name)
+        if self.events is not None:
+            self.events.remove(name)
         self.upstreams.pop(name).pool.close()
         self.tokens.forget(name)
         self.drained.discard(name)
@@ -236,6 +267,8 @@ class Runtime:
                 if fresh[name].url != up.config.url:
                     up.pool.close()
                     up.pool = UpstreamPool(fresh[name].url, tls=fresh[name].tls_context())
+                if fresh[name].kv_events != up.config.kv_events:
+                    self._follow_events(fresh[name])
                 up.config, up.engine = fresh[name], fresh[name].engine
                 up.endpoint.region, up.endpoint.weight = fresh[name].region, fresh[name].weight
                 up.endpoint.zone = fresh[name].zone or fresh[name].region
@@ -250,6 +283,10 @@ class Runtime:
         if (new.block_tokens, new.max_prefix_blocks) != (self.config.block_tokens, self.config.max_prefix_blocks):
             self.router.reset_index(new.block_tokens, new.max_prefix_blocks)
             self._index_scale = 1.0  # in nominal units again: the next probe round rescales it
+            if self.events is not None:  # own keys of another block size: follow every replica afresh
+                self.events.block_tokens = new.block_tokens
+                for r in new.replicas:
+                    self._follow_events(r)
             changes.append("prefix index (emptied: new block size or bound)")
         if new.breaker != self.config.breaker:
             bc = new.breaker
@@ -349,6 +386,8 @@ class Runtime:
                 if up is not None:
                     up.breaker.dispatched()
                     up.endpoint.circuit_open = not up.breaker.allows
+                    if self.events is not None:  # until its BlockStored arrives, the prompt counts as cached there
+                        self.events.speculate(up.config.name, req.block_hashes)
         elif d.branch == "policy-error":
             log.error("routing %s: %s", req.id, d.reason)
             raise self._policy_failed()
@@ -459,6 +498,8 @@ class Runtime:
             auto_decompress=False)
         if self.discovery is not None:
             await self.discovery.start()
+        if self.events is not None:
+            await self.events.start()
         await self.probe_all()
         self._probe_task = asyncio.create_task(
             probe_forever(lambda: self.config.probe.interval_s, self.probe_all, "probe round failed"))
@@ -480,6 +521,8 @@ class Runtime:
         await self.peering.stop()
         if self.fleet is not None:
             await self.fleet.stop()
+        if self.events is not None:
+            await self.events.stop()
         for w in self.queue:
             if not w.future.done():
                 w.future.set_exception(QueueTimeout("gateway is shutting down"))
@@ -538,6 +581,8 @@ class Runtime:
         if restarted(up.reading, reading):  # a restart faster than ejection: the cache is gone
             up.restarts += 1
             self.router.forget_cache(ep.id)
+            if self.events is not None:
+                self.events.restarted(ep.id)  # its sequence starts over: replay from 0
             self.tokens.forget(ep.id)  # it may serve another model (tokenizer) now
             ep.warming = True  # its cache is empty: the warm-up rule may let it in
             log.warning("replica %s restarted (process start time or counters reset); its cache entries "
@@ -558,6 +603,8 @@ class Runtime:
         if up.streak.succeeded(ep.healthy, pc.healthy_after):
             ep.healthy = True
             self.router.forget_cache(ep.id)  # it may have restarted with an empty cache
+            if self.events is not None:
+                self.events.restarted(ep.id)
             ep.warming = True
             log.info("replica %s re-admitted", ep.id)
 

@@ -379,11 +379,15 @@ class Proxy:
             if reported is not None:
                 self.rt.tokens.observe(target, estimated, reported)
 
-    def _resp_headers(self, upstream: UpstreamResponse, target: str) -> list[tuple[str, str]]:
+    def _resp_headers(self, upstream: UpstreamResponse, target: str, req: Request) -> list[tuple[str, str]]:
         skip = HOP_HEADERS | {"x-request-id"} if self.rt.config.access_log else HOP_HEADERS  # set by us
         out = [(k, v) for k, v in upstream.headers if k.lower() not in skip]
         if self.rt.config.replica_header and target in self.rt.upstreams:  # a peer's answer names its own
             out.append(("x-kvroute-replica", target))
+            ticket = self.rt.router.tickets.get(req.id)
+            if ticket is not None:  # the prompt tokens the index predicted cached there (engines report theirs)
+                hit = min(req.prompt_tokens, ticket.matched_blocks * req.block_tokens)
+                out.append(("x-kvroute-prefix-hit", str(hit)))
         return out
 
     async def _forward(self, request: HTTPRequest, resp: Responder | LegResponder, kind: Kind,
@@ -440,7 +444,7 @@ class Proxy:
             if upstream.status == 200:
                 self._count_tokens(target, req.id, payload)
                 output_tokens = reported_completion_tokens(payload) or 0
-            resp.send(upstream.status, payload, self._resp_headers(upstream, target), content_type=None)
+            resp.send(upstream.status, payload, self._resp_headers(upstream, target, req), content_type=None)
             return None
         finally:
             rt.release(req.id, served, time.monotonic() - t0 if outcome is Outcome.OK else None, output_tokens)
@@ -461,7 +465,7 @@ class Proxy:
         rt.first_token(req.id, ttft)
         if not resp.started:  # a continuation leg writes on into the client's stream
             rt.metrics.ttft.observe(ttft)
-            resp.start(upstream.status, self._resp_headers(upstream, target))
+            resp.start(upstream.status, self._resp_headers(upstream, target, req))
         if splice is not None:  # a limit the sequence already reached (a fallback to an earlier
             limit = rt.router.policy.context_limit(target)  # stage) would re-route it every token
             splice.limit = limit if limit is not None and limit > splice.length() else None

@@ -200,6 +200,11 @@ class PDRouter(Router):
         super().forget_cache(endpoint_id)
         self.prefill.forget_cache(endpoint_id)
 
+    def use_cache_table(self, endpoint_id: str, table: dict[int, int] | None) -> None:
+        """The endpoint's exact table (or None) on each side that routes to it."""
+        super().use_cache_table(endpoint_id, table)
+        self.prefill.use_cache_table(endpoint_id, table)
+
     def policy_state(self) -> dict[str, float]:
         """Both sides' plugin state (the prefill side's under ``prefill/``) and the split counts."""
         out = super().policy_state()

@@ -107,6 +107,11 @@ class Router:
         """The endpoint's cache is gone (it restarted or came back): forget its index entries."""
         self.prefix.clear(endpoint_id)
 
+    def use_cache_table(self, endpoint_id: str, table: dict[int, int] | None) -> None:
+        """Match the endpoint against an exact table kept by its owner (the engine's KV events),
+        or again against the index's estimate (None): ``PrefixIndex.use_table``."""
+        self.prefix.use_table(endpoint_id, table)
+
     def endpoint(self, endpoint_id: str) -> Endpoint | None:
         """The registered endpoint called ``endpoint_id``, or None."""
         return self._eps.get(endpoint_id)

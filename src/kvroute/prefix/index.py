@@ -75,7 +75,8 @@ class PrefixIndex:
         self.max_blocks = max_blocks
         self.default_capacity = capacity_blocks
         self._tables: dict[str, _Table] = {}
-        self._blocks: dict[str, dict[int, int]] = {}  # endpoint -> its table's blocks (hot path)
+        self._blocks: dict[str, dict[int, int]] = {}  # endpoint -> the table match reads (hot path)
+        self._external: dict[str, dict[int, int]] = {}  # endpoint -> an exact table kept by its owner
         self._tick = 0
 
     # -- membership ---------------------------------------------------------------------------
@@ -85,19 +86,36 @@ class PrefixIndex:
         table = self._tables.get(endpoint_id)
         if table is None:
             table = self._tables[endpoint_id] = _Table(cap)
-            self._blocks[endpoint_id] = table.blocks
+            self._blocks[endpoint_id] = self._external.get(endpoint_id, table.blocks)
         table.capacity = cap
+
+    def use_table(self, endpoint_id: str, table: dict[int, int] | None) -> None:
+        """Match ``endpoint_id`` against ``table`` — block hash → anything, kept exact by its
+        owner (the engine's KV events, ``kvroute.kvevents``) — instead of this index's own LRU
+        estimate; None switches back. Inserts keep feeding the estimate either way, so it is warm
+        when the exact table is lost. ``clear`` leaves an attached table alone."""
+        if table is None:
+            self._external.pop(endpoint_id, None)
+        else:
+            self._external[endpoint_id] = table
+        own = self._tables.get(endpoint_id)
+        if own is not None:
+            self._blocks[endpoint_id] = own.blocks if table is None else table
 
     def remove_endpoint(self, endpoint_id: str) -> None:
         """Stop tracking an endpoint and drop everything it held."""
         self._tables.pop(endpoint_id, None)
         self._blocks.pop(endpoint_id, None)
+        self._external.pop(endpoint_id, None)
 
     def clear(self, endpoint_id: str) -> None:
         """Forget what an endpoint holds (e.g. it restarted and lost its cache)."""
         if endpoint_id in self._tables:
             cap = self._tables[endpoint_id].capacity
+            external = self._external.get(endpoint_id)
             self.remove_endpoint(endpoint_id)
+            if external is not None:
+                self._external[endpoint_id] = external
             self.add_endpoint(endpoint_id, cap)
 
     @property

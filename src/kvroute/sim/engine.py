@@ -174,6 +174,9 @@ class Engine:
         self.incoming: list[tuple[Seq, int]] = []
         self.reserved = 0  # KV tokens held for migrations on their way in
         self.loading = 0  # admitted sequences whose KV is still arriving from a prefill engine
+        # the emulator's KV events (emulator/kv_events.py); None in the simulator: one test each
+        self.on_blocks_stored: Callable[[Seq, list[int]], None] | None = None  # seq, indexes of new blocks
+        self.on_blocks_removed: Callable[[list[int]], None] | None = None  # evicted block hashes
 
     # -- indicators (what a probe reads) -------------------------------------------------------
     @property
@@ -313,13 +316,18 @@ class Engine:
             k = -(-short // bt)
             refcnt, pop = self.refcnt, evictable.popitem
             copies = self.idle_copies
+            evicted: list[int] | None = [] if self.on_blocks_removed is not None else None
             for _ in range(k):
                 h = pop(False)[0]
                 del refcnt[h]
                 if copies is not None:
                     copies.pop(h, None)
                     self.host_copies.pop(h, None)
+                if evicted is not None:
+                    evicted.append(h)
             self.used -= k * bt
+            if evicted and self.on_blocks_removed is not None:
+                self.on_blocks_removed(evicted)
         for h in guarded:
             evictable[h] = None
         return True
@@ -598,10 +606,13 @@ class Engine:
         evictable = self.evictable
         new = seq.hashes[seq.refs:full]
         shared = 0
-        for h in new:
+        stored: list[int] | None = [] if self.on_blocks_stored is not None else None
+        for i, h in enumerate(new):
             c = refcnt.get(h)
             if c is None:
                 refcnt[h] = 1
+                if stored is not None:
+                    stored.append(seq.refs + i)
             else:  # computed meanwhile by another sequence: share it, free our copy
                 if c == 0:
                     del evictable[h]
@@ -609,6 +620,8 @@ class Engine:
                 shared += 1
         if shared:
             self.used -= bt * shared
+        if stored and self.on_blocks_stored is not None:
+            self.on_blocks_stored(seq, stored)
         seq.private -= bt * len(new)  # its prompt blocks are cache blocks now
         if full > seq.refs:
             seq.refs = full
