@@ -228,3 +228,37 @@ def test_hostile_json_is_a_400_naming_the_field(gw, case):
 def test_unknown_fields_pass_through(gw):
     r = httpx.post(f"{gw.url}/v1/completions", json={"prompt": "a", "vendor_knob": {"x": 1}}, timeout=5)
     assert r.status_code == 200 and json.loads(gw.upstreams[0].bodies[-1])["vendor_knob"] == {"x": 1}
+
+
+def test_an_absolute_form_target_is_served_like_its_path(gw):
+    # RFC 9112 §3.2.2: a server must accept the absolute form (what a client sends to a proxy)
+    for target in (b"http://gw/health", b"HTTP://gw:8080/health?x=1", b"https://gw/health"):
+        out, _ = exchange(gw, b"GET " + target + b" HTTP/1.1\r\nHost: gw\r\nConnection: close\r\n\r\n")
+        assert statuses(out) == [200], (target, out[:200])
+    out, _ = exchange(gw, b"POST http://gw/v1/completions HTTP/1.1\r\nHost: gw\r\nConnection: close\r\n"
+                          b"Content-Length: %d\r\n\r\n%b" % (len(JSON), JSON))
+    assert statuses(out) == [200] and gw.upstreams[0].heads[-1].startswith(b"POST /v1/completions ")
+
+
+def test_repeated_cookie_fields_are_joined_with_a_semicolon(gw):
+    payload = body(b"Cookie: a=1\r\nCookie: b=2, c\r\nX-List: 1\r\nX-List: 2\r\nConnection: close\r\n"
+                   b"Content-Length: %d\r\n\r\n%b" % (len(JSON), JSON))
+    out, _ = exchange(gw, payload)
+    assert statuses(out) == [200]
+    head = gw.upstreams[0].heads[-1].lower()
+    assert b"\r\ncookie: a=1; b=2, c\r\n" in head and b"\r\nx-list: 1, 2\r\n" in head, head
+
+
+def test_refusals_are_counted_by_status_and_reason(gw):
+    def rejected() -> dict[str, float]:
+        text = httpx.get(f"{gw.url}/metrics").text
+        return {line.split("{", 1)[1].split("}")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                if line.startswith("kvroute_http_rejected_total{")}
+    before = rejected()
+    exchange(gw, REJECTED["TE gzip, chunked"])
+    exchange(gw, REJECTED["two Host headers"])
+    exchange(gw, body(b"".join(b"X-H%d: v\r\n" % i for i in range(101)) + b"\r\n"))
+    after = rejected()
+    for labels in ('reason="transfer_coding",status="501"', 'reason="host",status="400"',
+                   'reason="too_many_headers",status="431"'):
+        assert after.get(labels, 0) == before.get(labels, 0) + 1, (labels, after)

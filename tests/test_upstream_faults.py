@@ -288,3 +288,29 @@ def test_a_slow_non_streamed_answer_is_neither_cut_short_nor_generated_twice(dep
     r = post(dep)
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == "ok"
     assert sum(u.requests for u in dep.upstreams) == 1  # the first-byte timeout of streams did not apply
+
+
+def test_an_upstream_head_without_end_is_cut_at_the_head_limit(deploy):
+    async def endless_head(head, body, w):
+        w.write(b"HTTP/1.1 200 OK\r\nX-Endless: ")
+        for _ in range(400):  # 26 MB if nobody stops reading it
+            w.write(b"a" * 65536)
+            await w.drain()
+        return False
+    dep = deploy(endless_head, retry={"max_attempts": 1})
+    t0 = time.monotonic()
+    r = post(dep)
+    assert r.status_code == 502 and "larger than 65536 bytes" in r.json()["error"]["message"], r.text
+    assert time.monotonic() - t0 < 5  # cut at 64 KiB, not at the first-byte timeout
+
+
+def test_a_stream_that_failed_on_every_replica_says_so(deploy):
+    """Both replicas cut the stream: the last error names the failures, not 'unhealthy or circuit open'."""
+    cut = replies(SSE_HEAD + chunk(SSE_EVENT) + chunk(b'data: {"id":"x","choi'), keep_open=False)
+    dep = deploy(cut, cut)
+    status, raw = stream_text(dep)
+    events = [e for e in raw.decode().split("\n\n") if e]
+    assert status == 200 and events[-1] == "data: [DONE]"
+    message = json.loads(events[-2][6:])["error"]["message"]
+    assert "failed mid-stream" in message and "excluded for this request" in message, message
+    assert "unhealthy" not in message and "filtered out" not in message, message

@@ -9,6 +9,11 @@ llhttp (``httptools``) in strict mode, so a malformed status line, a negative or
 Content-Length, Content-Length with Transfer-Encoding or a bad chunk size is an
 ``UpstreamProtocolError``, never an exception inside the protocol.
 
+An upstream's response head (status line and fields, and a trailer section) is held to
+``MAX_HEAD_BYTES`` like a client's request head, bytes of a field not yet complete included; beyond
+it the response is an ``UpstreamProtocolError`` (a 502 or a retry), not memory and CPU spent on
+an endless field.
+
 Pooled connections: real engines close kept-alive connections on their own (llama-server after
 every streamed response, while still advertising ``Keep-Alive``). A connection is reused only if
 the upstream neither closed it nor said ``Connection: close``; and when a reused connection turns
@@ -57,6 +62,7 @@ class _StaleConnection(UpstreamProtocolError):
     """A reused keep-alive connection was closed by the upstream before any response byte."""
 
 
+MAX_HEAD_BYTES = 64 * 1024  # an upstream response's head, or its trailer section (nginx: 4-32 KiB)
 _EOF = object()
 # connection states
 _IDLE, _WAIT_HEAD, _BODY, _DONE, _BROKEN = range(5)
@@ -84,7 +90,7 @@ class _Conn(asyncio.Protocol):
     """One upstream connection; llhttp callbacks turn bytes into a head future and body pieces."""
 
     __slots__ = ("pool", "parser", "transport", "head", "chunks", "wakeup", "state", "closed", "reused",
-                 "got_bytes", "keep_alive", "until_close", "interim", "_headers")
+                 "got_bytes", "keep_alive", "until_close", "interim", "_headers", "_head_bytes", "_stall")
 
     transport: asyncio.Transport  # set by connection_made
     head: asyncio.Future[tuple[int, Headers]]  # set by begin
@@ -102,10 +108,13 @@ class _Conn(asyncio.Protocol):
         self.until_close = False
         self.interim = False
         self._headers: Headers = []
+        self._head_bytes = 0  # raw bytes while a head is incomplete, then field bytes of the trailers
+        self._stall = 0  # raw bytes of a body since its last data: chunk framing, trailers
 
     def begin(self, reused: bool) -> asyncio.Future[tuple[int, Headers]]:
         """Prepare for the next response; returns the future of its head."""
         self.state, self.reused, self.got_bytes, self.interim = _WAIT_HEAD, reused, False, False
+        self._head_bytes = self._stall = 0
         self.chunks.clear()
         self.head = asyncio.get_running_loop().create_future()
         return self.head
@@ -135,13 +144,22 @@ class _Conn(asyncio.Protocol):
             self._fail(UpstreamProtocolError("unexpected bytes from upstream between responses"))
             return
         self.got_bytes = True
+        if self.state == _WAIT_HEAD:
+            self._head_bytes += len(data)
+        else:
+            self._stall += len(data)  # back to 0 at each piece of body data
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserCallbackError as exc:
             cause = exc.__context__
             self._fail(cause if isinstance(cause, UpstreamError) else UpstreamProtocolError(str(exc)))
+            return
         except httptools.HttpParserError as exc:
             self._fail(UpstreamProtocolError(f"malformed response from upstream: {exc}"))
+            return
+        if (self._head_bytes if self.state == _WAIT_HEAD else self._stall) > MAX_HEAD_BYTES:
+            self._fail(UpstreamProtocolError(f"upstream response head or trailer section larger than "
+                                             f"{MAX_HEAD_BYTES} bytes"))
 
     # -- llhttp callbacks ---------------------------------------------------------------------------
     def on_message_begin(self) -> None:
@@ -150,6 +168,8 @@ class _Conn(asyncio.Protocol):
         self._headers = []
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        if self.state == _BODY:
+            return  # a trailer field: not used (its bytes are bounded by ``_stall``)
         self._headers.append((name.decode("latin-1"), value.decode("latin-1")))
 
     def on_headers_complete(self) -> None:
@@ -169,6 +189,7 @@ class _Conn(asyncio.Protocol):
             self.head.set_result((status, self._headers))
 
     def on_body(self, data: bytes) -> None:
+        self._stall = 0
         self._deliver(data)
 
     def on_message_complete(self) -> None:

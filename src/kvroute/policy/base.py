@@ -85,7 +85,12 @@ class Policy(ABC):
         else:
             eps = [e for e in view.endpoints if e.healthy and not e.circuit_open and e.zone == zone]
         if req.exclude:
+            usable = eps
             eps = [e for e in eps if e.id not in req.exclude]
+            if usable and not eps:  # healthy replicas exist: name why none is used, not "unhealthy"
+                return Decision.none(f"every healthy endpoint is excluded for this request "
+                                     f"({', '.join(sorted(e.id for e in usable))}: it failed there already, "
+                                     "or they do not serve its model)", branch=Branch.ALL_FILTERED)
         if not eps:
             why = f"outside residency zone {zone!r}, " if zone else ""
             return Decision.none(f"every endpoint was filtered out ({why}unhealthy or circuit open)",
