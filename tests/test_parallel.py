@@ -1,18 +1,14 @@
-"""One executor for independent simulations: a local process pool gives the serial run's results, bit for bit."""
+"""One executor for independent simulations: a local process pool gives the serial run's results, bit for bit.
+
+The Ray cluster case (a real head on loopback) is in test_plan.py: a plan and a sweep on it."""
 
 import json
-import os
-import subprocess
-import sys
-
-import pytest
 
 from kvroute.cli import main
 from kvroute.parallel import Executor, ExecutorError, PoolExecutor, make_executor
 from kvroute.sim.runner import run_scenario, run_scenario_on
 from kvroute.sim.scenario import parse_scenario
 from kvroute.sim.sweep import sweep
-from tests.ray_head import LOOPBACK_ENV, ray_binary, ray_head
 
 
 def small(policies, n=150, rate=5.0):
@@ -73,19 +69,3 @@ def test_an_unreachable_ray_address_is_one_line_and_exit_2(capsys):
     else:
         raise AssertionError("expected ExecutorError")
 
-
-ray_missing = ray_binary() is None
-
-
-@pytest.mark.skipif(ray_missing, reason="Ray is not installed (make test installs kvroute[ray])")
-def test_a_sweep_on_a_real_ray_head_equals_the_serial_sweep(tmp_path):
-    args = ["simulate", "--workload", "chat-poisson", "--rate", "5", "--replicas", "2", "--profile",
-            "h100-llama3.2-3b", "--max-requests", "120", "--policy", "round_robin,least_request", "--sweep"]
-    assert main([*args, "--workers", "1", "--json", str(tmp_path / "serial.json")]) == 0
-    with ray_head(cpus=2) as address:
-        run = subprocess.run([sys.executable, "-m", "kvroute", *args, "--ray", address,
-                              "--json", str(tmp_path / "ray.json")],
-                             env={**os.environ, **LOOPBACK_ENV}, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert f"Ray cluster {address} (2 CPUs)" in run.stderr
-    assert (tmp_path / "ray.json").read_text() == (tmp_path / "serial.json").read_text()

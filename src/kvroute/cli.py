@@ -757,6 +757,10 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--million-requests", type=int, default=1_000_000, dest="million_requests")
     bs.set_defaults(func=cmd_bench_sim_speed)
 
+    from kvroute.bench.plan import add_parser as add_bench_plan
+
+    add_bench_plan(bench)
+
     sv = sub.add_parser("serve", help="run the gateway (no --config: an embedded emulated deployment)")
     sv.add_argument("--config", help="gateway YAML (replicas, policy, probes, queue, timeouts)")
     sv.add_argument("--host")
@@ -920,6 +924,10 @@ def build_parser() -> argparse.ArgumentParser:
     from kvroute.live.command import add_parser as add_live
 
     add_live(sub)
+
+    from kvroute.plan.command import add_parser as add_plan
+
+    add_plan(sub)
 
     demo = sub.add_parser("demo", help="the main job: walk-through, benchmark, simulation, gateway")
     demo.add_argument("--out", default="out", help="folder for JSON results and plots")

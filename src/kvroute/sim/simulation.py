@@ -75,6 +75,9 @@ class Setup:
     slo_ttft_s: float = 5.0  # goodput counts requests meeting both objectives
     slo_tpot_s: float = 0.1
     pd: PDSetup | None = None  # prefill/decode disaggregation (sim/disagg.py)
+    # client region → residency zone its requests must be served in (kvroute plan's residency rules;
+    # the policies' hard zone filter applies it, as the gateway does for a pinned key)
+    residency: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -176,6 +179,8 @@ class Simulation:
         """A client in the request's region sends it: counted, then delivered to that region's balancer after
         the one-way network delay."""
         region = sreq.req.region or self.lbs[0].region
+        if self.setup.residency and sreq.req.residency is None:
+            sreq.req.residency = self.setup.residency.get(region)
         lb = self.lb_for(region)
         now = self.loop.now
         flight = Flight(sreq, region, now)
