@@ -4,8 +4,10 @@ The Ray cluster case (a real head on loopback) is in test_plan.py: a plan and a 
 
 import json
 
+from kvroute import parallel
 from kvroute.cli import main
 from kvroute.parallel import Executor, ExecutorError, PoolExecutor, make_executor
+from kvroute.policy.catalog import PRESETS_TABLE
 from kvroute.sim.runner import run_scenario, run_scenario_on
 from kvroute.sim.scenario import parse_scenario
 from kvroute.sim.sweep import sweep
@@ -49,10 +51,14 @@ def test_the_pool_keeps_item_order_and_reports_each_result():
 def test_a_policy_file_preset_reaches_the_pool_workers(tmp_path, capsys):
     f = tmp_path / "p.yaml"
     f.write_text("name: filed_least\ncost: {inflight: 1}\nbranch: least\n")
-    rc = main(["simulate", "--workload", "chat-poisson", "--rate", "4", "--replicas", "2", "--profile",
-               "h100-llama3.2-3b", "--max-requests", "100", "--policy", "round_robin", "--policy-file", str(f),
-               "--sweep", "--workers", "2", "--json", str(tmp_path / "s.json")])
+    try:
+        rc = main(["simulate", "--workload", "chat-poisson", "--rate", "4", "--replicas", "2", "--profile",
+                   "h100-llama3.2-3b", "--max-requests", "100", "--policy", "round_robin", "--policy-file", str(f),
+                   "--sweep", "--workers", "2", "--json", str(tmp_path / "s.json")])
+    finally:
+        PRESETS_TABLE.pop("filed_least", None)
     assert rc == 0, capsys.readouterr().err
+    assert not parallel._PRELUDE  # the command forgot its prelude
     knees = json.loads((tmp_path / "s.json").read_text())["sweep"]["knees"]
     assert set(knees) == {"round_robin", "filed_least"}
 

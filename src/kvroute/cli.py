@@ -250,8 +250,13 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                 executor = make_executor(args.workers, args.ray)
             except ExecutorError as exc:
                 return error(str(exc))
-            with executor:
-                run_sweep(sc, args.json, args.plots, executor)
+            from kvroute.parallel import clear_prelude
+
+            try:
+                with executor:
+                    run_sweep(sc, args.json, args.plots, executor)
+            finally:
+                clear_prelude()
         else:
             run_simulation(sc, args.json, args.plots)
     except (ScenarioError, TraceError) as exc:  # a bad trace line found while replaying

@@ -44,6 +44,11 @@ def add_prelude(target: str, *args: Any) -> None:
     _PRELUDE.append((target, args))
 
 
+def clear_prelude() -> None:
+    """Forget the prelude (a command that added one calls this when it is done)."""
+    _PRELUDE.clear()
+
+
 def _run_prelude(prelude: list[tuple[str, tuple]]) -> None:
     for target, args in prelude:
         key = f"{target}{args!r}"
