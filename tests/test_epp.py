@@ -281,3 +281,40 @@ def test_kvroute_epp_bad_config_is_one_line_exit_2(tmp_path, capsys):
     assert "lists no replicas and no discovery" in capsys.readouterr().err
     cfg.write_text("policy: nosuch\n")
     assert main(["epp", "--config", str(cfg)]) == 2
+
+
+def test_discovered_engines_come_and_go_under_the_picker(tmp_path):
+    """A picker whose engines come from discovery: not ready and 503 while the Service has none,
+    ready and routing once one appears."""
+    engines = tmp_path / "engines.yaml"
+    engines.write_text("replicas: []\n")
+
+    async def run():
+        runner, _, port = await start_emulator("127.0.0.1", 0, "h100-llama3.2-3b", "vllm", Faults())
+        epp = EndpointPicker(GatewayConfig(port=0, probe={"interval_s": 0.05}, discovery=[
+            {"kind": "file", "path": str(engines), "interval_s": 0.05}]), grpc_host="127.0.0.1", grpc_port=0,
+            health_port=None)
+        grpc_port, _ = await epp.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}") as ch:
+                stub, health = ep_grpc.ExternalProcessorStub(ch), health_pb2_grpc.HealthStub(ch)
+                ready = await health.Check(health_pb2.HealthCheckRequest(service="readiness"))
+                assert ready.status == health_pb2.HealthCheckResponse.NOT_SERVING
+                empty = await exchange(stub, "/v1/completions", {"prompt": "x"})
+                assert empty.immediate.status.code == 503
+                engines.write_text(f"replicas: [{{url: 'http://127.0.0.1:{port}', id: found, engine: vllm}}]\n")
+                for _ in range(200):
+                    await epp.health.update()
+                    ready = await health.Check(health_pb2.HealthCheckRequest(service=P.EXT_PROC_SERVICE))
+                    if ready.status == health_pb2.HealthCheckResponse.SERVING:
+                        break
+                    await asyncio.sleep(0.02)
+                assert ready.status == health_pb2.HealthCheckResponse.SERVING
+                r = await exchange(stub, "/v1/completions", {"prompt": "x", "max_tokens": 2})
+                assert r.endpoints == [f"127.0.0.1:{port}"] and r.status == 200
+                assert r.response_headers["x-kvroute-replica"] == "found"
+        finally:
+            await epp.stop()
+            await runner.cleanup()
+
+    asyncio.run(run())
