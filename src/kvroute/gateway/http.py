@@ -193,6 +193,9 @@ Handler = Callable[[Request, Responder], Awaitable[None]]
 _IDLE, _HEAD, _BODY, _BUSY, _NEW = 0, 1, 2, 3, 4
 LINGER_S = 1.0  # a refused connection is read and discarded this long, so the refusal is not lost to a reset
 MAX_LINGERING = 256  # refused connections lingering at once; beyond, they are closed at once
+# a read this large means the client has more queued: let the other connections (and new ones) have
+# a turn before reading on; otherwise the loop reads up to 32 such buffers per connection per turn
+_BIG_READ = 64 * 1024
 _DETACHED = httptools.HttpRequestParser(object())  # a closed connection's parser: holds no callbacks
 
 
@@ -332,6 +335,9 @@ class _Connection(asyncio.Protocol):
             self._fail(BadRequest(400, f"malformed HTTP request: {exc}", "malformed"))
             return
         phase = self.phase
+        if len(data) >= _BIG_READ and self.reading and not self.closed and self.rejection is None:
+            self.transport.pause_reading()
+            asyncio.get_running_loop().call_soon(self._take_turn)
         if phase == _HEAD and self._head_seen > limits.max_head_bytes:
             self._fail(BadRequest(431, f"request head larger than {limits.max_head_bytes} bytes", "head_too_large"))
         elif phase == _BODY and self._stall > limits.max_head_bytes:
@@ -339,6 +345,11 @@ class _Connection(asyncio.Protocol):
             # the body deadline, and llhttp's partial fields are joined at a cost that grows with them
             self._fail(BadRequest(431, f"chunk framing or trailer section larger than {limits.max_head_bytes} "
                                        "bytes", "trailer_too_large"))
+
+    def _take_turn(self) -> None:
+        """Read on after one turn of the loop, unless reading was paused for a reason of its own."""
+        if self.reading and not self.closed and self.rejection is None:
+            self.transport.resume_reading()
 
     # -- llhttp callbacks -----------------------------------------------------------------------
     def on_message_begin(self) -> None:
