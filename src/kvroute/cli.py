@@ -565,6 +565,30 @@ def _fidelity_spread(key: str, lo: float, hi: float) -> str:
     return f"({lo:.2f}-{hi:.2f})" if key == "throughput" else f"({lo * 1000:.0f}-{hi * 1000:.0f})"
 
 
+def cmd_bench_pd(args: argparse.Namespace) -> int:
+    """`kvroute bench pd`: aggregated vs disaggregated vs conditional serving on a chat and a long-prompt
+    workload at several rates, in the simulator (goodput at the SLO, TPOT p99, transfer share of TTFT)."""
+    from pathlib import Path
+
+    from kvroute.bench import pd
+    from kvroute.perf.loader import ProfileError, load_profile
+
+    try:
+        load_profile(args.profile)
+    except ProfileError as exc:
+        return error(str(exc))
+    if not 0 < args.scale <= 1:
+        return error(f"--scale must be in (0, 1], got {args.scale:g}")
+    result = pd.run_bench(args.profile, args.seed, args.threshold, args.scale,
+                          progress=lambda m: err.print(f"[dim]{m}[/dim]"))
+    table = pd.markdown(result)
+    console.print(table, markup=False, highlight=False)
+    write_json(args.json, result)
+    if args.md:
+        Path(args.md).write_text(table + "\n")
+    return 0
+
+
 def cmd_bench_fidelity(args: argparse.Namespace) -> int:
     """`kvroute bench fidelity`: the same workload on real engines and in the simulator, metric by metric."""
     import asyncio
@@ -855,6 +879,15 @@ def build_parser() -> argparse.ArgumentParser:
     bh.add_argument("--no-references", action="store_true", help="skip uvicorn and aiohttp")
     bh.add_argument("--check", action="store_true", help="exit 1 when the gateway misses one of the bounds")
     bh.set_defaults(func=cmd_bench_hostile)
+    bp = bench.add_parser("pd", help="aggregated vs disaggregated vs conditional prefill/decode, simulated")
+    bp.add_argument("--profile", default="h100-llama3.2-3b", help="hardware profile of the four engines")
+    bp.add_argument("--seed", type=int, default=0)
+    bp.add_argument("--threshold", type=int, default=512, help="conditional: split when the decode engine would "
+                    "compute at least this many uncached tokens (llm-d's nonCachedTokens)")
+    bp.add_argument("--scale", type=float, default=1.0, help="share of each run's requests (quick runs: 0.2)")
+    bp.add_argument("--json")
+    bp.add_argument("--md", help="also write the table to this Markdown file")
+    bp.set_defaults(func=cmd_bench_pd)
     bf = bench.add_parser("fidelity", help="one workload live through the gateway and in simulate, side by side")
     bf.add_argument("--url", action="append", required=True, help="an engine's base URL (repeat for each)")
     bf.add_argument("--profile", help="the simulator's profile (from `kvroute calibrate`; default: calibrate the "
