@@ -99,3 +99,16 @@ def test_deciders_and_roles_are_checked():
     assert "no decode" in (role_check(["prefill"]) or "")
     assert "no prefill" in (role_check(["decode", "decode"]) or "")
     assert kv_transfer_s(1000, 100_000, 25.0, 0.001) == pytest.approx(0.001 + 1e8 / 25e9)
+
+
+def test_the_seeds_compose_with_pd():
+    """GORGO's RTT cost and LMetric's score choose prefill engines; SkyWalker's pending admission
+    holds on the decode side (a held request is not split, nothing committed)."""
+    for prefill in ("gorgo", "lmetric"):
+        r = PDRouter.from_spec(PDPolicySpec(prefill_policy=prefill), 0, _fleet("prefill", "prefill", "decode"))
+        d = r.route(_req("a", 8))
+        assert d.branch == SPLIT and d.prefill in ("p0", "p1")
+    r = PDRouter.from_spec(PDPolicySpec(decode_policy="skywalker"), 0, _fleet("prefill", "decode"))
+    r.endpoint("d1").waiting = 5  # SkyWalker's pending gate: a replica with waiting requests admits none
+    d = r.route(_req("b", 8))
+    assert d.kind is DecisionKind.HOLD and not r.tickets and not r.prefill.tickets
