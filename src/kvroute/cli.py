@@ -909,6 +909,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "and pooled TTFT p99 (default 3)")
     bf.add_argument("--json", metavar="FILE")
     bf.set_defaults(func=cmd_bench_fidelity)
+    from kvroute.fleet import command as fleet_command  # several instances per region (kvroute/fleet)
+
+    fleet_command.register(bench)
     rp = sub.add_parser("reproduce", help="a paper's claims beside kvroute's simulated numbers")
     rp.add_argument("paper", choices=["skywalker", "gorgo-v1", "gorgo-v2", "lmetric", "cascadeinfer"])
     rp.add_argument("--quick", action="store_true", help="fewer requests per run (≤ 3 minutes per paper)")
