@@ -47,14 +47,14 @@ CONFIGS = (("1 instance", 1, True), ("3 instances", 3, True), ("3 instances, no 
 class Workload:
     """The offered load: sessions, their arrival rate, shared prompts, turns, think time, output."""
 
-    sessions: int = 60
-    rate: float = 3.0  # sessions per second
+    sessions: int = 120
+    rate: float = 8.0  # sessions per second: enough that the replicas are busy and balancing matters
     groups: int = 6  # distinct system prompts
-    system_words: int = 300
+    system_words: int = 60  # shorter than a first question: sessions spread by load, then follow their history
     min_turns: int = 2
     max_turns: int = 5
     think_s: float = 0.4  # mean pause between a reply and the next question
-    max_tokens: int = 16
+    max_tokens: int = 32
     seed: int = 0
 
 

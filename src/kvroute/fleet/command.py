@@ -22,6 +22,8 @@ def register(bench: argparse._SubParsersAction) -> None:
     p.add_argument("--sessions", type=int, default=d.sessions, help=f"chat sessions (default {d.sessions})")
     p.add_argument("--rate", type=float, default=d.rate, help=f"sessions starting per second (default {d.rate:g})")
     p.add_argument("--groups", type=int, default=d.groups, help=f"shared system prompts (default {d.groups})")
+    p.add_argument("--system-words", type=int, default=d.system_words, dest="system_words",
+                   help=f"words of each system prompt (default {d.system_words})")
     p.add_argument("--max-tokens", type=int, default=d.max_tokens, dest="max_tokens")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=3, help="runs per configuration, interleaved (default 3)")
@@ -38,7 +40,7 @@ def cmd_bench_fleet(args: argparse.Namespace) -> int:
 
     err = Console(stderr=True)
     for name, value in (("--replicas", args.replicas), ("--sessions", args.sessions), ("--repeats", args.repeats),
-                        ("--groups", args.groups), ("--max-tokens", args.max_tokens)):
+                        ("--groups", args.groups), ("--system-words", args.system_words), ("--max-tokens", args.max_tokens)):
         if value < 1:
             err.print(f"kvroute: error: {name} must be at least 1, got {value}")
             return 2
@@ -50,8 +52,8 @@ def cmd_bench_fleet(args: argparse.Namespace) -> int:
     except ServiceError as exc:
         err.print(f"kvroute: error: {exc}")
         return 2
-    w = Workload(sessions=args.sessions, rate=args.rate, groups=args.groups, max_tokens=args.max_tokens,
-                 seed=args.seed)
+    w = Workload(sessions=args.sessions, rate=args.rate, groups=args.groups, system_words=args.system_words,
+                 max_tokens=args.max_tokens, seed=args.seed)
     folder = Path(args.logs) if args.logs else None
     from kvroute.policy import ConfigError, policy_from_config
 
