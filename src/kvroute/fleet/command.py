@@ -40,7 +40,8 @@ def cmd_bench_fleet(args: argparse.Namespace) -> int:
 
     err = Console(stderr=True)
     for name, value in (("--replicas", args.replicas), ("--sessions", args.sessions), ("--repeats", args.repeats),
-                        ("--groups", args.groups), ("--system-words", args.system_words), ("--max-tokens", args.max_tokens)):
+                        ("--groups", args.groups), ("--system-words", args.system_words),
+                        ("--max-tokens", args.max_tokens)):
         if value < 1:
             err.print(f"kvroute: error: {name} must be at least 1, got {value}")
             return 2
