@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
+import time
 
 import httpx
 import pytest
 
 from kvroute.gateway.continuation import Splice
+from kvroute.gateway.outlier import StallDetector
 from kvroute.gateway.tokens import token_events
 from tests.gateway_harness import LiveDeployment
 from tests.test_continuation import CHAT, PROMPT, TwoStages, continuations
@@ -168,3 +171,81 @@ def test_head_gets_headers_only_and_the_connection_serves_the_next_request(live,
 def test_a_get_only_route_allows_head_and_says_so(live):
     r = httpx.post(f"{live.url}/metrics")
     assert r.status_code == 405 and r.headers["allow"] == "GET, HEAD"
+
+
+# -- 3. a frozen engine core -------------------------------------------------------------------------
+
+def _breaker(live: LiveDeployment, i: int):
+    return live.runtime.upstreams[live.replica_id(i)].breaker
+
+
+def _wait(predicate, timeout: float) -> float:
+    """Seconds until ``predicate()`` held (fails after ``timeout``)."""
+    t0 = time.monotonic()
+    while not predicate():
+        assert time.monotonic() - t0 < timeout, "timed out"
+        time.sleep(0.02)
+    return time.monotonic() - t0
+
+
+def test_a_frozen_engine_is_ejected_within_seconds_and_no_stream_waits_longer(live):
+    """vLLM's engine core stopped behind a live API server: probes still see it healthy, so only
+    request progress shows it. Streams on it — one mid-way, others waiting for their first
+    token — are continued or retried elsewhere within seconds, and it is re-admitted once it
+    generates again."""
+    live.runtime.router.policy = TwoStages(None)  # emulated-0 while it is up
+    for i in (0, 1):
+        live.fault(i, empty_text=0.5)
+    results: dict[str, tuple[float, list[dict]]] = {}
+
+    def run(name: str, path: str, body: dict) -> None:
+        t0 = time.monotonic()
+        events = sse(live.url, path, {"model": "emulated", "stream_options": {"include_usage": True}, **body})
+        results[name] = (time.monotonic() - t0, events)
+
+    long = threading.Thread(target=run, args=("mid-way", "/v1/completions",
+                                              {"prompt": PROMPT, "max_tokens": 400}))
+    long.start()
+    _wait(lambda: live.dep.emulators[0][1].generation_tokens_total >= 40, 10)
+    live.fault(0, frozen=True)
+    frozen_at = time.monotonic()
+    waiting = [threading.Thread(target=run, args=(f"new-{k}", path, body)) for k, (path, body) in enumerate([
+        ("/v1/completions", {"prompt": PROMPT + " again", "max_tokens": 30}),
+        ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 30})])]
+    for t in waiting:
+        t.start()
+    ejected_after = _wait(lambda: _breaker(live, 0).held, 6)
+    assert ejected_after <= 5.0
+    assert live.runtime.upstreams[live.replica_id(0)].endpoint.healthy  # probes alone saw nothing wrong
+    for t in (long, *waiting):
+        t.join(15)
+    for name, (seconds, events) in results.items():
+        assert events[-1]["usage"]["completion_tokens"] == (400 if name == "mid-way" else 30), name
+        if name != "mid-way":
+            assert seconds <= 5.0, (name, seconds)  # waited at most the stall threshold, then retried
+    assert time.monotonic() - frozen_at < 8
+    metrics = httpx.get(f"{live.url}/metrics").text
+    assert 'kvroute_stall_ejections_total{replica="emulated-0"} 1.0' in metrics
+    live.fault(0, frozen=False)
+    _wait(lambda: not _breaker(live, 0).held and _breaker(live, 0).allows, 5)  # the canary saw it generate
+    with httpx.Client() as c:
+        r = c.post(f"{live.url}/v1/completions", json={"model": "emulated", "prompt": PROMPT, "max_tokens": 3})
+    assert r.status_code == 200 and r.headers["x-kvroute-replica"] == "emulated-0"
+
+
+def test_a_long_prompt_is_allowed_its_prefill_and_a_silent_engine_is_not():
+    detector = StallDetector(factor=10, min_s=1, max_s=3)
+    w = detector.watch("r")
+    a = detector.begin("r", 2000, 0.0)
+    a.progressed(0.5)  # 2000 prompt tokens prefilled in 0.5 s: 0.25 ms per token
+    detector.watch("r").end(a)
+    big = detector.begin("r", 40000, 10.0)  # expected prefill 10 s
+    assert not list(detector.sweep(13.5)) and not list(detector.sweep(19.0))
+    assert [name for name, _, _ in detector.sweep(23.5)] == ["r"]
+    assert w.stalled and w.stalls == 1
+    detector.readmit(w, 30.0)
+    w.end(big)
+    small = detector.begin("r", 10, 30.0)
+    assert not list(detector.sweep(32.0))  # a decode gap of 0.5 s seen: 10 × that = 5 s, capped at 3 s
+    assert [name for name, _, _ in detector.sweep(33.1)] == ["r"]
+    w.end(small)

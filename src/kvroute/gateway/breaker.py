@@ -6,6 +6,9 @@ circuit, a failed trial opens it again for another cooldown. A trial that ends w
 (the client left, the engine answered a client error) frees the slot for the next one.
 Modelled on SGLang's router circuit breaker and Envoy's outlier ejection, with a single-trial
 half-open so a replica that is still broken sees one request, not the whole burst.
+
+A replica that stalled (``gateway/outlier.py``) is *held* open: no cooldown lets it half-open,
+only :meth:`CircuitBreaker.release` — once it made progress again — closes it.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ class CircuitBreaker:
         self.trial_successes = 0  # consecutive, while half-open
         self.trial_running = False
         self.opened_at = 0.0
+        self.held = False  # open until released (a stalled replica), whatever the cooldown
 
     @property
     def allows(self) -> bool:
@@ -68,9 +72,24 @@ class CircuitBreaker:
         if self.state is CircuitState.HALF_OPEN:
             self.trial_running = False
 
+    def hold(self, now: float) -> None:
+        """Open and stay open until :meth:`release` (the replica stopped making progress)."""
+        self._open(now)
+        self.held = True
+
+    def release(self, trial: bool = False) -> None:
+        """End a hold: closed (the replica progressed again), or half-open for one trial
+        request when progress could not be shown."""
+        if self.held:
+            self.held = False
+            if trial:
+                self.state, self.trial_running, self.trial_successes = CircuitState.HALF_OPEN, False, 0
+            else:
+                self.state, self.failures = CircuitState.CLOSED, 0
+
     def tick(self, now: float) -> None:
-        """Move from open to half-open once the cooldown has passed."""
-        if self.state is CircuitState.OPEN and now - self.opened_at >= self.cooldown_s:
+        """Move from open to half-open once the cooldown has passed (not while held)."""
+        if self.state is CircuitState.OPEN and not self.held and now - self.opened_at >= self.cooldown_s:
             self.state, self.trial_running, self.trial_successes = CircuitState.HALF_OPEN, False, 0
 
     def _open(self, now: float) -> None:

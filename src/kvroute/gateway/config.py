@@ -232,6 +232,27 @@ class BreakerConfig(StrictModel):
     successes: int = Field(1, ge=1)  # consecutive good trials that close it again
 
 
+class StallConfig(StrictModel):
+    """Ejecting an engine whose streams all stopped making progress (``gateway/outlier.py``)."""
+
+    enabled: bool = Field(True, description="watch streamed requests' progress; eject an engine none of whose "
+                          "streams got a token for its threshold, retry or continue them elsewhere")
+    factor: float = Field(10.0, gt=0, description="threshold: this many times the longest gap between tokens "
+                          "the engine normally shows (a decaying peak)")
+    min_s: float = Field(1.0, gt=0, description="the threshold is never shorter (plus the expected prefill of "
+                         "prompts still waiting for their first token)")
+    max_s: float = Field(3.0, gt=0, description="nor longer (plus that prefill): with the sweep's granularity, "
+                         "a frozen engine is out within max_s + 0.25 s")
+    canary_interval_s: float = Field(1.0, gt=0, description="while ejected, a one-token request is sent this "
+                                     "often; the first answered re-admits the engine")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> StallConfig:
+        if self.min_s > self.max_s:
+            raise ValueError(f"min_s ({self.min_s:g}) must not exceed max_s ({self.max_s:g})")
+        return self
+
+
 class TLSConfig(StrictModel):
     """TLS on the gateway's listener."""
 
@@ -441,6 +462,7 @@ class GatewayConfig(StrictModel):
     retry: RetryConfig = Field(default_factory=RetryConfig, description="retries before any byte reached the client")
     timeouts: TimeoutConfig = Field(default_factory=TimeoutConfig, description="upstream timeouts")
     breaker: BreakerConfig = Field(default_factory=BreakerConfig, description="a circuit breaker per replica")
+    stall: StallConfig = Field(default_factory=StallConfig, description="stall detection from request progress")
     http: HTTPConfig = Field(default_factory=HTTPConfig)
     auth: AuthConfig = Field(default_factory=AuthConfig)
     tls: TLSConfig | None = None  # serve HTTPS (cert_file, key_file)

@@ -34,6 +34,9 @@ class GatewayMetrics:
                                      "continuation (reason: migrate, recover; result: continued, completed, "
                                      "refused at the limit or when not continuable, failed)", ["reason", "result"],
                                      registry=r)
+        self.stall_ejections = Counter("kvroute_stall_ejections", "Replicas ejected because none of their streams "
+                                       "progressed for the stall threshold (gateway/outlier.py)", ["replica"],
+                                       registry=r)
         self.policy_errors = Counter("kvroute_policy_errors", "Routing decisions that raised (answered 503)",
                                      registry=r)
         self.rejected = Counter("kvroute_queue_rejected", "Requests refused by the LB queue", ["reason"],

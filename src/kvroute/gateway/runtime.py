@@ -20,6 +20,7 @@ from kvroute.discovery.manager import Discovery
 from kvroute.errors import ServiceError
 from kvroute.gateway.breaker import CircuitBreaker
 from kvroute.gateway.config import GatewayConfig, ReplicaConfig
+from kvroute.gateway.ejection import Ejector
 from kvroute.gateway.metrics import GatewayMetrics
 from kvroute.gateway.peers import Peering
 from kvroute.gateway.probes import (
@@ -120,6 +121,7 @@ class Runtime:
         self.peering = Peering(self)  # peer gateways and forwarding (gateway/peers.py)
         self.fleet = self._fleet(config)  # sibling instances of this region (kvroute/fleet), or None
         self._probe_task: asyncio.Task | None = None
+        self.stalls = Ejector(self)  # stall detection from request progress (gateway/outlier.py)
         self.session: aiohttp.ClientSession | None = None
         self.discovery = self._discovery(config)  # engines that come and go (kvroute/discovery)
         self._discovery_swap: asyncio.Task | None = None  # a reload's restart of discovery, running
@@ -212,6 +214,7 @@ class Runtime:
         self.upstreams.pop(name).pool.close()
         self.tokens.forget(name)
         self.drained.discard(name)
+        self.stalls.forget(name)
 
     def set_drained(self, name: str, drained: bool) -> None:
         """A drained replica takes no new requests; its in-flight ones finish."""
@@ -294,6 +297,10 @@ class Runtime:
                 up.breaker.threshold, up.breaker.cooldown_s, up.breaker.successes_to_close = (
                     bc.failures, bc.cooldown_s, bc.successes)
             changes.append("breaker thresholds")
+        if new.stall != self.config.stall:
+            detector = self.stalls.detector
+            detector.factor, detector.min_s, detector.max_s = new.stall.factor, new.stall.min_s, new.stall.max_s
+            changes.append("stall detection")
         if new.auth != self.config.auth:
             fresh_keys = new.auth.key_ring(time.monotonic())
             for d, state in fresh_keys.keys.items():  # a key that stays keeps its usage
@@ -504,6 +511,7 @@ class Runtime:
         self._probe_task = asyncio.create_task(
             probe_forever(lambda: self.config.probe.interval_s, self.probe_all, "probe round failed"))
         self.peering.start()
+        self.stalls.start()
         if self.fleet is not None:
             self.fleet.start()
 
@@ -519,6 +527,7 @@ class Runtime:
         if self.discovery is not None:
             await self.discovery.stop()
         await self.peering.stop()
+        await self.stalls.stop()
         if self.fleet is not None:
             await self.fleet.stop()
         if self.events is not None:

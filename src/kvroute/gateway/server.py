@@ -41,6 +41,7 @@ from kvroute.gateway.config import GatewayConfig, load_config
 from kvroute.gateway.continuation import Break, LegResponder, Splice, error_event
 from kvroute.gateway.http import HTTPServer, Responder
 from kvroute.gateway.http import Request as HTTPRequest
+from kvroute.gateway.outlier import Attempt
 from kvroute.gateway.pd import forward_split
 from kvroute.gateway.peers import PEER_HEADERS, STATUS_PATH
 from kvroute.gateway.residency import REGION_HEADER, RESIDENCY_HEADER, ResidencyConflict
@@ -405,12 +406,15 @@ class Proxy:
         outcome = Outcome.NEUTRAL
         served = False  # the engine took the request (so it holds the prompt's prefix now)
         output_tokens = 0  # what this attempt generated (the policy's on_finished hears it)
+        # a stream's progress is watched: an engine whose streams all go silent is ejected (gateway/outlier.py)
+        watch = rt.stalls.detector.begin(target, req.prompt_tokens, time.monotonic()) \
+            if stream and rt.config.stall.enabled and target in rt.upstreams else None
         try:
             try:
                 attempt_deadline = min(deadline, time.monotonic() + (to.first_byte_s if stream else to.non_stream_s))
                 upstream = await up.pool.post(request.path, request.body, headers, connect_s=to.connect_s,
                                               first_byte_s=max(attempt_deadline - time.monotonic(), 0.001),
-                                              idle_s=to.idle_s)
+                                              idle_s=to.idle_s, on_send=watch.attach if watch else None)
                 status = upstream.status
                 budget = max(attempt_deadline - time.monotonic(), 0.001)  # the first body byte counts too
                 if status in RETRY_STATUSES:
@@ -435,7 +439,7 @@ class Proxy:
                 return _failure_of(exc, target)
             if first is not None:
                 outcome, brk, output_tokens = await self._stream(resp, upstream, first, req, target, t0,
-                                                                 kind.stream_end, splice)
+                                                                 kind.stream_end, splice, watch)
                 return brk
             ttft = time.monotonic() - t0
             rt.first_token(req.id, ttft)
@@ -447,6 +451,8 @@ class Proxy:
             resp.send(upstream.status, payload, self._resp_headers(upstream, target, req), content_type=None)
             return None
         finally:
+            if watch is not None:
+                watch.watch.end(watch)
             rt.release(req.id, served, time.monotonic() - t0 if outcome is Outcome.OK else None, output_tokens)
             rt.attempt_done(target, outcome)
             if upstream is not None:
@@ -454,12 +460,13 @@ class Proxy:
 
     async def _stream(self, resp: Responder | LegResponder, upstream: UpstreamResponse, first: bytes, req: Request,
                       target: str, t0: float, end_marker: bytes | None,
-                      splice: Splice | None = None) -> tuple[Outcome, Break | None, int]:
+                      splice: Splice | None = None, watch: Attempt | None = None) -> tuple[Outcome, Break | None, int]:
         """Pass an SSE stream through. With a splice (a continuable request): whole events only,
         and a failure after bytes are out, or a sequence outgrowing the replica's context limit,
         returns a Break for the caller to continue elsewhere; without, a failure ends the stream
         with an error event. Also returns the tokens this leg generated: the engine's
-        ``usage.completion_tokens`` when it reports it, else the token events forwarded."""
+        ``usage.completion_tokens`` when it reports it, else the token events forwarded. A chunk
+        that brings tokens is progress for the stall ``watch``."""
         rt = self.rt
         ttft = time.monotonic() - t0
         rt.first_token(req.id, ttft)
@@ -481,7 +488,16 @@ class Proxy:
 
         try:
             while chunk is not None:
-                await resp.write(chunk if splice is None else splice.feed(chunk))
+                if splice is None:
+                    await resp.write(chunk)
+                    new = token_events(chunk)
+                    pieces += new
+                else:
+                    new = -splice.count
+                    await resp.write(splice.feed(chunk))
+                    new += splice.count
+                if new and watch is not None:
+                    watch.progressed(time.monotonic())
                 tail = (tail + chunk)[-STREAM_TAIL:]
                 if splice is not None:
                     if splice.error is not None:
@@ -489,8 +505,6 @@ class Proxy:
                     if splice.outgrown:
                         return Outcome.NEUTRAL, Break("migrate", f"the sequence reached {splice.limit} tokens, the "
                                                  f"context limit of {target}"), generated()
-                else:
-                    pieces += token_events(chunk)
                 chunk = await upstream.next_chunk()
             if splice is not None and splice.partial.strip():  # a last event without its blank line
                 await resp.write(splice.feed(b"\n\n"))

@@ -34,6 +34,7 @@ import asyncio
 import socket
 import ssl
 from collections import deque
+from collections.abc import Callable
 from typing import Any, TypeVar, cast
 from urllib.parse import urlsplit
 
@@ -206,6 +207,12 @@ class _Conn(asyncio.Protocol):
         if w is not None and not w.done():
             w.set_result(None)
 
+    def abort(self, err: UpstreamError) -> None:
+        """Give up on the exchange in progress (the engine stopped making progress): close the
+        connection and raise ``err`` in whoever waits for its head or body."""
+        if self.state in (_WAIT_HEAD, _BODY):
+            self._fail(err)
+
     def _fail(self, err: UpstreamError) -> None:
         """The connection is unusable: close it and hand the error to whoever waits."""
         was = self.state
@@ -316,8 +323,10 @@ class UpstreamPool:
         return conn
 
     async def post(self, path: str, body: bytes, headers: Headers, *, connect_s: float,
-                   first_byte_s: float, idle_s: float) -> UpstreamResponse:
-        """Send the request; returns once the response head arrived (within ``first_byte_s``)."""
+                   first_byte_s: float, idle_s: float,
+                   on_send: Callable[[Callable[[UpstreamError], None]], None] | None = None) -> UpstreamResponse:
+        """Send the request; returns once the response head arrived (within ``first_byte_s``).
+        ``on_send`` is handed the exchange's abort function once the request is on its way."""
         head = [b"POST ", path.encode(), b" HTTP/1.1\r\nHost: ", self.authority,
                 b"\r\nContent-Length: ", str(len(body)).encode(), b"\r\n"]
         for name, value in headers:
@@ -327,17 +336,20 @@ class UpstreamPool:
         conn = self._pooled()
         if conn is not None:
             try:
-                return await self._exchange(conn, True, request, first_byte_s, idle_s)
+                return await self._exchange(conn, True, request, first_byte_s, idle_s, on_send)
             except _StaleConnection:
                 self.stale_retries += 1  # the upstream had closed it: once more, on a new connection
         conn = await self._connect(connect_s)
-        return await self._exchange(conn, False, request, first_byte_s, idle_s)
+        return await self._exchange(conn, False, request, first_byte_s, idle_s, on_send)
 
     @staticmethod
     async def _exchange(conn: _Conn, reused: bool, request: tuple[bytes, bytes], first_byte_s: float,
-                        idle_s: float) -> UpstreamResponse:
+                        idle_s: float,
+                        on_send: Callable[[Callable[[UpstreamError], None]], None] | None) -> UpstreamResponse:
         head = conn.begin(reused)
         conn.transport.writelines(request)
+        if on_send is not None:
+            on_send(conn.abort)
         try:
             status, headers = await _within(head, first_byte_s, f"no response within {first_byte_s:g} s")
         except BaseException:
