@@ -8,13 +8,13 @@ import random
 
 import pytest
 
-from kvroute.metrics.stats import percentile_sorted
 from kvroute.model import Endpoint
 from kvroute.perf.loader import load_profile
 from kvroute.policy.adaptive.es_tuner import GORGO_RANGES, OnePlusOneES, WeightRange
 from kvroute.policy.adaptive.hotspot import HotspotDetector
 from kvroute.policy.adaptive.predictor import TTFTPredictor
 from kvroute.policy.adaptive.ttft_fit import TTFTFit
+from kvroute.stats import percentile_sorted
 
 
 def _bowl(w: dict[str, float], rng: random.Random) -> float:
@@ -129,7 +129,7 @@ def test_hotspot_stays_silent_when_equation_2_holds():
     det = HotspotDetector(window=32)
     # 4 classes take turns (x = 1/4), each cached on 4 of 16 instances: x/x̄ = 1/3 = |M|/|M̄| → benign
     for i in range(500):
-        assert not det.check(i % 4, holders=4, others=12, prefers_holder=True)
+        assert not det.record(i % 4, holders=4, others=12, prefers_holder=True)
     assert det.state()["filter_events"] == 0.0
 
 
@@ -139,8 +139,8 @@ def test_hotspot_two_phases_then_clears():
     out = []
     for i in range(64):
         klass = 7 if i % 4 else None
-        out.append(det.check(klass, holders=1, others=15, prefers_holder=True) if klass else
-                   det.check(None, 0, 16, False))
+        out.append(det.record(klass, holders=1, others=15, prefers_holder=True) if klass else
+                   det.record(None, 0, 16, False))
     # silent until the window is full; then phase 1 alarms; > 2·|M| = 2 consecutive → filter
     # the window fills at request 31 (class 7: run 1); 33 (run 2); 34 is the third → filtered
     assert out.index(True) == 34
@@ -148,16 +148,16 @@ def test_hotspot_two_phases_then_clears():
     assert all(v for i, v in enumerate(out) if i >= 34 and i % 4)
     assert det.state()["filter_events"] == 1.0 and det.state()["classes_filtering"] == 1.0
     # the prefix spread to 15 of 16 instances: Equation 2 holds again, the alarm clears
-    assert not det.check(7, holders=15, others=1, prefers_holder=True)
+    assert not det.record(7, holders=15, others=1, prefers_holder=True)
     assert det.state()["classes_alarmed"] == 0.0
 
 
 def test_hotspot_run_resets_when_the_class_prefers_others():
     det = HotspotDetector(window=8)
     for _ in range(8):
-        det.check(1, holders=1, others=7, prefers_holder=False)
+        det.record(1, holders=1, others=7, prefers_holder=False)
     for i in range(50):  # alternate: never 2 consecutive preferences for the holder
-        assert not det.check(1, holders=1, others=7, prefers_holder=bool(i % 2))
+        assert not det.record(1, holders=1, others=7, prefers_holder=bool(i % 2))
 
 
 def test_predictor_grows_with_queue_batch_and_uncached_tokens():

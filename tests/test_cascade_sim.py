@@ -91,7 +91,7 @@ def stage_router(**params) -> Router:
 
 def test_length_stage_routes_to_the_earliest_covering_stage_and_exposes_limits():
     r = stage_router()
-    targets = {n: r.policy.decide(Request(id=f"q{n}", prompt_tokens=n), r.view).target for n in (10, 999, 1000, 9000)}
+    targets = {n: r.route(Request(id=f"q{n}", prompt_tokens=n)).target for n in (10, 999, 1000, 9000)}
     assert targets[10] in ("e0", "e1") and targets[999] in ("e0", "e1")
     assert targets[1000] == "e2" and targets[9000] == "e3"
     assert [r.policy.context_limit(f"e{i}") for i in range(4)] == [1000, 1000, 8000, None]
@@ -108,21 +108,22 @@ def test_length_stage_falls_to_a_later_stage_when_its_own_has_no_candidate():
 
 def test_length_stage_plans_again_when_replicas_are_added_or_removed():
     """A replica added at run time joins the plan (stage_sizes fill in configuration order,
-    extras join the last stage); a removed one leaves it — no re-plan while the set is the same."""
+    extras join the last stage) when the next dispatch is committed; a removed one leaves it — no
+    re-plan while the set is the same."""
     r = stage_router()
-    assert r.policy.decide(Request(id="q", prompt_tokens=9000), r.view).target == "e3"
+    assert r.route(Request(id="q", prompt_tokens=9000)).target == "e3"
     r.add_endpoint(Endpoint("e4", kv_blocks=1000))
     r.endpoints[3].inflight = 5  # e3 busy: the longest stage now has e4 as well
-    assert r.policy.decide(Request(id="q2", prompt_tokens=9000), r.view).target == "e4"
+    assert r.route(Request(id="q2", prompt_tokens=9000)).target == "e4"
     assert r.policy.context_limit("e4") is None
     r.remove_endpoint("e0")  # the stages shift: e1, e2 | e3 | e4
-    assert r.policy.decide(Request(id="q3", prompt_tokens=10), r.view).target in ("e1", "e2")
+    assert r.route(Request(id="q3", prompt_tokens=10)).target in ("e1", "e2")
     assert [r.policy.context_limit(e) for e in ("e1", "e2", "e3", "e4")] == [1000, 1000, 8000, None]
     stages = stage_filter(r.policy)
     assert stages is not None and stages.stages == [["e1", "e2"], ["e3"], ["e4"]]
     stages.set_plan([["e1"], ["e2", "e3", "e4"]], [500])  # a runtime's own plan is kept as it is
     r.add_endpoint(Endpoint("e5", kv_blocks=1000))
-    r.policy.decide(Request(id="q4", prompt_tokens=10), r.view)
+    r.route(Request(id="q4", prompt_tokens=10))
     assert stages.stages == [["e1"], ["e2", "e3", "e4"]] and stages.stage("e5") is None
 
 
@@ -137,7 +138,7 @@ def test_length_stage_composes_with_any_rules():
 
 def test_round_robin_within_a_stage():
     r = stage_router(within="round_robin")
-    got = [r.policy.decide(Request(id=f"q{i}", prompt_tokens=10), r.view) for i in range(4)]
+    got = [r.route(Request(id=f"q{i}", prompt_tokens=10)) for i in range(4)]
     assert {d.target for d in got} == {"e0", "e1"} and all(d.branch == "rr" for d in got)
 
 

@@ -18,9 +18,9 @@ from kvroute import yamlconf
 from kvroute.gateway.config import GatewayConfig, base_url, read_secret
 from kvroute.gateway.http import error_body, error_object
 from kvroute.gateway.probes import ProbeStreak
-from kvroute.metrics.stats import percentile, percentile_sorted
 from kvroute.ports import free_port, free_ports, wait_for_http, wait_for_port
 from kvroute.shutdown import until_stopped
+from kvroute.stats import percentile, percentile_sorted
 
 
 def test_percentile_is_the_nearest_rank_on_the_zero_based_index():
@@ -32,7 +32,7 @@ def test_percentile_is_the_nearest_rank_on_the_zero_based_index():
 
 
 def test_gateway_modules_do_not_import_numpy():
-    code = ("import sys, kvroute.gateway.server, kvroute.metrics.stats, kvroute.policy; "
+    code = ("import sys, kvroute.gateway.server, kvroute.stats, kvroute.policy; "
             "print('numpy' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
     assert out.returncode == 0, out.stderr

@@ -9,8 +9,8 @@ packages lives here and hands the pure registry mappings and classes:
 * :func:`load_entry_points` installs :func:`kvroute.perf.loader.load_profile` as the policy
   layer's profile source (:mod:`kvroute.policy.profiles`), then imports what the
   ``kvroute.policies`` entry points name (a module that registers with the decorators of
-  :mod:`kvroute.policy.catalog`, a :class:`~kvroute.policy.compose.Preset`, a plugin class or a
-  policy class) and registers it.
+  :mod:`kvroute.policy.catalog`, a :class:`~kvroute.policy.compose.Preset` or a plugin class)
+  and registers it.
   Runtimes call it once at start-up: the CLI, :func:`kvroute.gateway.config.load_config`, the
   gateway and the simulator's scenario parsing. A program that builds policies through
   ``kvroute.policy`` alone calls it first to see presets shipped outside the tree.
@@ -26,7 +26,7 @@ from kvroute import yamlconf
 from kvroute.errors import ConfigError
 from kvroute.perf.loader import load_profile
 from kvroute.policy.base import Policy
-from kvroute.policy.catalog import PRESETS_TABLE, add_preset, register_plugin, register_policy_class
+from kvroute.policy.catalog import PRESETS_TABLE, add_preset, register_plugin
 from kvroute.policy.compiler import check_preset
 from kvroute.policy.compose import Preset
 from kvroute.policy.plugins import Plugin
@@ -54,9 +54,7 @@ def load_entry_points(force: bool = False) -> None:
                 add_preset(obj)
             elif isinstance(obj, type) and issubclass(obj, Plugin):
                 register_plugin(obj)
-            elif isinstance(obj, type) and issubclass(obj, Policy):
-                register_policy_class(obj)
-            for name in set(PRESETS_TABLE) - before:  # decorated presets are not compiled on import
+            for name in set(PRESETS_TABLE) - before:  # checked here: decorators only register
                 check_preset(PRESETS_TABLE[name])
         except Exception as exc:  # one line naming the broken entry point, never a traceback
             raise ConfigError(f"entry point {ep.name!r} ({ep.value}) of group {ENTRY_POINT_GROUP} "

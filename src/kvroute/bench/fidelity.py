@@ -42,9 +42,9 @@ import aiohttp
 import yaml
 
 from kvroute.calibrate.measure import WORDS
-from kvroute.metrics.stats import percentile
 from kvroute.ports import free_port
 from kvroute.prefix import chat_key, estimate_tokens
+from kvroute.stats import percentile
 
 POLICIES = ("round_robin", "sglang_cache_aware", "lmetric", "skywalker")
 METRICS = (("ttft_p50", "TTFT p50"), ("ttft_p99", "TTFT p99"), ("e2e_p50", "E2E p50"),

@@ -74,7 +74,7 @@ import uvloop; uvloop.run(main())
 CLIENT = r'''
 import asyncio, contextlib, itertools, json, sys, time
 from kvroute.gateway.upstream import UpstreamError, UpstreamPool
-from kvroute.metrics.stats import percentile_sorted
+from kvroute.stats import percentile_sorted
 urls, n, conc = sys.argv[1].split(","), int(sys.argv[2]), int(sys.argv[3])
 stream, limit_s = sys.argv[4] == "1", float(sys.argv[5])
 body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "Say ok. " * 8}], "max_tokens": 16,

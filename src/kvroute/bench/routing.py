@@ -20,10 +20,10 @@ import statistics
 import time
 import tracemalloc
 
-from kvroute.metrics.stats import percentile_sorted
 from kvroute.model import Endpoint, Request
 from kvroute.policy import PRESETS, Router, build_policy
 from kvroute.prefix import BlockHasher, PrefixIndex, chat_key
+from kvroute.stats import percentile_sorted
 
 N_ENDPOINTS = 64
 INDEX_BLOCKS = 1_000_000

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from kvroute.metrics.stats import percentile
+from kvroute.stats import percentile
 
 WORDS = ("replica", "cache", "prefix", "token", "batch", "latency", "region", "queue", "decode",
          "prefill", "router", "shard", "tensor", "kernel", "stream", "budget", "probe", "engine")

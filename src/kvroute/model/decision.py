@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum, StrEnum
 from typing import TYPE_CHECKING
@@ -66,6 +66,9 @@ class Decision:
     # prefill/decode disaggregation (policy/pd.py): the engine that prefills while ``target``
     # decodes; None when ``target`` serves the whole request
     prefill: str | None = None
+    # plugin state changes this decision implies (a round-robin cursor, a detector's window):
+    # applied by Router.route when it commits the dispatch, never by a dry-run Router.decide
+    effects: tuple[Callable[[], None], ...] = field(default=(), repr=False, compare=False)
 
     @property
     def dispatched(self) -> bool:

@@ -21,7 +21,7 @@ from kvroute.policy.hooks import Lifecycle
 from kvroute.policy.params import PolicyParams
 from kvroute.prefix import HashRing, PrefixIndex
 
-__all__ = ["Policy", "PolicyParams", "View", "argmax", "argmin", "explain", "softmax_pick"]
+__all__ = ["Policy", "PolicyParams", "View", "argmax", "argmin", "softmax_pick"]
 
 
 @dataclass(slots=True)
@@ -71,10 +71,12 @@ class Policy(ABC):
         self.rng = random.Random(seed)
         self.admission: Admission = make_admission(self.params)
 
-    def decide(self, req: Request, view: View) -> Decision:
+    def decide(self, req: Request, view: View, dry_run: bool = False) -> Decision:
         """Filter, admit, then ``choose``: a dispatch, a hold (no endpoint admits the request
         now: keep it queued), or none (nothing can serve it; ``reason`` says why). Never raises:
-        a policy bug becomes a ``policy-error`` decision."""
+        a policy bug becomes a ``policy-error`` decision. Changes no state: what the plugins'
+        state should become comes back in ``Decision.effects``; ``dry_run`` also leaves the
+        random generators as they were (tie-breaks draw from copies)."""
         if not view.endpoints:
             return Decision.none("no endpoints configured")
         if req.prompt_tokens <= 0 and not req.block_hashes:  # not req.has_prompt, inlined (hot path)
@@ -99,13 +101,15 @@ class Policy(ABC):
         if not ready:
             return Decision.hold(f"no endpoint admits a request now ({self.admission.name})")
         try:
-            return self.choose(req, ready, view)
+            return self.choose(req, ready, view, dry_run)
         except Exception as exc:  # a policy bug must not take the router down with it
             return Decision.none(f"policy {self.name} failed: {exc!r}", branch=Branch.POLICY_ERROR)
 
     @abstractmethod
-    def choose(self, req: Request, eps: list[Endpoint], view: View) -> Decision:
-        """Score, combine and pick among the admitted endpoints ``eps`` (never empty)."""
+    def choose(self, req: Request, eps: list[Endpoint], view: View, dry_run: bool = False) -> Decision:
+        """Score, combine and pick among the admitted endpoints ``eps`` (never empty); state
+        changes go into ``Decision.effects``, and a ``dry_run`` draws from copies of the random
+        generators."""
 
 
 # -- pickers ------------------------------------------------------------------------------------
@@ -137,7 +141,3 @@ def softmax_pick(eps: list[Endpoint], logits: Sequence[float], temperature: floa
     weights = [math.exp((v - top) / temperature) for v in logits]
     return rng.choices(eps, weights=weights, k=1)[0]
 
-
-def explain(eps: Sequence[Endpoint], values: Sequence[float]) -> tuple[Sequence[Endpoint], Sequence[float]]:
-    """Per-endpoint scores for the decision record; ``Decision.scores`` builds the dict on demand."""
-    return (eps, values)

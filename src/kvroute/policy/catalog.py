@@ -11,14 +11,12 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from kvroute.errors import ConfigError
-from kvroute.policy.base import Policy
 from kvroute.policy.compose import Preset
 from kvroute.policy.params import PolicyParams
 from kvroute.policy.plugins import KINDS, Plugin
 
 P = TypeVar("P", bound=type[Plugin])
 T = TypeVar("T", bound=type[PolicyParams])
-C = TypeVar("C", bound=type[Policy])
 
 PLUGINS: dict[str, dict[str, type[Plugin]]] = {kind: {} for kind in KINDS}
 PRESETS_TABLE: dict[str, Preset] = {}
@@ -36,25 +34,14 @@ def register_plugin(cls: P) -> P:
     return cls
 
 
-def add_preset(preset: Preset, check: bool = True) -> Preset:
-    """Register ``preset`` under its name (a second preset of the same name is an error);
-    ``check``: compile it with its default parameters now, so a broken one fails here."""
+def add_preset(preset: Preset) -> Preset:
+    """Register ``preset`` under its name (a second preset of the same name is an error). Not
+    compiled here: :func:`kvroute.policy.registry.register` checks a preset from data first."""
     old = PRESETS_TABLE.get(preset.name)
     if old is not None and old != preset:
         raise ConfigError(f"preset {preset.name!r} is already registered (from {old.origin})")
-    if check:
-        from kvroute.policy.compiler import check_preset  # imported here: it needs this module
-
-        check_preset(preset)
     PRESETS_TABLE[preset.name] = preset
     return preset
-
-
-def register_policy_class(cls: C) -> C:
-    """Register a policy written as a :class:`~kvroute.policy.base.Policy` subclass (its
-    ``name``, ``source``, ``Params`` and docstring) rather than composed from plugins."""
-    add_preset(Preset(cls.name, cls.Params, {}, cls.source, cls.__doc__ or "", cls.__module__, factory=cls))
-    return cls
 
 
 def register_preset(name: str, *, source: str = "", **spec: Any) -> Callable[[T], T]:
@@ -65,6 +52,6 @@ def register_preset(name: str, *, source: str = "", **spec: Any) -> Callable[[T]
     packages."""
 
     def wrap(params: T) -> T:
-        add_preset(Preset(name, params, spec, source, params.__doc__ or "", params.__module__), check=False)
+        add_preset(Preset(name, params, spec, source, params.__doc__ or "", params.__module__))
         return params
     return wrap

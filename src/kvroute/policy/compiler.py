@@ -13,7 +13,6 @@ from typing import Any
 from pydantic import ValidationError
 
 from kvroute.errors import ConfigError
-from kvroute.policy.base import Policy
 from kvroute.policy.catalog import PLUGINS
 from kvroute.policy.compose import PRESET_KEYS, RULE_KEYS, Pipeline, Preset, Rule
 from kvroute.policy.params import PolicyParams
@@ -134,13 +133,6 @@ def _typed(items: tuple[Plugin, ...], cls: type[Any]) -> tuple[Any, ...]:
     return items
 
 
-def instantiate(preset: Preset, params: PolicyParams, seed: int = 0) -> Policy:
-    """The policy ``preset`` describes: its class, or its composition compiled."""
-    if preset.factory is not None:
-        return preset.factory(params, seed=seed)
-    return compile_preset(preset, params, seed)
-
-
 def compile_preset(preset: Preset, params: PolicyParams, seed: int = 0) -> Pipeline:
     """The policy ``preset`` composes, with ``params`` bound into its plugins."""
     spec = preset.spec
@@ -190,7 +182,5 @@ def parse_params(preset: Preset, values: Mapping[str, Any] | None) -> PolicyPara
 
 
 def check_preset(preset: Preset) -> None:
-    """Compile ``preset`` with its default parameters, so a broken one fails when registered
-    (a class-based preset is built when used)."""
-    if preset.factory is None:
-        compile_preset(preset, parse_params(preset, None))
+    """Compile ``preset`` with its default parameters, so a broken one fails when registered."""
+    compile_preset(preset, parse_params(preset, None))

@@ -28,7 +28,7 @@ from typing import Any
 
 from kvroute.model import Decision, Endpoint, Request
 from kvroute.model.decision import Branch
-from kvroute.policy.base import Policy, View, explain
+from kvroute.policy.base import Policy, View
 from kvroute.policy.hooks import Lifecycle
 from kvroute.policy.params import PolicyParams
 from kvroute.policy.plugins import Condition, DecisionState, Filter, Picker, Plugin, Route, Scorer
@@ -48,7 +48,6 @@ class Preset:
     source: str = ""
     doc: str = ""
     origin: str = "kvroute"  # built in, a file path, or an entry point
-    factory: type[Policy] | None = None  # a policy written as a class instead of a composition
 
     @property
     def summary(self) -> str:
@@ -87,7 +86,7 @@ class Rule:
         if ep is None:
             return None
         return Decision.dispatch(ep.id, self.branch, st.matched(ep.id),
-                                 explain(eps, values) if values else None)
+                                 (eps, values) if values else None)
 
     def combine(self, st: DecisionState, eps: list[Endpoint]) -> Sequence[float]:
         """The scorers' values per endpoint, weighted and summed (normalised for ``score``)."""
@@ -144,9 +143,10 @@ class Pipeline(Policy):
                 return limit(endpoint_id)  # type: ignore[no-any-return]
         return None
 
-    def choose(self, req: Request, eps: list[Endpoint], view: View) -> Decision:
-        """Apply the preset's filters, then its rules in order; the first that routes wins."""
-        st = DecisionState(req, view, self.rng)
+    def choose(self, req: Request, eps: list[Endpoint], view: View, dry_run: bool = False) -> Decision:
+        """Apply the preset's filters, then its rules in order; the first that routes wins. The
+        state changes the plugins deferred travel with the decision (``Decision.effects``)."""
+        st = DecisionState(req, view, self.rng, dry_run)
         for f in self.filters:
             eps = f.filter(st, eps)
             if not eps:
@@ -154,6 +154,8 @@ class Pipeline(Policy):
         for rule in self.rules:
             d = rule.apply(st, eps)
             if d is not None:
+                if st.effects:
+                    d.effects = tuple(st.effects)
                 return d
         return Decision.none(f"no rule of {self.name} chose an endpoint", branch=Branch.NO_RULE)
 

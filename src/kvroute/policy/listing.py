@@ -21,9 +21,7 @@ normalised to [0, 1] × weights and picks the maximum. Every preset also takes `
 
 
 def plugins_of(preset: Preset) -> dict[str, Any]:
-    """The plugins the preset runs with its default parameters (a class-based preset: its class)."""
-    if preset.factory is not None:
-        return {"class": f"{preset.factory.__module__}.{preset.factory.__qualname__}"}
+    """The plugins the preset runs with its default parameters."""
     return compile_preset(preset, parse_params(preset, None)).describe()
 
 

@@ -4,7 +4,11 @@ Modelled on llm-d's inference scheduler (filters narrow the candidates, scorers 
 picker chooses; data producers run apart from scorers) with kvroute's own twist: a *rule* is a
 named branch ("imbalanced", "hit ratio ≥ τ") that either routes the request or lets the next
 rule try, so a preset reads like its paper's pseudocode. Every plugin is pure: it sees the
-request, the endpoints and a :class:`DecisionState`, never a clock or a socket.
+request, the endpoints and a :class:`DecisionState`, never a clock or a socket. Deciding changes
+no state: a plugin whose state follows its decisions (a round-robin cursor, a detector's window)
+hands the change to :meth:`DecisionState.defer`, and the Router applies it when it commits the
+dispatch (``Router.route``); ``Router.decide``, a dry run, drops it and draws from copies of the
+random generators.
 
 * :class:`Filter` — ``filter(st, eps) -> eps``: drop candidates (hard filters, or a rule's
   ``among``, e.g. "the endpoints holding the longest prefix").
@@ -24,7 +28,7 @@ the requests it routed.
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from kvroute.model import Decision, Endpoint, Request
@@ -50,17 +54,28 @@ class DecisionState:
     whichever and however many plugins read the matches.
     """
 
-    __slots__ = ("req", "view", "rng", "_matches", "_best_of", "_best", "_prefill_of", "_prefill")
+    __slots__ = ("req", "view", "rng", "dry_run", "effects", "_matches", "_best_of", "_best", "_prefill_of",
+                 "_prefill")
 
-    def __init__(self, req: Request, view: View, rng: random.Random):
+    def __init__(self, req: Request, view: View, rng: random.Random, dry_run: bool = False):
         self.req = req
         self.view = view
-        self.rng = rng
+        self.dry_run = dry_run
+        self.rng = copy_of(rng) if dry_run else rng  # a dry run draws, and leaves the policy's as it was
+        self.effects: list[Callable[[], None]] = []
         self._matches: dict[str, int] | None = None
         self._best_of: list[Endpoint] | None = None  # the endpoint list _best was computed for
         self._best = 0
         self._prefill_of: list[Endpoint] | None = None
         self._prefill: list[int] = []
+
+    def defer(self, effect: Callable[[], None]) -> None:
+        """Run ``effect`` (a state change this decision implies) when the dispatch is committed."""
+        self.effects.append(effect)
+
+    def random(self, rng: random.Random) -> random.Random:
+        """A plugin's own generator for this decision: itself, or a copy in a dry run."""
+        return copy_of(rng) if self.dry_run else rng
 
     @property
     def matches(self) -> dict[str, int]:
@@ -97,6 +112,13 @@ class DecisionState:
             self._prefill = [p if (m := get(e.id)) is None else max(0, p - bt * m) for e in eps]
             self._prefill_of = eps
         return self._prefill
+
+
+def copy_of(rng: random.Random) -> random.Random:
+    """A generator in the same state as ``rng`` (drawing from it leaves ``rng`` as it is)."""
+    copy = random.Random()
+    copy.setstate(rng.getstate())
+    return copy
 
 
 class Plugin:

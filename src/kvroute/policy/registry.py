@@ -30,12 +30,12 @@ from kvroute.errors import ConfigError
 from kvroute.policy import presets as _builtin_presets  # noqa: F401  (registers the built-ins)
 from kvroute.policy.base import Policy
 from kvroute.policy.catalog import PLUGINS, PRESETS_TABLE, add_preset
-from kvroute.policy.compiler import compile_preset, instantiate, parse_params
+from kvroute.policy.compiler import check_preset, compile_preset, parse_params
 from kvroute.policy.compose import PRESET_KEYS, Preset
 from kvroute.policy.params import AdmissionName, PolicyParams, admission_field
 
 __all__ = ["PRESETS", "ConfigError", "build_policy", "plugin_table", "policy_from_config", "preset_and_params",
-           "preset_from_mapping", "register_preset_mapping"]
+           "preset_from_mapping", "register", "register_preset_mapping"]
 
 FILE_KEYS = ("name", "description", "source", "params", "admission", *PRESET_KEYS)
 
@@ -49,7 +49,14 @@ def build_policy(preset: str, params: dict[str, Any] | None = None, seed: int = 
     spec = PRESETS.get(preset)
     if spec is None:
         raise ConfigError(f"unknown preset {preset!r}; valid presets: {', '.join(PRESETS)}")
-    return instantiate(spec, parse_params(spec, params), seed=seed)
+    return compile_preset(spec, parse_params(spec, params), seed=seed)
+
+
+def register(preset: Preset) -> Preset:
+    """Compile ``preset`` with its defaults (a broken one fails here, naming the item), then
+    register it: presets from files, mappings and entry points come this way."""
+    check_preset(preset)
+    return add_preset(preset)
 
 
 def preset_from_mapping(data: Mapping[str, Any], where: str, name: str | None = None) -> Preset:
@@ -118,7 +125,7 @@ def preset_and_params(config: dict[str, Any] | str, where: str = "policy") -> tu
     old = PRESETS_TABLE.get(preset.name)
     if old is not None and old.origin == where:
         del PRESETS_TABLE[preset.name]
-    add_preset(preset)
+    register(preset)
     return preset.name, None
 
 
@@ -131,6 +138,7 @@ def register_preset_mapping(data: Any, origin: str) -> str:
     if data["name"] in PRESETS_TABLE and PRESETS_TABLE[data["name"]].origin != origin:
         raise ConfigError(f"name: preset {data['name']!r} already exists", ("name",))
     preset = preset_from_mapping(data, origin)
+    check_preset(preset)  # before the old version goes
     PRESETS_TABLE.pop(preset.name, None)  # the same origin registered again: its new version
     add_preset(preset)
     return preset.name

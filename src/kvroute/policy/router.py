@@ -137,14 +137,18 @@ class Router:
         return out
 
     def decide(self, req: Request) -> Decision:
-        """Decide without committing (for explanation and dry runs)."""
-        return self.policy.decide(req, self.view)
+        """What ``route`` would decide now, changing nothing (for explanation and dry runs): no
+        counter, index, plugin state or random generator moves (tests/test_decide_purity.py)."""
+        return self.policy.decide(req, self.view, dry_run=True)
 
     def route(self, req: Request) -> Decision:
-        """Decide for ``req`` and, when the decision dispatches, commit it (counters, index,
-        ticket, ``on_dispatched`` to the policy's listeners) before returning."""
+        """Decide for ``req`` and, when the decision dispatches, commit it (the plugins' deferred
+        state changes, counters, index, ticket, ``on_dispatched`` to the policy's listeners)
+        before returning."""
         decision = self.policy.decide(req, self.view)
         if decision.kind is DecisionKind.DISPATCH and decision.target is not None:  # it always has one
+            for effect in decision.effects:  # before the listeners hear of the dispatch
+                effect()
             # a policy that does not match prefixes reports 0: match here, so every preset's
             # accounting (queued prefill, hit ratio) reads the same
             self.commit(req, decision.target, decision.matched_blocks or None)

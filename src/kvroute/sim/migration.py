@@ -30,18 +30,60 @@ demand) each send their newest sequence to the least loaded ones while the gap e
 from __future__ import annotations
 
 import math
+import random
 import time
+from collections.abc import Mapping, Sequence
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from kvroute.cascade import bidask, partition
 from kvroute.cascade.ranges import Item, Refiner, divide, splitter
+from kvroute.perf.network import Network
 from kvroute.policy.presets.cascadeinfer import LengthStage, stage_filter
+from kvroute.sim.balancer import SimBalancer
 from kvroute.sim.engine import DECODE, Engine, Seq
+from kvroute.sim.events import EventLoop
 from kvroute.sim.qoe_profiling import QoEFit, fit_profile
 
-if TYPE_CHECKING:
-    from kvroute.sim.simulation import Simulation
+
+class _Replica(Protocol):
+    @property
+    def engine(self) -> Engine: ...
+
+    @property
+    def region(self) -> str: ...
+
+
+class MigrationHost(Protocol):
+    """What the migrator reads of the simulation it serves (:class:`kvroute.sim.simulation.Simulation`;
+    a protocol, so that this module does not import the one that imports it)."""
+
+    @property
+    def loop(self) -> EventLoop: ...
+
+    @property
+    def lbs(self) -> Sequence[SimBalancer]: ...
+
+    @property
+    def replicas(self) -> Mapping[str, _Replica]: ...
+
+    @property
+    def workload(self) -> object: ...
+
+    @property
+    def seed(self) -> int: ...
+
+    @property
+    def rng(self) -> random.Random: ...
+
+    @property
+    def network(self) -> Network: ...
+
+    @property
+    def issuing(self) -> bool: ...
+
+    @property
+    def outstanding(self) -> int: ...
 
 DEFAULT_KV_BYTES_PER_TOKEN = 131_072  # assumed when a profile does not say (128 KiB)
 PLAN_SAMPLE = 2000  # requests of the workload's length sample the partition plans on
@@ -53,7 +95,7 @@ SETTINGS = {"layout": "heuristic", "refinement": "adaptive", "refine_interval_s"
             "rebalance_interval_s": 1.0, "transfer_gb_s": 25.0, "max_transfers": 3, "imbalance": 0.1}
 
 
-def make_migrator(sim: Simulation) -> Migrator | None:
+def make_migrator(sim: MigrationHost) -> Migrator | None:
     """A migrator when the first balancer's policy has length stages or is ``llumnix``, else None."""
     policy = sim.lbs[0].router.policy if sim.lbs else None
     if policy is None:
@@ -66,7 +108,7 @@ def make_migrator(sim: Simulation) -> Migrator | None:
 class Migrator:
     """Transfers, hand-overs, rebalancing and refinement over one simulation's engines."""
 
-    def __init__(self, sim: Simulation):
+    def __init__(self, sim: MigrationHost):
         self.sim = sim
         self.loop = sim.loop
         # every balancer's stage filter (one balancer in CascadeInfer's setting; kept in step)

@@ -37,7 +37,7 @@ from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from kvroute.metrics.stats import percentile_sorted
+from kvroute.stats import percentile_sorted
 
 SUCCESS_FACTOR = 0.817  # σ multiplier of the 1/5 rule (GORGO v2 tuner)
 SUCCESS_HISTORY = 8  # outcomes the 1/5 rule looks back on

@@ -46,7 +46,7 @@ class _Alarm:
 
 
 class HotspotDetector:
-    """Two-phase detector over request classes; call :meth:`check` once per routed request."""
+    """Two-phase detector over request classes; :meth:`record` once per routed request."""
 
     def __init__(self, window: int = 256):
         if window < 2:
@@ -59,10 +59,9 @@ class HotspotDetector:
         self.filtered = 0  # requests whose hotspot instances were filtered out (phase 2)
         self.filter_events = 0  # times a class entered phase 2
 
-    def _count(self, klass: int | None) -> float:
-        """Record this request's class in the window; return the class's share x."""
-        if klass is None:
-            klass = -1  # no cached prefix: counts in the window, never alarms
+    def _count(self, klass: int) -> tuple[float, bool]:
+        """Record this request's class in the window; return the class's share x and whether
+        the window is full."""
         recent, counts = self._recent, self._counts
         recent.append(klass)
         counts[klass] += 1
@@ -71,38 +70,61 @@ class HotspotDetector:
             counts[old] -= 1
             if not counts[old]:
                 del counts[old]
-        return counts[klass] / len(recent)
+        return counts[klass] / len(recent), len(recent) >= self.window_size
 
-    def check(self, klass: int | None, holders: int, others: int, prefers_holder: bool) -> bool:
-        """Whether to filter the class's hotspot instances out for this request.
+    def _share_after(self, klass: int) -> tuple[float, bool]:
+        """What :meth:`_count` would return, without recording."""
+        recent = self._recent
+        n, c = len(recent) + 1, self._counts.get(klass, 0) + 1
+        if n > self.window_size:
+            n -= 1
+            if recent[0] == klass:
+                c -= 1
+        return c / n, n >= self.window_size
+
+    def peek(self, klass: int | None, holders: int, others: int, prefers_holder: bool) -> bool:
+        """What :meth:`record` would answer for this request, changing nothing (the routing
+        decision; the Router records when it commits the dispatch)."""
+        return self._step(klass, holders, others, prefers_holder, apply=False)
+
+    def record(self, klass: int | None, holders: int, others: int, prefers_holder: bool) -> bool:
+        """Count this routed request and answer whether to filter its class's hotspot instances out.
 
         ``klass``: the request's class (its longest cached prefix), None when nothing is cached;
         ``holders`` = |M| and ``others`` = |M̄| among the eligible instances; ``prefers_holder``:
         the best multiplicative score lies in M (Equation 4).
         """
-        x = self._count(klass)
+        return self._step(klass, holders, others, prefers_holder, apply=True)
+
+    def _step(self, klass: int | None, holders: int, others: int, prefers_holder: bool, apply: bool) -> bool:
+        key = -1 if klass is None else klass  # no cached prefix: counts in the window, never alarms
+        x, full = self._count(key) if apply else self._share_after(key)
         if klass is None:
             return False
         alarm = self._alarms.get(klass)
-        full = len(self._recent) >= self.window_size
         # Equation 2 violated: x / x̄ > |M| / |M̄|, i.e. x·|M̄| > x̄·|M| (no division by zero)
         if not (full and others > 0 and holders > 0 and x * others > (1.0 - x) * holders):
-            if alarm is not None:
+            if alarm is not None and apply:
                 del self._alarms[klass]
             return False
-        if alarm is None:
-            alarm = self._alarms[klass] = _Alarm()
-        self.phase1_alarms += 1
-        if not alarm.filtering:
-            if not prefers_holder:
-                alarm.run = 0
+        run, filtering = (alarm.run, alarm.filtering) if alarm is not None else (0, False)
+        if apply:
+            if alarm is None:
+                alarm = self._alarms[klass] = _Alarm()
+            self.phase1_alarms += 1
+        if not filtering:
+            run = run + 1 if prefers_holder else 0
+            if apply:
+                assert alarm is not None
+                alarm.run = run
+            if not prefers_holder or run <= 2 * holders:
                 return False
-            alarm.run += 1
-            if alarm.run <= 2 * holders:
-                return False
-            alarm.filtering = True
-            self.filter_events += 1
-        self.filtered += 1
+            if apply:
+                assert alarm is not None
+                alarm.filtering = True
+                self.filter_events += 1
+        if apply:
+            self.filtered += 1
         return True
 
     def state(self) -> dict[str, float]:

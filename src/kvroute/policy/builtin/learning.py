@@ -20,7 +20,7 @@ from kvroute.policy.adaptive.hotspot import HotspotDetector
 from kvroute.policy.adaptive.plugins import CalibrationPlugin, HotspotPlugin, PredictionErrorPlugin, TunerPlugin
 from kvroute.policy.adaptive.predictor import TTFTPredictor
 from kvroute.policy.adaptive.ttft_fit import TTFTFit
-from kvroute.policy.base import argmin, explain
+from kvroute.policy.base import argmin
 from kvroute.policy.catalog import PLUGINS, register_plugin
 from kvroute.policy.plugins import DecisionState, Route, Scorer
 from kvroute.policy.profiles import resolve_profile
@@ -122,6 +122,9 @@ class Hotspot(Route, HotspotPlugin):
         HotspotPlugin.__init__(self, HotspotDetector(window))
         self.score = _scorer("lmetric")
 
+    def _record(self, klass: int | None, holders: int, others: int, prefers: bool) -> None:
+        self.detector.record(klass, holders, others, prefers)  # the dispatch was committed
+
     def route(self, st: DecisionState, eps: list[Endpoint]) -> Decision | None:
         """Dispatch away from the holders of a hot prefix class to the lowest P-tokens × BS; None when the
         class is not hot."""
@@ -129,17 +132,20 @@ class Hotspot(Route, HotspotPlugin):
         depth = [get(e.id, 0) for e in eps]
         deepest = max(depth)
         if deepest <= 0:
-            self.detector.check(None, 0, len(eps), False)
+            n = len(eps)
+            st.defer(lambda: self._record(None, 0, n, False))
             return None
         scores = self.score.values(st, eps)
         holders = [s for s, d in zip(scores, depth) if d == deepest]
         others = [s for s, d in zip(scores, depth) if d < deepest]
         prefers = not others or min(holders) <= min(others)  # Equation 4
-        if not self.detector.check(st.req.block_hashes[deepest - 1], len(holders), len(others), prefers):
+        klass, n_holders, n_others = st.req.block_hashes[deepest - 1], len(holders), len(others)
+        st.defer(lambda: self._record(klass, n_holders, n_others, prefers))
+        if not self.detector.peek(klass, n_holders, n_others, prefers):
             return None
         rest = [i for i, d in enumerate(depth) if d < deepest]
         ep = argmin([eps[i] for i in rest], [scores[i] for i in rest], st.rng)
-        return Decision.dispatch(ep.id, Branch.HOTSPOT_FILTERED, get(ep.id, 0), explain(eps, scores))
+        return Decision.dispatch(ep.id, Branch.HOTSPOT_FILTERED, get(ep.id, 0), (eps, scores))
 
 
 @register_plugin
@@ -159,5 +165,6 @@ class PredictedTTFT(Scorer, PredictionErrorPlugin):
         token arrives."""
         req = st.req
         preds = self.predictor.predict_many(eps, req.prompt_tokens, req.block_tokens, st.matches)
-        self.last = (req.id, {e.id: v for e, v in zip(eps, preds)})  # scored when it is dispatched
+        last = (req.id, {e.id: v for e, v in zip(eps, preds)})  # scored when it is dispatched
+        st.defer(lambda: setattr(self, "last", last))
         return preds

@@ -97,8 +97,11 @@ class RoundRobin(Picker):
     def pick(self, st: DecisionState, eps: list[Endpoint], values: Sequence[float]) -> Endpoint | None:
         """The next candidate in turn; ``values`` is ignored."""
         ep = eps[self._next % len(eps)]
-        self._next += 1
+        st.defer(self._advance)
         return ep
+
+    def _advance(self) -> None:
+        self._next += 1
 
 
 @register_plugin

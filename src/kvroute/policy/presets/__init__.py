@@ -1,9 +1,8 @@
 """Named presets: each paper's and industry router's policy, registered on import.
 
-Every preset is a composition of plugins (``register_preset`` on its parameter model); a policy
-written as a :class:`~kvroute.policy.base.Policy` subclass would register with
-``register_policy_class``. The built-in plugins register first, then the presets in the order
-``kvroute policies`` lists them: baselines, industry routers, the papers.
+Every preset is a composition of plugins (``register_preset`` on its parameter model). The
+built-in plugins register first, then the presets in the order ``kvroute policies`` lists them:
+baselines, industry routers, the papers.
 """
 
 # ruff: noqa: I001, F401  (registration on import, in listing order)

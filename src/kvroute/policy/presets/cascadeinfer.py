@@ -77,31 +77,45 @@ class LengthStage(Filter):
         """Move the stage boundaries (range refinement), keeping the stages' instances."""
         self._set_plan(self.stages, bounds)
 
-    def plan_from_sizes(self, endpoint_ids: list[str]) -> None:
-        """The plan ``stage_sizes``/``bounds`` describe over ``endpoint_ids`` (configuration
-        order); one stage when they are empty. Instances beyond the sizes join the last stage.
-        The plan is made again when the endpoint set changes (see ``filter``)."""
+    def _sizes_plan(self, endpoint_ids: list[str]) -> tuple[list[list[str]], list[int]]:
+        """The stages and bounds ``stage_sizes``/``bounds`` describe over ``endpoint_ids``."""
         sizes = self.stage_sizes or [len(endpoint_ids)]
         stages, i = [], 0
         for k in sizes:
             stages.append(endpoint_ids[i:i + k])
             i += k
         stages[-1].extend(endpoint_ids[i:])
-        self._set_plan(stages, list(self.bounds) if self.stage_sizes else [])
+        return stages, list(self.bounds) if self.stage_sizes else []
+
+    def plan_from_sizes(self, endpoint_ids: list[str]) -> None:
+        """The plan ``stage_sizes``/``bounds`` describe over ``endpoint_ids`` (configuration
+        order); one stage when they are empty. Instances beyond the sizes join the last stage.
+        The plan is made again when the endpoint set changes (see ``filter``)."""
+        self._set_plan(*self._sizes_plan(endpoint_ids))
         self._planned_ids = frozenset(endpoint_ids)
 
-    def _follow_endpoints(self, endpoints: list[Endpoint]) -> None:
-        """Plan on first use, and again when replicas were added or removed since (admin API,
-        reload, failover) — a new replica would otherwise have no stage and get no traffic.
-        Checking costs one identity test per decision while the endpoint list stays the same.
-        Choice: a re-plan starts from ``stage_sizes``/``bounds`` again (a runtime that set its own
-        plan with ``set_plan`` keeps it)."""
+    def _plan_for(self, st: DecisionState) -> dict[str, int]:
+        """The stage of each endpoint id for this decision. The plan is made on first use and again
+        when replicas were added or removed since (admin API, reload, failover) — a new replica
+        would otherwise have no stage and get no traffic; a new plan is kept when the dispatch is
+        committed (``st.defer``: deciding changes nothing). Checking costs one identity test per
+        decision while the endpoint list stays the same. Choice: a re-plan starts from
+        ``stage_sizes``/``bounds`` again (a runtime that set its own plan with ``set_plan`` keeps it)."""
+        endpoints = st.view.endpoints
         if endpoints is self._seen and self.stages:
-            return
-        self._seen = endpoints
-        if not self.stages or (self._planned_ids is not None
-                               and self._planned_ids != frozenset(e.id for e in endpoints)):
-            self.plan_from_sizes([e.id for e in endpoints])
+            return self._stage
+        ids = [e.id for e in endpoints]
+        if self.stages and (self._planned_ids is None or self._planned_ids == frozenset(ids)):
+            st.defer(lambda: setattr(self, "_seen", endpoints))
+            return self._stage
+        stages, bounds = self._sizes_plan(ids)
+
+        def keep() -> None:
+            self._set_plan(stages, bounds)
+            self._planned_ids = frozenset(ids)
+            self._seen = endpoints
+        st.defer(keep)
+        return {eid: i for i, group in enumerate(stages) for eid in group}
 
     def stage(self, endpoint_id: str) -> int | None:
         """The stage ``endpoint_id`` serves in (None: not in the plan)."""
@@ -118,9 +132,8 @@ class LengthStage(Filter):
         """The candidates of the earliest covering stage; when it has none (unhealthy, not
         admitted), of the next later stage that has some (it serves longer sequences, so the
         request fits), else of the nearest earlier one."""
-        self._follow_endpoints(st.view.endpoints)
-        want = stage_of(self.bounds, st.req.prompt_tokens)
-        get = self._stage.get
+        get = self._plan_for(st).get
+        want = stage_of(self.bounds, st.req.prompt_tokens)  # a new plan keeps these bounds
         best: int | None = None
         for e in eps:
             s = get(e.id)
