@@ -1,10 +1,11 @@
 """Check that a refactoring leaves simulation results unchanged (issue 18).
 
-    python scripts/sim_identical.py record DIR [--seed 7] [--only NAME...]   # one JSON per bundled scenario
+    python scripts/sim_identical.py record DIR [--seed 7] [--only NAME...] [--src TREE/src]
     python scripts/sim_identical.py compare BEFORE_DIR AFTER_DIR             # exit 1 on any difference
 
 ``record`` runs ``kvroute simulate <scenario> --seed S --json DIR/<name>.json`` for every bundled
-scenario (src/kvroute/scenarios/*.yaml and reproduce/*.yaml), one at a time. ``compare`` diffs the
+scenario (src/kvroute/scenarios/*.yaml and reproduce/*.yaml), one at a time; ``--src`` runs the
+kvroute of another checkout (e.g. ``git worktree add /tmp/before main``) on the same scenarios. ``compare`` diffs the
 JSON files key by key and prints every differing path. Equality is exact (the metrics round to 6
 decimals); ``--rel R`` also accepts floats within a relative R and lists them apart, for the few
 unrounded statistics (e.g. a policy's ``policy_state``) where summing the same terms in another
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -30,17 +32,17 @@ def name_of(path: Path) -> str:
     return ("reproduce-" if path.parent.name == "reproduce" else "") + path.stem
 
 
-def record(out: Path, seed: int, only: list[str]) -> int:
+def record(out: Path, seed: int, only: list[str], src: Path | None) -> int:
     out.mkdir(parents=True, exist_ok=True)
-    kvroute = Path(sys.executable).parent / "kvroute"
+    env = dict(os.environ, PYTHONPATH=str(src.resolve())) if src else None
     rc = 0
     for sc in SCENARIOS:
         name = name_of(sc)
         if only and name not in only:
             continue
         t0 = time.monotonic()
-        proc = subprocess.run([str(kvroute), "simulate", str(sc), "--seed", str(seed), "--json",
-                               str(out / f"{name}.json")], capture_output=True, text=True)
+        proc = subprocess.run([sys.executable, "-m", "kvroute", "simulate", str(sc), "--seed", str(seed),
+                               "--json", str(out / f"{name}.json")], capture_output=True, text=True, env=env)
         (out / f"{name}.log").write_text(proc.stdout + proc.stderr)
         print(f"{name}: rc={proc.returncode} {time.monotonic() - t0:.1f} s", flush=True)
         rc |= proc.returncode
@@ -93,12 +95,13 @@ def main() -> int:
     r.add_argument("dir", type=Path)
     r.add_argument("--seed", type=int, default=7)
     r.add_argument("--only", nargs="*", default=[])
+    r.add_argument("--src", type=Path, help="the src/ folder of the checkout to run (default: this one)")
     c = sub.add_parser("compare")
     c.add_argument("before", type=Path)
     c.add_argument("after", type=Path)
     c.add_argument("--rel", type=float, default=0.0)
     a = ap.parse_args()
-    return record(a.dir, a.seed, a.only) if a.cmd == "record" else compare(a.before, a.after, a.rel)
+    return record(a.dir, a.seed, a.only, a.src) if a.cmd == "record" else compare(a.before, a.after, a.rel)
 
 
 if __name__ == "__main__":

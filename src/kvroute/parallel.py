@@ -31,11 +31,13 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from typing import Any
 
+from kvroute.errors import ServiceError
+
 _PRELUDE: list[tuple[str, tuple]] = []
 _done_prelude: set[str] = set()
 
 
-class ExecutorError(RuntimeError):
+class ExecutorError(ServiceError, RuntimeError):
     """The executor cannot start (an unreachable Ray address, Ray not installed); one line."""
 
 

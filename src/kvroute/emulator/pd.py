@@ -35,13 +35,14 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from kvroute.errors import ServiceError
 from kvroute.policy.builtin.pd import kv_transfer_s
 
 PD_ROLES = ("mixed", "prefill", "decode")
 DEFAULT_KV_BYTES = 131072  # per token, when the profile gives none (a 7-8B model in bf16: 128 KiB)
 
 
-class PDRefused(Exception):
+class PDRefused(ServiceError):
     """The request cannot be served in this role (or its KV could not be fetched)."""
 
     def __init__(self, message: str, status: int = 400):

@@ -35,6 +35,7 @@ from ipaddress import IPv6Address
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
+from kvroute.errors import ServiceError
 from kvroute.gateway.http import Request as HTTPRequest
 from kvroute.gateway.runtime import Outcome
 from kvroute.gateway.upstream import UpstreamError, UpstreamTimeout
@@ -85,7 +86,7 @@ def _leg(request: HTTPRequest, body: dict[str, Any]) -> HTTPRequest:
     return leg
 
 
-class PrefillFailed(Exception):
+class PrefillFailed(ServiceError):
     """The prefill leg failed; the message names the engine and why."""
 
     def __init__(self, message: str, timeout: bool = False):
