@@ -34,17 +34,18 @@ from collections.abc import Iterable
 
 import xxhash
 
+from kvroute.errors import ServiceError
 from kvroute.kvevents.wire import AllBlocksCleared, BlockRemoved, BlockStored, Event
 
 _xxh3 = xxhash.xxh3_64_intdigest
 GPU_MEDIA = (None, "GPU", "gpu")
 
 
-class BlockSizeMismatch(ValueError):
+class BlockSizeMismatch(ServiceError, ValueError):
     """The engine's blocks are not the gateway's: its events cannot key the gateway's prompts."""
 
 
-class TokenError(ValueError):
+class TokenError(ServiceError, ValueError):
     """A BlockStored whose token ids do not fill its blocks or are not 32-bit token ids."""
 
 

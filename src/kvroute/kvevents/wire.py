@@ -34,11 +34,13 @@ from typing import Any
 
 import msgspec
 
+from kvroute.errors import ServiceError
+
 MASK64 = (1 << 64) - 1
 END_SEQ = b"\xff" * 8  # the replay stream's end marker: (-1).to_bytes(8, "big", signed=True)
 
 
-class MalformedPayload(ValueError):
+class MalformedPayload(ServiceError, ValueError):
     """A payload (or one event in it) that is not a KV-event batch; ``kind`` is a short label for
     counting (``payload``, ``batch``, ``event``), the message says what was wrong."""
 

@@ -30,9 +30,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvroute.metrics.stats import percentile
 from kvroute.policy.builtin.pd import kv_transfer_s
 from kvroute.sim.engine import Seq
+from kvroute.stats import percentile
 
 if TYPE_CHECKING:
     from kvroute.sim.balancer import SimBalancer
