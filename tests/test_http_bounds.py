@@ -159,13 +159,33 @@ def test_silent_connections_get_the_head_deadline_and_a_per_client_cap(gateway):
     assert len(lines) == 1 and "69 more" not in lines[0]  # one line per 10 s, however many are refused
 
 
+def test_silent_connections_from_many_addresses_make_room_for_new_clients(gateway):
+    """At the global cap a connection holding no request is closed to admit a new one (the
+    longest-held first), so a flood spread over addresses cannot lock new clients out."""
+    gw = gateway(max_connections=60, max_connections_per_client=20)
+    held = [socket.create_connection(("127.0.0.1", gw.port), timeout=5, source_address=(f"127.0.0.{3 + i // 20}", 0))
+            for i in range(60)]
+    try:
+        time.sleep(0.3)
+        for _ in range(5):
+            r = httpx.get(f"{gw.url}/health", timeout=5)
+            assert r.status_code == 200, r.text
+        held[0].settimeout(2)
+        assert held[0].recv(100) == b""  # the oldest silent one made room, closed without a word
+    finally:
+        for s in held:
+            s.close()
+    assert gw.rejected()[("0", "evicted_idle")] >= 1  # one made room; the probes then reuse the freed slot
+
+
 def test_the_global_cap_answers_a_clear_503_with_retry_after(gateway):
     gw = gateway(max_connections=40, max_connections_per_client=20)
     held = []
     try:
-        for i in range(2):  # two addresses hold every connection the gateway allows
+        for i in range(2):  # two addresses hold every connection the gateway allows, each mid-request
             for _ in range(20):
                 s = socket.create_connection(("127.0.0.1", gw.port), timeout=5, source_address=(f"127.0.0.{3 + i}", 0))
+                s.sendall(b"GET /health HTTP/1.1\r\n")
                 held.append(s)
         time.sleep(0.3)
         # a client that writes its request before reading still gets the refusal, not a reset

@@ -180,6 +180,8 @@ def test_keep_alive_connection_idles_out_after_a_response(gw):
 def test_connections_beyond_the_limit_get_503(gw):
     port = gw.gateway.port
     held = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(LIMITS["max_connections"])]
+    for s in held:  # each mid-request: none can make room (silent or idle ones would be closed for it)
+        s.sendall(b"GET /health HTTP/1.1\r\n")
     try:
         deadline = time.monotonic() + 3
         while len(gw.gateway.http.connections) < len(held) and time.monotonic() < deadline:

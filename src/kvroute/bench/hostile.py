@@ -31,6 +31,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from functools import partial
 from importlib.util import find_spec
 from pathlib import Path
 
@@ -48,8 +49,8 @@ def _chat(text: str, **extra: object) -> bytes:
                        **extra}).encode()
 
 
-async def _connect(port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-    return await asyncio.open_connection("127.0.0.1", port, local_addr=(ATTACKER, 0))
+async def _connect(port: int, source: str = ATTACKER) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    return await asyncio.open_connection("127.0.0.1", port, local_addr=(source, 0))
 
 
 async def _send(w: asyncio.StreamWriter, data: bytes, stall_s: float) -> bool:
@@ -161,9 +162,10 @@ async def unterminated_trailer(port: int, total: int = 100 * MiB, stall_s: float
     return {"trailer_mb_taken": round(sent / MiB, 1), "answer": answer, "s": round(time.perf_counter() - t0, 2)}
 
 
-async def silent_flood(port: int, n: int = 4096, hold_s: float = 12.0) -> dict:
-    """``n`` connections that never send a byte, held ``hold_s`` (issue 24 item 4); counts those
-    refused at once and those the server closed, and when."""
+async def silent_flood(port: int, n: int = 4096, hold_s: float = 12.0, addresses: int = 1) -> dict:
+    """``n`` connections that never send a byte, held ``hold_s`` (issue 24 item 4), from
+    ``addresses`` source addresses (127.0.0.2 on); counts those refused at once and those the
+    server closed, and when."""
     t0 = time.perf_counter()
     outcome: dict[str, list[float]] = {"refused": [], "closed": []}
 
@@ -173,10 +175,12 @@ async def silent_flood(port: int, n: int = 4096, hold_s: float = 12.0) -> dict:
             kind = "refused" if data.startswith(b"HTTP/1.1 503") or data.startswith(b"HTTP/1.1 429") else "closed"
             outcome[kind].append(time.perf_counter() - t0)
 
-    writers, tasks, failed = [], [], 0
+    writers: list[asyncio.StreamWriter] = []
+    tasks: list[asyncio.Task[None]] = []
+    failed = 0
     for _ in range(n):
         try:
-            r, w = await asyncio.wait_for(_connect(port), 5)
+            r, w = await asyncio.wait_for(_connect(port, f"127.0.0.{2 + len(writers) % addresses}"), 5)
         except (OSError, TimeoutError):
             failed += 1
             continue
@@ -240,6 +244,7 @@ ATTACKS: dict[str, AttackSpec] = {
     "pipelined-200-answers-of-1MiB": AttackSpec(pipelined_answers),
     "unterminated-trailer-100MB": AttackSpec(unterminated_trailer),
     "silent-flood-4096": AttackSpec(silent_flood),
+    "silent-flood-4096-from-4-addresses": AttackSpec(partial(silent_flood, addresses=4)),
     "idle-2000": AttackSpec(idle),
     "slow-headers-200": AttackSpec(slow_headers),
     "tiny-chunks-80057": AttackSpec(tiny_chunks),

@@ -13,8 +13,9 @@ Every resource a client can hold is bounded (defaults in ``HTTPLimits``): head b
 count (counted from the parsed fields, so independent of how reads arrive; bytes of a field not
 yet complete count too), the chunk framing and trailer section of a body under the same limit,
 body bytes, the time to send a head (slowloris; a new connection that sends nothing is held to
-it too), the time to send a body, idle keep-alive time, concurrent connections in all and per
-client address (``gateway/limits.py``), and pipelining: reading pauses while a complete request
+it too), the time to send a body, idle keep-alive time, concurrent connections in all (at the cap, the
+longest-held connection that holds no request makes room) and per client address
+(``gateway/limits.py``), and pipelining: reading pauses while a complete request
 waits behind a running one, and the next request is not started while the client leaves the
 last answer unread (uvicorn's flow control does the same), so a client that sends without
 reading costs one answer, not one per request. Deadlines are checked by one sweep per server
@@ -240,18 +241,27 @@ class _Connection(asyncio.Protocol):
         server, limits = self.server, self.limits
         peer = transport.get_extra_info("peername")
         self.client = client = str(peer[0]) if isinstance(peer, tuple) and peer else ""
-        if len(server.connections) >= limits.max_connections:
-            self._refuse(503, "too_many_connections", _TOO_MANY,
-                         f"the gateway holds its limit of {limits.max_connections} connections")
-            return
         if not server.clients.add(client, limits.max_connections_per_client):
             self._refuse(503, "too_many_client_connections", _TOO_MANY_CLIENT,
                          f"the address holds its limit of {limits.max_connections_per_client} connections")
             return
+        if len(server.connections) >= limits.max_connections:
+            # at the cap, a connection that holds no request (silent since its accept, or idle
+            # between requests) makes room, the longest-held first, as nginx reuses its idle
+            # keep-alive connections: a flood of silent connections from many addresses cannot
+            # lock new clients out; only when every connection is mid-request is the answer 503
+            victim = next(iter(server.idle), None)
+            if victim is None:
+                server.clients.remove(client)
+                self._refuse(503, "too_many_connections", _TOO_MANY,
+                             f"the gateway holds its limit of {limits.max_connections} connections, all busy")
+                return
+            victim.evict()
         sock = transport.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         server.connections.add(self)
+        server.idle[self] = None
         self.counted = True
         self.phase, self.deadline = _NEW, server.now + limits.header_timeout_s  # not the keep-alive time
 
@@ -273,13 +283,27 @@ class _Connection(asyncio.Protocol):
         else:
             transport.close()
 
+    def evict(self) -> None:
+        """Close a connection that holds no request to make room for a new one (counted as
+        ``kvroute_http_rejected{status="0",reason="evicted_idle"}``: closed without an answer)."""
+        self.server.rejections.record(0, "evicted_idle", self.client, "a connection holding no request was "
+                                      "closed to admit a new one at the connection limit", time.monotonic())
+        self._uncount()
+        self.closed = True
+        self.transport.close()
+
+    def _uncount(self) -> None:
+        if self.counted:
+            self.counted = False
+            server = self.server
+            server.connections.discard(self)
+            server.clients.remove(self.client)
+            server.idle.pop(self, None)
+
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         server = self.server
-        if self.counted:
-            self.counted = False
-            server.connections.discard(self)
-            server.clients.remove(self.client)
+        self._uncount()
         if self.lingering:
             self.lingering = False
             server.lingering -= 1
@@ -353,6 +377,7 @@ class _Connection(asyncio.Protocol):
 
     # -- llhttp callbacks -----------------------------------------------------------------------
     def on_message_begin(self) -> None:
+        self.server.idle.pop(self, None)  # it holds a request now
         if self.phase != _NEW:  # a new connection's head deadline runs from the accept
             self.deadline = self.server.now + self.limits.header_timeout_s
         self.phase = _HEAD
@@ -458,6 +483,8 @@ class _Connection(asyncio.Protocol):
             self.transport.pause_reading()
 
     def _idle(self) -> None:
+        if self.counted:
+            self.server.idle[self] = None  # the newest idle one: evicted last
         self.phase = _IDLE
         self.deadline = self.server.now + self.limits.keepalive_timeout_s
 
@@ -560,6 +587,7 @@ class HTTPServer:
         self.active = 0
         self.closing = False
         self.clients = ClientCounts()  # open connections per client address
+        self.idle: dict[_Connection, None] = {}  # connections holding no request, longest-held first
         self.rejections = Rejections(log)  # refusals by (status, reason), logged at a bounded rate
         self.lingering = 0  # refused connections still being read and discarded
         self.errors = 0  # handler exceptions answered 500
