@@ -369,7 +369,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from kvroute.live.embedded import start_deployment
         from kvroute.shutdown import until_stopped
 
-        dep = await start_deployment(replicas=args.replicas, policy=args.policy or "skywalker",
+        dep = await start_deployment(replicas=args.replicas, policy=args.policy or "auto",
                                      host=args.host or "127.0.0.1", port=args.port if args.port is not None else 8000)
         err.print(f"kvroute gateway on {dep.url} in front of {len(dep.emulators)} emulated replicas "
                   f"(policy {dep.gateway.runtime.policy_name}). Try:\n"
@@ -790,12 +790,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_plan(bench)
 
+    from kvroute.bench.auto import add_parser as add_bench_auto
+
+    add_bench_auto(bench)
+
     sv = sub.add_parser("serve", help="run the gateway (no --config: an embedded emulated deployment)")
     sv.add_argument("--config", help="gateway YAML (replicas, policy, probes, queue, timeouts)")
     sv.add_argument("--host")
     sv.add_argument("--port", type=_port)
     sv.add_argument("--replicas", type=int, default=4, help="emulated replicas when no --config")
-    sv.add_argument("--policy", help="policy preset when no --config")
+    sv.add_argument("--policy", help="policy preset when no --config (default: auto)")
     sv.add_argument("--log-level", default="INFO", dest="log_level", type=str.upper,
                     choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     sv.set_defaults(func=cmd_serve)

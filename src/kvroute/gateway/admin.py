@@ -65,7 +65,10 @@ def handle_admin(rt: Runtime, request: Request, resp: Responder) -> None:
         view = rt.fleet.view() if rt.fleet is not None else {"sync": "off"}
         resp.send(200, json.dumps(view).encode())
     elif parts == ["policy"] and method == "GET":
-        resp.send(200, json.dumps({"name": rt.policy_name, "config": rt.config.policy}).encode())
+        m = rt.metrics  # which mechanism decided (the branch) and how often: `auto` explains itself here
+        resp.send(200, json.dumps({"name": rt.policy_name, "config": rt.config.policy,
+                                   "in_charge": m.last_branch, "branches": m.branch_counts,
+                                   "state": rt.router.policy_state()}).encode())
     elif len(parts) in (2, 3) and parts[0] == "replicas":
         name = parts[1]
         if name not in rt.upstreams:

@@ -440,7 +440,7 @@ class GatewayConfig(StrictModel):
     host: str = Field("127.0.0.1", description="address to listen on (`--host`)")
     port: int = Field(8000, ge=0, le=65535, description="port to listen on; 0: any free port (`--port`)")
     region: str = Field("local", description="the gateway's own region; replicas elsewhere are remote to it")
-    policy: str | dict[str, Any] = Field("skywalker", description="a preset name, `{preset, params}`, or a "
+    policy: str | dict[str, Any] = Field("auto", description="a preset name, `{preset, params}`, or a "
                                          "composition of plugins (docs/policies.md; `kvroute policies`)")
     replicas: list[ReplicaConfig] = Field(default_factory=list, description="the engines behind the gateway")
     discovery: list[Source] = Field(default_factory=list, description="where more engines come from at run "

@@ -43,6 +43,9 @@ class GatewayMetrics:
                                 registry=r)
         r.register(_LiveCollector(runtime))
         self._children: dict[tuple, object] = {}  # label lookups cost more than the increment
+        # decisions per branch and the latest one: which mechanism is in charge (GET /admin/policy)
+        self.branch_counts: dict[str, int] = {}
+        self.last_branch = ""
 
     def _child(self, metric, *labels):
         key = (id(metric), *labels)
@@ -58,6 +61,8 @@ class GatewayMetrics:
     def count_branch(self, policy: str, branch: str) -> None:
         """Count one routing decision by the policy branch that made it."""
         self._child(self.branches, policy, branch).inc()
+        self.branch_counts[branch] = self.branch_counts.get(branch, 0) + 1
+        self.last_branch = branch
 
     def watch_http(self, server) -> None:
         """Export the HTTP server's refusals (``HTTPServer.rejections``) as ``kvroute_http_rejected``."""

@@ -60,7 +60,7 @@ def event_source(emu: Emulator) -> ReplicaEventsConfig | None:
                                topic=pub.topic.decode())
 
 
-async def start_deployment(replicas: int = 4, policy: str | dict = "skywalker", host: str = "127.0.0.1",
+async def start_deployment(replicas: int = 4, policy: str | dict = "auto", host: str = "127.0.0.1",
                            port: int = 8000, profile: str = DEFAULT_PROFILE, kv_events: str | None = None,
                            **overrides) -> Deployment:
     """``replicas`` emulators and a gateway in front of them with ``policy`` (extra GatewayConfig fields via

@@ -194,7 +194,7 @@ class PolicyEntry(NamedTuple):
     topology: str | None  # overrides the scenario's topology for this policy
 
 
-_DEFAULT_POLICIES: list[str | dict[str, Any]] = ["round_robin", "skywalker"]
+_DEFAULT_POLICIES: list[str | dict[str, Any]] = ["auto"]  # the default policy (policy/presets/auto.py)
 
 
 class Scenario(StrictModel):

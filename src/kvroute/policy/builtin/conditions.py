@@ -63,3 +63,21 @@ class HitRatioAbove(Condition):
     def holds(self, st: DecisionState, eps: list[Endpoint]) -> bool:
         """True when the best match among ``eps`` covers more than ``threshold`` of the prompt."""
         return st.hit_ratio(eps) > self.threshold
+
+
+@register_plugin
+class RttSpreadAbove(Condition):
+    """The candidates' measured round-trip times differ by more than ``ms`` milliseconds: they sit in
+    different regions as seen from this load balancer, so where a request goes costs network time
+    (GORGO §3's RTT term matters; within one region it is noise)."""
+
+    name = "rtt_spread_above"
+    inputs = frozenset({"rtt"})
+
+    def __init__(self, ms: float = 10.0):
+        self.ms = ms
+
+    def holds(self, st: DecisionState, eps: list[Endpoint]) -> bool:
+        """True when max − min of the candidates' probe RTTs exceeds ``ms``."""
+        rtts = [e.rtt_s for e in eps]
+        return 1000.0 * (max(rtts) - min(rtts)) > self.ms

@@ -9,3 +9,4 @@ baselines, industry routers, the papers.
 from kvroute.policy import builtin
 from kvroute.policy.presets import basic, hashing, sglang, aibrix, vllm, dynamo, llm_d, weighted
 from kvroute.policy.presets import skywalker, gorgo, gorgo_tuned, lmetric, cascadeinfer, llumnix, pd
+from kvroute.policy.presets import auto

@@ -1,0 +1,69 @@
+"""`auto`, the default policy: which mechanism is in charge, from what a live gateway observes, and it says so."""
+
+import hashlib
+
+import httpx
+
+from kvroute.cli import main
+from kvroute.gateway.config import GatewayConfig
+from kvroute.model import DecisionKind
+from kvroute.policy.presets.auto import PREFIX_LOAD, RTT_AWARE
+from kvroute.sim.runner import run_scenario
+from kvroute.sim.scenario import Scenario, parse_scenario
+from tests.conftest import make_request
+from tests.fake_upstream import FaultyDeployment, http_response, replies
+
+
+def test_auto_is_the_default_of_the_gateway_and_the_simulator():
+    assert GatewayConfig.model_fields["policy"].default == "auto"
+    assert Scenario().policies == ["auto"]
+    assert [p.label for p in Scenario().policy_list()] == ["auto"]
+
+
+def test_one_region_uses_lmetrics_score_and_regions_apart_the_rtt_aware_cost(router_for):
+    near = router_for("auto", 3)
+    d = near.route(make_request("a", "hello " * 50))
+    assert d.kind == DecisionKind.DISPATCH and d.branch == PREFIX_LOAD
+    far = router_for("auto", 3)
+    for i, e in enumerate(far.view.endpoints):
+        e.rtt_s = 0.002 + 0.08 * i  # one replica nearby, two across an ocean (measured probe RTTs)
+    d = far.route(make_request("b", "hello " * 50))
+    assert d.branch == RTT_AWARE and d.target == "e0"  # idle everywhere: the network decides
+
+
+def test_the_simulation_report_says_which_mechanism_was_in_charge():
+    common = {"replicas": [{"region": r, "count": 2, "profile": "l4-llama3.1-8b"} for r in ("us", "eu")],
+              "network": {"rtt_ms": {"us-eu": 90}}, "workload": {"kind": "chat", "clients": {"us": 12, "eu": 4}},
+              "limits": {"max_requests": 200}, "seed": 2}
+    regional = run_scenario(parse_scenario(common))[0].result  # no policy named: auto, one LB per region
+    central = run_scenario(parse_scenario({**common, "topology": {"kind": "global", "region": "us"}}))[0].result
+    assert set(regional["branches"]) <= {PREFIX_LOAD, "auto:hotspot"} and regional["branches"][PREFIX_LOAD] > 0
+    assert central["branches"].get(RTT_AWARE, 0) > 0  # one LB seeing both regions weighs the 90 ms
+
+
+def test_simulate_without_a_policy_runs_auto(tmp_path):
+    out = tmp_path / "r.json"
+    assert main(["simulate", "--workload", "chat-poisson", "--rate", "3", "--replicas", "2", "--max-requests", "60",
+                 "--json", str(out)]) == 0
+    import json
+
+    assert list(json.loads(out.read_text())["results"]) == ["auto"]
+
+
+def test_the_gateway_explains_auto_in_the_admin_api_and_metrics(monkeypatch):
+    monkeypatch.setenv("KVROUTE_TEST_ADMIN_KEY", "sk-admin-auto")
+    keys = [{"name": "ops", "env": "KVROUTE_TEST_ADMIN_KEY", "admin": True},
+            {"name": "user", "sha256": hashlib.sha256(b"sk-user-auto").hexdigest()}]
+    good = replies(http_response())
+    dep = FaultyDeployment([good, good], policy="auto", auth={"keys": keys})
+    try:
+        r = httpx.post(f"{dep.url}/v1/completions", json={"prompt": "hello", "max_tokens": 3},
+                       headers={"Authorization": "Bearer sk-user-auto"})
+        assert r.status_code == 200
+        info = httpx.get(f"{dep.url}/admin/policy", headers={"Authorization": "Bearer sk-admin-auto"}).json()
+        assert info["name"] == "auto" and info["in_charge"] == PREFIX_LOAD and info["branches"] == {PREFIX_LOAD: 1}
+        text = httpx.get(f"{dep.url}/metrics").text
+        assert f'kvroute_policy_branch_total{{branch="{PREFIX_LOAD}",policy="auto"}} 1.0' in text
+        assert dep.settle() == (0, 0, 0)
+    finally:
+        dep.close()
