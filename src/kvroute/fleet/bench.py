@@ -38,7 +38,7 @@ import aiohttp
 from kvroute.fleet.deploy import DEFAULT_PROFILE, RegionFleet
 from kvroute.fleet.services import nats_server
 from kvroute.live.loadgen import WORDS
-from kvroute.metrics.stats import percentile
+from kvroute.stats import percentile
 
 CONFIGS = (("1 instance", 1, True), ("3 instances", 3, True), ("3 instances, no sync", 3, False))
 
