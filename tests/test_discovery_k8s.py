@@ -194,9 +194,12 @@ def test_roles_reach_replicas_only_in_a_pd_gateway(monkeypatch):
     rec.forget("k")
     assert not added
     rec.roles = True
-    rec.apply("k", engines, {"engine": "sglang"})
+    rec.apply("k", engines, {"engine": "sglang", "kv_events": {"topic": "kv"}})
     assert {n: (rc.role, rc.bootstrap_port, rc.engine) for n, rc in added.items()} == {
         "p0": ("prefill", 8998, "sglang"), "d0": ("decode", None, "sglang")}
+    # the pod's own publisher, the source's topic: the gateway's KV-event consumer subscribes to it
+    assert (added["p0"].kv_events.endpoint, added["p0"].kv_events.topic) == ("tcp://10.0.0.1:5557", "kv")
+    assert added["d0"].kv_events is None  # publishes nothing: the approximate index
     assert rec.status()["k"]["engines"][0]["kv_events"] == "tcp://10.0.0.1:5557"
     # a pod that changes role is a new replica (removed, added again)
     assert rec.apply("k", [Engine("p0", "http://10.0.0.1:8000", "decode"), engines[1]], {}) == ["-p0", "+p0"]
@@ -217,3 +220,15 @@ def test_bootstrap_port_from_the_pod_annotation():
     pods = {"p": {"labels": {"llm-d.ai/role": "prefill"}, "annotations": {"sglang.ai/bootstrap-port": "8999"}}}
     (e,) = ready_endpoints({"a": sl}, src, pods)
     assert (e.role, e.fields, e.url) == ("prefill", {"bootstrap_port": 8999}, "http://10.0.0.1:30000")
+
+
+def test_slices_of_impossible_shapes_are_skipped_not_fatal():
+    """A watch event that parses as JSON but holds a slice no API server would send (wrong types)
+    yields no engine from the broken parts and never raises."""
+    src = KubernetesSource(kind="kubernetes", service="s", api_server="http://127.0.0.1:1")
+    junk = {"a": {"endpoints": {"not": "a list"}, "ports": [{"port": 80}]},
+            "b": {"endpoints": [{"addresses": "10.0.0.1", "conditions": []}], "ports": "eighty"},
+            "c": {"endpoints": [{"addresses": ["10.0.0.2"], "conditions": "ready", "targetRef": ["Pod"]},
+                                {"addresses": [7], "conditions": {}}], "ports": [{"port": 80}, "junk"]}}
+    got = ready_endpoints(junk, src, {"x": {"labels": None}})
+    assert [(e.id, e.url) for e in got] == [("10.0.0.2:80", "http://10.0.0.2:80")]

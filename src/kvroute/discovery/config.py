@@ -34,7 +34,10 @@ def check_defaults(v: dict[str, Any]) -> dict[str, Any]:
     own = sorted({"url", "id"} & v.keys())
     if own:
         raise ValueError(f"defaults may not set {', '.join(own)}: the source gives each engine its own")
-    ReplicaConfig.model_validate({"url": "http://127.0.0.1:1", **v})  # unknown or bad fields fail at load
+    probe = dict(v)
+    if isinstance(probe.get("kv_events"), dict):  # settings for every pod's publisher; the endpoint is per pod
+        probe["kv_events"] = {"endpoint": "tcp://127.0.0.1:1", **probe["kv_events"]}
+    ReplicaConfig.model_validate({"url": "http://127.0.0.1:1", **probe})  # unknown or bad fields fail at load
     return v
 
 

@@ -73,24 +73,24 @@ def ready_endpoints(slices: dict[str, dict[str, Any]], src: KubernetesSource,
     so far, by pod name). An endpoint without the serving port, or not ready, is left out."""
     out: dict[str, Engine] = {}
     for sl in slices.values():
-        ports = sl.get("ports") or []
+        ports = sl.get("ports") if isinstance(sl.get("ports"), list) else []
         port = _port_of(ports, src.port)
         if port is None:
             continue
         kv_port = _port_of(ports, src.kv_events_port) if src.kv_events_port is not None else None
-        for ep in sl.get("endpoints") or []:
+        for ep in sl.get("endpoints") if isinstance(sl.get("endpoints"), list) else []:
             if not isinstance(ep, dict):
-                continue
-            conditions = ep.get("conditions") or {}
+                continue  # shapes a schema-valid slice never has are skipped, not trusted
+            conditions = ep.get("conditions") if isinstance(ep.get("conditions"), dict) else {}
             if conditions.get("ready") is False or conditions.get("terminating") is True:
                 continue  # unset "ready" means ready (discovery.k8s.io/v1 EndpointConditions)
-            addresses = ep.get("addresses") or []
-            if not addresses or not isinstance(addresses[0], str):
+            addresses = ep.get("addresses")
+            if not isinstance(addresses, list) or not addresses or not isinstance(addresses[0], str):
                 continue
             ip = addresses[0]
-            ref = ep.get("targetRef") or {}
+            ref = ep.get("targetRef") if isinstance(ep.get("targetRef"), dict) else {}
             pod_name = ref.get("name") if ref.get("kind") == "Pod" else None
-            meta = pods.get(pod_name or "", {})
+            meta = pods.get(pod_name, {}) if isinstance(pod_name, str) else {}
             role = ROLE_VALUES.get(str((meta.get("labels") or {}).get(src.role_label or "", "")), "both")
             kv = f"tcp://{host_port(ip, kv_port)}" if kv_port is not None else None
             note = (meta.get("annotations") or {}).get(src.kv_events_annotation or "")
@@ -100,7 +100,7 @@ def ready_endpoints(slices: dict[str, dict[str, Any]], src: KubernetesSource,
             boot = (meta.get("annotations") or {}).get(src.bootstrap_port_annotation or "")
             if isinstance(boot, str) and boot.isdigit() and 0 < int(boot) < 65536:
                 fields["bootstrap_port"] = int(boot)
-            name = pod_name or host_port(ip, port)
+            name = pod_name if isinstance(pod_name, str) and pod_name else host_port(ip, port)
             out[name] = Engine(name, f"{src.scheme}://{host_port(ip, port)}", role, kv, fields)
     return sorted(out.values(), key=lambda e: e.id)
 
@@ -252,7 +252,9 @@ class EndpointSliceWatcher:
                 log.warning("discovery %s: pod %s unreadable (%s); taken without role or KV-event endpoint",
                             self.label, name, exc)
                 continue
-            self.pods[name] = {"labels": meta.get("labels") or {}, "annotations": meta.get("annotations") or {}}
+            labels, notes = meta.get("labels"), meta.get("annotations")
+            self.pods[name] = {"labels": labels if isinstance(labels, dict) else {},
+                               "annotations": notes if isinstance(notes, dict) else {}}
 
 
 def _status_message(body: bytes) -> str:

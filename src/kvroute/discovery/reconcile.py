@@ -22,9 +22,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvroute.discovery")
 
-# ReplicaConfig fields the discovered role and KV-event endpoint fill when the config has them
-# (the P/D work defines role: prefill | decode | mixed; the KV-event work its endpoint); otherwise
-# they stay in the discovery status only
+# ReplicaConfig fields the discovered role and KV-event endpoint fill: role (prefill | decode |
+# mixed, the P/D work) and kv_events.endpoint (the KV-event consumer subscribes to it)
 ROLE_FIELD, KV_EVENTS_FIELD = "role", "kv_events"
 
 
@@ -39,6 +38,7 @@ class Reconciler:
         self.synced: set[str] = set()  # sources that delivered at least one snapshot
         self.errors: dict[str, str] = {}  # source → its last error, until a snapshot succeeds
         self.roles = False  # pass discovered prefill/decode roles on (the gateway runs P/D)
+        self._said_events = False
 
     def replica(self, e: Engine, defaults: dict[str, Any]) -> ReplicaConfig:
         """The ``replicas:`` entry for ``e``: the source's defaults, the engine's own fields, its id and URL."""
@@ -47,11 +47,26 @@ class Reconciler:
         known = ReplicaConfig.model_fields  # a field the gateway does not define is dropped, not an error
         data: dict[str, Any] = {**defaults, **{k: v for k, v in e.fields.items() if k in known},
                                 "url": e.url, "id": e.id}
-        if self.roles and ROLE_FIELD in ReplicaConfig.model_fields and e.role != "both":
+        if self.roles and ROLE_FIELD in known and e.role != "both":
             data[ROLE_FIELD] = e.role  # only for a P/D gateway: elsewhere every engine serves whole requests
-        if KV_EVENTS_FIELD in ReplicaConfig.model_fields and e.kv_events:
-            data[KV_EVENTS_FIELD] = e.kv_events
+        if KV_EVENTS_FIELD not in e.fields:  # (a file's entry carries its own, complete)
+            base = data.pop(KV_EVENTS_FIELD, None)  # the defaults' event settings, for pods that publish
+            if e.kv_events and KV_EVENTS_FIELD in known and self._events_installed():
+                data[KV_EVENTS_FIELD] = {**(base if isinstance(base, dict) else {}), "endpoint": e.kv_events}
         return self._place(ReplicaConfig.model_validate(data))
+
+    def _events_installed(self) -> bool:
+        """Whether KV events can be consumed (the ``events`` extra); said once when they cannot."""
+        from kvroute.gateway.config import events_extra_installed
+
+        try:
+            events_extra_installed()
+        except ValueError as exc:
+            if not self._said_events:
+                log.warning("discovery: engines publish KV events but %s; routing on the approximate index", exc)
+                self._said_events = True
+            return False
+        return True
 
     def apply(self, source: str, engines: list[Engine], defaults: dict[str, Any]) -> list[str]:
         """Make ``source``'s replicas equal to ``engines``; returns the changes, as log words."""
