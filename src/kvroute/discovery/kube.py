@@ -46,7 +46,7 @@ class APIError(ServiceError):
     """The API server refused or failed a call."""
 
 
-def _port_of(ports: list[dict[str, Any]], want: int | str | None) -> int | None:
+def _port_of(ports: list[Any], want: int | str | None) -> int | None:
     """The slice port named or numbered ``want`` (None: the first port)."""
     for p in ports:
         if not isinstance(p, dict) or not isinstance(p.get("port"), int):
@@ -67,28 +67,36 @@ def _kv_endpoint(value: str, ip: str) -> str | None:
     return None
 
 
+def _as_list(v: Any) -> list[Any]:
+    return v if isinstance(v, list) else []
+
+
+def _as_dict(v: Any) -> dict[str, Any]:
+    return v if isinstance(v, dict) else {}
+
+
 def ready_endpoints(slices: dict[str, dict[str, Any]], src: KubernetesSource,
                     pods: dict[str, dict[str, Any]]) -> list[Engine]:
     """Every Ready endpoint of ``slices`` as an Engine (pure: ``pods`` holds the pod metadata read
     so far, by pod name). An endpoint without the serving port, or not ready, is left out."""
     out: dict[str, Engine] = {}
     for sl in slices.values():
-        ports = sl.get("ports") if isinstance(sl.get("ports"), list) else []
+        ports = _as_list(sl.get("ports"))
         port = _port_of(ports, src.port)
         if port is None:
             continue
         kv_port = _port_of(ports, src.kv_events_port) if src.kv_events_port is not None else None
-        for ep in sl.get("endpoints") if isinstance(sl.get("endpoints"), list) else []:
+        for ep in _as_list(sl.get("endpoints")):
             if not isinstance(ep, dict):
                 continue  # shapes a schema-valid slice never has are skipped, not trusted
-            conditions = ep.get("conditions") if isinstance(ep.get("conditions"), dict) else {}
+            conditions = _as_dict(ep.get("conditions"))
             if conditions.get("ready") is False or conditions.get("terminating") is True:
                 continue  # unset "ready" means ready (discovery.k8s.io/v1 EndpointConditions)
             addresses = ep.get("addresses")
             if not isinstance(addresses, list) or not addresses or not isinstance(addresses[0], str):
                 continue
             ip = addresses[0]
-            ref = ep.get("targetRef") if isinstance(ep.get("targetRef"), dict) else {}
+            ref = _as_dict(ep.get("targetRef"))
             pod_name = ref.get("name") if ref.get("kind") == "Pod" else None
             meta = pods.get(pod_name, {}) if isinstance(pod_name, str) else {}
             role = ROLE_VALUES.get(str((meta.get("labels") or {}).get(src.role_label or "", "")), "both")
