@@ -49,3 +49,4 @@ def test_a_small_run_prints_its_table(tmp_path, capsys):
     for label in ("1 instance", "3 instances", "3 instances, no sync"):
         m = result["medians"][label]
         assert m["errors"] == 0 and m["requests"] >= 8  # every session's turns, every one served
+        assert m["index_identical_runs"] == 1  # the instances' event-built indexes agree

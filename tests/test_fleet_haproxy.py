@@ -19,6 +19,7 @@ from tests.fleet_harness import needs_haproxy, needs_nats
 
 pytestmark = [needs_nats, needs_haproxy]
 
+SYSTEM = {"role": "system", "content": "You tell long stories about caches and queues. " * 40}  # blocks to index
 LONG = 300  # tokens: seconds of decoding on the emulated L4, so requests are in flight at the kill
 
 
@@ -26,7 +27,7 @@ async def _stream(client: openai.AsyncOpenAI, i: int, started: list[float]) -> t
     """One long streamed chat: ('ok' | 'failed', when it ended, the error text)."""
     try:
         stream = await client.chat.completions.create(
-            model="emulated", messages=[{"role": "user", "content": f"conversation {i}: tell me a long story"}],
+            model="emulated", messages=[SYSTEM, {"role": "user", "content": f"conversation {i}: tell me a story"}],
             max_tokens=LONG, stream=True)
         async for _chunk in stream:
             if len(started) <= i or not started[i]:
@@ -54,7 +55,8 @@ async def _scenario(folder) -> None:
     try:
         await region.start_replicas()
         await region.start_front(3)
-        client = openai.AsyncOpenAI(base_url=f"{region.url}/v1", api_key="unused", max_retries=0, timeout=30)
+        client = openai.AsyncOpenAI(base_url=f"{region.url}/v1", api_key=region.client_key, max_retries=0,
+                                    timeout=30)
         # -- one instance killed mid-run ------------------------------------------------------------
         n = 9
         started = [0.0] * n
@@ -82,6 +84,10 @@ async def _scenario(folder) -> None:
             r = await client.chat.completions.create(model="emulated", max_tokens=4,
                                                      messages=[{"role": "user", "content": f"after the kill {i}"}])
             assert r.choices[0].message.content is not None
+        await asyncio.sleep(0.5)  # quiet: the last events delivered
+        views = await region.fleet_views()  # each survivor built its index from the same engine events
+        assert len(views) == 2 and sum(r["blocks"] for r in views[0]["event_index"].values()) > 0
+        assert views[0]["event_index"] == views[1]["event_index"], [v["event_index"] for v in views]
         async with httpx.AsyncClient(timeout=5) as http:
             async def siblings(i: int) -> float:
                 text = (await http.get(f"{region.instances[i].url}/metrics")).text

@@ -39,7 +39,7 @@ def test_add_prefill_free_mirror_the_siblings_accounting():
     a, b = routers(), routers()
     ledger = Ledger("B", b, timeout_s=3.0)
     msg = decode(encode(sibling_dispatch(a)))
-    ledger.apply(msg, now=0.0)
+    assert ledger.apply(msg, now=0.0).added == ("r1", HASHES)  # the runtime speculates it into an event table
     r1 = b[REPLICA].endpoint("r1")
     assert (r1.inflight, r1.inflight_tokens, r1.queued_prefill_tokens, r1.dispatched_since_probe) == (1, 256, 256, 1)
     assert b[REPLICA].prefix.match_one("r1", HASHES) == 4  # the sibling's prompt is in our index too

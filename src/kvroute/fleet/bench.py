@@ -136,8 +136,8 @@ async def _turn(session: aiohttp.ClientSession, url: str, messages: list[dict], 
     return out, "".join(answer)
 
 
-async def drive(url: str, sessions: list[Session], w: Workload, events: Callable[[float], Any] | None = None
-                ) -> list[Outcome]:
+async def drive(url: str, sessions: list[Session], w: Workload, events: Callable[[float], Any] | None = None,
+                key: str | None = None) -> list[Outcome]:
     """Replay ``sessions`` against ``url``; ``events(elapsed)`` is awaited in the background (faults)."""
     outcomes: list[Outcome] = []
     t0 = time.monotonic()
@@ -155,12 +155,19 @@ async def drive(url: str, sessions: list[Session], w: Workload, events: Callable
             await asyncio.sleep(pause)
 
     timeout = aiohttp.ClientTimeout(total=60)
-    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as http:
+    auth = {"Authorization": f"Bearer {key}"} if key else None
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0), headers=auth) as http:
         side = asyncio.create_task(events(t0)) if events is not None else None
         await asyncio.gather(*(run(s, http) for s in sessions))
         if side is not None:
             await side
     return outcomes
+
+
+def same_index(views: list[dict[str, Any]]) -> bool:
+    """Whether every instance reports the same event-built index (blocks and digest per replica)."""
+    return bool(views) and all(v.get("event_index") == views[0].get("event_index") for v in views) \
+        and bool(views[0].get("event_index"))
 
 
 def summarize(outcomes: list[Outcome], replicas: int) -> dict[str, Any]:
@@ -185,7 +192,12 @@ async def _run_config(region: RegionFleet, instances: int, sync: bool, sessions:
     await region.reset()
     await region.start_front(instances, sync)
     try:
-        return await drive(region.url, sessions, w, (lambda t0: events(region, t0)) if events else None)
+        outcomes = await drive(region.url, sessions, w, (lambda t0: events(region, t0)) if events else None,
+                               key=region.client_key)
+        if region.kv_events:
+            await asyncio.sleep(0.5)  # the last events in flight
+            region.last_views = await region.fleet_views()
+        return outcomes
     finally:
         await region.stop_front()
 
@@ -265,7 +277,9 @@ def run(workload: Workload, replicas: int = 4, profile: str = DEFAULT_PROFILE, p
             for rep in range(repeats):
                 for label, n, sync in CONFIGS:
                     progress(f"repeat {rep + 1}/{repeats}: {label}")
-                    per[label].append(summarize(await _run_config(region, n, sync, sessions, workload), replicas))
+                    row = summarize(await _run_config(region, n, sync, sessions, workload), replicas)
+                    row["index_identical"] = same_index(region.last_views) if region.kv_events else None
+                    per[label].append(row)
             out["runs"] = per
             out["medians"] = {label: _medians(rows) for label, rows in per.items()}
             base, three = out["medians"]["1 instance"], out["medians"]["3 instances"]
@@ -299,11 +313,14 @@ def _medians(rows: list[dict[str, Any]]) -> dict[str, Any]:
     keys = ("requests", "errors", "ttft_p50_s", "ttft_p99_s", "cached_share", "max_over_fair")
     out: dict[str, Any] = {k: statistics.median(r[k] for r in rows) for k in keys}
     out.update({f"{k}_range": (min(r[k] for r in rows), max(r[k] for r in rows)) for k in keys[2:]})
+    out["index_identical_runs"] = sum(1 for r in rows if r.get("index_identical"))
+    out["runs"] = len(rows)
     return out
 
 
 def table_rows(result: dict[str, Any]) -> list[list[str]]:
-    """The comparison as rows: configuration, requests, errors, TTFT p50 / p99, cached share, busiest replica."""
+    """The comparison as rows: configuration, requests, errors, TTFT p50 / p99, cached share, busiest replica,
+    runs after which every instance's event-built index was the same."""
     rows = []
     for label, m in result["medians"].items():
         lo, hi = m["ttft_p99_s_range"]
@@ -311,7 +328,7 @@ def table_rows(result: dict[str, Any]) -> list[list[str]]:
         rows.append([label, f"{m['requests']:.0f}", f"{m['errors']:.0f}", f"{1000 * m['ttft_p50_s']:.0f}",
                      f"{1000 * m['ttft_p99_s']:.0f} ({1000 * lo:.0f}–{1000 * hi:.0f})",
                      f"{100 * m['cached_share']:.1f} ({100 * clo:.1f}–{100 * chi:.1f})",
-                     f"{m['max_over_fair']:.2f}"])
+                     f"{m['max_over_fair']:.2f}", f"{m['index_identical_runs']}/{m['runs']}"])
     return rows
 
 

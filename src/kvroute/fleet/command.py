@@ -70,11 +70,11 @@ def cmd_bench_fleet(args: argparse.Namespace) -> int:
                         f"replicas ({args.profile}), {args.policy}, through HAProxy; median of {args.repeats} "
                         "(min–max)")
     for col in ("configuration", "requests", "errors", "TTFT p50 ms", "TTFT p99 ms", "cached share %",
-                "busiest replica / fair"):
+                "busiest replica / fair", "same index"):
         table.add_column(col, justify="left" if col == "configuration" else "right")
     for row in table_rows(result):
         table.add_row(*row)
-    out = Console(width=max(Console().width, 130))  # seven columns: do not fold them
+    out = Console(width=max(Console().width, 140))  # eight columns: do not fold them
     out.print(table)
     out.print(criteria_line(result))
     for line in fault_lines(result):

@@ -5,12 +5,19 @@ HAProxy in front checking ``/readyz`` — every one a child process stopped by i
 Used by ``kvroute bench fleet`` and the fleet tests. The front (NATS, instances, HAProxy) can be
 torn down and started again with another instance count over the same replicas; ``reset`` empties
 the replicas' caches in between (the emulator's ``POST /_restart``), so runs start alike.
+
+With ``kv_events`` (the default) every emulator publishes its cache's KV events as vLLM does, on
+Unix sockets in the region's folder (``ipc://``: nothing listens beyond this host), and every
+instance subscribes to every replica: each builds the same exact index from the same events
+(issue 19 items 1-2), and the fleet sync only has to carry load. Instances take two API keys:
+``client_key`` for requests, ``admin_key`` for the admin API (``GET /admin/fleet``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,6 +30,7 @@ from kvroute.live.processes import Child, Fleet
 from kvroute.ports import free_ports
 
 DEFAULT_PROFILE = "h100-llama3.2-3b"  # answers in tens of milliseconds
+ADMIN_ENV, CLIENT_ENV = "KVROUTE_FLEET_ADMIN_KEY", "KVROUTE_FLEET_CLIENT_KEY"
 
 
 @dataclass
@@ -35,15 +43,19 @@ class RegionFleet:
     policy: str | dict[str, Any] = "skywalker"
     seed: int = 0
     gateway_overrides: dict[str, Any] = field(default_factory=dict)
+    kv_events: bool = True
+    admin_key: str = field(default_factory=lambda: secrets.token_hex(8))
+    client_key: str = field(default_factory=lambda: secrets.token_hex(8))
     procs: Fleet = field(init=False)
     emulators: list[Child] = field(default_factory=list)
     instances: list[Child] = field(default_factory=list)
+    last_views: list[dict[str, Any]] = field(default_factory=list)  # the instances' /admin/fleet after a run
     nats: Service | None = None
     front: Service | None = None
 
     def __post_init__(self) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
-        self.procs = Fleet(self.folder)
+        self.procs = Fleet(self.folder, env={ADMIN_ENV: self.admin_key, CLIENT_ENV: self.client_key})
 
     @property
     def url(self) -> str:
@@ -59,9 +71,11 @@ class RegionFleet:
     async def start_replicas(self) -> None:
         """One emulator process per replica, started together."""
         for i in range(self.replicas):
+            events = ["--kv-events", self._events(i), "--kv-events-replay", self._events(i, replay=True)] \
+                if self.kv_events else []
             self.emulators.append(self.procs.add(f"replica-{i}", [
                 "emulate", "--host", "127.0.0.1", "--port", "0", "--profile", self.profile, "--engine", "vllm",
-                "--model", "emulated"]))
+                "--model", "emulated", *events]))
         await self.procs.start([c.name for c in self.emulators], timeout_s=60)
 
     async def reset(self) -> None:
@@ -71,12 +85,24 @@ class RegionFleet:
                 async with s.post(f"{child.url}/_restart") as r:
                     r.raise_for_status()
 
+    def _events(self, i: int, replay: bool = False) -> str:
+        return f"ipc://{self.folder.resolve()}/r{i}-{'replay' if replay else 'events'}.sock"
+
     def gateway_config(self, name: str, port: int, sync: bool) -> dict[str, Any]:
-        """The YAML of one instance: every replica, the policy, the fleet section when synced."""
+        """The YAML of one instance: every replica (with its events), the policy, keys, the fleet section when
+        synced."""
+        replicas = []
+        for i, c in enumerate(self.emulators):
+            r: dict[str, Any] = {"url": c.url, "id": f"r{i}", "engine": "vllm"}
+            if self.kv_events:
+                r["kv_events"] = {"endpoint": self._events(i), "replay_endpoint": self._events(i, replay=True)}
+            replicas.append(r)
         cfg: dict[str, Any] = {
             "host": "127.0.0.1", "port": port, "region": "local", "policy": self.policy, "seed": self.seed,
-            "replicas": [{"url": c.url, "id": f"r{i}", "engine": "vllm"} for i, c in enumerate(self.emulators)],
-            "access_log": False, "drain_delay_s": 0.0, **self.gateway_overrides}
+            "replicas": replicas, "access_log": False, "drain_delay_s": 0.0,
+            "auth": {"keys": [{"name": "admin", "env": ADMIN_ENV, "admin": True},
+                              {"name": "clients", "env": CLIENT_ENV}]},
+            **self.gateway_overrides}
         if sync:
             cfg["fleet"] = {"nats_url": self.nats_url, "instance": name}
         return cfg
@@ -137,6 +163,17 @@ class RegionFleet:
         """Everything this region started."""
         await self.stop_front()
         await self.procs.stop_all()
+
+    async def fleet_views(self) -> list[dict[str, Any]]:
+        """Every live instance's ``GET /admin/fleet``."""
+        out = []
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5),
+                                         headers={"Authorization": f"Bearer {self.admin_key}"}) as s:
+            for child in self.instances:
+                if child.alive:
+                    async with s.get(f"{child.url}/admin/fleet") as r:
+                        out.append(await r.json(content_type=None))
+        return out
 
     def instance_log(self, i: int) -> str:
         """What instance ``i`` logged (all its starts)."""

@@ -114,6 +114,7 @@ class Applied:
     gap: int = 0
     restarted: bool = False
     skipped: str | None = None  # why an add was not mirrored (an endpoint unknown here)
+    added: tuple[str, tuple[int, ...]] | None = None  # a replica-layer add: (endpoint, block hashes)
 
 
 class Ledger:
@@ -231,6 +232,8 @@ class Ledger:
         req = Request(id=key, block_hashes=hashes, block_tokens=block_tokens, prompt_tokens=tokens)
         router.commit(req, ep, min(matched, len(hashes)), notify=False)  # a re-dispatch undoes the old one
         sib.requests[key] = layer
+        if layer == REPLICA:
+            out.added = (ep, hashes)
 
     def _prefill(self, sib: Sibling, rid: str) -> None:
         key = f"{sib.name}/{rid}"

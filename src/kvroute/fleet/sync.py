@@ -25,9 +25,11 @@ import os
 import socket
 import time
 import uuid
+from array import array
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
+import xxhash
 from prometheus_client import Counter
 from prometheus_client.core import GaugeMetricFamily
 
@@ -141,12 +143,14 @@ class FleetSync:
         return "synced" if self.connected else "local-view"
 
     def view(self) -> dict[str, Any]:
-        """What ``GET /admin/fleet`` shows."""
+        """What ``GET /admin/fleet`` shows: sync state, siblings, and the event-built index's
+        fingerprints (:func:`index_fingerprints`)."""
         now = time.monotonic()
         return {"instance": self.name, "subject": self.subject, "nats": self.config.nats_url, "sync": self.state,
                 "state_for_s": round(now - self.since, 3), "own_inflight": len(self.own),
                 "siblings": [{"name": s.name, "last_seen_s": round(now - s.last_seen, 3), "queue": s.queue,
-                              "inflight": len(s.requests)} for s in self.ledger.siblings.values()]}
+                              "inflight": len(s.requests)} for s in self.ledger.siblings.values()],
+                "event_index": index_fingerprints(self.rt)}
 
     # -- the loop side ----------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -290,10 +294,31 @@ class FleetSync:
             self._skip_logged.add(applied.skipped)
             log.warning("fleet: instance %s routes to %s, which this instance does not have; not mirrored "
                         "(are the instances' replica lists the same?)", data["o"], applied.skipped)
+        if applied.added is not None and self.rt.events is not None:
+            ep, hashes = applied.added  # as for our own dispatches: cached there until its BlockStored comes
+            up = self.rt.upstreams.get(ep)
+            if up is not None:
+                self.rt.events.speculate(up.config.name, hashes)
         if applied.wants_snapshot:
             self._send_snapshot()
         if applied.freed and self.rt.queue:
             self.rt.drain_queue()
+
+
+def index_fingerprints(rt: Runtime) -> dict[str, dict[str, Any]]:
+    """Per replica fed by KV events, the number of blocks its events confirmed and a digest of their
+    keys: equal on every instance that consumed the same events (speculative entries are left out:
+    they differ by design), so comparing instances' answers checks that their indexes agree."""
+    events = rt.events
+    out: dict[str, dict[str, Any]] = {}
+    if events is None:
+        return out
+    for name, up in rt.upstreams.items():
+        table = events.table(up.config.name)
+        if table is not None:
+            confirmed = sorted(k for k, n in table.items() if n > 0)
+            out[name] = {"blocks": len(confirmed), "digest": xxhash.xxh64(array("Q", confirmed).tobytes()).hexdigest()}
+    return out
 
 
 class _FleetCollector:

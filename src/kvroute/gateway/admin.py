@@ -10,7 +10,8 @@ file. Every call needs an API key with ``admin: true`` (without one configured t
     POST   /admin/replicas/{id}/undrain take new requests again
     GET    /admin/policy                the active policy
     GET    /admin/discovery             each discovery source: its engines, synced, last error
-    GET    /admin/fleet                 this instance's fleet sync: synced or local-view, siblings
+    GET    /admin/fleet                 this instance's fleet sync: synced or local-view, siblings, and a
+                                        fingerprint of each replica's event-built index
 """
 
 from __future__ import annotations
@@ -62,7 +63,9 @@ def handle_admin(rt: Runtime, request: Request, resp: Responder) -> None:
     elif parts == ["discovery"] and method == "GET":
         resp.send(200, json.dumps(rt.discovery.status() if rt.discovery is not None else {}).encode())
     elif parts == ["fleet"] and method == "GET":
-        view = rt.fleet.view() if rt.fleet is not None else {"sync": "off"}
+        from kvroute.fleet.sync import index_fingerprints
+
+        view = rt.fleet.view() if rt.fleet is not None else {"sync": "off", "event_index": index_fingerprints(rt)}
         resp.send(200, json.dumps(view).encode())
     elif parts == ["policy"] and method == "GET":
         m = rt.metrics  # which mechanism decided (the branch) and how often: `auto` explains itself here
