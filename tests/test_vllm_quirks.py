@@ -12,6 +12,8 @@ import time
 import httpx
 import pytest
 
+from kvroute.errors import ConfigError
+from kvroute.gateway.config import load_config
 from kvroute.gateway.continuation import Splice
 from kvroute.gateway.outlier import StallDetector
 from kvroute.gateway.tokens import token_events
@@ -249,3 +251,60 @@ def test_a_long_prompt_is_allowed_its_prefill_and_a_silent_engine_is_not():
     assert not list(detector.sweep(32.0))  # a decode gap of 0.5 s seen: 10 × that = 5 s, capped at 3 s
     assert [name for name, _, _ in detector.sweep(33.1)] == ["r"]
     w.end(small)
+
+
+# -- 6. the admin API on its own token; per-replica counters ----------------------------------------
+
+def _samples(metrics: str, name: str) -> dict[str, float]:
+    out = {}
+    for line in metrics.splitlines():
+        if line.startswith(name + "{"):
+            labels, value = line[len(name) + 1:].split("} ")
+            out[labels] = float(value)
+    return out
+
+
+def test_the_admin_api_has_its_own_token_and_clients_need_no_key(monkeypatch):
+    monkeypatch.setenv("KVROUTE_TEST_ADMIN_TOKEN", "s3cret-admin")
+    dep = LiveDeployment(replicas=2, policy="round_robin",
+                         auth={"admin_token_env": "KVROUTE_TEST_ADMIN_TOKEN"})
+    try:
+        for _ in range(4):  # no key: the gateway has no client keys, only an admin token
+            r = httpx.post(f"{dep.url}/v1/completions", json={"model": "emulated", "prompt": PROMPT, "max_tokens": 5})
+            assert r.status_code == 200
+        assert httpx.get(f"{dep.url}/admin/replicas").status_code == 401
+        wrong = httpx.get(f"{dep.url}/admin/replicas", headers={"Authorization": "Bearer nope"})
+        assert wrong.status_code == 401
+        ok = httpx.get(f"{dep.url}/admin/replicas", headers={"Authorization": "Bearer s3cret-admin"})
+        assert ok.status_code == 200
+        assert [(r["requests"], r["errors"], r["stalled"]) for r in ok.json()["replicas"]] == [(2, 0, False)] * 2
+        head = httpx.head(f"{dep.url}/admin/replicas", headers={"Authorization": "Bearer s3cret-admin"})
+        assert head.status_code == 200 and head.content == b"" and int(head.headers["content-length"]) > 0
+        dep.fault(1, fail_rate=1.0)
+        r = httpx.post(f"{dep.url}/v1/completions", json={"model": "emulated", "prompt": PROMPT, "max_tokens": 5})
+        r = httpx.post(f"{dep.url}/v1/completions", json={"model": "emulated", "prompt": PROMPT, "max_tokens": 5})
+        assert r.status_code == 200
+        dep.settle()
+        metrics = httpx.get(f"{dep.url}/metrics").text
+        assert _samples(metrics, "kvroute_replica_requests_total") == {
+            'replica="emulated-0"': 4.0, 'replica="emulated-1"': 3.0}
+        assert _samples(metrics, "kvroute_replica_errors_total") == {
+            'replica="emulated-0"': 0.0, 'replica="emulated-1"': 1.0}
+        tokens = _samples(metrics, "kvroute_replica_tokens_total")
+        assert tokens['kind="completion",replica="emulated-0"'] == 20.0  # 4 answers of 5 tokens
+        assert tokens['kind="completion",replica="emulated-1"'] == 10.0
+        assert tokens['kind="prompt",replica="emulated-0"'] == 2 * tokens['kind="prompt",replica="emulated-1"']
+    finally:
+        dep.close()
+
+
+@pytest.mark.parametrize(("yaml", "message"), [
+    ("auth: {admin_token_env: KVROUTE_TEST_UNSET_TOKEN}", "environment variable KVROUTE_TEST_UNSET_TOKEN is unset"),
+    ("stall: {min_s: 5, max_s: 2}", "min_s (5) must not exceed max_s (2)"),
+])
+def test_bad_admin_token_and_stall_settings_are_one_line_errors(tmp_path, yaml, message):
+    cfg = tmp_path / "gw.yaml"
+    cfg.write_text(f"port: 0\n{yaml}\nreplicas:\n  - {{url: http://127.0.0.1:1}}\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(str(cfg))
+    assert str(err.value).startswith(f"{cfg}:2:") and message in str(err.value)

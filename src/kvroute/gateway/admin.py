@@ -1,7 +1,9 @@
 """The admin API: look at and change the replica set of a running gateway.
 
 Runtime-only: changes live until the next SIGHUP reload or restart, which go back to the config
-file. Every call needs an API key with ``admin: true`` (without one configured the API is off).
+file. Every call needs the admin token (``auth.admin_token_env`` / ``admin_token_file``: the
+admin API protected on its own, while clients send no key) or an API key with ``admin: true``;
+with neither configured the API is off. GET calls answer HEAD too (headers only).
 
     GET    /admin/replicas              every replica with its indicators
     POST   /admin/replicas              add one (a replicas: entry of the config, as JSON)
@@ -38,22 +40,26 @@ def replica_view(rt: Runtime, name: str) -> dict[str, Any]:
             "running": ep.running, "waiting": ep.waiting, "kv_usage": ep.kv_usage, "inflight": ep.inflight,
             "probe_rtt_s": up.streak.rtt_ewma_s, "models": sorted(up.models) if up.models is not None else None,
             "restarts": up.restarts, "indexed_blocks": rt.router.prefix.blocks(name),
+            "stalled": up.breaker.held, "requests": up.requests, "errors": up.errors,
             "kv_source": rt.kv_source(name)}
 
 
 def handle_admin(rt: Runtime, request: Request, resp: Responder) -> None:
     """Authenticate as admin, then dispatch on method and path."""
     if not rt.keys.has_admin:
-        resp.send_error(404, "the admin API is off: give a key 'admin: true' under auth.keys", code="not_found")
+        resp.send_error(404, "the admin API is off: set auth.admin_token_env (or admin_token_file), or give a "
+                        "key 'admin: true' under auth.keys", code="not_found")
         return
-    key = rt.keys.lookup(bearer(request.headers.get("authorization")))
-    if key is None:
-        resp.send_error(401, "Incorrect or missing API key", code="invalid_api_key",
-                        headers=[("WWW-Authenticate", "Bearer")])
-        return
-    if not key.admin:
-        resp.send_error(403, f"key {key.name!r} is not an admin key", code="forbidden")
-        return
+    presented = bearer(request.headers.get("authorization"))
+    if not rt.keys.is_admin_token(presented):
+        key = rt.keys.lookup(presented)
+        if key is None:
+            resp.send_error(401, "Incorrect or missing admin token or API key", code="invalid_api_key",
+                            headers=[("WWW-Authenticate", "Bearer")])
+            return
+        if not key.admin:
+            resp.send_error(403, f"key {key.name!r} is not an admin key", code="forbidden")
+            return
     parts = request.path.strip("/").split("/")[1:]  # after "admin"
     method = request.method
     if parts == ["replicas"] and method == "GET":

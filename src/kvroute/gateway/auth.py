@@ -11,6 +11,7 @@ seconds after which it would pass (the ``Retry-After`` of the 429).
 from __future__ import annotations
 
 import hashlib
+import hmac
 import math
 from dataclasses import dataclass, field
 
@@ -76,9 +77,11 @@ class KeyState:
 
 @dataclass
 class KeyRing:
-    """The configured keys by digest."""
+    """The configured keys by digest, and the admin API's own token (its digest), which
+    protects the admin API without making clients send keys."""
 
     keys: dict[str, KeyState] = field(default_factory=dict)
+    admin_digest: str | None = None
 
     @property
     def enabled(self) -> bool:
@@ -93,8 +96,13 @@ class KeyRing:
 
     @property
     def has_admin(self) -> bool:
-        """Whether some key may use the admin API (without one, the admin API is off)."""
-        return any(k.admin for k in self.keys.values())
+        """Whether an admin token or some admin key is configured (without, the admin API is off)."""
+        return self.admin_digest is not None or any(k.admin for k in self.keys.values())
+
+    def is_admin_token(self, presented: str | None) -> bool:
+        """Whether ``presented`` is the admin token (compared by digest, in constant time)."""
+        return bool(presented) and self.admin_digest is not None and \
+            hmac.compare_digest(digest(presented or ""), self.admin_digest)
 
 
 def bearer(authorization: str | None) -> str | None:

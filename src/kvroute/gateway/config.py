@@ -336,6 +336,10 @@ class AuthConfig(StrictModel):
     keys: list[KeyConfig] = Field(default_factory=list, description="the API keys clients may send "
                                   "(Authorization: Bearer KEY)")
     forward_authorization: bool = False  # with keys on: pass the client's Authorization upstream
+    admin_token_env: str | None = Field(None, description="an environment variable holding the admin API's own "
+                                        "token (Authorization: Bearer TOKEN on /admin/); clients need no key")
+    admin_token_file: str | None = Field(None, description="a file holding the admin token (surrounding "
+                                         "whitespace ignored)")
 
     @field_validator("keys")
     @classmethod
@@ -345,9 +349,22 @@ class AuthConfig(StrictModel):
             k.key_digest()  # fail at load, naming the key, not at the first request
         return keys
 
+    @model_validator(mode="after")
+    def _admin_token(self) -> AuthConfig:
+        if self.admin_token_env is not None and self.admin_token_file is not None:
+            raise ValueError("give the admin token one source: admin_token_env or admin_token_file")
+        self.admin_digest()  # a missing variable or file fails at load, naming it
+        return self
+
+    def admin_digest(self) -> str | None:
+        """The admin token's digest (None: no admin token configured)."""
+        if self.admin_token_env is None and self.admin_token_file is None:
+            return None
+        return digest(read_secret(self.admin_token_env, self.admin_token_file, "auth admin token: "))
+
     def key_ring(self, now: float) -> KeyRing:
         """The keys as the gateway checks them."""
-        ring = KeyRing()
+        ring = KeyRing(admin_digest=self.admin_digest())
         for k in self.keys:
             ring.keys[k.key_digest()] = KeyState(
                 k.name, k.admin, TokenBucket(k.requests_per_min, now) if k.requests_per_min else None,

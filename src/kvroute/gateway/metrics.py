@@ -114,6 +114,13 @@ class _LiveCollector:
                                    labels=["replica", "engine"])
         restarts = CounterMetricFamily("kvroute_replica_restarts", "Engine restarts detected by probes",
                                        labels=["replica"])
+        sent = CounterMetricFamily("kvroute_replica_requests", "Attempts sent to the replica (retries and "
+                                   "continuation legs each count)", labels=["replica"])
+        errors = CounterMetricFamily("kvroute_replica_errors", "Attempts that failed because of the replica "
+                                     "(connect errors, timeouts, 5xx, broken streams, stalls)", labels=["replica"])
+        tokens = CounterMetricFamily("kvroute_replica_tokens", "Tokens of the requests the replica served: prompt "
+                                     "(the gateway's count) and completion (the engine's usage, else its stream "
+                                     "events)", labels=["replica", "kind"])
         ratio = GaugeMetricFamily("kvroute_prefix_hit_ratio", "Expected cached share of routed prompt tokens")
         source = GaugeMetricFamily("kvroute_replica_kv_source", "1 for where the replica's prefix index comes "
                                    "from: events, stale (events lost, approximate until rebuilt), approximate",
@@ -129,6 +136,10 @@ class _LiveCollector:
             circuit.add_metric([ep.id], int(up.breaker.state))
             healthy.add_metric([ep.id], 1 if ep.healthy else 0)
             restarts.add_metric([ep.id], up.restarts)
+            sent.add_metric([ep.id], up.requests)
+            errors.add_metric([ep.id], up.errors)
+            tokens.add_metric([ep.id, "prompt"], up.prompt_tokens)
+            tokens.add_metric([ep.id, "completion"], up.completion_tokens)
             reading = up.reading
             if reading is not None:
                 running.add_metric([ep.id], reading.running)
@@ -173,4 +184,4 @@ class _LiveCollector:
                 gauge.add_metric([key], value)
             yield gauge
         yield from (inflight, circuit, healthy, running, waiting, kv, rtt, engine, restarts, ratio, source, lag,
-                    ev_counts)
+                    ev_counts, sent, errors, tokens)

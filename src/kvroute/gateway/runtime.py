@@ -61,6 +61,11 @@ class Upstream:
     models: frozenset[str] | None = None  # what it serves: configured, or read from /v1/models
     model_cards: list[dict[str, Any]] = field(default_factory=list)  # its /v1/models entries
     models_read_at: float = -1e9
+    # what the gateway sent it, for /metrics: attempts, failed attempts, tokens
+    requests: int = 0
+    errors: int = 0
+    prompt_tokens: int = 0  # the gateway's count of served prompts (the engine's units once learned)
+    completion_tokens: int = 0  # the engine's usage, else the token events streamed
 
 
 @dataclass
@@ -468,6 +473,10 @@ class Runtime:
         ticket = router.tickets.get(rid)
         if ticket is not None and served:
             tokens = ticket.tokens
+            up = self.upstreams.get(ticket.endpoint_id)
+            if up is not None:
+                up.prompt_tokens += tokens
+                up.completion_tokens += output_tokens
             self.prompt_tokens_routed += tokens
             self.hit_tokens_routed += min(tokens, ticket.matched_blocks * router.index_block_tokens)
             router.on_finish(rid, e2e_s, output_tokens)
@@ -480,15 +489,17 @@ class Runtime:
             self.drain_queue()
 
     def attempt_done(self, name: str, outcome: Outcome) -> None:
-        """Feed one attempt's outcome to the replica's breaker."""
+        """Count one attempt and feed its outcome to the replica's breaker."""
         up = self.upstreams.get(name)
         if up is None:
             self.peering.attempt_done(name, outcome.value)
             return
+        up.requests += 1
         breaker = up.breaker
         if outcome is Outcome.OK:
             breaker.success()
         elif outcome is Outcome.FAILED:
+            up.errors += 1
             breaker.failure(time.monotonic())
         else:
             breaker.neutral()
