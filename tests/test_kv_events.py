@@ -40,7 +40,8 @@ def test_map_generation_byte_exact():
     tokens = list(range(8))
     by_hand = raw.encode([1.5, [
         {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": None, "token_ids": tokens,
-         "block_size": BS, "lora_id": None, "medium": "GPU", "lora_name": None, "extra_keys": [None, None]},
+         "block_size": BS, "lora_id": None, "medium": "GPU", "lora_name": None, "extra_keys": [None, None],
+         "group_idx": 0, "kv_cache_spec_kind": "full_attention"},
         {"type": "BlockRemoved", "block_hashes": [hashes[1]], "medium": "GPU"},
         {"type": "AllBlocksCleared"}], 0])
     enc = Encoder("map")
@@ -61,7 +62,7 @@ def test_array_generation_byte_exact_with_digest_hashes():
     d1, d2 = digest(1), digest(2)
     tokens = list(range(100, 104))
     by_hand = raw.encode([2.0, [
-        ["BlockStored", [d2], d1, tokens, BS, None, "GPU", None, None, None, None, None, None, None, None],
+        ["BlockStored", [d2], d1, tokens, BS, None, "GPU", None, None, 0, "full_attention", None, None, None, None],
         ["BlockRemoved", [d2], "GPU", None, None, None],
         ["AllBlocksCleared"]], None])
     enc = Encoder("array")
@@ -442,3 +443,84 @@ def test_emulator_restart_resets_the_replicas_view():
         d.wait(lambda: set(d.rt.events.table("e0") or {"x"}) == set(d.dep.emulators[0][1].engine.refcnt))
     finally:
         d.close()
+
+
+# -- the engine's token ids in the gateway ------------------------------------------------------------
+
+def tokenizer_folder(path):
+    """A byte-level BPE tokenizer with BOS, and a chat template in tokenizer_config.json."""
+    import json as _json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(["hello world, route the prompt to its cache"] * 10, trainer)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    path.mkdir()
+    tok.save(str(path / "tokenizer.json"))
+    template = ("{{ bos_token }}{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{{ eos_token }}{% endfor %}"
+                "{% if add_generation_prompt %}[assistant]{% endif %}")
+    (path / "tokenizer_config.json").write_text(_json.dumps({"bos_token": {"content": "<s>"}, "eos_token": "</s>",
+                                                             "chat_template": template}))
+    return tok
+
+
+def test_engine_tokenizer_renders_the_chat_template(tmp_path):
+    from kvroute.kvevents.tokenize import EngineTokenizer, TokenizerFolderError
+
+    tok = tokenizer_folder(tmp_path / "m")
+    et = EngineTokenizer(tmp_path / "m")
+    msgs = [{"role": "system", "content": "route"}, {"role": "user", "content": [{"type": "text", "text": "hello"},
+                                                                               {"type": "text", "text": "world"}]}]
+    expect = tok.encode("<s>[system]route</s>[user]hello\nworld</s>[assistant]", add_special_tokens=False).ids
+    assert et.chat_ids({"messages": msgs}) == expect
+    assert et.prompt_ids("prompt", {"prompt": "hello"}) == tok.encode("hello").ids  # BOS from the post-processor
+    assert tok.encode("hello").ids[0] == 0
+    cont = et.chat_ids({"messages": [*msgs, {"role": "assistant", "content": "route"}], "continue_final_message": True,
+                        "add_generation_prompt": False})
+    assert cont == tok.encode("<s>[system]route</s>[user]hello\nworld</s>[assistant]route",
+                              add_special_tokens=False).ids
+    assert et.chat_ids({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}) is None
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(TokenizerFolderError, match="no tokenizer.json"):
+        EngineTokenizer(tmp_path / "empty")
+
+
+def test_tokenizer_folder_in_the_gateway_config(tmp_path):
+    from kvroute.gateway.config import GatewayConfig
+
+    tokenizer_folder(tmp_path / "m")
+    GatewayConfig(tokenizer_path=str(tmp_path / "m"), replicas=[{"url": "http://127.0.0.1:1"}])
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="has no tokenizer.json"):
+        GatewayConfig(tokenizer_path=str(tmp_path / "empty"), replicas=[{"url": "http://127.0.0.1:1"}])
+    with pytest.raises(ValueError, match="engine's bind address"):
+        GatewayConfig(replicas=[{"url": "http://127.0.0.1:1", "kv_events": {"endpoint": "tcp://*:5557"}}])
+    with pytest.raises(ValueError, match="must start with one of tcp://"):
+        GatewayConfig(replicas=[{"url": "http://127.0.0.1:1", "kv_events": {"endpoint": "http://x:1"}}])
+
+
+def test_bench_kv_events_ingest_small():
+    """The ingest part end to end at a small size (the CLI runs 64 publishers)."""
+    from kvroute.bench.kv_events import ingest
+
+    r = ingest(publishers=4, batches=20)
+    assert r["blocks_applied"] == r["blocks_expected"] > 0
+    assert r["blocks_per_s"] > 0 and r["decision_p50_us_idle"] > 0
+    assert not any(k.startswith("malformed") for k in r["consumer_counters"])
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["emulate", "--kv-events", "localhost:5557"], "--kv-events must be a ZMQ endpoint"),
+    (["emulate", "--kv-events-replay", "tcp://*:5558"], "--kv-events-replay needs --kv-events"),
+    (["bench", "kv-events", "--presets", "nope"], "--presets: unknown nope"),
+])
+def test_bad_flags_are_one_line_exit_2(argv, says, capsys):
+    from kvroute.cli import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err

@@ -751,6 +751,15 @@ def build_parser() -> argparse.ArgumentParser:
     br.add_argument("--decisions", type=int, default=2000, help="decisions per prompt size")
     br.add_argument("--seed", type=int, default=0)
     br.set_defaults(func=cmd_bench_routing)
+    bk = bench.add_parser("kv-events", help="routing on engine KV events vs the approximate index; consumer cost")
+    bk.add_argument("--presets", default="sglang_cache_aware,skywalker,lmetric",
+                    help="cache-aware presets to compare, comma-separated")
+    bk.add_argument("--publishers", type=int, default=64, help="engines publishing at once for the ingest part")
+    bk.add_argument("--seed", type=int, default=0)
+    bk.add_argument("--skip-routing", action="store_true", dest="skip_routing")
+    bk.add_argument("--skip-ingest", action="store_true", dest="skip_ingest")
+    bk.add_argument("--json", metavar="FILE")
+    bk.set_defaults(func=lambda a: __import__("kvroute.bench.kv_events", fromlist=["command"]).command(a))
 
     sim = sub.add_parser("simulate", help="compare policies in the discrete-event simulator")
     sim.add_argument("scenario", nargs="?", help="scenario YAML, or the name of a bundled one (kvroute/scenarios/)")

@@ -492,7 +492,9 @@ class GatewayConfig(StrictModel):
     block_tokens: int = Field(64, gt=0, description="tokens per prefix block when hashing prompts")
     max_prefix_blocks: int = Field(256, ge=0)  # leading blocks indexed per prompt (llm-d: 256); 0 = all
     tokenizer_path: str | None = Field(None, description="a local HF tokenizer.json: blocks of exact token ids "
-                                       "instead of about 4 bytes per token; never downloaded")
+                                       "instead of about 4 bytes per token; or a model folder (tokenizer.json, "
+                                       "tokenizer_config.json, chat template): the engine's own token ids, "
+                                       "which engine KV events need; never downloaded")
     kv_events: KVEventsSettings = Field(default_factory=KVEventsSettings, description="consuming the replicas' "
                                         "KV-cache events (replicas[].kv_events)")
     access_log: bool = True  # one structured line per request (ids, replica, branch, timings)
@@ -534,9 +536,13 @@ class GatewayConfig(StrictModel):
     def _tokenizer(cls, v: str | None) -> str | None:
         if v is None:
             return v
-        if not Path(v).is_file():
-            raise ValueError(f"no such file {v!r}: give the path of a local HF tokenizer.json (kvroute never "
-                             "downloads one), or remove tokenizer_path to estimate tokens from bytes")
+        if Path(v).is_dir():  # a model folder: the engine's tokenizer and chat template (kvevents/tokenize.py)
+            if not (Path(v) / "tokenizer.json").is_file():
+                raise ValueError(f"folder {v!r} has no tokenizer.json: give a local model or tokenizer folder, "
+                                 "or the path of a tokenizer.json")
+        elif not Path(v).is_file():
+            raise ValueError(f"no such file or folder {v!r}: give a local HF tokenizer.json or model folder "
+                             "(kvroute never downloads one), or remove tokenizer_path to estimate tokens from bytes")
         from importlib.util import find_spec
 
         if find_spec("tokenizers") is None:

@@ -31,6 +31,7 @@ import time
 import uuid
 from dataclasses import dataclass, replace
 from enum import StrEnum
+from pathlib import Path
 from typing import Any, Literal
 
 from kvroute.errors import ClientError
@@ -168,7 +169,13 @@ class Proxy:
         changes = []
         old = getattr(self, "config", None)
         if old is None or (config.block_tokens, config.tokenizer_path) != (old.block_tokens, old.tokenizer_path):
-            self.hasher = BlockHasher(config.block_tokens, config.tokenizer_path)
+            path, self.engine_tokens = config.tokenizer_path, None
+            if path is not None and Path(path).is_dir():  # the engine's own ids (chat template included)
+                from kvroute.kvevents.tokenize import EngineTokenizer
+
+                self.engine_tokens = EngineTokenizer(path)
+                path = str(Path(path) / "tokenizer.json")
+            self.hasher = BlockHasher(config.block_tokens, path)
             changes.append("prompt hashing")
         if old is None or config.session_headers != old.session_headers:
             self.session_headers = [h.lower() for h in config.session_headers]
@@ -209,6 +216,10 @@ class Proxy:
             raise BadInput(str(exc), field) from None
         except RecursionError:
             raise BadInput(f"field '{field}' is nested too deeply", field) from None
+        if self.engine_tokens is not None:  # the ids the engine will cache, as its KV events report them
+            ids = self.engine_tokens.prompt_ids(field, body)
+            if ids:
+                key = ids
         hashes, tokens = self.hasher(key)
         block_tokens = self.hasher.block_tokens
         estimated = 0  # the bytes/4 estimate, when that is what counted the prompt

