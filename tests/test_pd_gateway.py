@@ -95,7 +95,7 @@ def test_a_split_request_streams_from_the_decode_engine_after_a_kv_transfer(pd):
     assert len(text.split()) == 12
     raw = client.chat.completions.with_raw_response.create(
         model="emulated", max_tokens=5, messages=[{"role": "user", "content": PROMPT + "whole"}])
-    assert raw.headers["x-kvroute-replica"] == "d0"
+    assert raw.headers["x-kvroute-replica"] == "d0" and raw.headers["x-kvroute-prefill"] == "p0"
     answer = raw.parse()
     assert answer.usage.completion_tokens == 5 and answer.usage.prompt_tokens > 200
     done = client.completions.create(model="emulated", prompt=PROMPT + "completion", max_tokens=3)

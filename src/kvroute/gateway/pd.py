@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     from kvroute.model import Decision, Request
 
 log = logging.getLogger("kvroute.gateway")
+PREFILL_HEADER = "x-kvroute-prefill"
 SPLITTABLE = ("chat", "completions")  # what a prefill leg can compute (the OpenAI generation endpoints)
 NULL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                "remote_block_ids": None, "remote_host": None, "remote_port": None}
@@ -84,6 +85,17 @@ def _leg(request: HTTPRequest, body: dict[str, Any]) -> HTTPRequest:
     leg = HTTPRequest(request.method, request.path, request.headers, request.keep_alive)
     leg.body = json.dumps(body).encode()
     return leg
+
+
+def _mark(resp: Any, prefill: str | None) -> None:
+    """Name the prefill engine in ``x-kvroute-prefill`` (beside ``x-kvroute-replica``), or drop
+    the name again when the attempt failed."""
+    extra = getattr(resp, "extra_headers", None)
+    if extra is None:
+        return  # a continuation leg: the client's head is out already
+    extra[:] = [h for h in extra if h[0] != PREFILL_HEADER]
+    if prefill is not None:
+        extra.append((PREFILL_HEADER, prefill))
 
 
 class PrefillFailed(ServiceError):
@@ -147,6 +159,7 @@ async def forward_split(proxy: Proxy, request: HTTPRequest, resp: Responder | Le
         rt.attempt_done(p_target, Outcome.NEUTRAL)
         return await proxy._forward(request, resp, kind, headers, req, d_target, stream, t0, deadline, splice)
     body = json.loads(request.body)
+    _mark(resp, p_target if rt.config.replica_header else None)
     rid = request.headers.get("x-request-id") or f"{req.id}-{uuid.uuid4().hex[:12]}"
     headers = _with_request_id(headers, rid)
     to = rt.config.timeouts
@@ -159,6 +172,7 @@ async def forward_split(proxy: Proxy, request: HTTPRequest, resp: Responder | Le
             rt.release(req.id, served=False)
             rt.attempt_done(p_target, Outcome.FAILED)
             rt.attempt_done(d_target, Outcome.NEUTRAL)
+            _mark(resp, None)
             return _prefill_failure(p_target, exc)
         router.on_prefill_done(req.id, time.monotonic() - t0)
         rt.attempt_done(p_target, Outcome.OK)
@@ -197,6 +211,7 @@ async def forward_split(proxy: Proxy, request: HTTPRequest, resp: Responder | Le
             decode.cancel()
             await asyncio.gather(decode, return_exceptions=True)
             assert isinstance(failed, PrefillFailed)
+            _mark(resp, None)
             return _prefill_failure(p_target, failed)
         return await decode
     except asyncio.CancelledError:  # the client left: the decode leg goes (its connection closes);
