@@ -7,7 +7,8 @@ import httpx
 from kvroute.cli import main
 from kvroute.gateway.config import GatewayConfig
 from kvroute.model import DecisionKind
-from kvroute.policy.presets.auto import PREFIX_LOAD, RTT_AWARE
+from kvroute.policy.adaptive.selector import A, B, TTFTSelector
+from kvroute.policy.presets.auto import ADDITIVE, PREFIX_LOAD, RTT_AWARE
 from kvroute.sim.runner import run_scenario
 from kvroute.sim.scenario import Scenario, parse_scenario
 from tests.conftest import make_request
@@ -23,7 +24,9 @@ def test_auto_is_the_default_of_the_gateway_and_the_simulator():
 def test_one_region_uses_lmetrics_score_and_regions_apart_the_rtt_aware_cost(router_for):
     near = router_for("auto", 3)
     d = near.route(make_request("a", "hello " * 50))
-    assert d.kind == DecisionKind.DISPATCH and d.branch == PREFIX_LOAD
+    assert d.kind == DecisionKind.DISPATCH and d.branch == ADDITIVE  # the selector measures this rule first
+    plain = router_for("auto", 3, params={"select": False})
+    assert plain.route(make_request("a", "hello " * 50)).branch == PREFIX_LOAD
     far = router_for("auto", 3)
     for i, e in enumerate(far.view.endpoints):
         e.rtt_s = 0.002 + 0.08 * i  # one replica nearby, two across an ocean (measured probe RTTs)
@@ -37,7 +40,8 @@ def test_the_simulation_report_says_which_mechanism_was_in_charge():
               "limits": {"max_requests": 200}, "seed": 2}
     regional = run_scenario(parse_scenario(common))[0].result  # no policy named: auto, one LB per region
     central = run_scenario(parse_scenario({**common, "topology": {"kind": "global", "region": "us"}}))[0].result
-    assert set(regional["branches"]) <= {PREFIX_LOAD, "auto:hotspot"} and regional["branches"][PREFIX_LOAD] > 0
+    assert set(regional["branches"]) <= {PREFIX_LOAD, ADDITIVE, "auto:hotspot"}
+    assert regional["branches"][PREFIX_LOAD] > 0 and regional["branches"][ADDITIVE] > 0  # both measured
     assert central["branches"].get(RTT_AWARE, 0) > 0  # one LB seeing both regions weighs the 90 ms
 
 
@@ -61,9 +65,50 @@ def test_the_gateway_explains_auto_in_the_admin_api_and_metrics(monkeypatch):
                        headers={"Authorization": "Bearer sk-user-auto"})
         assert r.status_code == 200
         info = httpx.get(f"{dep.url}/admin/policy", headers={"Authorization": "Bearer sk-admin-auto"}).json()
-        assert info["name"] == "auto" and info["in_charge"] == PREFIX_LOAD and info["branches"] == {PREFIX_LOAD: 1}
+        assert info["name"] == "auto" and info["in_charge"] == ADDITIVE and info["branches"] == {ADDITIVE: 1}
+        assert info["state"]["ttft_selector.serving_guarded"] == 1.0
         text = httpx.get(f"{dep.url}/metrics").text
-        assert f'kvroute_policy_branch_total{{branch="{PREFIX_LOAD}",policy="auto"}} 1.0' in text
+        assert f'kvroute_policy_branch_total{{branch="{ADDITIVE}",policy="auto"}} 1.0' in text
         assert dep.settle() == (0, 0, 0)
     finally:
         dep.close()
+
+
+class _Req:
+    def __init__(self, rid):
+        self.id = rid
+
+
+class _St:
+    def __init__(self, rid):
+        self.req = _Req(rid)
+
+
+def drive(sel: TTFTSelector, ttft, e2e, n: int, start: int = 0) -> list[int]:
+    """n requests: ask, dispatch, answer at once with the arm's TTFT and E2E; returns the arms that served."""
+    arms = []
+    for i in range(start, start + n):
+        rid = f"r{i}"
+        arm = A if sel.holds(_St(rid), []) else B
+        arms.append(arm)
+        sel.on_dispatched(_Req(rid), None, 0)
+        sel.on_first_token(rid, "e", ttft[arm])
+        sel.on_finished(rid, "e", e2e[arm], 10)
+    return arms
+
+
+def test_the_selector_measures_both_rules_then_keeps_the_faster():
+    sel = TTFTSelector(window=8, exploit=2)
+    arms = drive(sel, {A: 0.5, B: 0.2}, {A: 5.0, B: 5.0}, 16)
+    assert arms == [A] * 8 + [B] * 8  # one block each
+    assert drive(sel, {A: 0.5, B: 0.2}, {A: 5.0, B: 5.0}, 8, 16) == [B] * 8  # B was faster: kept
+    assert sel.state()["wins_other"] == 1
+    # after `exploit` blocks both are measured again; now A is faster, and wins
+    later = drive(sel, {A: 0.1, B: 0.9}, {A: 5.0, B: 5.0}, 40, 24)
+    assert A in later[:16] and later[-8:] == [A] * 8
+
+
+def test_the_guard_refuses_a_faster_first_token_bought_with_slower_answers():
+    sel = TTFTSelector(window=8, exploit=2, e2e_slack=0.1)
+    drive(sel, {A: 0.1, B: 0.3}, {A: 20.0, B: 5.0}, 16)  # A: best TTFT, 4× the end-to-end latency
+    assert drive(sel, {A: 0.1, B: 0.3}, {A: 20.0, B: 5.0}, 8, 16) == [B] * 8

@@ -27,17 +27,20 @@ from __future__ import annotations
 
 from pydantic import Field
 
+from kvroute.policy.adaptive import selector  # noqa: F401  (registers ttft_selector)
 from kvroute.policy.catalog import register_preset
 from kvroute.policy.params import PolicyParams
 
-HOTSPOT, RTT_AWARE, PREFIX_LOAD = "auto:hotspot", "auto:rtt-aware", "auto:prefix-load"
+HOTSPOT, RTT_AWARE, ADDITIVE, PREFIX_LOAD = "auto:hotspot", "auto:rtt-aware", "auto:additive", "auto:prefix-load"
 
 
 @register_preset(
     "auto", source="issue 22: LMetric §4 score and §5.2 hotspot detector; GORGO v1 §3 / v2 cost across regions",
     rules=[{"enabled": "$hotspot", "route": {"hotspot": "$hotspot_window"}, "branch": HOTSPOT},
            {"when": {"rtt_spread_above": "$rtt_spread_ms"}, "branch": RTT_AWARE,
-            "cost": {"rtt_ms": "$w_rtt", "uncached_tokens": "$t_p", "inflight_tokens": "$w_queue"}}],
+            "cost": {"rtt_ms": "$w_rtt", "uncached_tokens": "$t_p", "inflight_tokens": "$w_queue"}},
+           {"enabled": "$select", "when": {"ttft_selector": {"window": "$select_window", "exploit": "$select_exploit"}},
+            "branch": ADDITIVE, "cost": {"uncached_tokens": "$t_p", "inflight_tokens": "$w_queue"}}],
     cost={"lmetric": 1}, branch=PREFIX_LOAD)
 class AutoParams(PolicyParams):
     """The default: LMetric's score in one region, GORGO's RTT-aware cost across regions, hotspot detection.
@@ -54,3 +57,7 @@ class AutoParams(PolicyParams):
     w_rtt: float = Field(0.5, ge=0.0, description="RTT weight per ms in the cross-region cost (GORGO v2 start)")
     t_p: float = Field(1.0, ge=0.0, description="cost per uncached prompt token in the cross-region cost")
     w_queue: float = Field(0.1, ge=0.0, description="weight of queued tokens in the cross-region cost")
+    select: bool = Field(True, description="within a region, measure GORGO's additive cost against LMetric's "
+                         "score online (alternating blocks, p90 TTFT, E2E guard) and keep the faster")
+    select_window: int = Field(64, ge=8, description="dispatches per measured block")
+    select_exploit: int = Field(8, ge=1, description="blocks the winner serves before both are measured again")
