@@ -46,7 +46,7 @@ class TwoStages(Policy):
         """emulated-0's stage ends at ``cut``; the last stage is unbounded."""
         return self.cut if endpoint_id == "emulated-0" else None
 
-    def choose(self, req: Request, eps: list[Endpoint], view: View) -> Decision:
+    def choose(self, req: Request, eps: list[Endpoint], view: View, dry_run: bool = False) -> Decision:
         """The first admitted endpoint of the request's stage (or any, once its stage failed)."""
         stage = "emulated-0" if self.cut is None or req.prompt_tokens < self.cut else "emulated-1"
         ep = next((e for e in eps if e.id == stage), eps[0])

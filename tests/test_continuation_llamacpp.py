@@ -32,7 +32,7 @@ class FirstUntil(Policy):
         """The first endpoint's stage ends at ``cut``."""
         return self.cut if endpoint_id == self.first else None
 
-    def choose(self, req: Request, eps: list[Endpoint], view: View) -> Decision:
+    def choose(self, req: Request, eps: list[Endpoint], view: View, dry_run: bool = False) -> Decision:
         """The first endpoint while the sequence is short and it is admitted, else another."""
         if self.cut is None and self.grow is not None:
             self.cut = req.prompt_tokens + self.grow
