@@ -29,7 +29,7 @@ import random
 import time
 from typing import Any
 
-from kvroute.metrics.stats import percentile_sorted
+from kvroute.stats import percentile_sorted
 
 PRESETS = ("sglang_cache_aware", "skywalker", "lmetric")
 BLOCK = 16  # tokens per block, emulator and gateway alike
