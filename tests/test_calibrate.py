@@ -66,3 +66,38 @@ def test_calibrate_errors_are_one_line(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["calibrate", "--url", "http://x", "--out", str(tmp_path / "p.yaml"), "--batch-sizes", "1,zero"])
     assert exc.value.code == 2
+
+
+def test_calibrate_reads_the_context_limit_and_hits_its_targets():
+    """Against engines like the real vLLM of issue 26 — a 1,024-token context limit in
+    /v1/models, 1.25 bytes per token — the first requests fit, the default lengths are cut to
+    what the limit holds, and every point lands within 2 % of its target."""
+    async def run():
+        emus = [await start_emulator("127.0.0.1", 0, KNOWN, "vllm", Faults(), bytes_per_token=1.25,
+                                     max_model_len=1024) for _ in range(2)]
+        notes: list[str] = []
+        try:
+            sweep = Sweep(decode_tokens=16, repeats=1, timeout_s=20)  # the default lengths, up to 2,048
+            m = await measure([f"http://127.0.0.1:{port}" for _, _, port in emus], sweep=sweep, log=notes.append)
+        finally:
+            for runner, _, _ in emus:
+                await runner.cleanup()
+        return m, notes
+
+    m, notes = asyncio.run(asyncio.wait_for(run(), 60))
+    assert m.sweep is not None and max(m.sweep.prefill_lengths) + 1 <= 1024
+    assert max(m.sweep.contexts) + 16 <= 1024
+    assert any("max_model_len is 1024" in n for n in notes)
+    assert [f.max_model_len for f in m.engines] == [1024, 1024]
+    for target, tokens, _ in m.prefill:
+        assert abs(tokens - target) <= max(2, 0.02 * target), (target, tokens)
+    assert len(m.decode) == 2 * len(m.sweep.contexts) * len(m.sweep.batch_sizes)
+
+
+def test_the_token_line_learns_a_fixed_cost_per_prompt():
+    from kvroute.calibrate.measure import token_line
+
+    assert token_line([(1000, 850), (2000, 1650)]) == pytest.approx((50.0, 1.25))
+    assert token_line([(1000, 800)]) is None  # one size: no line
+    overhead, bpt = token_line([(1000, 240), (2000, 500)])  # a line below the origin: no negative cost
+    assert overhead == 0.0 and bpt == pytest.approx(3000 / 740)

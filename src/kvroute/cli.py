@@ -508,7 +508,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         m = asyncio.run(measure(args.url, args.model, sweep, log=lambda line: err.print(line)))
         hardware = args.hardware or f"measured: {len(args.url)} engine(s) loaded together"
         profile, report = fit_profile(m, args.name, hardware, args.max_batched_tokens, kv_tokens=args.kv_tokens,
-                                      max_running=args.max_running, sweep=sweep, host_cores=args.host_cores)
+                                      max_running=args.max_running, sweep=m.sweep or sweep,
+                                      host_cores=args.host_cores)
     except (CalibrationError, ValueError) as exc:
         return error(str(exc))
     write_profile(args.out, profile, report)

@@ -288,7 +288,7 @@ async def calibrate_engines(urls: list[str], host_cores: int | None) -> str:
 
     m = await measure(urls)
     profile, report = fit_profile(m, "fidelity", f"measured: {len(urls)} engine(s) loaded together",
-                                  host_cores=host_cores)
+                                  sweep=m.sweep, host_cores=host_cores)
     fd, path = tempfile.mkstemp(prefix="kvroute-fidelity-profile-", suffix=".yaml")
     os.close(fd)
     write_profile(path, profile, report)

@@ -4,8 +4,13 @@ that share a machine (cores, memory bandwidth, the network stack) slow each othe
 contention is part of what a deployment's profile must describe.
 
 Prompts are fresh text (a unique nonce first, so no engine has any of it cached) sized from each
-engine's own token count (``usage.prompt_tokens`` of a first request), so a point's length is in
-the engine's tokens, never an estimate.
+engine's own token count, so a point's length is in the engine's tokens, never an estimate. Two
+first requests of different sizes give a line — a fixed cost per prompt (the nonce, a BOS) plus
+bytes per token — refitted on every answer's ``usage.prompt_tokens``; one size alone put every
+point ~40 tokens over its target against a real vLLM, whose tokenizer spent more tokens on the
+nonce than on the words. The engines' context limit (vLLM's ``max_model_len`` in /v1/models)
+bounds the sweep: the first requests stay below half of it, and lengths the limit cannot hold are
+replaced by the longest that fits (:func:`fit_sweep`), with a line saying so.
 
 * **Prefill**: a non-streamed request with ``max_tokens: 1``; its latency is the time to the first
   token (one prefill step; HTTP and scheduling are in it, as they are for every client).
@@ -25,7 +30,7 @@ import random
 import statistics
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import aiohttp
 
@@ -64,6 +69,7 @@ class EngineFacts:
     kv_tokens: int | None = None
     slots: int | None = None
     batch_tokens: int | None = None  # prompt tokens one engine step takes at most
+    max_model_len: int | None = None  # context limit (prompt + output tokens), where it says
 
 
 @dataclass
@@ -76,10 +82,13 @@ class Measurements:
     prefill: list[tuple[int, int, float]] = field(default_factory=list)
     decode: list[tuple[int, int, float, float]] = field(default_factory=list)
     wall_s: float = 0.0
+    sweep: Sweep | None = None  # what was swept: the asked sweep as the context limit let it run
 
 
 def _text(n_bytes: int, rng: random.Random) -> str:
-    out, size = [f"calibration {uuid.uuid4().hex}."], 0
+    """A fresh prompt of about ``n_bytes`` UTF-8 bytes, the nonce included (a word at most over)."""
+    out = [f"calibration {uuid.uuid4().hex}."]
+    size = len(out[0])
     while size < n_bytes:
         w = rng.choice(WORDS)
         out.append(w)
@@ -94,10 +103,19 @@ class _Engine:
         self.session, self.url, self.model, self.sweep = session, url.rstrip("/"), model, sweep
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.bytes_per_token = 4.0
+        self.overhead = 0.0  # tokens a prompt costs beyond its words (the nonce, a BOS)
+        self.seen: list[tuple[int, int]] = []  # (prompt bytes, the engine's prompt tokens)
         self.rng = random.Random(url)
 
     def prompt(self, tokens: int) -> str:
-        return _text(int(tokens * self.bytes_per_token), self.rng)
+        return _text(max(1, int((tokens - self.overhead) * self.bytes_per_token)), self.rng)
+
+    def learn(self, n_bytes: int, tokens: int) -> None:
+        """Refit tokens = overhead + bytes / bytes_per_token on every prompt the engine counted."""
+        self.seen.append((n_bytes, tokens))
+        fitted = token_line(self.seen)
+        if fitted is not None:
+            self.overhead, self.bytes_per_token = fitted
 
     async def complete(self, prompt: str, max_tokens: int) -> tuple[float, int]:
         """Non-streamed: (seconds, the engine's prompt tokens)."""
@@ -113,9 +131,11 @@ class _Engine:
             raise CalibrationError(f"{self.url}: {exc.__class__.__name__}: {exc}") from None
         elapsed = time.perf_counter() - t0
         try:
-            return elapsed, int(data["usage"]["prompt_tokens"])
+            tokens = int(data["usage"]["prompt_tokens"])
         except (KeyError, TypeError, ValueError):
             raise CalibrationError(f"{self.url}: the answer has no usage.prompt_tokens") from None
+        self.learn(len(prompt.encode()), tokens)
+        return elapsed, tokens
 
     async def stream_times(self, prompt: str, max_tokens: int) -> list[float]:
         """Streamed: the arrival time of every token event."""
@@ -134,12 +154,16 @@ class _Engine:
             raise CalibrationError(f"{self.url}: {exc.__class__.__name__}: {exc}") from None
         return times
 
-    async def facts(self) -> EngineFacts:
-        """Its tokenizer's bytes per token (from a first request) and capacity, where it says."""
-        text = _text(2000, self.rng)
-        _, tokens = await self.complete(text, 1)
-        self.bytes_per_token = len(text.encode()) / max(1, tokens)
-        facts = EngineFacts(self.url, self.bytes_per_token)
+    async def facts(self, max_model_len: int | None = None) -> EngineFacts:
+        """Its tokenizer's bytes per token and fixed cost per prompt (from two first requests, below
+        half of ``max_model_len``: even one token per byte fits) and capacity, where it says."""
+        size = 2000 if max_model_len is None else max(64, min(2000, max_model_len // 2))
+        for n_bytes in (size // 2, size):
+            await self.complete(_text(n_bytes, self.rng), 1)
+        if token_line(self.seen) is None:  # no line through the two: bytes per token alone
+            total_bytes, total_tokens = sum(b for b, _ in self.seen), sum(t for _, t in self.seen)
+            self.overhead, self.bytes_per_token = 0.0, total_bytes / max(1, total_tokens)
+        facts = EngineFacts(self.url, self.bytes_per_token, max_model_len=max_model_len)
         # llama-server: slots and context per slot (other engines have no /props: nothing learned)
         with contextlib.suppress(aiohttp.ClientError, TimeoutError, json.JSONDecodeError, AttributeError):
             async with self.session.get(f"{self.url}/props", timeout=aiohttp.ClientTimeout(total=5)) as r:
@@ -177,15 +201,65 @@ def _step_time(streams: list[list[float]]) -> float | None:
     return statistics.median(steps) if steps else None
 
 
-async def _model_name(session: aiohttp.ClientSession, url: str) -> str:
-    """The first model the engine lists (llama-server takes any name; vLLM needs its own)."""
+def token_line(seen: list[tuple[int, int]]) -> tuple[float, float] | None:
+    """(overhead tokens, bytes per token) of the least-squares line tokens = overhead + bytes /
+    bytes_per_token through (prompt bytes, prompt tokens) points; None when they do not span two
+    sizes or give a line no tokenizer has (a negative overhead is clamped to 0)."""
+    n = len(seen)
+    xs = [float(b) for b, _ in seen]
+    ys = [float(t) for _, t in seen]
+    mx, my = sum(xs) / n, sum(ys) / n
+    var = sum((x - mx) ** 2 for x in xs)
+    if var <= 0:
+        return None
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var  # tokens per byte
+    if not 1 / 64 <= slope <= 4:
+        return None
+    overhead = my - slope * mx
+    if overhead < 0:  # no negative cost: refit through the origin
+        return 0.0, sum(xs) / max(1.0, sum(ys))
+    return overhead, 1 / slope
+
+
+def fit_sweep(sweep: Sweep, max_model_len: int | None) -> tuple[Sweep, list[str]]:
+    """The sweep the engines' context limit can hold, and what was changed: a prefill length (plus
+    its one output token) or a decode context (plus ``decode_tokens``) over the limit, less a
+    margin of 2 % for how closely prompts hit their length, is replaced by the longest that fits."""
+    if max_model_len is None:
+        return sweep, []
+    margin = max(4, max_model_len // 50)
+    notes = []
+
+    def fit(values: tuple[int, ...], extra: int, name: str) -> tuple[int, ...]:
+        top = max_model_len - extra - margin
+        if top < 16:
+            raise CalibrationError(f"the engines' max_model_len ({max_model_len}) leaves no room for {name} "
+                                   f"(with {extra} output token(s))")
+        kept = tuple(dict.fromkeys(v if v <= top else top for v in values))
+        if kept != values:
+            notes.append(f"{name} {','.join(map(str, values))} → {','.join(map(str, kept))}: the engines' "
+                         f"max_model_len is {max_model_len}")
+        return kept
+
+    fitted = replace(sweep, prefill_lengths=fit(sweep.prefill_lengths, 1, "prefill lengths"),
+                     contexts=fit(sweep.contexts, sweep.decode_tokens, "decode contexts"))
+    return fitted, notes
+
+
+async def _model_card(session: aiohttp.ClientSession, url: str, model: str | None) -> tuple[str, int | None]:
+    """The model to ask for (``model``, else the first the engine lists: llama-server takes any
+    name, vLLM needs its own) and its context limit where the card says (vLLM's max_model_len)."""
     try:
         async with session.get(f"{url.rstrip('/')}/v1/models", timeout=aiohttp.ClientTimeout(total=10)) as r:
             data = await r.json(content_type=None)
-        return str(data["data"][0]["id"])
+        cards = [c for c in data["data"] if isinstance(c, dict)]
+        card = next((c for c in cards if c.get("id") == model), cards[0] if model is None else {})
+        name = model if model is not None else str(card["id"])
     except (aiohttp.ClientError, TimeoutError, json.JSONDecodeError, KeyError, IndexError, TypeError) as exc:
         raise CalibrationError(f"{url}: cannot read /v1/models ({exc.__class__.__name__}: {exc}); "
                                "is an engine listening there?") from None
+    limit = card.get("max_model_len")
+    return name, limit if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0 else None
 
 
 async def measure(urls: list[str], model: str | None = None, sweep: Sweep | None = None,
@@ -197,11 +271,15 @@ async def measure(urls: list[str], model: str | None = None, sweep: Sweep | None
     # a fresh connection per request: llama-server closes after every stream while advertising
     # keep-alive, and a reused dead connection would fail a point
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as session:
-        if model is None:
-            model = await _model_name(session, urls[0])
+        model, _ = await _model_card(session, urls[0], model)
+        limits = [limit for _, limit in await asyncio.gather(*(_model_card(session, u, model) for u in urls))]
+        known = [limit for limit in limits if limit is not None]
+        sweep, notes = fit_sweep(sweep, min(known) if known else None)
+        for note in notes:
+            say(note)
         engines = [_Engine(session, u, model, sweep, api_key) for u in urls]
-        facts = list(await asyncio.gather(*(e.facts() for e in engines)))
-        m = Measurements(facts, model)
+        facts = list(await asyncio.gather(*(e.facts(limit) for e, limit in zip(engines, limits, strict=True))))
+        m = Measurements(facts, model, sweep=sweep)
         for rep in range(sweep.repeats):
             # odd repeats run backwards, so a load that drifts during the sweep biases no slope
             for n in (sweep.prefill_lengths[::-1] if rep % 2 else sweep.prefill_lengths):
