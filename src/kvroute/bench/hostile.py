@@ -112,18 +112,19 @@ async def aborted_bodies(port: int, clients: int = 10, size: int = 16 * MiB, rou
     return {"body_mb_sent": round(sent / MiB), **({"answers": answers} if answers else {})}
 
 
-async def pipelined_metrics(port: int, total: int = 64 * MiB, stall_s: float = 2.0) -> dict:
-    """Pipelined ``GET /metrics`` without ever reading an answer (issue 24 item 2). The issue's
-    1.7 MB fits in the kernel's socket buffers, so up to ``total`` is offered to see where the
-    server stops reading."""
+async def pipelined_metrics(port: int, total: int = 1_700_000, hold_s: float = 5.0) -> dict:
+    """1.7 MB of pipelined ``GET /metrics`` (47,000 requests), the connection then held ``hold_s``
+    with no answer ever read (issue 24 item 2): a server that answers on regardless piles the
+    answers up in its memory and spends its CPU on them."""
     r, w = await _connect(port)
     one = b"GET /metrics HTTP/1.1\r\nHost: gw\r\n\r\n"
     batch = one * (65536 // len(one))
     sent = 0
-    while sent < total and await _send(w, batch, stall_s):
+    while sent < total and await _send(w, batch, hold_s):
         sent += len(batch)
+    await asyncio.sleep(hold_s)
     w.close()
-    return {"requests_taken": sent // len(one), "stopped_reading": sent < total}
+    return {"requests_sent": sent // len(one)}
 
 
 async def pipelined_answers(port: int, n: int = 200, answer: int = MiB, hold_s: float = 3.0) -> dict:
@@ -240,7 +241,7 @@ class AttackSpec:
 
 ATTACKS: dict[str, AttackSpec] = {
     "aborted-bodies-10x16MiB-x3": AttackSpec(aborted_bodies, "after", "bodies are held while they arrive"),
-    "pipelined-metrics-64MB": AttackSpec(pipelined_metrics),
+    "pipelined-metrics-1.7MB-unread": AttackSpec(pipelined_metrics),
     "pipelined-200-answers-of-1MiB": AttackSpec(pipelined_answers),
     "unterminated-trailer-100MB": AttackSpec(unterminated_trailer),
     "silent-flood-4096": AttackSpec(silent_flood),
