@@ -205,3 +205,26 @@ def test_chart_values_are_documented():
         if re.match(r"^[a-zA-Z]\w*:", line):
             before = next((x for x in reversed(lines[:i]) if x.strip() and not re.match(r"^[a-zA-Z]\w*: .+$", x)), "")
             assert "#" in line or before.startswith("#"), f"values.yaml: {line!r} has no comment"
+
+
+def test_readme_kubernetes_examples_are_what_kvroute_and_the_protocol_take(monkeypatch):
+    """The README's discovery block loads as gateway.yaml; its InferencePool names the picker's port;
+    its Envoy fragment sends every phase in FULL_DUPLEX_STREAMED and routes on the picker's header."""
+    from kvroute.epp import protocol
+
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("### Kubernetes"):text.index("## Compare policies")]
+    blocks = [yaml.safe_load(b) for b in re.findall(r"```yaml\n(.*?)```", section, re.S)]
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.96.0.1")
+    cfg = GatewayConfig(**blocks[0])
+    assert [s.kind for s in cfg.discovery] == ["kubernetes", "dns", "file"]
+    pool = blocks[1]
+    assert pool["kind"] == "InferencePool" and pool["spec"]["endpointPickerRef"]["port"]["number"] == 9002
+    envoy = blocks[2]
+    mode = envoy["http_filters"][0]["typed_config"]["processing_mode"]
+    assert mode["request_body_mode"] == mode["response_body_mode"] == "FULL_DUPLEX_STREAMED"
+    assert mode["response_header_mode"] == "SEND"  # the picker learns completions from the response
+    (cluster,) = [c for c in envoy["clusters"] if c.get("type") == "ORIGINAL_DST"]
+    assert cluster["original_dst_lb_config"]["http_header_name"] == protocol.DESTINATION
+    (epp,) = [c for c in envoy["clusters"] if c.get("health_checks")]
+    assert epp["health_checks"][0]["grpc_health_check"]["service_name"] == protocol.EXT_PROC_SERVICE
