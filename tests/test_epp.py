@@ -318,3 +318,54 @@ def test_discovered_engines_come_and_go_under_the_picker(tmp_path):
             await runner.cleanup()
 
     asyncio.run(run())
+
+
+def test_a_request_without_a_body_is_routed_by_load():
+    async def run():
+        async with Setup() as s:
+            st = Stream(s.stub)
+            st.send(ep.ProcessingRequest(request_headers=headers({":method": "GET", ":path": "/v1/models"},
+                                                                 end=True)))
+            head = await st.read()
+            assert head.HasField("request_headers"), head
+            dest = {h.header.key: h.header.raw_value.decode()
+                    for h in head.request_headers.response.header_mutation.set_headers}[P.DESTINATION]
+            target = dest.split(",")[0]
+            async with httpx.AsyncClient() as c:
+                models = await c.get(f"http://{target}/v1/models")
+            assert models.status_code == 200 and models.json()["data"][0]["id"] == "emulated"
+            st.send(ep.ProcessingRequest(response_headers=headers({":status": "200"})))
+            await st.read()
+            st.send(ep.ProcessingRequest(response_body=ep.HttpBody(body=models.content, end_of_stream=True)))
+            echo = await st.read()
+            assert echo.response_body.response.body_mutation.streamed_response.body == models.content
+            st.close()
+            await settle(s.rt)
+
+    asyncio.run(run())
+
+
+def test_fallbacks_are_the_policys_next_choices_and_cost_it_nothing():
+    """The fallbacks are what the policy would pick next with the earlier picks excluded, and
+    computing them moves nothing: round robin still rotates e0, e1, e2 over three requests."""
+    from kvroute.model import Request
+
+    async def run():
+        async with Setup() as s:
+            s.epp.gateway.runtime.reconfigure(s.config.model_copy(update={"policy": "round_robin"}))
+            names = {a: f"e{i}" for i, a in enumerate(s.addrs)}
+            chosen = []
+            for i in range(3):
+                r = await exchange(s.stub, "/v1/completions", {"prompt": f"p{i}", "max_tokens": 2}, http=s.http)
+                picked = [names[a] for a in r.endpoints]
+                chosen.append(picked[0])
+                if i == 0:  # what the policy says now, the chosen one (then the first fallback) excluded
+                    d1 = s.rt.router.decide(Request(id="probe", prompt_tokens=1, exclude=(picked[0],)))
+                    d2 = s.rt.router.decide(Request(id="probe", prompt_tokens=1, exclude=(picked[0], d1.target)))
+                    assert picked[1:] == [d1.target, d2.target], (d1, d2)
+                await settle(s.rt)
+            order = ["e0", "e1", "e2"]
+            start = order.index(chosen[0])
+            assert chosen == [order[(start + k) % 3] for k in range(3)]  # the rotation never skipped
+
+    asyncio.run(run())

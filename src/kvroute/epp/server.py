@@ -16,8 +16,8 @@ One ``Process`` stream is one HTTP request, in Envoy's FULL_DUPLEX_STREAMED orde
    last completes the request (release, breaker outcome, latency to the policy's listeners).
 
 A stream that ends or is cancelled early releases whatever it held and logs one line. The
-fallback order is the eligible replicas by load (in flight + waiting), then probe RTT: Envoy walks
-it on retries without asking the picker again.
+fallbacks are the policy's own next choices (a dry-run decision with the earlier picks excluded),
+topped up by load: Envoy walks them on retries without asking the picker again.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from urllib.parse import urlsplit
 
 import grpc
@@ -82,14 +82,26 @@ class Picker(ep_grpc.ExternalProcessorServicer):
         return {self.address(n): n for n in self.rt.upstreams}
 
     def fallback_order(self, req: Request, chosen: str) -> list[str]:
-        """Other replicas that could serve ``req``: up, breaker not open, not excluded; least loaded first."""
-        out = []
+        """The replicas Envoy should try after ``chosen``, best first: what the policy itself would
+        pick next with the chosen ones excluded (``Router.decide`` is a dry run: no counter, state or
+        random draw moves), then — when the policy would hold or refuse — the other replicas that
+        are up and not broken, least loaded first."""
+        order: list[str] = []
+        decide = getattr(self.rt.router, "decide", None)  # a P/D router picks pairs: load order only
+        while decide is not None and len(order) < self.fallbacks:
+            d = decide(replace(req, exclude=(*req.exclude, chosen, *order)))
+            if d.kind is not DecisionKind.DISPATCH or d.target not in self.rt.upstreams or d.target in order:
+                break
+            order.append(d.target)
+        loads = []
         for name, up in self.rt.upstreams.items():
             ep_ = up.endpoint
-            if name == chosen or name in req.exclude or not ep_.healthy or up.breaker.state is CircuitState.OPEN:
+            if name == chosen or name in order or name in req.exclude or not ep_.healthy \
+                    or up.breaker.state is CircuitState.OPEN:
                 continue
-            out.append((ep_.inflight + ep_.waiting, ep_.rtt_s, name))
-        return [name for *_, name in sorted(out)[:self.fallbacks]]
+            loads.append((ep_.inflight + ep_.waiting, ep_.rtt_s, name))
+        order += [name for *_, name in sorted(loads)]
+        return order[:self.fallbacks]
 
     # -- the stream ----------------------------------------------------------------------------
     async def Process(self, request_iterator: AsyncIterator[ep.ProcessingRequest],  # noqa: N802 (gRPC name)
@@ -145,8 +157,9 @@ class Picker(ep_grpc.ExternalProcessorServicer):
                 return self._refuse(ex, 400, str(exc), "invalid_request")
             ex.route = kind.label
             model = body.get("model")
-        else:  # no prompt to key: routed by load alone
-            req = Request(id=f"{proxy.id_prefix}{next(proxy.ids)}", arrival_s=time.monotonic())
+        else:  # no prompt to key (a GET, another path): routed by load, as a one-token request
+            req = Request(id=f"{proxy.id_prefix}{next(proxy.ids)}", arrival_s=time.monotonic(), prompt_tokens=1,
+                          max_output_tokens=1)
             model = None
         exclude = rt.excluded_for(model)
         if exclude is None:
