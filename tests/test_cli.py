@@ -37,7 +37,7 @@ def test_the_readme_command_table_lists_each_commands_options():
     import re
     from pathlib import Path
 
-    from kvroute.cli import build_parser
+    from kvroute.commands import build_parser
 
     def sub(parser, name):
         for a in parser._actions:

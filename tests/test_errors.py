@@ -9,6 +9,7 @@ import pytest
 
 import kvroute
 from kvroute import cli
+from kvroute.commands import policies
 from kvroute.errors import ClientError, ConfigError, KvrouteError, ServiceError, exit_code
 
 
@@ -46,11 +47,7 @@ def test_cli_main_reports_an_uncaught_service_error_in_one_line(monkeypatch, cap
     def boom(args):
         raise ServiceError("engine at 127.0.0.1:1 refused")
 
-    parser = cli.build_parser()
-    monkeypatch.setattr(cli, "build_parser", lambda: parser)
-    parser.set_defaults(func=boom)
-    for action in parser._subparsers._group_actions[0].choices.values():
-        action.set_defaults(func=boom)
+    monkeypatch.setattr(policies, "cmd_policies", boom)  # what a command raises and does not catch itself
     assert cli.main(["policies"]) == 1
     err = capsys.readouterr().err
     assert "engine at 127.0.0.1:1 refused" in err and "Traceback" not in err

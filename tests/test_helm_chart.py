@@ -15,7 +15,7 @@ helm = pytest.importorskip("helm_python", reason="helm-python-sdk (the dev extra
 kv = pytest.importorskip("kubernetes_validate")
 
 from kvroute import yamlconf  # noqa: E402
-from kvroute.cli import build_parser  # noqa: E402
+from kvroute.commands import build_parser  # noqa: E402
 from kvroute.epp.protocol import HEALTH_SERVICES  # noqa: E402
 from kvroute.gateway.config import GatewayConfig  # noqa: E402
 from kvroute.gateway.server import ROUTES  # noqa: E402

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-import kvroute.cli
+import kvroute.commands.simulate
 from kvroute.cli import main
 from kvroute.sim import scenario
 
@@ -67,13 +67,14 @@ def test_a_bad_line_after_the_first_names_file_line_and_field(tmp_path, capsys):
 def test_unwritable_outputs_fail_before_running(tmp_path, capsys, monkeypatch, flag, target, says):
     (tmp_path / "blocker").write_text("a file where a folder should be")
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(kvroute.cli, "run_simulation", lambda *a: pytest.fail("ran before checking outputs"))
+    monkeypatch.setattr(kvroute.commands.simulate, "run_simulation",
+                        lambda *a: pytest.fail("ran before checking outputs"))
     assert main(["simulate", "--max-requests", "10", flag, target]) == 2
     assert f"{flag} {target}: cannot write there: {says}" in one_error(capsys)
 
 
 def test_writable_outputs_leave_no_scratch_file(tmp_path, monkeypatch):
-    monkeypatch.setattr(kvroute.cli, "run_simulation", lambda *a: None)
+    monkeypatch.setattr(kvroute.commands.simulate, "run_simulation", lambda *a: None)
     assert main(["simulate", "--max-requests", "10", "--json", str(tmp_path / "new" / "r.json"),
                  "--plots", str(tmp_path / "plots")]) == 0
     assert sorted(p.name for p in tmp_path.rglob("*")) == ["new", "plots"]

@@ -105,53 +105,6 @@ def error(line: str, code: int = 2) -> int:
     return code
 
 
-def run_simulation(sc, json_path: str | None = None, plots: str | None = None) -> dict:
-    """Run a scenario's policies with a progress display on stderr; print the comparison, write JSON and plots."""
-    import time
-
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
-
-    from kvroute.sim.overload import preflight, topology_warnings, warnings
-    from kvroute.sim.runner import report, run_scenario
-
-    checks = preflight(sc)
-    checks["messages"] += topology_warnings(sc)
-    for line in checks["messages"]:
-        warn(line)
-    total = sc.limits.max_requests
-    tasks: dict[str, TaskID] = {}
-    t0 = time.perf_counter()
-    with Progress(TextColumn("{task.description:<28}"), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), console=err, transient=False) as progress:
-        def on_start(label: str) -> None:
-            tasks[label] = progress.add_task(label, total=total)
-
-        def on_progress(label: str, n: int) -> None:
-            progress.update(tasks[label], completed=n)
-
-        runs = run_scenario(sc, on_start, on_progress)
-    rep = report(sc, runs)
-    rep["preflight"] = {k: v for k, v in checks.items() if k != "messages"}
-    rep["preflight"]["warnings"] = checks["messages"]
-    console.print(sim_table(rep))
-    groups = breakdown_table(rep)
-    if groups is not None:
-        console.print(groups)
-    for r in runs:
-        for line in warnings(r.label, r.result, sc):
-            warn(line)
-    wall = time.perf_counter() - t0
-    done = sum(r.result["requests"] for r in runs)
-    console.print(f"[dim]{done:,} simulated requests in {wall:.1f} s wall ({done / wall:,.0f}/s)[/dim]")
-    write_json(json_path, rep)
-    if plots:
-        from kvroute.metrics.plots import write_plots
-
-        for p in write_plots(runs, plots, sc.name):
-            console.print(f"wrote {p}")
-    return rep
-
-
 def sweep_tables(sc, result: dict) -> list[Table]:
     """Both knees per policy, and the comparison at 50/70/90 % of the reference knee."""
     slo = result["slo"]
@@ -187,33 +140,3 @@ def sweep_tables(sc, result: dict) -> list[Table]:
                             f"{r['tpot_p50_s'] * 1000:.1f}", f"{r['prefix_hit_rate'] * 100:.1f}", str(r["failed"]))
         tables.append(cmp)
     return tables
-
-
-def run_sweep(sc, json_path: str | None = None, plots: str | None = None, executor=None) -> dict:
-    """``simulate --sweep``: knees, comparison, goodput-vs-load plot; the runs go to ``executor``."""
-    from kvroute.sim.overload import preflight
-    from kvroute.sim.sweep import sweep
-
-    checks = preflight(sc)
-    for line in checks["messages"]:
-        if any(k in line for k in ("never run", "idle replica", "not sorted", "no requests in this trace")):
-            warn(line)
-    if executor is not None:
-        err.print(f"[dim]sweep runs on {executor.describe()}[/dim]", highlight=False)
-    result = sweep(sc, progress=lambda m: err.print(f"[dim]{m}[/dim]", highlight=False), executor=executor)
-    for t in sweep_tables(sc, result):
-        console.print(t)
-    if result.get("slo_unmet"):
-        warn(result["slo_unmet"])
-    ref = result.get("reference")
-    if ref and ref["basis"] == "stability":
-        warn("the comparison above is at 50/70/90 % of the stability knee, since no policy has an SLO knee")
-    out = {"scenario": sc.name, "seed": sc.seed, "workload": sc.workload.kind,
-           "replicas": sum(g.count for g in sc.replicas), "max_requests": sc.limits.max_requests,
-           "sweep": result}
-    write_json(json_path, out)
-    if plots:
-        from kvroute.metrics.plots import write_sweep_plot
-
-        console.print(f"wrote {write_sweep_plot(result, plots, sc.name)}")
-    return out

@@ -1,17 +1,17 @@
-"""The ``kvroute live`` command: flags → scenario → live run → the simulator's tables and JSON."""
+"""`kvroute live`: flags → scenario → live run → the simulator's tables and JSON."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import time
-from typing import Any
 
-from kvroute.report import breakdown_table, console, err, error, sim_table, warn, write_json
+from kvroute.commands.common import progress_bars, scenario_from_flags
+from kvroute.report import breakdown_table, console, error, sim_table, warn, write_json
 
 
-def add_parser(sub: Any) -> None:
-    """Register ``live`` on the CLI's subparsers."""
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Register the command."""
     lv = sub.add_parser("live", help="run a scenario for real on 127.0.0.1: emulated replicas, gateways, "
                                      "controller, delayed cross-region links, clients over HTTP")
     lv.add_argument("scenario", help="scenario YAML, or the name of a bundled one (kvroute/scenarios/)")
@@ -35,20 +35,19 @@ def add_parser(sub: Any) -> None:
     lv.add_argument("--logs", metavar="DIR", help="keep the processes' logs and configs here "
                                                   "(default: a temporary folder, removed after a good run)")
     lv.add_argument("--json", metavar="FILE")
-    lv.set_defaults(func=main, workload=None, time_scale=None, rate=None, skip_bad=False, slo_ttft=None,
-                    slo_tpot=None, slo_target=None, sweep=False)
+    lv.set_defaults(func=cmd_live)
 
 
-def main(args: argparse.Namespace) -> int:
+def cmd_live(args: argparse.Namespace) -> int:
     """Run it; bad input is one line and exit 2."""
-    from kvroute.cli import _scenario_from_args
     from kvroute.live.faults import parse_fault
     from kvroute.live.processes import ProcessError
     from kvroute.live.run import check_faults
     from kvroute.sim.scenario import ScenarioError
 
     try:
-        sc = _scenario_from_args(args)
+        sc = scenario_from_flags(args.scenario, replicas=args.replicas, profile=args.profile, policy=args.policy,
+                                 max_requests=args.max_requests, seed=args.seed)
         sc.policy_list()
         sc.setup()
     except ScenarioError as exc:
@@ -76,20 +75,10 @@ def main(args: argparse.Namespace) -> int:
 def execute(sc, faults, *, max_requests: int | None, duration_s: float | None, logs: str | None = None,
             compare_sim: bool = False, drain_s: float = 60.0) -> dict:
     """Run live with a progress bar per policy, print the simulator's tables (and sim vs live)."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
-
     from kvroute.live.run import run_live
 
-    tasks: dict[str, TaskID] = {}
     t0 = time.perf_counter()
-    with Progress(TextColumn("{task.description:<28}"), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), console=err, transient=False) as progress:
-        def on_start(label: str) -> None:
-            tasks[label] = progress.add_task(f"live {label}", total=max_requests)
-
-        def on_progress(label: str, n: int) -> None:
-            progress.update(tasks[label], completed=n)
-
+    with progress_bars(max_requests, prefix="live ") as (on_start, on_progress):
         rep = asyncio.run(run_live(sc, max_requests=max_requests, duration_s=duration_s, faults=faults, logs=logs,
                                    drain_s=drain_s, on_start=on_start, on_progress=on_progress))
     console.print(sim_table(rep))

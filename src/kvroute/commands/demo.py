@@ -14,15 +14,17 @@
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
 from rich.table import Table
 
+from kvroute.commands.simulate import run_simulation
 from kvroute.model import Endpoint, Request
 from kvroute.policy import PRESETS, Router, build_policy
 from kvroute.prefix import BlockHasher, chat_key
-from kvroute.report import console, err, routing_table, run_simulation, write_json
+from kvroute.report import console, err, routing_table, write_json
 
 SYSTEM = "You are a meticulous assistant for an infrastructure team. Answer precisely. " * 12
 
@@ -92,7 +94,7 @@ def walk_all() -> list[WalkResult]:
 
 def run_demo(out: str, decisions: int, sim_requests: int, live_policies: list[str], live_seconds: float,
              live_requests: int) -> None:
-    """The `kvroute demo` tour (see :func:`kvroute.cli.cmd_demo`); writes its JSON and plots under ``out``."""
+    """The `kvroute demo` tour (see :func:`cmd_demo`); writes its JSON and plots under ``out``."""
     from kvroute.bench import routing
 
     console.rule("[bold]kvroute demo: policy walk-through on sample requests")
@@ -138,7 +140,7 @@ def live_regions(out: str, seconds: float = 12.0, drain_s: float = 10.0) -> dict
     """Issue 10's live section: the bundled live-size skewed scenario, its three policies live,
     a gateway killed mid-run (clients fail over through the controller's /resolve, its replicas
     move to the nearest gateway), then the same scenario simulated and both side by side."""
-    from kvroute.live.command import execute
+    from kvroute.commands.live import execute
     from kvroute.live.faults import parse_fault
     from kvroute.sim.scenario import load_scenario
 
@@ -190,3 +192,25 @@ def live_comparison(policies: list[str], seconds: float, max_requests: int) -> d
                       f"{s['cached_ratio']:.1%}", " ".join(str(v) for v in s["replicas"].values()))
     console.print(table)
     return {"results": results}
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """`kvroute demo`: every preset routing sample chat turns, a short routing benchmark, a simulated
+    three-region comparison and live runs over emulated replicas; JSON and plots go to --out."""
+    run_demo(args.out, args.decisions, args.sim_requests, args.live_policies.split(","), args.live_seconds,
+             args.live_requests)
+    return 0
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Register the command."""
+    demo = sub.add_parser("demo", help="the main job: walk-through, benchmark, simulation, gateway")
+    demo.add_argument("--out", default="out", help="folder for JSON results and plots")
+    demo.add_argument("--decisions", type=int, default=500)
+    demo.add_argument("--sim-requests", type=int, default=3000, dest="sim_requests")
+    demo.add_argument("--live-policies", default="round_robin,sglang_cache_aware,skywalker,lmetric",
+                      dest="live_policies")
+    demo.add_argument("--live-seconds", type=float, default=10.0, dest="live_seconds",
+                      help="time limit per policy for the live run")
+    demo.add_argument("--live-requests", type=int, default=400, dest="live_requests")
+    demo.set_defaults(func=cmd_demo)

@@ -1,0 +1,114 @@
+"""`kvroute bench fidelity`: one workload live through the gateway and in simulate."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from rich.table import Table
+
+from kvroute.commands.common import (
+    positive_int,
+)
+from kvroute.report import console, err, error, write_json
+
+
+def _fidelity_cell(key: str, value: float) -> str:
+    if key == "cached_share":
+        return f"{value:.1%}"
+    return f"{value:.2f}" if key == "throughput" else f"{value * 1000:.0f} ms"
+
+
+def _fidelity_spread(key: str, lo: float, hi: float) -> str:
+    """A min-max spread in the cell's unit, said once: "(380-460)"."""
+    if key == "cached_share":
+        return f"({lo:.0%}-{hi:.0%})"
+    return f"({lo:.2f}-{hi:.2f})" if key == "throughput" else f"({lo * 1000:.0f}-{hi * 1000:.0f})"
+
+
+def cmd_bench_fidelity(args: argparse.Namespace) -> int:
+    """`kvroute bench fidelity`: the same workload on real engines and in the simulator, metric by metric."""
+    import asyncio
+
+    from kvroute.bench.fidelity import METRICS, Workload, calibrate_engines, run_fidelity
+    from kvroute.calibrate import CalibrationError
+    from kvroute.perf.loader import ProfileError, load_profile
+
+    if args.profile is None:  # self-contained: calibrate these engines first, sharing counted
+        args.host_cores = args.host_cores or os.cpu_count() or 1
+        try:
+            args.profile = asyncio.run(calibrate_engines(args.url, args.host_cores))
+        except (CalibrationError, ValueError) as exc:
+            return error(f"bench fidelity: calibrating the engines: {exc}")
+        err.print(f"calibrated the engines ({args.host_cores} shared cores): {args.profile}")
+    try:
+        load_profile(args.profile)
+    except ProfileError as exc:
+        return error(str(exc))
+    w = Workload(args.users, args.groups, args.system_tokens, (args.min_turns, args.max_turns), args.max_tokens,
+                 args.seed)
+    policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
+    try:
+        out = asyncio.run(run_fidelity(args.url, args.profile, policies, w, log=lambda line: err.print(line),
+                                       host_cores=args.host_cores, repeats=args.repeats))
+    except (RuntimeError, OSError) as exc:
+        return error(f"bench fidelity: {exc}")
+    n = out["repeats"]
+    table = Table(title=f"fidelity, live vs simulate ({args.profile}): median over {n} repeat(s) (min-max); "
+                        "sim/live: of the medians; pooled: the p99 of all repeats' requests")
+    table.add_column("policy")
+    table.add_column("side")
+    columns = [*METRICS[:2], ("ttft_p99_pooled", "TTFT p99 pooled"), *METRICS[2:]]
+    for _, label in columns:
+        table.add_column(label, justify="right")
+    for policy, row in out["policies"].items():
+        for side in ("live", "sim"):
+            cells = []
+            for key, _ in columns:
+                if key == "ttft_p99_pooled":
+                    cells.append(_fidelity_cell("ttft_p99", row[key][side]))
+                    continue
+                lo, hi = row[f"{side}_range"][key]
+                spread = f" {_fidelity_spread(key, lo, hi)}" if n > 1 else ""
+                cells.append(_fidelity_cell(key, row[side][key]) + spread)
+            table.add_row(policy if side == "live" else "", side, *cells)
+        ratios = [row["ttft_p99_pooled"]["sim_over_live"] if key == "ttft_p99_pooled" else row["sim_over_live"][key]
+                  for key, _ in columns]
+        table.add_row("", "sim/live", *("-" if r is None else f"×{r:.2f}" for r in ratios), end_section=True)
+    console.print(table)
+    for name, rank in (("median", out["ranking_ttft_p99"]), ("pooled", out["ranking_ttft_p99_pooled"])):
+        console.print(f"TTFT p99 ({name}) ranking, live: {' < '.join(rank['live'])}; sim: {' < '.join(rank['sim'])}"
+                      f" ({'same' if rank['live'] == rank['sim'] else 'different'})")
+    console.print(f"{out['within_20pct']} of {out['compared']} sim/live ratios of the medians within 20 %; "
+                  f"pooled TTFT p99: {out['pooled_p99_within_20pct']} of {out['pooled_p99_compared']}")
+    failed = {p: row["errors"] for p, row in out["policies"].items() if any(row["errors"].values())}
+    if failed:
+        err.print(f"failed requests (summed over the repeats): {failed}")
+    if args.json:
+        write_json(args.json, out)
+    return 0
+
+
+def add_parser(bench: argparse._SubParsersAction) -> None:
+    """Register `bench fidelity`."""
+    bf = bench.add_parser("fidelity", help="one workload live through the gateway and in simulate, side by side")
+    bf.add_argument("--url", action="append", required=True, help="an engine's base URL (repeat for each)")
+    bf.add_argument("--profile", help="the simulator's profile (from `kvroute calibrate`; default: calibrate the "
+                    "engines first with --host-cores)")
+    bf.add_argument("--host-cores", type=positive_int, dest="host_cores", metavar="N",
+                    help="the engines share one machine with N cores: the simulator slows a step by max(1, "
+                         "engines stepping / N) (pair it with a profile from `calibrate --host-cores N`; "
+                         "default: this machine's cores when no --profile is given, else unshared)")
+    bf.add_argument("--policies", default="round_robin,sglang_cache_aware,lmetric,skywalker")
+    bf.add_argument("--users", type=int, default=12)
+    bf.add_argument("--groups", type=int, default=3, help="user groups, each sharing one system prompt")
+    bf.add_argument("--system-tokens", type=int, default=1500, dest="system_tokens")
+    bf.add_argument("--min-turns", type=int, default=4, dest="min_turns")
+    bf.add_argument("--max-turns", type=int, default=6, dest="max_turns")
+    bf.add_argument("--max-tokens", type=int, default=16, dest="max_tokens")
+    bf.add_argument("--seed", type=int, default=0, help="repeat i uses seed S + i, live and simulated alike")
+    bf.add_argument("--repeats", type=positive_int, default=3, metavar="N",
+                    help="run every policy N times live (interleaved) and in simulate; report medians, min-max "
+                         "and pooled TTFT p99 (default 3)")
+    bf.add_argument("--json", metavar="FILE")
+    bf.set_defaults(func=cmd_bench_fidelity)
