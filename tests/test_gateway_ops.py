@@ -79,7 +79,7 @@ def test_a_client_leaving_after_its_queued_dispatch_was_decided_undoes_it_as_nev
         name = "hold_then_pick"
         hold = True
 
-        def choose(self, req, eps, view):
+        def choose(self, req, eps, view, dry_run=False):
             return Decision.hold("wait") if self.hold else Decision.dispatch("r0", "pick")
 
     async def scenario(rt):
