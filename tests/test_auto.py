@@ -80,8 +80,15 @@ class _Req:
 
 
 class _St:
+    """The part of a DecisionState the selector reads, with Router.route's commit of its deferred
+    state changes."""
+
     def __init__(self, rid):
         self.req = _Req(rid)
+        self.effects = []
+
+    def defer(self, effect):
+        self.effects.append(effect)
 
 
 def drive(sel: TTFTSelector, ttft, e2e, n: int, start: int = 0) -> list[int]:
@@ -89,8 +96,11 @@ def drive(sel: TTFTSelector, ttft, e2e, n: int, start: int = 0) -> list[int]:
     arms = []
     for i in range(start, start + n):
         rid = f"r{i}"
-        arm = A if sel.holds(_St(rid), []) else B
+        st = _St(rid)
+        arm = A if sel.holds(st, []) else B
         arms.append(arm)
+        for effect in st.effects:  # the dispatch is committed
+            effect()
         sel.on_dispatched(_Req(rid), None, 0)
         sel.on_first_token(rid, "e", ttft[arm])
         sel.on_finished(rid, "e", e2e[arm], 10)

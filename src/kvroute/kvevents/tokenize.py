@@ -30,8 +30,10 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from kvroute.errors import ConfigError
 
-class TokenizerFolderError(ValueError):
+
+class TokenizerFolderError(ConfigError):
     """The folder is not a usable tokenizer folder; the message names the file and why."""
 
 

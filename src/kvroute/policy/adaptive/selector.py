@@ -56,8 +56,10 @@ class TTFTSelector(Condition, Lifecycle):
         self.rounds = 0
 
     def holds(self, st: DecisionState, eps: list[Endpoint]) -> bool:
-        """True when the guarded rule serves now."""
-        self.asked = st.req.id
+        """True when the guarded rule serves now (the request is marked as this condition's when
+        the dispatch is committed: deciding changes nothing)."""
+        rid = st.req.id
+        st.defer(lambda: setattr(self, "asked", rid))
         return self.arm == A
 
     def on_dispatched(self, req: Request, endpoint: Endpoint, new_prefill_tokens: int) -> None:
