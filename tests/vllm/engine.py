@@ -1,0 +1,161 @@
+"""Real vLLM CPU engines for tests: started from the project's .venv-vllm, stopped by PID with
+every process they spawned (the API server's engine core and its workers keep the KV-event ports
+when only the server is killed: shared/design/real-vllm-cpu.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+BLOCK = 32  # CPU attention needs a multiple of 32
+MODEL_DIR = ROOT / ".venv-vllm" / "tiny-model"  # written once per vLLM venv (random weights, seed 0)
+
+
+def available() -> bool:
+    """Whether `make vllm-env` has installed the engine."""
+    return VLLM_PYTHON.is_file()
+
+
+def write_model(out: Path) -> Path:
+    """The tiny random-weight model (tests/vllm/tiny_model.py), written by the vLLM venv's Python."""
+    done = out / ".complete"
+    if not done.is_file():
+        subprocess.run([str(VLLM_PYTHON), str(Path(__file__).with_name("tiny_model.py")), str(out)], check=True,
+                       capture_output=True, timeout=300)
+        done.touch()
+    return out
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process below ``pid`` (read from /proc), children before grandchildren."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat[stat.rindex(")") + 2:].split()[1])
+        children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+class VLLMEngine:
+    """One `vllm.entrypoints.openai.api_server` with prefix caching and KV events (ZMQ PUB bound on
+    ``events_port``, replay ROUTER on ``replay_port``, topic ``kv``), pinned to one core."""
+
+    def __init__(self, model: Path, port: int, events_port: int, replay_port: int, core: int, blocks: int,
+                 workdir: Path):
+        self.model, self.port, self.events_port, self.replay_port = model, port, events_port, replay_port
+        self.core, self.blocks, self.workdir = core, blocks, workdir
+        self.proc: subprocess.Popen | None = None
+        self.pids: set[int] = set()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
+               "VLLM_CACHE_ROOT": str(self.workdir / "cache"), "VLLM_SERVER_DEV_MODE": "1",
+               "VLLM_CPU_OMP_THREADS_BIND": str(self.core), "TMPDIR": str(self.workdir),
+               "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+        events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{self.events_port}",
+                  "replay_endpoint": f"tcp://127.0.0.1:{self.replay_port}", "topic": "kv"}
+        cmd = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model),
+               "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(self.port),
+               "--dtype", "bfloat16", "--max-model-len", str((self.blocks - 1) * BLOCK), "--enable-prefix-caching",
+               "--block-size", str(BLOCK), "--enforce-eager", "--num-gpu-blocks-override", str(self.blocks),
+               "--enable-prompt-tokens-details", "--kv-events-config", json.dumps(events)]
+        self.log = open(self.workdir / f"vllm-{self.port}.log", "ab")  # noqa: SIM115 (closed in stop)
+        self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT, cwd=self.workdir,
+                                     start_new_session=True)
+        self.pids = {self.proc.pid}
+
+    def wait_ready(self, timeout: float = 400.0) -> None:
+        """Until /health answers 200 (a cold start takes 20 s on an idle machine, minutes on a busy one)."""
+        assert self.proc is not None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM on port {self.port} exited {self.proc.returncode}:\n{self.log_tail()}")
+            self.pids |= set(descendants(self.proc.pid))
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
+                    if r.status == 200:
+                        self.pids |= set(descendants(self.proc.pid))
+                        return
+            except OSError:
+                pass
+            time.sleep(1.0)
+        raise TimeoutError(f"vLLM on port {self.port} not ready within {timeout:g} s:\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 25) -> str:
+        """The end of the engine's log (its folder is removed after the tests)."""
+        self.log.flush()
+        return "\n".join(Path(self.log.name).read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self) -> None:
+        """SIGTERM the server and every process it spawned (by PID), SIGKILL what is left after 15 s."""
+        if self.proc is None:
+            return
+        self.pids |= set(descendants(self.proc.pid))
+        for pid in sorted(self.pids):
+            _signal(pid, signal.SIGTERM)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and any(_alive(p) for p in self.pids):
+            if self.proc.poll() is None:
+                time.sleep(0.2)
+            else:
+                time.sleep(0.2)
+                self._reap()
+        for pid in self.pids:
+            if _alive(pid):
+                _signal(pid, signal.SIGKILL)
+        self.proc.wait(timeout=15)
+        self.proc = None
+        self.pids = set()
+        self.log.close()
+
+    def _reap(self) -> None:
+        for pid in self.pids:
+            try:
+                os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                pass
+
+    def post(self, path: str, body: dict) -> dict:
+        req = urllib.request.Request(f"{self.url}{path}", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return json.loads(r.read())
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
