@@ -54,6 +54,7 @@ demo: $(STAMP)
 
 lint: $(DEVSTAMP)
 	$(BIN)/ruff check src tests
+	$(BIN)/lint-imports --no-cache  # layers, no cycles, pure layers without I/O (pyproject.toml)
 	$(BIN)/mypy
 	$(BIN)/mypy --strict --follow-imports=silent $(STRICT)
 

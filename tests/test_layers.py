@@ -1,8 +1,11 @@
 """Layering (issue 18): the pure layers open no data file on import, and every built-in preset
 compiles with its defaults (they are no longer compiled on import)."""
 
+import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -46,3 +49,28 @@ def test_a_profile_name_needs_the_runtime_source():
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_every_preset_compiles_with_its_defaults(name):
     assert build_policy(name).describe()
+
+
+LINT_IMPORTS = Path(sys.executable).parent / "lint-imports"
+
+
+@pytest.mark.skipif(not LINT_IMPORTS.exists(), reason="import-linter is a dev dependency")
+@pytest.mark.parametrize(("module", "line", "broken"), [
+    ("policy/base.py", "import kvroute.gateway.server", "layers"),  # an upward import
+    ("sim/engine.py", "import kvroute.sim.simulation", "no import cycles"),  # a cycle inside a layer
+    ("policy/router.py", "import yaml", "do no I/O"),  # a file format in the pure layer
+])
+def test_make_lint_fails_on_an_upward_import_a_cycle_or_io_in_the_pure_layers(tmp_path, module, line, broken):
+    """The contracts `make lint` runs (pyproject.toml), on a copy of the package with one bad import."""
+    root = Path(__file__).resolve().parents[1]
+    shutil.copytree(root / "src" / "kvroute", tmp_path / "src" / "kvroute",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(root / "pyproject.toml", tmp_path)
+    target = tmp_path / "src" / "kvroute" / module
+    target.write_text(target.read_text() + f"\n{line}  # noqa\n")
+    env = dict(os.environ, PYTHONPATH=str(tmp_path / "src"))
+    clean = subprocess.run([str(LINT_IMPORTS), "--no-cache"], cwd=root, capture_output=True, text=True)
+    assert clean.returncode == 0, clean.stdout[-2000:]
+    proc = subprocess.run([str(LINT_IMPORTS), "--no-cache"], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert proc.returncode != 0
+    assert any(broken in ln and "BROKEN" in ln for ln in proc.stdout.splitlines()), proc.stdout[-2000:]

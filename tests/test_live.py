@@ -117,7 +117,7 @@ def test_a_paused_child_answers_nothing_until_resumed_and_every_pid_is_stopped(t
 
     import aiohttp
 
-    from kvroute.live.processes import Fleet
+    from kvroute.processes import Fleet
 
     async def run() -> list[int]:
         fleet = Fleet(tmp_path)

@@ -41,8 +41,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def cmd_live(args: argparse.Namespace) -> int:
     """Run it; bad input is one line and exit 2."""
     from kvroute.live.faults import parse_fault
-    from kvroute.live.processes import ProcessError
     from kvroute.live.run import check_faults
+    from kvroute.processes import ProcessError
     from kvroute.sim.scenario import ScenarioError
 
     try:

@@ -26,8 +26,8 @@ import aiohttp
 import yaml
 
 from kvroute.fleet.services import Service, haproxy, nats_server
-from kvroute.live.processes import Child, Fleet
 from kvroute.ports import free_ports
+from kvroute.processes import Child, Fleet
 
 DEFAULT_PROFILE = "h100-llama3.2-3b"  # answers in tens of milliseconds
 ADMIN_ENV, CLIENT_ENV = "KVROUTE_FLEET_ADMIN_KEY", "KVROUTE_FLEET_CLIENT_KEY"

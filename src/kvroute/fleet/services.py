@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvroute.errors import ServiceError
-from kvroute.live.processes import _die_with_parent
 from kvroute.ports import HOST, free_port, wait_for_port
+from kvroute.processes import die_with_parent
 
 
 def find_binary(name: str) -> str:
@@ -64,7 +64,7 @@ class Service:
         log = self.log_path.open("ab")
         try:
             self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                                         preexec_fn=_die_with_parent)
+                                         preexec_fn=die_with_parent)
         finally:
             log.close()
         self.pids.append(self.proc.pid)

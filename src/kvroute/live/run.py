@@ -35,10 +35,10 @@ from kvroute.gateway.config import GatewayConfig
 from kvroute.live.clients import Driver, sample_replicas
 from kvroute.live.delay import DelayProxy
 from kvroute.live.faults import Fault
-from kvroute.live.processes import Child, Fleet
 from kvroute.metrics import Recorder
 from kvroute.perf.network import Network
 from kvroute.ports import free_ports
+from kvroute.processes import Child, Fleet
 from kvroute.sim.scenario import PolicyEntry, Scenario
 
 ADMIN_ENV = "KVROUTE_LIVE_ADMIN_KEY"

@@ -26,17 +26,37 @@ Per-request times of each split request (prefill leg, transfer) are kept for the
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
+from kvroute.perf.network import Network
 from kvroute.policy.builtin.pd import kv_transfer_s
 from kvroute.sim.engine import Seq
+from kvroute.sim.events import EventLoop
+from kvroute.sim.flight import Flight, Replica
 from kvroute.stats import percentile
 
 if TYPE_CHECKING:
     from kvroute.sim.balancer import SimBalancer
-    from kvroute.sim.simulation import Flight, Simulation
+
+
+class PDHost(Protocol):
+    """What the P/D legs use of the simulation that drives them (:class:`kvroute.sim.simulation.Simulation`;
+    a protocol, so that this module does not import the one that imports it)."""
+
+    @property
+    def loop(self) -> EventLoop: ...
+
+    @property
+    def network(self) -> Network: ...
+
+    @property
+    def replicas(self) -> Mapping[str, Replica]: ...
+
+    def fail(self, flight: Flight, reason: str) -> None: ...
+
+    def arrive_replica(self, flight: Flight) -> None: ...
 
 DEFAULT_KV_BYTES = 131072  # per token, when a profile gives none (a 7-8B model in bf16: 128 KiB)
 
@@ -65,7 +85,7 @@ class PrefillLeg:
 class Disaggregation:
     """The simulation's P/D legs (module docstring): started by ``Simulation.dispatch_split``."""
 
-    def __init__(self, sim: Simulation, setup: PDSetup):
+    def __init__(self, sim: PDHost, setup: PDSetup):
         self.sim = sim
         self.setup = setup
         self.prefill_s: list[float] = []  # LB dispatch → prefill done at the prefill engine

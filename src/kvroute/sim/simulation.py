@@ -22,6 +22,7 @@ from kvroute.sim.balancer import SimBalancer
 from kvroute.sim.disagg import Disaggregation, PDSetup, PrefillLeg
 from kvroute.sim.engine import Engine, Host, Seq
 from kvroute.sim.events import EventLoop
+from kvroute.sim.flight import Flight, Replica
 from kvroute.sim.migration import make_migrator
 from kvroute.workload import Program, SimRequest, Workload
 
@@ -78,40 +79,6 @@ class Setup:
     # client region → residency zone its requests must be served in (kvroute plan's residency rules;
     # the policies' hard zone filter applies it, as the gateway does for a pinned key)
     residency: dict[str, str] = field(default_factory=dict)
-
-
-@dataclass
-class Replica:
-    """A simulated replica at run time: its id, region and engine model."""
-
-    id: str
-    region: str
-    engine: Engine
-    role: str = "mixed"
-
-
-class Flight:
-    """One request on its way through the simulated system: where it came from, the balancers and replica it
-    met, and the times it reached each (for latency breakdowns and on_finish calls)."""
-
-    __slots__ = ("sreq", "client_region", "sent", "reached_lb", "at_peer", "notify", "replica", "back_s",
-                 "first", "net_s", "dispatched", "prefill", "transfer_s")
-
-    def __init__(self, sreq: SimRequest, client_region: str, sent: float):
-        self.sreq = sreq
-        self.client_region = client_region
-        self.sent = sent
-        self.reached_lb = -1.0  # when it first reached a load balancer
-        self.at_peer = -1.0  # when it reached the peer it was forwarded to (-1: not forwarded)
-        # balancers on the way back: (router, balancer, delay, when the request reached it)
-        self.notify: list[tuple[Router, SimBalancer, float, float]] = []
-        self.replica = ""
-        self.back_s = 0.0  # replica → client
-        self.first = 0.0
-        self.net_s = 0.0  # LB → LB forwarding time (not queueing)
-        self.dispatched = 0.0
-        self.prefill: str | None = None  # the prefill engine of a split request (sim/disagg.py)
-        self.transfer_s = 0.0
 
 
 class Simulation:

@@ -28,7 +28,7 @@ class ProcessError(ServiceError, RuntimeError):
     """A child did not come up; the message names it and ends with its last log lines."""
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+def die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
@@ -65,7 +65,7 @@ class Child:
         self.proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "kvroute", *self.args, stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE, env=env,
-            preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+            preexec_fn=die_with_parent if sys.platform == "linux" else None)
         self.starts += 1
         self.pids.append(self.proc.pid)
         self.paused = False
