@@ -16,6 +16,7 @@ from kvroute.errors import ConfigError
 from kvroute.gateway.config import load_config
 from kvroute.gateway.continuation import Splice
 from kvroute.gateway.outlier import StallDetector
+from kvroute.gateway.probes import next_probe_interval
 from kvroute.gateway.tokens import token_events
 from tests.gateway_harness import LiveDeployment
 from tests.test_continuation import CHAT, PROMPT, TwoStages, continuations
@@ -308,3 +309,50 @@ def test_bad_admin_token_and_stall_settings_are_one_line_errors(tmp_path, yaml, 
     with pytest.raises(ConfigError) as err:
         load_config(str(cfg))
     assert str(err.value).startswith(f"{cfg}:2:") and message in str(err.value)
+
+
+# -- 5. adaptive probing -----------------------------------------------------------------------------
+
+def test_probe_interval_backs_off_while_idle_and_comes_back_with_work():
+    waits = [0.1]
+    for _ in range(6):
+        waits.append(next_probe_interval(waits[-1], True, 0.1, 1.0))
+    assert waits == pytest.approx([0.1, 0.2, 0.4, 0.8, 1.0, 1.0, 1.0])
+    assert next_probe_interval(1.0, False, 0.1, 1.0) == 0.1
+    assert next_probe_interval(0.1, True, 0.1, 0.1) == 0.1  # idle_interval_s = interval_s: a fixed rate
+
+
+def test_an_idle_replica_is_probed_rarely_and_a_busy_one_at_the_fast_rate():
+    dep = LiveDeployment(replicas=2, policy="round_robin", probe={"interval_s": 0.05, "idle_interval_s": 0.5})
+    try:
+        def probes() -> list[int]:
+            return [up.probes for up in dep.runtime.upstreams.values()]
+
+        time.sleep(1.0)  # back off to the idle rate
+        before = probes()
+        time.sleep(2.0)
+        idle = [b - a for a, b in zip(before, probes(), strict=True)]
+        assert all(2 <= n <= 6 for n in idle), idle  # ~4 at 0.5 s, against 40 at the fixed 50 ms
+        done = threading.Event()
+        for i in (0, 1):
+            dep.fault(i, slowdown=4.0)  # a stream that lasts a few seconds
+
+        def stream() -> None:
+            sse(dep.url, "/v1/completions", {"model": "emulated", "prompt": PROMPT, "max_tokens": 400})
+            done.set()
+
+        threading.Thread(target=stream).start()
+        time.sleep(0.3)  # the dispatch restored the fast rate
+        before = probes()
+        time.sleep(1.0)
+        busy = [b - a for a, b in zip(before, probes(), strict=True)]
+        assert not done.is_set(), "the stream ended before the window: make it longer"
+        assert max(busy) >= 12 and min(busy) <= 4, busy  # the busy one at ~20/s, the idle one still slow
+        done.wait(20)
+        metrics = httpx.get(f"{dep.url}/metrics").text
+        assert sum(_samples(metrics, "kvroute_replica_probes_total").values()) == sum(probes())
+        sizes = _samples(metrics, "kvroute_replica_probe_bytes_total")
+        assert all(up.filtered for up in dep.runtime.upstreams.values())  # vLLM's filtered page
+        assert all(0 < sizes[f'replica="{name}"'] / up.probes < 1000 for name, up in dep.runtime.upstreams.items())
+    finally:
+        dep.close()

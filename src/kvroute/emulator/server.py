@@ -35,7 +35,7 @@ from aiohttp import web
 
 from kvroute.emulator.kv_events import EmulatorEvents, KVEventsOptions, pseudo_token_ids
 from kvroute.emulator.pd import PDEngine, PDRefused, add_routes, start_bootstrap
-from kvroute.emulator.quirks import EmptyText, Freeze, context_error, model_card
+from kvroute.emulator.quirks import EmptyText, Freeze, context_error, filtered_metrics, model_card
 from kvroute.emulator.realtime import RealtimeLoop
 from kvroute.gateway.http import error_object
 from kvroute.perf.loader import load_profile
@@ -458,6 +458,12 @@ def build_app(emu: Emulator) -> web.Application:
             await asyncio.sleep(3600)
         return web.Response(text=emu.metrics_text(), content_type="text/plain")
 
+    async def metrics_filtered(request):  # vLLM's prometheus_client app under /metrics/ (emulator/quirks.py)
+        if emu.faults.probe_hang:
+            await asyncio.sleep(3600)
+        return web.Response(text=filtered_metrics(emu.metrics_text(), request.query.getall("name[]", [])),
+                            content_type="text/plain")
+
     async def get_load(request):
         e = emu.engine
         return web.json_response([{"dp_rank": 0, "num_reqs": e.running + len(e.waiting),
@@ -483,6 +489,8 @@ def build_app(emu: Emulator) -> web.Application:
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
+    if emu.engine_type == "vllm":
+        app.router.add_get("/metrics/", metrics_filtered)
     app.router.add_get("/get_load", get_load)
     add_routes(app, emu.pd)
     app.router.add_post("/_fault", fault)

@@ -166,6 +166,10 @@ class ProbeConfig(StrictModel):
     re-admits one."""
 
     interval_s: float = Field(0.1, gt=0)  # SkyWalker probes every 100 ms
+    idle_interval_s: float = Field(1.0, gt=0, description="a replica with nothing in flight and nothing running "
+                                   "or waiting at its last probe is probed less often: the wait doubles from "
+                                   "interval_s up to this; a dispatch to it restores interval_s (set it equal to "
+                                   "interval_s for a fixed rate)")
     timeout_s: float = Field(0.5, gt=0, description="a probe that takes longer fails")
     unhealthy_after: int = Field(3, ge=1)  # consecutive probe failures → ejected
     healthy_after: int = Field(2, ge=1)  # consecutive successes → re-admitted

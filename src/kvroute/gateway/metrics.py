@@ -121,6 +121,11 @@ class _LiveCollector:
         tokens = CounterMetricFamily("kvroute_replica_tokens", "Tokens of the requests the replica served: prompt "
                                      "(the gateway's count) and completion (the engine's usage, else its stream "
                                      "events)", labels=["replica", "kind"])
+        probes = CounterMetricFamily("kvroute_replica_probes", "Probes sent to the replica (adaptive rate: "
+                                     "probe.interval_s while it has work, up to probe.idle_interval_s while idle)",
+                                     labels=["replica"])
+        probe_bytes = CounterMetricFamily("kvroute_replica_probe_bytes", "Bytes of the replica's metrics read by "
+                                          "probes", labels=["replica"])
         ratio = GaugeMetricFamily("kvroute_prefix_hit_ratio", "Expected cached share of routed prompt tokens")
         source = GaugeMetricFamily("kvroute_replica_kv_source", "1 for where the replica's prefix index comes "
                                    "from: events, stale (events lost, approximate until rebuilt), approximate",
@@ -140,6 +145,8 @@ class _LiveCollector:
             errors.add_metric([ep.id], up.errors)
             tokens.add_metric([ep.id, "prompt"], up.prompt_tokens)
             tokens.add_metric([ep.id, "completion"], up.completion_tokens)
+            probes.add_metric([ep.id], up.probes)
+            probe_bytes.add_metric([ep.id], up.probe_bytes)
             reading = up.reading
             if reading is not None:
                 running.add_metric([ep.id], reading.running)
@@ -184,4 +191,4 @@ class _LiveCollector:
                 gauge.add_metric([key], value)
             yield gauge
         yield from (inflight, circuit, healthy, running, waiting, kv, rtt, engine, restarts, ratio, source, lag,
-                    ev_counts, sent, errors, tokens)
+                    ev_counts, sent, errors, tokens, probes, probe_bytes)

@@ -19,15 +19,17 @@ import aiohttp
 from kvroute.discovery.manager import Discovery
 from kvroute.errors import ServiceError
 from kvroute.gateway.breaker import CircuitBreaker
-from kvroute.gateway.config import GatewayConfig, ReplicaConfig
+from kvroute.gateway.config import GatewayConfig, ProbeConfig, ReplicaConfig
 from kvroute.gateway.ejection import Ejector
 from kvroute.gateway.metrics import GatewayMetrics
 from kvroute.gateway.peers import Peering
 from kvroute.gateway.probes import (
+    VLLM_FILTERED,
     ProbeError,
     ProbeStreak,
     Reading,
     kv_capacity,
+    next_probe_interval,
     parse_prometheus,
     probe_forever,
     read_indicators,
@@ -66,6 +68,12 @@ class Upstream:
     errors: int = 0
     prompt_tokens: int = 0  # the gateway's count of served prompts (the engine's units once learned)
     completion_tokens: int = 0  # the engine's usage, else the token events streamed
+    # adaptive probing (probes.next_probe_interval) and what probing it costs
+    probe_every_s: float = 0.0
+    next_probe_at: float = 0.0
+    probes: int = 0
+    probe_bytes: int = 0
+    filtered: bool | None = None  # vLLM's filtered metrics: None untried, then whether they answer
 
 
 @dataclass
@@ -396,6 +404,9 @@ class Runtime:
             for name in (d.target, d.prefill):  # a prefill/decode pair takes a trial slot on each
                 up = self.upstreams.get(name or "")
                 if up is not None:
+                    if up.probe_every_s > self.config.probe.interval_s:  # idle until now: back to the fast rate
+                        up.probe_every_s = self.config.probe.interval_s
+                        up.next_probe_at = min(up.next_probe_at, time.monotonic() + up.probe_every_s)
                     up.breaker.dispatched()
                     up.endpoint.circuit_open = not up.breaker.allows
                     if self.events is not None:  # until its BlockStored arrives, the prompt counts as cached there
@@ -555,7 +566,9 @@ class Runtime:
         """Probe every replica once, in parallel; then tick the breakers, rescale the prefix index and let
         queued requests go where a replica freed up."""
         ups = list(self.upstreams.values())
-        await asyncio.gather(*(self._probe(up) for up in ups))
+        now = time.monotonic()
+        slack = self.config.probe.interval_s / 2  # a round that runs a little early still probes what is due
+        await asyncio.gather(*(self._probe(up) for up in ups if up.next_probe_at <= now + slack))
         tick_breakers(ups, time.monotonic())
         self._rescale_index()
         self.drain_queue()
@@ -576,14 +589,42 @@ class Runtime:
         ep = up.endpoint
         t0 = time.monotonic()
         try:
-            timeout = aiohttp.ClientTimeout(total=pc.timeout_s)
-            assert self.session is not None, "probing before start()"
-            async with self.session.get(f"{up.config.url}/metrics", timeout=timeout,
-                                        ssl=up.pool.tls if up.pool.tls is not None else True) as resp:
-                if resp.status != 200:
-                    raise ProbeError(f"/metrics answered {resp.status}")
-                text = await resp.text()
-            reading = read_indicators(parse_prometheus(text), up.engine)
+            await self._read_probe(up, pc, ep, t0)
+        finally:
+            reading = up.reading
+            idle = ep.healthy and ep.inflight == 0 and reading is not None and reading.running == 0 \
+                and reading.waiting == 0
+            up.probe_every_s = next_probe_interval(up.probe_every_s, idle, pc.interval_s, pc.idle_interval_s)
+            up.next_probe_at = t0 + up.probe_every_s
+
+    async def _scrape(self, up: Upstream, path: str, timeout_s: float) -> str:
+        """One GET of the replica's metrics at ``path``; its text (ProbeError unless 200)."""
+        assert self.session is not None, "probing before start()"
+        # identity: prometheus_client's app (vLLM's /metrics/) gzips for a client that accepts it
+        async with self.session.get(f"{up.config.url}{path}", timeout=aiohttp.ClientTimeout(total=timeout_s),
+                                    headers={"Accept-Encoding": "identity"},
+                                    ssl=up.pool.tls if up.pool.tls is not None else True) as resp:
+            if resp.status != 200:
+                raise ProbeError(f"{path.split('?')[0]} answered {resp.status}")
+            text = await resp.text()
+        up.probe_bytes += len(text)
+        return text
+
+    async def _read_probe(self, up: Upstream, pc: ProbeConfig, ep: Endpoint, t0: float) -> None:
+        up.probes += 1
+        try:
+            reading = None
+            if up.engine == "vllm" and up.filtered is not False:  # only the series routing reads
+                try:
+                    text = await self._scrape(up, VLLM_FILTERED, pc.timeout_s)
+                    reading = read_indicators(parse_prometheus(text), up.engine)
+                    up.filtered = True
+                except ProbeError as exc:  # an engine that does not filter: the whole page from now on
+                    up.filtered = False
+                    log.info("replica %s: filtered metrics refused (%s); reading /metrics", ep.id, exc)
+            if reading is None:
+                text = await self._scrape(up, "/metrics", pc.timeout_s)
+                reading = read_indicators(parse_prometheus(text), up.engine)
             if reading.kv_tokens is None:
                 reading.kv_tokens = kv_capacity(text)
         except (TimeoutError, aiohttp.ClientError, ProbeError, UnicodeDecodeError) as exc:
