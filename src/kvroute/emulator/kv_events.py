@@ -71,6 +71,7 @@ class EmulatorEvents:
         self.block_tokens = block_tokens
         self.hash_bytes = hash_bytes
         self.tokens: dict[str, list[int]] = {}
+        self.evicted = 0  # blocks evicted since start (restarts included)
         self._pending: list[Any] = []
         self._flush_scheduled = False
 
@@ -116,6 +117,7 @@ class EmulatorEvents:
                           ids[first * bt:(run[-1] + 1) * bt], bt)
 
     def _removed(self, hashes: list[int]) -> None:
+        self.evicted += len(hashes)
         self._queue(self.publisher.encoder.removed([self.engine_hash(h) for h in hashes]))
 
     def _queue(self, event: Any) -> None:
