@@ -356,3 +356,13 @@ def test_an_idle_replica_is_probed_rarely_and_a_busy_one_at_the_fast_rate():
         assert all(0 < sizes[f'replica="{name}"'] / up.probes < 1000 for name, up in dep.runtime.upstreams.items())
     finally:
         dep.close()
+
+
+def test_a_first_huge_prompt_is_not_a_freeze_and_the_last_replica_is_never_ejected():
+    detector = StallDetector(factor=10, min_s=1, max_s=3)
+    huge = detector.begin("r", 100_000, 0.0)  # nothing learned yet: 1 s + 10 s at the prior speed
+    assert not list(detector.sweep(10.5))
+    assert not list(detector.sweep(11.5, may_eject=lambda name: False))  # nowhere else to send it
+    assert not detector.watch("r").stalled
+    assert [name for name, _, _ in detector.sweep(11.5)] == ["r"]
+    detector.watch("r").end(huge)

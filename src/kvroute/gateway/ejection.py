@@ -82,7 +82,7 @@ class Ejector:
         rt = self.rt
         if not rt.config.stall.enabled:
             return
-        for name, watch, silent in list(self.detector.sweep(now)):
+        for name, watch, silent in list(self.detector.sweep(now, self._others_can_serve)):
             up = rt.upstreams.get(name)
             if up is None:
                 continue
@@ -101,6 +101,12 @@ class Ejector:
                     and now - self._canary_at.get(name, 0.0) >= rt.config.stall.canary_interval_s:
                 self._canary_at[name] = now
                 self._canaries[name] = asyncio.create_task(self._canary(name, rt.upstreams[name], watch))
+
+    def _others_can_serve(self, name: str) -> bool:
+        """Whether a replica other than ``name`` is healthy and admitted (else ejecting ``name``
+        would leave its requests nowhere to go)."""
+        return any(other != name and up.endpoint.healthy and up.breaker.allows and other not in self.rt.drained
+                   for other, up in self.rt.upstreams.items())
 
     async def _canary(self, name: str, up: Upstream, watch: ReplicaWatch) -> None:
         rt = self.rt

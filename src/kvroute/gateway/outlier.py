@@ -15,9 +15,12 @@ does the same with *progress* as the signal:
   longer than its threshold: ``factor ×`` the longest gap between progress events it normally
   shows (a peak that decays with a half-life of ``PEAK_HALF_LIFE_S``), bounded to
   [``min_s``, ``max_s``], plus the prefill time the prompts still waiting for their first token
-  are expected to take at the replica's learned seconds per prompt token — a long prompt is
-  allowed its prefill, a short one on a frozen engine is not;
-- a stalled replica is ejected (its breaker held open) and every watched attempt on it aborted:
+  are expected to take at the replica's learned seconds per prompt token (never assumed faster
+  than ``PRIOR_S_PER_TOKEN``, so a first huge prompt is not mistaken for a freeze) — a long
+  prompt is allowed its prefill, a short one on a frozen engine is not;
+- a stalled replica is ejected (its breaker held open) and every watched attempt on it aborted
+  — unless no other replica could take its requests (Envoy's ``max_ejection_percent`` in its
+  simplest form: ejecting the last one only turns slow answers into errors);
   those without a byte out are retried elsewhere, those mid-stream continued elsewhere
   (``gateway/continuation.py``);
 - it is re-admitted when it progresses again: a tiny canary request is sent to it every
@@ -38,6 +41,7 @@ from typing import Any
 PEAK_HALF_LIFE_S = 60.0  # how fast a long gap seen once stops widening the threshold
 MIN_PREFILL_TOKENS = 256  # shorter prompts say more about overheads than about prefill speed
 RATE_WEIGHT = 0.2  # EWMA weight of a new seconds-per-prompt-token sample
+PRIOR_S_PER_TOKEN = 1e-4  # prefill assumed no faster than 10,000 tokens/s: 100 K tokens are allowed 10 s
 
 Abort = Callable[[Any], None]  # raises the exception it is given in whoever waits on the attempt
 
@@ -108,10 +112,8 @@ class ReplicaWatch:
         """How long the replica may stay silent now (see the module docstring)."""
         peak = self.peak_gap_s * 0.5 ** ((now - self.peak_at) / PEAK_HALF_LIFE_S)
         base = min(max_s, max(min_s, factor * peak))
-        if self.s_per_token is None:
-            return base
         pending = sum(a.prompt_tokens for a in self.attempts if not a.first_token)
-        return base + pending * self.s_per_token
+        return base + pending * max(self.s_per_token or 0.0, PRIOR_S_PER_TOKEN)
 
 
 class StallDetector:
@@ -139,14 +141,16 @@ class StallDetector:
         w.begin(attempt, now)
         return attempt
 
-    def sweep(self, now: float) -> Iterator[tuple[str, ReplicaWatch, float]]:
+    def sweep(self, now: float, may_eject: Callable[[str], bool] = lambda _name: True,
+              ) -> Iterator[tuple[str, ReplicaWatch, float]]:
         """(replica, watch, silent seconds) for every replica that has just stalled: watched
-        attempts and none progressed within its threshold. The caller ejects it and aborts them."""
+        attempts and none progressed within its threshold, and ``may_eject`` allows it (another
+        replica can take its requests). The caller ejects it and aborts them."""
         for name, w in self.watches.items():
             if w.stalled or not w.attempts:
                 continue
             silent = now - w.silent_since()
-            if silent > w.threshold(now, self.factor, self.min_s, self.max_s):
+            if silent > w.threshold(now, self.factor, self.min_s, self.max_s) and may_eject(name):
                 w.stalled = True
                 w.stalls += 1
                 yield name, w, silent
