@@ -260,7 +260,7 @@ def _fault_rows(outcomes: list[Outcome], record: dict[str, Any], replicas: int) 
 
 
 def run(workload: Workload, replicas: int = 4, profile: str = DEFAULT_PROFILE, policy: str = "skywalker",
-        repeats: int = 3,
+        repeats: int = 3, kv_events: bool = True,
         faults: bool = False, folder: Path | None = None, progress: Callable[[str], None] = lambda m: None
         ) -> dict[str, Any]:
     """Every configuration ``repeats`` times, interleaved; medians per configuration; fault runs."""
@@ -268,10 +268,11 @@ def run(workload: Workload, replicas: int = 4, profile: str = DEFAULT_PROFILE, p
     work = folder or Path(tempfile.mkdtemp(prefix="kvroute-bench-fleet-"))
 
     async def main() -> dict[str, Any]:
-        region = RegionFleet(work, replicas=replicas, profile=profile, policy=policy, seed=workload.seed)
+        region = RegionFleet(work, replicas=replicas, profile=profile, policy=policy, seed=workload.seed,
+                             kv_events=kv_events)
         per: dict[str, list[dict[str, Any]]] = {label: [] for label, _, _ in CONFIGS}
         out: dict[str, Any] = {"workload": workload.__dict__, "replicas": replicas, "profile": profile,
-                               "policy": policy, "repeats": repeats, "logs": str(work)}
+                               "policy": policy, "kv_events": kv_events, "repeats": repeats, "logs": str(work)}
         try:
             await region.start_replicas()
             for rep in range(repeats):
@@ -328,7 +329,8 @@ def table_rows(result: dict[str, Any]) -> list[list[str]]:
         rows.append([label, f"{m['requests']:.0f}", f"{m['errors']:.0f}", f"{1000 * m['ttft_p50_s']:.0f}",
                      f"{1000 * m['ttft_p99_s']:.0f} ({1000 * lo:.0f}–{1000 * hi:.0f})",
                      f"{100 * m['cached_share']:.1f} ({100 * clo:.1f}–{100 * chi:.1f})",
-                     f"{m['max_over_fair']:.2f}", f"{m['index_identical_runs']}/{m['runs']}"])
+                     f"{m['max_over_fair']:.2f}",
+                     f"{m['index_identical_runs']}/{m['runs']}" if result.get("kv_events", True) else "n/a"])
     return rows
 
 

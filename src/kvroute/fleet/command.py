@@ -28,6 +28,8 @@ def register(bench: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=3, help="runs per configuration, interleaved (default 3)")
     p.add_argument("--faults", action="store_true", help="also kill an instance, and NATS, mid-run")
+    p.add_argument("--no-kv-events", action="store_false", dest="kv_events",
+                   help="the replicas publish no KV events: every instance routes on its approximate index")
     p.add_argument("--logs", metavar="DIR", help="keep every process's log and config here")
     p.add_argument("--json", metavar="FILE")
     p.set_defaults(func=cmd_bench_fleet)
@@ -64,10 +66,11 @@ def cmd_bench_fleet(args: argparse.Namespace) -> int:
         err.print(f"kvroute: error: --policy: {exc}")
         return 2
     result = run(w, replicas=args.replicas, profile=args.profile, policy=args.policy, repeats=args.repeats,
-                 faults=args.faults,
+                 faults=args.faults, kv_events=args.kv_events,
                  folder=folder, progress=lambda m: err.print(f"[dim]{m}[/dim]"))
+    index = "KV events" if args.kv_events else "approximate index"
     table = Table(title=f"fleet: {w.sessions} chat sessions at {w.rate:g}/s over {args.replicas} emulated "
-                        f"replicas ({args.profile}), {args.policy}, through HAProxy; median of {args.repeats} "
+                        f"replicas ({args.profile}), {args.policy}, {index}, through HAProxy; median of {args.repeats} "
                         "(min–max)")
     for col in ("configuration", "requests", "errors", "TTFT p50 ms", "TTFT p99 ms", "cached share %",
                 "busiest replica / fair", "same index"):
