@@ -27,6 +27,22 @@ def runtime_start_up():
     load_entry_points()
 
 
+@pytest.fixture(autouse=True)
+def registries_restored():
+    """Tests register presets and plugins (files, entry points, compositions in scenarios): each
+    test leaves the registries as it found them, so no test depends on another's order."""
+    from kvroute.policy.catalog import PLUGINS, PRESETS_TABLE
+
+    plugins = {kind: dict(table) for kind, table in PLUGINS.items()}
+    presets = dict(PRESETS_TABLE)
+    yield
+    PRESETS_TABLE.clear()
+    PRESETS_TABLE.update(presets)
+    for kind, table in plugins.items():
+        PLUGINS[kind].clear()
+        PLUGINS[kind].update(table)
+
+
 @pytest.fixture
 def router_for():
     def build(preset: str, n: int = 4, params: dict | None = None, **ep_kw) -> Router:

@@ -10,7 +10,7 @@ from kvroute import policyfiles
 from kvroute.errors import ConfigError
 from kvroute.model import Branch, DecisionKind, Endpoint
 from kvroute.policy import Router, build_policy, policy_from_config, registry
-from kvroute.policy.catalog import PLUGINS, PRESETS_TABLE
+from kvroute.policy.catalog import PLUGINS, PRESETS_TABLE, register_plugin
 from kvroute.policy.plugins import DecisionState
 from kvroute.policyfiles import load_policy_file
 from kvroute.prefix import PrefixIndex
@@ -298,3 +298,47 @@ def test_the_policy_layer_reads_no_files_and_imports_no_packages():
                 if names & banned_modules:
                     found.append(f"{f.relative_to(root)}:{node.lineno} imports {names & banned_modules}")
     assert found == []
+
+
+def test_a_plugin_declaring_an_unknown_input_is_refused_at_registration():
+    """A misspelt input would let the simulator skip the probe or event that keeps it fresh."""
+    from kvroute.policy.plugins import Scorer
+
+    class Typo(Scorer):
+        name = "typo_scorer"
+        inputs = frozenset({"kv_usgae"})
+
+        def values(self, st, eps):
+            return [e.kv_usage for e in eps]
+
+    with pytest.raises(TypeError, match="unknown input.*kv_usgae.*inputs: prefix"):
+        register_plugin(Typo)
+    assert "typo_scorer" not in PLUGINS["scorer"]
+
+
+def test_a_plugin_without_its_kinds_method_is_refused_at_registration():
+    from kvroute.policy.plugins import Picker
+
+    class NoPick(Picker):
+        name = "no_pick"
+
+    with pytest.raises(TypeError, match="must implement pick"):
+        register_plugin(NoPick)
+
+
+def test_an_instance_widening_its_inputs_is_checked_when_compiled():
+    from kvroute.policy.plugins import Scorer
+
+    class Widening(Scorer):
+        name = "widening"
+
+        def __init__(self, reads: str = "load"):
+            self.inputs = frozenset({reads})
+
+        def values(self, st, eps):
+            return [0.0] * len(eps)
+
+    register_plugin(Widening)
+    assert policy_from_config({"cost": {"widening": {"weight": 1, "reads": "rtt"}}}).inputs == {"rtt"}
+    with pytest.raises(ConfigError, match="unknown input.*ttr"):
+        policy_from_config({"cost": {"widening": {"weight": 1, "reads": "ttr"}}})

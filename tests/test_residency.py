@@ -10,19 +10,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvroute.gateway.peers import (
-    GorgoWeights,
-    PeerRefused,
-    forwarded_path,
-    gorgo_peer_choice,
-    peer_router,
-    skywalker_peer_choice,
-    token_matches,
-)
-from kvroute.gateway.residency import ResidencyConflict, eligible, request_zone
+from kvroute.gateway.peers import PeerRefused, forwarded_path, token_matches
+from kvroute.gateway.residency import ResidencyConflict, request_zone
 from kvroute.model import Endpoint, EndpointKind, Request
 from kvroute.policy import Router, build_policy
 from kvroute.policy.admission import PEER_QUEUE_LIMIT, peer_available
+from kvroute.policy.base import hard_filter
+from kvroute.policy.peering import GorgoWeights, gorgo_peer_choice, peer_router, skywalker_peer_choice
+
+
+def eligible(req: Request, ep: Endpoint) -> bool:
+    return hard_filter(req, [ep]) == [ep]
 
 ZONES = ["us", "eu", "asia"]
 PRESETS = ["skywalker", "gorgo", "round_robin", "least_request", "sglang_cache_aware", "lmetric", "consistent_hash"]
@@ -79,7 +77,7 @@ def test_local_dispatch_stays_in_zone(data, preset):
 @given(data=st.data(), preset=st.sampled_from(PRESETS))
 def test_skywalker_forwards_exactly_under_the_peer_condition(data, preset):
     eps = data.draw(peers())
-    router = peer_router({"preset": preset}, eps, seed=data.draw(st.integers(0, 9)), block_tokens=64,
+    router = peer_router({"preset": preset}, eps, seed=data.draw(st.integers(0, 9)), index_block_tokens=64,
                          max_prefix_blocks=256)
     for _ in range(data.draw(st.integers(1, 5))):
         req = data.draw(requests([e.id for e in eps]))

@@ -45,10 +45,6 @@ class QoEModel:
         """Q^B = n·Q_j, the batch's QoE (Eq. 1); an empty batch costs nothing."""
         return f[1] * self.request(f) if f[1] else 0.0
 
-    def batch_of(self, seqs: Iterable[tuple[float, float]]) -> float:
-        """Q^B of a batch given as ``(input length, sequence length)`` pairs."""
-        return self.batch(batch_features(seqs))
-
 
 def fit(features: Sequence[Features], q: Sequence[float]) -> QoEModel:
     """Least-squares D_k minimising Σ_j (Q_j − Σ_k D_k F_k^(j))² (§4.1).

@@ -55,11 +55,11 @@ from kvroute.errors import ServiceError
 from kvroute.gateway.breaker import CircuitBreaker
 from kvroute.gateway.config import GatewayConfig, PeerConfig
 from kvroute.gateway.probes import ProbeStreak, probe_forever, tick_breakers
-from kvroute.gateway.residency import REGION_HEADER, RESIDENCY_HEADER, eligible, request_zone
+from kvroute.gateway.residency import REGION_HEADER, RESIDENCY_HEADER, request_zone
 from kvroute.gateway.upstream import UpstreamPool
 from kvroute.model import Decision, Endpoint, EndpointKind, Request
-from kvroute.policy import Router, policy_from_config
 from kvroute.policy.admission import replica_available
+from kvroute.policy.peering import GorgoWeights, gorgo_peer_choice, peer_router, skywalker_peer_choice
 
 if TYPE_CHECKING:
     from kvroute.gateway.auth import KeyState
@@ -103,72 +103,6 @@ def forwarded_path(headers: dict[str, str], token: str | None) -> list[str]:
     return path
 
 
-@dataclass(frozen=True)
-class GorgoWeights:
-    """GORGO's cost weights (v2 starting point unless the gorgo preset sets them)."""
-
-    w_rtt: float = 0.5  # per ms of RTT
-    t_p: float = 1.0  # per uncached prompt token
-    w_queue: float = 0.1  # per queued token
-
-    @classmethod
-    def of(cls, params: object) -> GorgoWeights:
-        """The weights a policy's params carry, defaults for the ones it lacks."""
-        d = cls()
-        return cls(getattr(params, "w_rtt", d.w_rtt), getattr(params, "t_p", d.t_p),
-                   getattr(params, "w_queue", d.w_queue))
-
-    def base(self, rtt_s: float, queued_tokens: float) -> float:
-        """The prompt-independent part of one endpoint's cost."""
-        return self.w_rtt * 1000.0 * rtt_s + self.w_queue * queued_tokens
-
-
-def gorgo_peer_choice(req: Request, local: list[Endpoint], local_matches: dict[str, int], local_backlog: int,
-                      peers: list[Endpoint], peer_matches: dict[str, int], peer_base: dict[str, float],
-                      w: GorgoWeights) -> str | None:
-    """GORGO distributed's decision: the peer to forward ``req`` to, or None to stay local.
-
-    Pure: ``local`` are this gateway's replicas with their probed RTT and in-flight tokens,
-    ``local_backlog`` the prompt tokens waiting in its LB queue, ``peer_base`` each peer's
-    advertised ``gorgo_base_cost``. Only endpoints that pass the hard filters (routable, in the
-    request's residency zone, not excluded) count; a peer also needs an available replica. Ties
-    stay local."""
-    tokens, bt = req.prompt_tokens, req.block_tokens
-    local_cost = min((w.base(e.rtt_s, e.inflight_tokens) + w.t_p * max(0, tokens - bt * local_matches.get(e.id, 0))
-                      for e in local if eligible(req, e)), default=math.inf)
-    local_cost += w.w_queue * local_backlog
-    best, best_cost = None, local_cost
-    for p in peers:
-        base = peer_base.get(p.id, math.inf)
-        if not eligible(req, p) or p.peer_available <= 0 or not math.isfinite(base):
-            continue
-        cost = w.w_rtt * 1000.0 * p.rtt_s + w.t_p * max(0, tokens - bt * peer_matches.get(p.id, 0)) + base
-        if cost < best_cost:
-            best, best_cost = p.id, cost
-    return best
-
-
-def peer_router(policy: str | dict[str, Any], peers: list[Endpoint], seed: int, block_tokens: int,
-                max_prefix_blocks: int) -> Router:
-    """The peer layer of SkyWalker's two-layer routing, built as ``sim/balancer.py`` builds it:
-    the local preset and params over the peer endpoints, with the pending gate (the peer
-    condition) and seed + 1; its prefix index is the regional snapshot (what went where)."""
-    return Router(policy_from_config(policy, seed + 1, overrides={"admission": "pending"}), peers,
-                  index_block_tokens=block_tokens, max_prefix_blocks=max_prefix_blocks)
-
-
-def skywalker_peer_choice(router: Router, req: Request, behind: int) -> str | None:
-    """SkyWalker's second layer: the peer the preset picks among those that admit ``req`` now,
-    or None. ``behind``: requests in the local queue after it. A pick is committed to
-    ``router`` (the snapshot index learns the prefix went there). A forwarded request never
-    goes on."""
-    if req.from_peer or not router.endpoints:
-        return None
-    router.view.local_queue = behind
-    d = router.route(req)
-    return d.target if d.dispatched else None
-
-
 @dataclass
 class PeerLink:
     """One peer gateway: its endpoint in the peer Router, breaker, connection pool and probe state."""
@@ -210,7 +144,8 @@ class Peering:
             self.links[pc.name] = PeerLink(pc, ep, CircuitBreaker(bc.failures, bc.cooldown_s, bc.successes),
                                            UpstreamPool(pc.url))
         self.router = peer_router(config.policy, [link.endpoint for link in self.links.values()], config.seed,
-                                  config.block_tokens, config.max_prefix_blocks)
+                                  index_block_tokens=config.block_tokens,
+                                  max_prefix_blocks=config.max_prefix_blocks)
 
     def reconfigure(self, new: GatewayConfig) -> bool:
         """Rebuild the peer table when a reload changed it (in-flight forwards finish as they are)."""

@@ -1,16 +1,15 @@
 """Residency: a request pinned to a zone is served only inside it (pure: no I/O, no clock).
 
 A request is pinned by the ``x-kvroute-residency`` header or by its API key's ``zone``. Every
-place that can send a request somewhere applies :func:`in_zone`: the policy's hard filter for
-replicas (``Policy.decide``) and both peer decisions (SkyWalker's peer Router runs the same
-filter; GORGO's cost comparison calls :func:`eligible`). A forward carries the pin in the same
-header, so the next gateway filters again with its own replicas.
+place that can send a request somewhere keeps it in its zone through the policy's hard filter
+(``kvroute.policy.base.hard_filter``): ``Policy.decide`` for replicas, and both peer decisions
+(SkyWalker's peer Router runs the same filter; GORGO's cost comparison applies it). A forward
+carries the pin in the same header, so the next gateway filters again with its own replicas.
 """
 
 from __future__ import annotations
 
 from kvroute.errors import ClientError
-from kvroute.model import Endpoint, Request
 
 RESIDENCY_HEADER = "x-kvroute-residency"
 REGION_HEADER = "x-kvroute-region"  # the client's region (a routing hint, not a pin)
@@ -33,11 +32,3 @@ def request_zone(header_zone: str | None, key_zone: str | None) -> str | None:
     return key_zone
 
 
-def in_zone(req: Request, ep: Endpoint) -> bool:
-    """Whether ``ep`` may serve (or be forwarded) ``req`` under its residency pin."""
-    return req.residency is None or ep.zone == req.residency
-
-
-def eligible(req: Request, ep: Endpoint) -> bool:
-    """The hard filters of ``Policy.decide`` for one endpoint: routable, in zone, not excluded."""
-    return ep.healthy and not ep.circuit_open and in_zone(req, ep) and ep.id not in req.exclude

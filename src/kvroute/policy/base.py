@@ -21,7 +21,7 @@ from kvroute.policy.hooks import Lifecycle
 from kvroute.policy.params import PolicyParams
 from kvroute.prefix import HashRing, PrefixIndex
 
-__all__ = ["Policy", "PolicyParams", "View", "argmax", "argmin", "softmax_pick"]
+__all__ = ["Policy", "PolicyParams", "View", "argmax", "argmin", "hard_filter", "softmax_pick"]
 
 
 @dataclass(slots=True)
@@ -81,19 +81,14 @@ class Policy(ABC):
             return Decision.none("no endpoints configured")
         if req.prompt_tokens <= 0 and not req.block_hashes:  # not req.has_prompt, inlined (hot path)
             return Decision.none("request has no prompt or messages", branch=Branch.BAD_REQUEST)
-        zone = req.residency
-        if zone is None:
-            eps = [e for e in view.endpoints if e.healthy and not e.circuit_open]
-        else:
-            eps = [e for e in view.endpoints if e.healthy and not e.circuit_open and e.zone == zone]
-        if req.exclude:
-            usable = eps
-            eps = [e for e in eps if e.id not in req.exclude]
-            if usable and not eps:  # healthy replicas exist: name why none is used, not "unhealthy"
+        eps = hard_filter(req, view.endpoints)
+        if not eps:
+            usable = _routable_in_zone(req, view.endpoints) if req.exclude else []
+            if usable:  # healthy replicas exist: name why none is used, not "unhealthy"
                 return Decision.none(f"every healthy endpoint is excluded for this request "
                                      f"({', '.join(sorted(e.id for e in usable))}: it failed there already, "
                                      "or they do not serve its model)", branch=Branch.ALL_FILTERED)
-        if not eps:
+            zone = req.residency
             why = f"outside residency zone {zone!r}, " if zone else ""
             return Decision.none(f"every endpoint was filtered out ({why}unhealthy or circuit open)",
                                  branch=Branch.ALL_FILTERED)
@@ -110,6 +105,25 @@ class Policy(ABC):
         """Score, combine and pick among the admitted endpoints ``eps`` (never empty); state
         changes go into ``Decision.effects``, and a ``dry_run`` draws from copies of the random
         generators."""
+
+
+def _routable_in_zone(req: Request, eps: list[Endpoint]) -> list[Endpoint]:
+    # Endpoint.routable, inlined (this runs per decision)
+    zone = req.residency
+    if zone is None:
+        return [e for e in eps if e.healthy and not e.circuit_open]
+    return [e for e in eps if e.healthy and not e.circuit_open and e.zone == zone]
+
+
+def hard_filter(req: Request, eps: list[Endpoint]) -> list[Endpoint]:
+    """The endpoints of ``eps`` any decision may consider: healthy with the circuit closed, inside
+    the request's residency zone, not excluded for it (failed it, or do not serve its model). The
+    one place these are written: ``Policy.decide`` and the peer decisions
+    (:mod:`kvroute.policy.peering`) apply it."""
+    out = _routable_in_zone(req, eps)
+    if req.exclude:
+        out = [e for e in out if e.id not in req.exclude]
+    return out
 
 
 # -- pickers ------------------------------------------------------------------------------------

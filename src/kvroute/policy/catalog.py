@@ -7,13 +7,14 @@ entry point of the group ``kvroute.policies`` (loaded by :mod:`kvroute.policy.re
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 from kvroute.errors import ConfigError
 from kvroute.policy.compose import Preset
 from kvroute.policy.params import PolicyParams
-from kvroute.policy.plugins import KINDS, Plugin
+from kvroute.policy.plugins import KINDS, Plugin, check_inputs
 
 P = TypeVar("P", bound=type[Plugin])
 T = TypeVar("T", bound=type[PolicyParams])
@@ -27,6 +28,13 @@ def register_plugin(cls: P) -> P:
     if not cls.name or cls.kind not in PLUGINS:
         raise TypeError(f"{cls.__name__}: a plugin needs a name and must subclass one of "
                         f"{', '.join(k.__name__ for k in KINDS.values())}")
+    if inspect.isabstract(cls):
+        missing = ", ".join(sorted(getattr(cls, "__abstractmethods__", ())))
+        raise TypeError(f"{cls.__name__}: a {cls.kind} plugin must implement {missing}")
+    try:
+        check_inputs(f"{cls.kind} {cls.name!r}", cls.inputs)
+    except ValueError as exc:
+        raise TypeError(str(exc)) from None
     table = PLUGINS[cls.kind]
     if table.get(cls.name, cls) is not cls:
         raise ConfigError(f"{cls.kind} {cls.name!r} is already registered (by {table[cls.name].__module__})")

@@ -16,7 +16,7 @@ from kvroute.errors import ConfigError
 from kvroute.policy.catalog import PLUGINS
 from kvroute.policy.compose import PRESET_KEYS, RULE_KEYS, Pipeline, Preset, Rule
 from kvroute.policy.params import PolicyParams
-from kvroute.policy.plugins import Condition, Filter, Picker, Plugin, Route, Scorer
+from kvroute.policy.plugins import Condition, Filter, Picker, Plugin, Route, Scorer, check_inputs
 
 Loc = tuple[str | int, ...]
 
@@ -65,6 +65,10 @@ def make_plugin(kind: str, ref: Any, params: PolicyParams, loc: Loc, seed: int =
         msg = str(exc) if isinstance(exc, ValueError) else (
             f"bad arguments {args!r}; arguments: {', '.join(allowed) or 'none'}")
         raise ConfigError(f"{where}: {kind} {name!r}: {msg}", loc) from None
+    try:  # an instance may widen its class's inputs (a tuned sum reads what its terms read)
+        check_inputs(f"{kind} {name!r}", plugin.inputs)
+    except ValueError as exc:
+        raise ConfigError(f"{where}: {exc}", loc) from None
     plugin.config = args
     return plugin
 

@@ -28,6 +28,7 @@ the requests it routed.
 from __future__ import annotations
 
 import random
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -121,8 +122,10 @@ def copy_of(rng: random.Random) -> random.Random:
     return copy
 
 
-class Plugin:
-    """Common base: a registered name, a kind, the inputs it reads, and a one-line summary."""
+class Plugin(ABC):  # noqa: B024 (each kind below declares its abstract method)
+    """Common base: a registered name, a kind, the inputs it reads, and a one-line summary. Each
+    kind's method is abstract, and :func:`~kvroute.policy.catalog.register_plugin` checks the
+    declared inputs (:data:`INPUTS`): the runtimes keep fresh only what some plugin declares."""
 
     kind: ClassVar[str] = ""
     name: ClassVar[str] = ""
@@ -152,9 +155,10 @@ class Filter(Plugin):
 
     kind = "filter"
 
+    @abstractmethod
     def filter(self, st: DecisionState, eps: list[Endpoint]) -> list[Endpoint]:
         """The endpoints of ``eps`` that pass (a new list, or ``eps`` itself when all pass)."""
-        raise NotImplementedError
+        ...
 
 
 class Scorer(Plugin):
@@ -163,9 +167,10 @@ class Scorer(Plugin):
     kind = "scorer"
     lower_is_better: ClassVar[bool] = True
 
+    @abstractmethod
     def values(self, st: DecisionState, eps: list[Endpoint]) -> list[float]:
         """The raw quantity per endpoint (tokens, requests, seconds, a cost)."""
-        raise NotImplementedError
+        ...
 
     def normalised(self, st: DecisionState, eps: list[Endpoint]) -> list[float]:
         """The quantity mapped to [0, 1], higher is better (min-max over ``eps`` by default;
@@ -185,9 +190,10 @@ class Condition(Plugin):
 
     kind = "condition"
 
+    @abstractmethod
     def holds(self, st: DecisionState, eps: list[Endpoint]) -> bool:
         """Whether the rule applies to this request over the candidates ``eps``."""
-        raise NotImplementedError
+        ...
 
 
 class Picker(Plugin):
@@ -198,9 +204,10 @@ class Picker(Plugin):
     # what lower values mean to it: True for argmin-like pickers (costs), False for argmax-like
     minimises: ClassVar[bool] = True
 
+    @abstractmethod
     def pick(self, st: DecisionState, eps: list[Endpoint], values: Sequence[float]) -> Endpoint | None:
         """The chosen endpoint, or None when this picker cannot choose (the next rule tries)."""
-        raise NotImplementedError
+        ...
 
 
 class Route(Plugin):
@@ -208,10 +215,19 @@ class Route(Plugin):
 
     kind = "route"
 
+    @abstractmethod
     def route(self, st: DecisionState, eps: list[Endpoint]) -> Decision | None:
         """A dispatch decision over ``eps``, or None when this rule does not apply."""
-        raise NotImplementedError
+        ...
 
 
 KINDS: dict[str, type[Plugin]] = {c.kind: c for c in (Filter, Scorer, Condition, Picker, Route)}
+
+
+def check_inputs(owner: str, inputs: frozenset[str]) -> None:
+    """ValueError unless every declared input is one of :data:`INPUTS` (a misspelt one would let
+    the simulator skip the probe or event that keeps it fresh)."""
+    unknown = sorted(set(inputs) - set(INPUTS))
+    if unknown:
+        raise ValueError(f"{owner}: unknown input(s) {', '.join(unknown)}; inputs: {', '.join(INPUTS)}")
 

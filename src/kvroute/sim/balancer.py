@@ -28,6 +28,7 @@ from kvroute.perf.profile import HardwareProfile
 from kvroute.policy import DEFAULT_TICK_S, DispatchPacer, Router, build_policy, policy_from_config
 from kvroute.policy.admission import replica_available
 from kvroute.policy.pd import PDRouter, compile_decider
+from kvroute.policy.peering import peer_router
 from kvroute.sim.events import Scheduler
 from kvroute.workload.base import SimRequest
 
@@ -154,8 +155,7 @@ class SimBalancer:
             return
         eps = [Endpoint(p.id, region=p.region, kind=EndpointKind.PEER,
                         rtt_s=self.sim.network.rtt(self.region, p.region)) for p in peers]
-        self.peers = Router(build_policy(self._preset, dict(self._params or {}, admission="pending"),
-                                         seed=self.sim.seed + 1), eps)
+        self.peers = peer_router({"preset": self._preset, "params": self._params or {}}, eps, self.sim.seed)
         self.peer_lbs = {p.id: p for p in peers}
 
     # -- requests ------------------------------------------------------------------------------
