@@ -51,3 +51,22 @@ def test_cli_main_reports_an_uncaught_service_error_in_one_line(monkeypatch, cap
     assert cli.main(["policies"]) == 1
     err = capsys.readouterr().err
     assert "engine at 127.0.0.1:1 refused" in err and "Traceback" not in err
+
+
+def test_gateway_logs_follow_stderr_after_the_stream_they_started_on_closed(monkeypatch, capsys):
+    """Logging configured while stderr was a stream that closed since (a test's capture) writes to
+    the stderr of now, instead of a '--- Logging error ---' report per line."""
+    import io
+    import logging
+    import sys
+
+    from kvroute.gateway.server import configure_logging
+
+    early = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", early)
+    configure_logging("INFO")
+    monkeypatch.undo()
+    early.close()
+    logging.getLogger("kvroute.test").info("a line after the first stream closed")
+    err = capsys.readouterr().err
+    assert "a line after the first stream closed" in err and "Logging error" not in err

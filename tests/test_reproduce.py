@@ -77,3 +77,17 @@ def test_gorgo_without_queue_weight_sends_everything_to_the_nearest_replica():
 @needs_trace
 def test_gorgo_v2_rows_are_filled_quickly():
     _filled(reproduce("gorgo-v2", quick=True))
+
+
+def test_papers_are_named_by_title_in_what_users_see():
+    """Reproduce tables and the preset listing name papers by title, never by seed file name."""
+    import re
+
+    from kvroute.policy.listing import describe_presets, presets_markdown
+    from kvroute.reproduce import PAPERS
+
+    seed_file = re.compile(r"\d{3}_[0-9a-f]{16}")
+    for title, _ in PAPERS.values():
+        assert ":" in title and not seed_file.search(title), title
+    assert not seed_file.search(presets_markdown())
+    assert not seed_file.search(str(describe_presets()))

@@ -27,6 +27,7 @@ import itertools
 import json
 import logging
 import random
+import sys
 import time
 import uuid
 from dataclasses import dataclass, replace
@@ -726,6 +727,23 @@ async def serve(config: GatewayConfig, config_path: str | None = None, on_ready=
     await gw.drain()
 
 
+class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """Writes to ``sys.stderr`` as it is when a record is emitted, not as it was when logging was
+    configured: a stream swapped out since (a test's captured stderr, closed after the test) would
+    turn every later log line into a "--- Logging error ---" report."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+
+    @property  # type: ignore[override]
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: Any) -> None:
+        pass  # always the current sys.stderr
+
+
 def configure_logging(level: str = "INFO") -> None:
     """Structured (JSON-lines) logs; request logs carry ids, replicas and timings, never prompts."""
 
@@ -738,7 +756,7 @@ def configure_logging(level: str = "INFO") -> None:
                 out["exc"] = self.formatException(record.exc_info)
             return json.dumps(out)
 
-    handler = logging.StreamHandler()
+    handler = _StderrHandler()
     handler.setFormatter(JsonFormatter())
     root = logging.getLogger("kvroute")
     root.handlers[:] = [handler]

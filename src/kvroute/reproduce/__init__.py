@@ -14,12 +14,17 @@ from kvroute.parallel import Executor
 from kvroute.reproduce import cascadeinfer, gorgo, lmetric, skywalker
 from kvroute.reproduce.common import Lab, Row
 
+# each paper by its title, as a reader looks it up (the seed files in shared/seeds/ are the same papers)
 PAPERS: dict[str, tuple[str, Callable[[Lab], list[Row]]]] = {
-    "skywalker": ("SkyWalker (EuroSys '26), 000_6f99922b2639b957.txt", skywalker.rows),
-    "gorgo-v1": ("GORGO v1, 001_55e1ee0b5e0d1fc8.txt", gorgo.rows_v1),
-    "gorgo-v2": ("GORGO v2 (online tuning), 003_d2195008674d8fa4.txt", gorgo.rows_v2),
-    "lmetric": ("LMetric, 002_8c097f52e4fa5054.txt", lmetric.rows),
-    "cascadeinfer": ("CascadeInfer, 004_131677394a4b07f8.txt", cascadeinfer.rows),
+    "skywalker": ("SkyWalker: A Locality-Aware Cross-Region Load Balancer for LLM Inference (EuroSys '26)",
+                  skywalker.rows),
+    "gorgo-v1": ("GORGO: Maximizing KV-Cache Reuse While Minimizing Network Latency in Cross-Region LLM Load "
+                 "Balancing (GORGO v1)", gorgo.rows_v1),
+    "gorgo-v2": ("GORGO: Online Tuning for Cross-Region Network-Aware LLM Serving (GORGO v2)", gorgo.rows_v2),
+    "lmetric": ("LMetric: Simple is Better – Multiplication May Be All You Need for LLM Request Scheduling",
+                lmetric.rows),
+    "cascadeinfer": ("CascadeInfer: Low-Latency and Load-Balanced LLM Serving via Length-Aware Scheduling",
+                     cascadeinfer.rows),
 }
 
 
