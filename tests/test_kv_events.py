@@ -524,3 +524,39 @@ def test_bad_flags_are_one_line_exit_2(argv, says, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert says in err and "Traceback" not in err
+
+
+def test_data_parallel_ranks_on_consecutive_ports():
+    """Two ranks publish on port and port + 1 (vLLM's offset_endpoint_port); each has its own
+    sequence, both feed the replica's one table."""
+    from kvroute.ports import free_port
+
+    async def main():
+        ctx = zmq.asyncio.Context()
+        for _ in range(20):  # a free port whose successor is free too
+            port = free_port()
+            pubs = [EventPublisher(f"tcp://127.0.0.1:{port}", None, "kv", ctx=ctx, bind=True)]
+            try:
+                pubs.append(EventPublisher(f"tcp://127.0.0.1:{port + 1}", None, "kv", ctx=ctx, bind=True))
+                break
+            except zmq.ZMQError:
+                await pubs[0].close()
+        consumer = KVEventConsumer(BS, stale_s=0.3)
+        consumer.add("r", EventSource(f"tcp://127.0.0.1:{port}", None, "kv", dp_ranks=2))
+        await consumer.start()
+        await asyncio.sleep(0.6)  # no replay socket: stale until stale_s, then trusted
+        pubs[0].publish([pubs[0].encoder.stored([1], None, [1, 2, 3, 4], BS)])
+        pubs[1].publish([pubs[1].encoder.stored([1], None, [5, 6, 7, 8], BS)])  # same engine hash, other rank
+        deadline = time.monotonic() + 5
+        while consumer.status("r")["blocks"] < 2:
+            assert time.monotonic() < deadline, consumer.status("r")
+            await asyncio.sleep(0.02)
+        st = consumer.status("r")
+        assert [r["endpoint"] for r in st["ranks"]] == [f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{port + 1}"]
+        assert [r["seq"] for r in st["ranks"]] == [0, 0] and st["source"] == "events"
+        assert set(consumer.table("r")) == {hash_token_ids([1, 2, 3, 4], BS)[0], hash_token_ids([5, 6, 7, 8], BS)[0]}
+        await consumer.stop()
+        for p in pubs:
+            await p.close()
+        ctx.term()
+    run(main())

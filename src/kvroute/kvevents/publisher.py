@@ -39,7 +39,8 @@ class EventPublisher:
 
     def __init__(self, endpoint: str, replay_endpoint: str | None = None, topic: str = "",
                  generation: str = "map", buffer_steps: int = 10_000, hwm: int = 100_000,
-                 dp_rank: int = 0, ctx: zmq.asyncio.Context | None = None):
+                 dp_rank: int = 0, ctx: zmq.asyncio.Context | None = None, bind: bool | None = None):
+        """``bind``: bind (True) or connect (False) the PUB endpoint; None: vLLM's rule (``binds``)."""
         self.encoder = Encoder(generation)
         self.endpoint, self.replay_endpoint = endpoint, replay_endpoint
         self.topic = topic.encode()
@@ -51,7 +52,7 @@ class EventPublisher:
         self.pub = self.ctx.socket(zmq.PUB)
         self.pub.setsockopt(zmq.LINGER, 0)
         self.pub.set_hwm(hwm)
-        if binds(endpoint):
+        if binds(endpoint) if bind is None else bind:
             self.pub.bind(endpoint)
         else:
             self.pub.connect(endpoint)
