@@ -366,3 +366,28 @@ def test_a_first_huge_prompt_is_not_a_freeze_and_the_last_replica_is_never_eject
     assert not detector.watch("r").stalled
     assert [name for name, _, _ in detector.sweep(11.5)] == ["r"]
     detector.watch("r").end(huge)
+
+
+def test_vllms_running_usage_counts_merged_events_exactly_and_stays_unseen_unasked():
+    """vLLM merges tokens into one event when its reader lags: the gateway asks vLLM for its
+    running usage and counts by it, and takes out again what the client did not ask for."""
+    def event(obj) -> bytes:
+        return f"data: {json.dumps(obj)}\n\n".encode()
+
+    for asked, final_kept in (({}, False), ({"include_usage": True}, True)):
+        s = Splice.open("completions", {"prompt": "x", "stream": True, "max_tokens": 10, "stream_options": asked}, 3)
+        assert s is not None
+        sent = json.loads(s.exact_body(json.dumps(s.body).encode()))
+        assert sent["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
+        out = s.feed(event({"id": "a", "choices": [{"index": 0, "text": "abc", "finish_reason": None}],
+                            "usage": {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}}))
+        assert s.tokens == 3 and s.prompt_reported == 5  # three tokens in one event
+        assert "usage" not in json.loads(out[6:]) and json.loads(out[6:])["choices"][0]["text"] == "abc"
+        tail = s.feed(event({"id": "a", "choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 3,
+                                                                  "total_tokens": 8}}))
+        assert (tail != b"") == final_kept
+        s.begin_leg()
+        out = s.feed(event({"id": "b", "choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 7,
+                                                                 "total_tokens": 16}}))
+        if final_kept:  # the later leg's usage: the first leg's own prompt count, every token generated
+            assert json.loads(out[6:])["usage"] == {"prompt_tokens": 5, "completion_tokens": 10, "total_tokens": 15}

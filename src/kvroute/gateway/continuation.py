@@ -30,8 +30,10 @@ many carry empty text — vLLM's detokenizer holds back a token that ends inside
 is skipped as special) and sends its text with a later event; 663–727 of 900 events were empty
 in one run (shared/design/real-vllm-cpu.md). An event counts one token unless it only announces
 the role or only carries the ending (empty text with ``finish_reason``); where an event reports
-``usage.completion_tokens`` (vLLM's ``continuous_usage_stats``) that count is taken instead, so
-an engine sending several tokens per event is counted exactly too. Empty events are forwarded
+``usage.completion_tokens`` (vLLM's ``continuous_usage_stats``, which the gateway asks vLLM
+replicas for: vLLM merges tokens into one event when its reader lags) that count is taken
+instead, so an engine sending several tokens per event is counted exactly too; what the client
+did not ask for is taken out again. Empty events are forwarded
 on every leg like the others (a client may count tokens by events, as benchmark clients do).
 
 Not continued (the stream ends with an SSE error as before): ``n``/``best_of`` > 1, ``echo``,
@@ -79,6 +81,12 @@ class Splice:
         self.error: str | None = None  # an in-stream error event the engine sent
         self.limit: int | None = None  # the current leg's replica's context limit
         self.outgrown = False  # the sequence reached ``limit``: the leg stops at this event
+        opts = body.get("stream_options")
+        opts = opts if isinstance(opts, dict) else {}
+        self.client_usage = bool(opts.get("include_usage"))  # what the client asked for
+        self.client_continuous = self.client_usage and bool(opts.get("continuous_usage_stats"))
+        self.usage_added = False  # this attempt asked its engine for usage the client did not
+        self.prompt_reported: int | None = None  # the original prompt, as the first leg's engine counted it
 
     @classmethod
     def open(cls, route: str, body: dict[str, Any], prompt_tokens: int) -> Splice | None:
@@ -184,9 +192,21 @@ class Splice:
         reported = usage.get("completion_tokens") if isinstance(usage, dict) else None
         if isinstance(reported, int) and not isinstance(reported, bool) and reported >= 0:
             self.count = self.leg_start + reported  # the engine's own count of this leg beats ours
-        if not later:
+        if isinstance(usage, dict) and not later and self.prompt_reported is None:
+            prompt = usage.get("prompt_tokens")
+            self.prompt_reported = prompt if isinstance(prompt, int) and not isinstance(prompt, bool) else None
+        changed = False
+        if isinstance(usage, dict) and self.usage_added:  # usage the client did not ask for
+            if not choices:
+                if not self.client_usage:
+                    return None  # the final usage chunk
+            elif not self.client_continuous and not any(isinstance(c, dict) and c.get("finish_reason")
+                                                        for c in choices):
+                del obj["usage"]  # a token event's running usage
+                usage, changed = None, True
+        if not later and not changed:
             return event
-        if isinstance(usage, dict):
+        if later and isinstance(usage, dict):
             self._correct(usage)
         elif announcement:
             return None  # the new leg's role announcement: the client has had one
@@ -218,14 +238,32 @@ class Splice:
 
     def _correct(self, usage: dict[str, Any]) -> None:
         """Usage of the whole request from a later leg's: that leg's prompt held the tokens it was
-        given back, which the client counts as completion tokens."""
+        given back, which the client counts as completion tokens. The prompt is the first leg's
+        own count when it reported one (vLLM's running usage), else the later leg's prompt less
+        the tokens given back (exact when the text re-tokenizes to as many tokens)."""
         before = self.leg_start
-        prompt = max(0, int(usage.get("prompt_tokens") or 0) - before)
+        prompt = self.prompt_reported  # the first leg's engine counted the original prompt itself
+        if prompt is None:
+            prompt = max(0, int(usage.get("prompt_tokens") or 0) - before)
         completion = int(usage.get("completion_tokens") or 0) + before
         usage.update(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
         details = usage.get("prompt_tokens_details")
         if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
             details["cached_tokens"] = min(details["cached_tokens"], prompt)
+
+    def exact_body(self, raw: bytes) -> bytes:
+        """``raw`` asking a vLLM engine for its running usage on every event
+        (``stream_options.continuous_usage_stats``), so tokens are counted exactly even when vLLM
+        sends several per event (its output collector merges them when the reader lags); what
+        the client did not ask for is taken out again (:meth:`feed`)."""
+        self.usage_added = not self.client_continuous
+        if not self.usage_added:
+            return raw
+        body = json.loads(raw)
+        opts = body.get("stream_options")
+        body["stream_options"] = {**(opts if isinstance(opts, dict) else {}), "include_usage": True,
+                                  "continuous_usage_stats": True}
+        return json.dumps(body).encode()
 
     # -- the next leg ---------------------------------------------------------------------------
     def next_body(self) -> dict[str, Any] | None:

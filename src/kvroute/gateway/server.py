@@ -424,7 +424,12 @@ class Proxy:
         try:
             try:
                 attempt_deadline = min(deadline, time.monotonic() + (to.first_byte_s if stream else to.non_stream_s))
-                upstream = await up.pool.post(request.path, request.body, headers, connect_s=to.connect_s,
+                sent = request.body
+                if splice is not None:  # vLLM's running usage counts a continuable stream's tokens exactly
+                    splice.usage_added = False
+                    if target in rt.upstreams and rt.upstreams[target].engine == "vllm":
+                        sent = splice.exact_body(sent)
+                upstream = await up.pool.post(request.path, sent, headers, connect_s=to.connect_s,
                                               first_byte_s=max(attempt_deadline - time.monotonic(), 0.001),
                                               idle_s=to.idle_s, on_send=watch.attach if watch else None)
                 status = upstream.status
