@@ -4,6 +4,7 @@ its response streamed back through the picker; every preset through the same Rou
 bad input (a bad body, no ready replica, a full queue, a stream that ends early)."""
 
 import asyncio
+import contextlib
 import json
 import logging
 
@@ -136,9 +137,9 @@ def test_grpc_health_liveness_and_readiness():
                     for svc in P.HEALTH_SERVICES:
                         out[(port, svc)] = (await stub.Check(health_pb2.HealthCheckRequest(service=svc))).status
             assert set(out.values()) == {health_pb2.HealthCheckResponse.SERVING}
+            await stop_probes(s.rt)  # so no probe round re-admits the replicas marked down here
             for up in s.rt.upstreams.values():  # every replica down: not ready, still alive
                 up.endpoint.healthy = False
-            s.rt.probe_all = _noop  # keep the probes from re-admitting them during the check
             await s.epp.health.update()
             async with grpc.aio.insecure_channel(f"127.0.0.1:{s.health_port}") as ch:
                 stub = health_pb2_grpc.HealthStub(ch)
@@ -150,8 +151,12 @@ def test_grpc_health_liveness_and_readiness():
     asyncio.run(run())
 
 
-async def _noop():
-    return None
+async def stop_probes(rt) -> None:
+    """Stop the runtime's background probe rounds (they would re-admit replicas a test marks down)."""
+    task = rt._probe_task
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
 
 
 def test_refusals_are_immediate_responses(caplog, monkeypatch):
@@ -177,9 +182,9 @@ def test_refusals_are_immediate_responses(caplog, monkeypatch):
             assert shed.immediate.status.code == 429
             assert {h.header.key: h.header.raw_value for h in shed.immediate.headers.set_headers}["retry-after"] == b"1"
             monkeypatch.undo()
+            await stop_probes(s.rt)
             for up in s.rt.upstreams.values():  # no ready replica: 503, not a hang
                 up.endpoint.healthy = False
-            s.rt.probe_all = _noop
             none = await exchange(s.stub, "/v1/completions", {"prompt": "x"}, http=s.http)
             assert none.immediate.status.code == 503 and b"no replica" in none.immediate.body
             assert "ext_proc request refused with 503" in caplog.text
