@@ -521,7 +521,7 @@ def test_frozen_engine_mid_prefill_is_retried_after_the_first_byte_timeout(engin
 
 def test_token_estimate_converges_to_llama_servers_own_count(engines, gateway):
     """No tokenizer.json in a GGUF deployment: the bytes/4 estimate is corrected from usage.prompt_tokens."""
-    from kvroute.gateway.server import PROXIED
+    from kvroute.gateway.openai import PROXIED
 
     gw = gateway(engines(1))
     c = gw.client()

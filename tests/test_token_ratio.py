@@ -10,7 +10,8 @@ import pytest
 
 from kvroute.emulator.server import Faults, start_emulator
 from kvroute.gateway.config import GatewayConfig, ReplicaConfig
-from kvroute.gateway.server import PROXIED, Gateway
+from kvroute.gateway.openai import PROXIED
+from kvroute.gateway.server import Gateway
 from kvroute.gateway.tokens import HIGH, TokenRatio, reported_prompt_tokens
 
 BYTES_PER_TOKEN = 3.0  # the emulated tokenizer; kvroute's estimate assumes 4

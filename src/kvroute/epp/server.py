@@ -36,10 +36,13 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvroute.epp import protocol as P
+from kvroute.errors import ClientError
 from kvroute.gateway.breaker import CircuitState
 from kvroute.gateway.config import GatewayConfig
+from kvroute.gateway.openai import PROXIED
+from kvroute.gateway.retry import RETRY_STATUSES
 from kvroute.gateway.runtime import Outcome, PolicyError, QueueFull, QueueTimeout
-from kvroute.gateway.server import PROXIED, RETRY_STATUSES, BadInput, Gateway
+from kvroute.gateway.server import Gateway
 from kvroute.gateway.tokens import reported_completion_tokens
 from kvroute.model import DecisionKind, Request
 
@@ -153,7 +156,7 @@ class Picker(ep_grpc.ExternalProcessorServicer):
         if kind is not None and with_body:
             try:
                 body, req = proxy.parse(bytes(ex.body), kind, ex.headers)
-            except BadInput as exc:
+            except ClientError as exc:
                 return self._refuse(ex, 400, str(exc), "invalid_request")
             ex.route = kind.label
             model = body.get("model")

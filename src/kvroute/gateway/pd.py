@@ -37,13 +37,15 @@ from urllib.parse import urlsplit
 
 from kvroute.errors import ServiceError
 from kvroute.gateway.http import Request as HTTPRequest
+from kvroute.gateway.openai import Kind
+from kvroute.gateway.retry import Failure, RetryReason
 from kvroute.gateway.runtime import Outcome
 from kvroute.gateway.upstream import UpstreamError, UpstreamTimeout
 
 if TYPE_CHECKING:
     from kvroute.gateway.continuation import Break, LegResponder, Splice
     from kvroute.gateway.http import Responder
-    from kvroute.gateway.server import Failure, Kind, Proxy
+    from kvroute.gateway.proxy import Proxy  # it runs the split attempt, which calls back into it
     from kvroute.model import Decision, Request
 
 log = logging.getLogger("kvroute.gateway")
@@ -136,8 +138,6 @@ async def _prefill(proxy: Proxy, target: str, path: str, body: dict[str, Any], h
 
 
 def _prefill_failure(target: str, exc: PrefillFailed) -> Failure:
-    from kvroute.gateway.server import Failure, RetryReason
-
     if exc.timeout:
         return Failure(RetryReason.TIMEOUT, str(exc), 504, "upstream_timeout", replica=target)
     return Failure(RetryReason.STATUS if "answered" in str(exc) else RetryReason.CONNECT, str(exc), 502,

@@ -9,7 +9,8 @@ gateway's and the emulator's own hashing (about 4 bytes per token) finds the sam
 ``max_tokens`` is the workload's output length, which the emulator produces exactly.
 
 Every client finds its gateway through the controller (``GET /resolve?region=R``). An attempt
-that fails before the first byte of the answer (connection refused or reset, 502/503/504, a
+that fails before the first byte of the answer (connection refused or reset, a status the
+gateway itself retries on, ``gateway/retry.py``, with its backoff; a
 stream that ends before any data) is retried through ``/resolve`` again until
 ``retry_budget_s`` runs out; a stream cut after it began is a failed request (the text it
 already showed cannot be taken back). Requests still in flight when the drain time after the
@@ -32,12 +33,12 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from kvroute.errors import ServiceError
+from kvroute.gateway.retry import RETRY_STATUSES, backoff_s
 from kvroute.metrics import Recorder
 from kvroute.workload import Workload
 from kvroute.workload.base import Program, SimRequest
 
 BYTES_PER_TOKEN = 4  # kvroute's and the emulator's estimate for text prompts
-RETRY_STATUSES = frozenset({502, 503, 504})
 
 
 def render_prompt(sreq: SimRequest) -> str:
@@ -271,7 +272,6 @@ class Driver:
         sent = self.now()
         deadline = sent + self.retry_budget_s
         attempts = 0
-        backoff = 0.05
         while True:
             attempts += 1
             url = await self._resolver.url(region)
@@ -292,12 +292,12 @@ class Driver:
                     return
             else:
                 why = "no healthy gateway"
-            if self.now() + backoff > deadline:
+            wait = backoff_s(attempts, 0.05, 0.5, random.random())  # the gateway's rule (gateway/retry.py)
+            if self.now() + wait > deadline:
                 self._error(f"gave up: {why} ({attempts} attempts)")
                 return
             self.retries += 1
-            await asyncio.sleep(backoff * (0.5 + random.random()))
-            backoff = min(0.5, backoff * 2)
+            await asyncio.sleep(wait)
 
     async def _attempt(self, url: str, body: bytes, sent: float, attempts: int) -> Outcome:
         assert self._session is not None and self._resolver is not None, "requests are sent from run()"

@@ -1,0 +1,425 @@
+"""Proxying: a parsed request routed, forwarded to its replica and answered, with retries.
+
+A request parsed and keyed once (``gateway/openai.py``) is admitted by the runtime (route now or
+wait in the LB queue), then proxied. Streams pass through chunk by chunk as the upstream produces
+them, but the response head is held until the first body byte, so a replica that fails before
+producing anything is retried like one that never answered (``gateway/retry.py``: which
+failures, what backoff). For streams the first-byte timeout applies per attempt and, as
+``first_byte_total_s``, to all attempts of a request together; a non-streamed response arrives
+only when generation ends, so it has its own limits (``non_stream_s``, ``non_stream_total_s``: by
+default a timed-out one is not generated again elsewhere). When no attempt succeeds the client
+gets the last failure as 502 (504 for timeouts, 429 passed on); once bytes are out, a streamed
+chat or completion is continued on another replica (``gateway/continuation.py``: after an
+upstream failure, or when it outgrows the replica's ``context_limit``), and a stream that cannot
+be continued ends with an SSE error event and ``[DONE]``. Every exit path undoes the router's
+accounting exactly once and counts the request once. The application (routes, health, reload)
+is ``gateway/server.py``.
+"""
+
+import asyncio
+import json
+import logging
+import random
+import time
+from dataclasses import replace
+from typing import Any
+
+from kvroute.errors import ClientError
+from kvroute.gateway.auth import KeyState
+from kvroute.gateway.continuation import Break, LegResponder, Splice, error_event
+from kvroute.gateway.http import Request as HTTPRequest
+from kvroute.gateway.http import Responder
+from kvroute.gateway.openai import Kind, RequestParsing, prompt_key
+from kvroute.gateway.outlier import Attempt
+from kvroute.gateway.pd import forward_split
+from kvroute.gateway.peers import PEER_HEADERS
+from kvroute.gateway.residency import REGION_HEADER, RESIDENCY_HEADER, ResidencyConflict
+from kvroute.gateway.retry import RETRY_STATUSES, Failure, RetryReason, backoff_s, failure_of
+from kvroute.gateway.runtime import Outcome, PolicyError, QueueFull, QueueTimeout, Runtime
+from kvroute.gateway.tokens import reported_completion_tokens, reported_prompt_tokens, token_events
+from kvroute.gateway.tracing import Tracer
+from kvroute.gateway.upstream import (
+    UpstreamError,
+    UpstreamProtocolError,
+    UpstreamResponse,
+)
+from kvroute.model import DecisionKind, Request
+from kvroute.prefix import chat_key
+
+log = logging.getLogger("kvroute.gateway")
+access = logging.getLogger("kvroute.access")
+# never forwarded in either direction (RFC 9110 §7.6.1), plus what the gateway sets itself and its own
+# routing headers (an engine has no use for them; a forward to a peer carries them again: Peering.outbound)
+HOP_HEADERS = frozenset({"host", "content-length", "transfer-encoding", "connection", "keep-alive", "expect",
+                         "accept-encoding", "upgrade", "te", "trailer", "proxy-authorization",
+                         "proxy-authenticate", "proxy-connection", "server", "date",
+                         RESIDENCY_HEADER, REGION_HEADER}) | PEER_HEADERS
+STREAM_TAIL = 4096  # bytes of a stream kept to find its [DONE] and its final usage chunk
+
+
+def _forwarded(headers: dict[str, str]) -> list[tuple[str, str]]:
+    """End-to-end headers only: hop-by-hop ones and those the client's Connection names are dropped."""
+    drop = HOP_HEADERS
+    if "connection" in headers:
+        drop = drop | {t.strip().lower() for t in headers["connection"].split(",")}
+    return [(k, v) for k, v in headers.items() if k not in drop]
+
+
+class Proxy(RequestParsing):
+    """Per-request parsing (:class:`~kvroute.gateway.openai.RequestParsing`), routing and
+    forwarding; one instance per application."""
+
+    def __init__(self, runtime: Runtime):
+        super().__init__()
+        self.rt = runtime
+        self.tokens = runtime.tokens
+        self.rng = random.Random()
+        self.tracer = Tracer(runtime.config.tracing.enabled)
+        self.reconfigure(runtime.config)
+
+    # -- the handler ----------------------------------------------------------------------------
+    async def handle(self, request: HTTPRequest, resp: Responder, kind: Kind, key: KeyState | None = None) -> None:
+        """Answer one proxied request; counted and logged once, whatever happens."""
+        rt = self.rt
+        route = kind.label
+        t0 = time.monotonic()
+        body: dict = {}
+        req: Request | None = None
+        served: dict[str, Any] = {"excluded": []}  # where it went, for the access line
+        span = self.tracer.start(route)
+        try:
+            try:
+                body, req = self.parse(request.body, kind, request.headers)
+            except ClientError as exc:
+                resp.send_error(exc.status, str(exc), param=exc.param)
+                return
+            if rt.draining:
+                resp.send_error(503, "gateway is draining", "server_error", headers=[("Retry-After", "1")])
+                return
+            if key is not None:
+                wait = key.admit(req.prompt_tokens + req.max_output_tokens, time.monotonic())
+                if wait:
+                    resp.send_error(429, f"rate limit of key {key.name!r} reached; retry in {wait} s",
+                                    "rate_limit_error", code="rate_limit_exceeded",
+                                    headers=[("Retry-After", str(wait))])
+                    return
+            model = body.get("model")
+            exclude = rt.excluded_for(model)
+            if exclude is None:
+                known = ", ".join(sorted(str(c.get("id")) for c in rt.model_cards())) or "none"
+                resp.send_error(404, f"The model '{model}' does not exist; available: {known}",
+                                param="model", code="model_not_found")
+                return
+            if exclude:  # drained replicas, and those not serving the model: the policy never sees them
+                req.exclude = exclude
+            if rt.config.access_log:  # the client's own id when it sent one (forwarded upstream as is)
+                resp.extra_headers.append(("x-request-id", request.headers.get("x-request-id") or req.id))
+            try:
+                rt.peering.accept(req, request.headers, key)  # hops, residency pin (gateway/peers.py)
+            except ResidencyConflict as exc:
+                resp.send_error(403, str(exc), "permission_error", code="residency_conflict")
+                return
+            headers = _forwarded(request.headers)
+            if rt.keys.enabled and not rt.config.auth.forward_authorization:
+                headers = [(k, v) for k, v in headers if k != "authorization"]  # the client's key is ours
+            splice = Splice.open(kind.label, body, req.prompt_tokens) if rt.config.retry.max_continuations else None
+            brk = await self._route_and_forward(request, resp, kind, bool(body.get("stream")), req, headers, served,
+                                                t0, splice)
+            if brk is not None and splice is not None:
+                await self._continue(request, resp, kind, headers, req, served, splice, brk)
+        finally:
+            if req is not None:
+                self.estimates.pop(req.id, None)
+            rt.metrics.count_request(route, resp.status or 499, rt.policy_name)  # 499: the client left
+            if served.get("replica") is not None and resp.started:  # proxied, even if the client left
+                rt.metrics.e2e.observe(time.monotonic() - t0)
+            if rt.config.access_log and req is not None and access.isEnabledFor(logging.INFO):
+                self._access(resp, route, body, req, served, t0, request.headers.get("x-request-id"))
+            if span is not None:
+                self.tracer.end(span, {
+                    "request_id": req.id if req else None, "model": body.get("model"), "policy": rt.policy_name,
+                    "branch": served.get("branch"), "replica": served.get("replica"),
+                    "failed_on": ",".join(served["excluded"]) or None, "status": resp.status or 499,
+                    "aborted": resp.started and not resp.finished, "stream": bool(body.get("stream"))})
+
+    def _access(self, resp: Responder, route: str, body: dict, req: Request, served: dict, t0: float,
+                client_rid: str | None) -> None:
+        """One JSON line per request: what happened, never the prompt unless asked."""
+        fields = {"rid": req.id, "client_rid": client_rid, "route": route,
+                  "status": resp.status or 499,  # 499: the client left
+                  "replica": served.get("replica"), "branch": served.get("branch"),
+                  "prompt_tokens": req.prompt_tokens, "stream": bool(body.get("stream")),
+                  "ms": round((time.monotonic() - t0) * 1000, 2)}
+        if served["excluded"]:
+            fields["failed_on"] = served["excluded"]
+        if served.get("legs"):
+            fields["legs"] = served["legs"]  # continued on other replicas; "replica" is the last
+        if resp.started and not resp.finished:
+            fields["aborted"] = True  # the client left mid-response
+        if self.rt.config.log_prompts:
+            prompt = body.get("messages")
+            fields["prompt"] = (chat_key(prompt) if isinstance(prompt, list) else
+                                str(next((body[f] for f in ("prompt", "input", "content", "tokens") if f in body),
+                                         "")))[:512]
+        access.info("request", extra={"fields": fields})
+
+    async def _route_and_forward(self, request: HTTPRequest, resp: Responder | LegResponder, kind: Kind,
+                                 stream: bool, req: Request, headers: list[tuple[str, str]], served: dict[str, Any],
+                                 t0: float, splice: Splice | None = None) -> Break | None:
+        """Route and proxy with retries; a stream that broke or outgrew its replica after bytes
+        were out comes back as a Break, for the caller to continue."""
+        rt = self.rt
+        rc = rt.config.retry
+        excluded = served["excluded"]  # replicas that failed this request
+        unfit = req.exclude  # replicas that do not serve its model
+        to = rt.config.timeouts
+        deadline = time.monotonic() + (to.first_byte_total_s if stream else to.non_stream_total_s)  # all attempts
+        failure: Failure | None = None
+        for attempt in range(1, rc.max_attempts + 1):
+            try:
+                decision = await rt.admit(req)
+            except QueueFull as exc:
+                rt.metrics.rejected.labels("full").inc()
+                resp.send_error(429, str(exc), "rate_limit_error", code="queue_full", headers=[("Retry-After", "1")])
+                return None
+            except QueueTimeout as exc:
+                rt.metrics.rejected.labels("timeout").inc()
+                resp.send_error(503, str(exc), "server_error", code="queue_timeout", headers=[("Retry-After", "2")])
+                return None
+            except PolicyError as exc:
+                resp.send_error(503, f"{exc}; see the gateway log", "server_error", code="policy_error")
+                return None
+            if decision.kind is DecisionKind.NONE:
+                if failure is not None:
+                    break  # every replica that could take it has failed: the last failure answers
+                resp.send_error(503, f"no replica can serve this request: {decision.reason}", "server_error",
+                                code=decision.branch)
+                return None
+            target = decision.target
+            assert target is not None  # a dispatch names its target
+            served["replica"], served["branch"] = target, decision.branch
+            rt.dispatched(req, decision)
+            sent = rt.peering.outbound(headers, req, request.headers) if target in rt.peering.links else headers
+            if decision.prefill is not None:  # a prefill/decode pair (gateway/pd.py)
+                result = await forward_split(self, request, resp, kind, sent, req, decision, stream, t0, deadline,
+                                             splice)
+            else:
+                result = await self._forward(request, resp, kind, sent, req, target, stream, t0, deadline, splice)
+            if not isinstance(result, Failure):
+                return result  # the client has its answer, or the stream is to go on elsewhere
+            failure = result
+            excluded.append(result.replica or target)
+            req.exclude = (*unfit, *excluded)
+            left = deadline - time.monotonic()
+            if attempt == rc.max_attempts or left <= 0:
+                break
+            rt.metrics.retries.labels(failure.reason).inc()
+            delay = backoff_s(attempt, rc.backoff_s, rc.backoff_max_s, self.rng.random())
+            await asyncio.sleep(min(delay, left))
+        assert failure is not None
+        retry_after = [("Retry-After", "1")] if failure.status in (429, 503) else []
+        resp.send_error(failure.status, failure.message, "server_error", code=failure.code, headers=retry_after)
+        return None
+
+    def _count_tokens(self, target: str, rid: str, body: bytes) -> None:
+        """Teach the token ratio the engine's own prompt count (``usage.prompt_tokens``); a peer
+        gateway's answer is not one replica's count, so a forward teaches nothing."""
+        estimated = self.estimates.get(rid)
+        if estimated and target not in self.rt.peering.links:
+            reported = reported_prompt_tokens(body)
+            if reported is not None:
+                self.rt.tokens.observe(target, estimated, reported)
+
+    def _resp_headers(self, upstream: UpstreamResponse, target: str, req: Request) -> list[tuple[str, str]]:
+        skip = HOP_HEADERS | {"x-request-id"} if self.rt.config.access_log else HOP_HEADERS  # set by us
+        out = [(k, v) for k, v in upstream.headers if k.lower() not in skip]
+        if self.rt.config.replica_header and target in self.rt.upstreams:  # a peer's answer names its own
+            out.append(("x-kvroute-replica", target))
+            ticket = self.rt.router.tickets.get(req.id)
+            if ticket is not None:  # the prompt tokens the index predicted cached there (engines report theirs)
+                hit = min(req.prompt_tokens, ticket.matched_blocks * req.block_tokens)
+                out.append(("x-kvroute-prefix-hit", str(hit)))
+        return out
+
+    async def _forward(self, request: HTTPRequest, resp: Responder | LegResponder, kind: Kind,
+                       headers: list[tuple[str, str]], req: Request, target: str, stream: bool, t0: float,
+                       deadline: float, splice: Splice | None = None) -> Failure | Break | None:
+        """Proxy one attempt. Returns None once the client has a response, the failure if
+        nothing was sent, or a Break when a stream is to go on elsewhere."""
+        rt = self.rt
+        up = rt.upstreams.get(target) or rt.peering.links.get(target)
+        if up is None:  # removed by a reload between decision and now
+            rt.release(req.id, served=False)
+            return Failure(RetryReason.REPLICA_REMOVED, f"replica {target} was removed", 503, "replica_removed")
+        to = rt.config.timeouts
+        upstream = None
+        outcome = Outcome.NEUTRAL
+        served = False  # the engine took the request (so it holds the prompt's prefix now)
+        output_tokens = 0  # what this attempt generated (the policy's on_finished hears it)
+        # a stream's progress is watched: an engine whose streams all go silent is ejected (gateway/outlier.py)
+        watch = rt.stalls.detector.begin(target, req.prompt_tokens, time.monotonic()) \
+            if stream and rt.config.stall.enabled and target in rt.upstreams else None
+        try:
+            try:
+                attempt_deadline = min(deadline, time.monotonic() + (to.first_byte_s if stream else to.non_stream_s))
+                sent = request.body
+                if splice is not None:  # vLLM's running usage counts a continuable stream's tokens exactly
+                    splice.usage_added = False
+                    if target in rt.upstreams and rt.upstreams[target].engine == "vllm":
+                        sent = splice.exact_body(sent)
+                upstream = await up.pool.post(request.path, sent, headers, connect_s=to.connect_s,
+                                              first_byte_s=max(attempt_deadline - time.monotonic(), 0.001),
+                                              idle_s=to.idle_s, on_send=watch.attach if watch else None)
+                status = upstream.status
+                budget = max(attempt_deadline - time.monotonic(), 0.001)  # the first body byte counts too
+                if status in RETRY_STATUSES:
+                    await upstream.read(budget)  # read to the end so the connection can be reused
+                    if status >= 500:
+                        outcome = Outcome.FAILED
+                    return Failure(RetryReason.STATUS, f"upstream {target} answered {status}",
+                                   429 if status == 429 else 502, "upstream_overloaded" if status == 429
+                                   else "upstream_error")
+                first: bytes | None = None
+                payload = b""
+                if stream and status == 200:
+                    first = await upstream.next_chunk(budget)  # hold the head until a byte of body
+                    if first is None:
+                        raise UpstreamProtocolError("upstream ended the stream before sending anything")
+                else:
+                    payload = await upstream.read(budget)
+                served = status < 400  # a body, or a stream's first bytes, came back
+            except UpstreamError as exc:  # nothing has reached the client yet: retryable
+                outcome = Outcome.FAILED
+                log.warning("upstream %s failed before responding: %s", target, exc)
+                return failure_of(exc, target)
+            if first is not None:
+                outcome, brk, output_tokens = await self._stream(resp, upstream, first, req, target, t0,
+                                                                 kind.stream_end, splice, watch)
+                return brk
+            ttft = time.monotonic() - t0
+            rt.first_token(req.id, ttft)
+            rt.metrics.ttft.observe(ttft)
+            outcome = Outcome.OK if upstream.status < 500 else Outcome.NEUTRAL
+            if upstream.status == 200:
+                self._count_tokens(target, req.id, payload)
+                output_tokens = reported_completion_tokens(payload) or 0
+            resp.send(upstream.status, payload, self._resp_headers(upstream, target, req), content_type=None)
+            return None
+        finally:
+            if watch is not None:
+                watch.watch.end(watch)
+            rt.release(req.id, served, time.monotonic() - t0 if outcome is Outcome.OK else None, output_tokens)
+            rt.attempt_done(target, outcome)
+            if upstream is not None:
+                upstream.release()  # kept alive when fully read; closed (cancelling upstream) otherwise
+
+    async def _stream(self, resp: Responder | LegResponder, upstream: UpstreamResponse, first: bytes, req: Request,
+                      target: str, t0: float, end_marker: bytes | None,
+                      splice: Splice | None = None, watch: Attempt | None = None) -> tuple[Outcome, Break | None, int]:
+        """Pass an SSE stream through. With a splice (a continuable request): whole events only,
+        and a failure after bytes are out, or a sequence outgrowing the replica's context limit,
+        returns a Break for the caller to continue elsewhere; without, a failure ends the stream
+        with an error event. Also returns the tokens this leg generated: the engine's
+        ``usage.completion_tokens`` when it reports it, else the token events forwarded. A chunk
+        that brings tokens is progress for the stall ``watch``."""
+        rt = self.rt
+        ttft = time.monotonic() - t0
+        rt.first_token(req.id, ttft)
+        if not resp.started:  # a continuation leg writes on into the client's stream
+            rt.metrics.ttft.observe(ttft)
+            resp.start(upstream.status, self._resp_headers(upstream, target, req))
+        if splice is not None:  # a limit the sequence already reached (a fallback to an earlier
+            limit = rt.router.policy.context_limit(target)  # stage) would re-route it every token
+            splice.limit = limit if limit is not None and limit > splice.length() else None
+        chunk: bytes | None = first
+        tail = b""  # the stream's last bytes: is it at an event boundary, did [DONE] arrive?
+        pieces = 0  # token events seen (no splice: counted here)
+
+        def generated() -> int:
+            reported = reported_completion_tokens(tail)
+            if reported is not None:
+                return reported
+            return splice.tokens - splice.leg_start if splice is not None else pieces
+
+        try:
+            while chunk is not None:
+                if splice is None:
+                    await resp.write(chunk)
+                    new = token_events(chunk)
+                    pieces += new
+                else:
+                    new = -splice.count
+                    await resp.write(splice.feed(chunk))
+                    new += splice.count
+                if new and watch is not None:
+                    watch.progressed(time.monotonic())
+                tail = (tail + chunk)[-STREAM_TAIL:]
+                if splice is not None:
+                    if splice.error is not None:
+                        raise UpstreamError(f"error event: {splice.error}")
+                    if splice.outgrown:
+                        return Outcome.NEUTRAL, Break("migrate", f"the sequence reached {splice.limit} tokens, the "
+                                                 f"context limit of {target}"), generated()
+                chunk = await upstream.next_chunk()
+            if splice is not None and splice.partial.strip():  # a last event without its blank line
+                await resp.write(splice.feed(b"\n\n"))
+            if end_marker is not None and end_marker not in tail[-32:]:
+                raise UpstreamError(f"upstream ended the stream without {end_marker.decode()}")
+            outcome = Outcome.OK
+            self._count_tokens(target, req.id, tail)
+        except UpstreamError as exc:
+            outcome = Outcome.FAILED
+            log.warning("upstream %s failed mid-stream: %s", target, exc)
+            if splice is not None and splice.continuable and not splice.done:
+                return outcome, Break("recover", f"upstream {target} failed mid-stream: {exc}"), generated()
+            # never glue the error onto a partial event
+            sep = b"" if tail.endswith((b"\n\n", b"\r\n\r\n")) or not tail else b"\n\n"
+            await resp.write(sep + error_event(f"upstream {target} failed mid-stream: {exc}", "upstream_stream_error"))
+        await resp.end()
+        return outcome, None, generated()
+
+    async def _continue(self, request: HTTPRequest, resp: Responder, kind: Kind, headers: list[tuple[str, str]],
+                        req: Request, served: dict[str, Any], splice: Splice, brk: Break | None) -> None:
+        """Carry a stream on, leg by leg, after it broke or outgrew its replica
+        (``gateway/continuation.py``): each leg is routed like a request whose prompt is the
+        original plus the text generated so far, and retried like one; a replica that failed is
+        not used again. At most ``retry.max_continuations`` legs; then an SSE error ends it."""
+        rt = self.rt
+        leg_resp = LegResponder(resp)
+        while brk is not None:
+            reason, cause = brk.reason, brk.message
+            body = splice.next_body()
+            if body is None:  # every token the client asked for is out: only the ending was lost
+                rt.metrics.continuations.labels(reason, "completed").inc()
+                await resp.write(splice.length_ending())
+                break
+            if splice.legs > rt.config.retry.max_continuations or not splice.continuable:
+                rt.metrics.continuations.labels(reason, "refused").inc()
+                why = (f"{rt.config.retry.max_continuations} continuation(s) already made"
+                       if splice.continuable else "this stream cannot be continued")
+                await resp.write(error_event(f"{brk.message}; {why}", "upstream_stream_error"))
+                break
+            log.info("continuing %s (%s) after %d token(s): %s", req.id, reason, splice.tokens, brk.message)
+            if reason == "recover" and served.get("replica"):
+                served["excluded"].append(served["replica"])
+            splice.begin_leg()
+            leg = HTTPRequest(request.method, request.path, request.headers, request.keep_alive)
+            leg.body = json.dumps(body).encode()
+            field = "messages" if splice.chat else "prompt"
+            hashes, _ = self.hasher(prompt_key(field, body[field]))
+            leg_req = replace(req, id=f"{req.id}.{splice.legs}", arrival_s=time.monotonic(), block_hashes=hashes,
+                              prompt_tokens=splice.length(),
+                              max_output_tokens=max(1, req.max_output_tokens - splice.tokens),
+                              exclude=tuple(dict.fromkeys((*req.exclude, *served["excluded"]))))
+            served["legs"] = splice.legs
+            # the leg's own clock: policies that learn from TTFT and E2E see this leg's, not the request's
+            brk = await self._route_and_forward(leg, leg_resp, kind, True, leg_req, headers, served, time.monotonic(),
+                                                splice)
+            if leg_resp.refusal is not None:
+                rt.metrics.continuations.labels(reason, "failed").inc()
+                message, code = leg_resp.refusal
+                await resp.write(error_event(f"{cause}; the stream could not be continued: {message} "
+                                             f"({code})", "upstream_stream_error"))
+                break
+            rt.metrics.continuations.labels(reason, "continued").inc()
+        await resp.end()
