@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 import httpx
 import pytest
@@ -61,6 +62,10 @@ def test_siblings_route_on_each_others_load(mesh, natsd):
     text = httpx.get(f"{m.url('b')}/metrics").text
     assert "kvroute_fleet_connected 1.0" in text and "kvroute_fleet_siblings 1.0" in text
     assert httpx.get(f"{m.url('b')}/health").json()["fleet"] == "synced"
+    m.call(a.stop())  # a stops: it says bye, b forgets it before the 1 s timeout
+    t0 = time.monotonic()
+    assert m.wait_until(lambda: not m.gateways["b"].runtime.fleet.ledger.siblings, timeout=2)
+    assert time.monotonic() - t0 < 0.8
 
 
 def test_nats_lost_routes_on_the_local_view_then_resyncs(mesh, natsd, tmp_path, caplog, monkeypatch):

@@ -123,6 +123,9 @@ def test_silent_or_restarted_siblings_are_forgotten():
     assert b[REPLICA].endpoint("r1").inflight == 1
     out = ledger.apply(simple_message("hello", "A", 0), 2.1)  # a new process under the same name
     assert out.restarted and out.wants_snapshot and b[REPLICA].endpoint("r1").inflight == 0
+    ledger.apply(sibling_dispatch(a, "q10"), 2.2)
+    assert ledger.apply(simple_message("bye", "A", 1), 2.3).freed  # stopping: forgotten at once
+    assert not ledger.siblings and b[REPLICA].endpoint("r1").inflight == 0
 
 
 def test_peer_layer_and_unknown_endpoints():

@@ -22,7 +22,7 @@ pure (no I/O, no clock: the transport in ``fleet/sync.py`` passes times in):
   are freed, ones missed are added (without prefix hashes: a snapshot carries counters, not
   prompts). NATS core delivers at most once, so a lost message is repaired by the next snapshot.
 * ``hb`` — a heartbeat with the queue only; ``hello`` — an instance (re)joining asks every
-  other one for a snapshot at once.
+  other one for a snapshot at once; ``bye`` — an instance stopping is forgotten at once.
 * an instance silent for ``timeout_s`` (killed, or cut off from NATS) is forgotten: its
   mirrored requests leave the counters (their prefix blocks stay: the engines did get them).
 
@@ -159,8 +159,11 @@ class Ledger:
             parsed = _str(msg, "id")
         elif kind == "hb":
             parsed = (_int(msg, "q"), _int(msg, "qt"))
+        elif kind == "bye":
+            out.freed = self.forget(origin)
+            return out
         elif kind != "hello":
-            raise BadMessage(f"unknown message type {kind!r}; known: add, prefill, free, snap, hb, hello")
+            raise BadMessage(f"unknown message type {kind!r}; known: add, prefill, free, snap, hb, hello, bye")
         sib = self.siblings.get(origin)
         if sib is not None and (kind == "hello" or seq <= sib.seq):  # sequence restarted: a new process
             out.restarted = True

@@ -159,7 +159,12 @@ class FleetSync:
                        asyncio.create_task(self._ticker())]
 
     async def stop(self) -> None:
-        """Say nothing more, close the connection (siblings forget us after ``timeout_s``)."""
+        """Say ``bye`` (siblings forget us at once; a killed instance is forgotten after ``timeout_s``),
+        then close the connection."""
+        if self.connected and self.nc is not None:
+            with contextlib.suppress(Exception):
+                await self.nc.publish(self.subject, encode(simple_message("bye", self.name, next(self.seq))))
+                await asyncio.wait_for(self.nc.flush(), 1.0)
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
