@@ -83,6 +83,8 @@ def gateway(tmp_path, upstreams):
     yield start
     for gw in started:
         gw.stop()
+        log = gw.log.read_text()
+        assert "Traceback" not in log and '"level": "ERROR"' not in log, log[-3000:]
 
 
 def test_aborted_bodies_are_freed_at_once(gateway):
