@@ -75,3 +75,13 @@ def test_an_unreachable_ray_address_is_one_line_and_exit_2(capsys):
     else:
         raise AssertionError("expected ExecutorError")
 
+
+
+def test_a_bad_worker_count_is_refused(capsys):
+    import pytest
+
+    for bad in ("0", "-2", "many"):
+        with pytest.raises(SystemExit) as exc:
+            main(["simulate", "--sweep", "--workers", bad])
+        assert exc.value.code == 2
+    assert "--workers" in capsys.readouterr().err

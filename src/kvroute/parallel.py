@@ -219,9 +219,22 @@ def make_executor(workers: int | None = None, ray: str | None = None) -> Executo
     return Executor(1) if n <= 1 else PoolExecutor(n)
 
 
+def worker_count(text: str) -> int:
+    """``--workers``: a positive integer (anything else: argparse's one line, exit 2)."""
+    import argparse
+
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a positive number of processes (1 = serial)")
+    return n
+
+
 def add_arguments(parser: Any) -> None:
     """``--workers N`` and ``--ray ADDRESS`` on a command that runs independent simulations."""
-    parser.add_argument("--workers", type=int, metavar="N",
+    parser.add_argument("--workers", type=worker_count, metavar="N",
                         help="simulations in parallel on this machine (default: every core; 1 = serial)")
     parser.add_argument("--ray", metavar="ADDRESS",
                         help="run the simulations on a Ray cluster instead: `auto` (the one started here with "

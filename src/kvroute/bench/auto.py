@@ -14,7 +14,7 @@ import argparse
 import statistics
 import time
 
-from kvroute.parallel import Executor, make_executor
+from kvroute.parallel import Executor, make_executor, worker_count
 from kvroute.sim.scenario import load_scenario
 from kvroute.sim.sweep import LEVELS, compare_task, knee_task
 
@@ -89,7 +89,7 @@ def add_parser(bench: argparse._SubParsersAction) -> None:
     p.add_argument("--presets", default=",".join(PRESETS), help="presets auto is compared with")
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--requests", type=int, default=800, help="requests per run (default 800)")
-    p.add_argument("--workers", type=int, help="parallel runs (default: every core)")
+    p.add_argument("--workers", type=worker_count, help="parallel runs (default: every core)")
     p.add_argument("--ray", metavar="ADDRESS", help="run on a Ray cluster")
     p.add_argument("--json", metavar="FILE")
     p.set_defaults(func=cmd)
