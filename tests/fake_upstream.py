@@ -53,7 +53,7 @@ class ScriptedUpstream:
 
     def __init__(self, script: Script):
         self.script = script
-        self.metrics = METRICS  # what GET /metrics answers; a test may change it
+        self.metrics: bytes | None = METRICS  # what GET /metrics answers (None: the connection drops)
         self.models = ["m"]  # what GET /v1/models lists
         self.heads: list[bytes] = []
         self.bodies: list[bytes] = []
@@ -83,6 +83,8 @@ class ScriptedUpstream:
                     await w.drain()
                     continue
                 if head.startswith(b"GET /metrics"):
+                    if self.metrics is None:  # a test took the engine away: drop the connection
+                        break
                     w.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%b" % (len(self.metrics), self.metrics))
                     await w.drain()
                     continue

@@ -314,3 +314,35 @@ def test_a_stream_that_failed_on_every_replica_says_so(deploy):
     message = json.loads(events[-2][6:])["error"]["message"]
     assert "failed mid-stream" in message and "excluded for this request" in message, message
     assert "unhealthy" not in message and "filtered out" not in message, message
+
+
+def test_a_request_waiting_on_a_replica_whose_probes_find_nothing_listening_is_retried_elsewhere(deploy):
+    """A non-streamed request waits for its head up to timeouts.non_stream_s. When the replica's
+    probes then find nothing listening (the engine died), the gateway does not rely on the close of
+    that request's connection reaching it: ejecting the replica fails the exchange, and the request
+    is retried on another replica at once."""
+    sent = asyncio.Event()
+
+    async def hang(head, body, w):  # the request is read, never answered, the connection kept open
+        sent.set()
+        await asyncio.sleep(3600)
+        return False
+
+    dep = deploy(hang, replies(http_response()), probe={"interval_s": 0.05, "timeout_s": 0.5, "unhealthy_after": 2},
+                 timeouts={"connect_s": 1.0, "first_byte_s": 30.0, "idle_s": 30.0, "non_stream_s": 60.0,
+                           "non_stream_total_s": 60.0})
+    dead = dep.upstreams[0]
+
+    async def kill_listener():
+        await asyncio.wait_for(sent.wait(), 10)
+        dead._server.close()  # no new connection is accepted; the hung exchange stays open
+        dead.metrics = None  # and the probe's kept-alive connection is dropped (see _serve)
+
+    with httpx.Client(timeout=30) as client:
+        fut = asyncio.run_coroutine_threadsafe(kill_listener(), dep.loop)
+        t0 = time.monotonic()
+        r = client.post(f"{dep.url}/v1/completions", json={"model": "m", "prompt": "p", "max_tokens": 2})
+        took = time.monotonic() - t0
+        fut.result(5)
+    assert r.status_code == 200 and r.headers["x-kvroute-replica"] == "r1"
+    assert took < 5, f"waited {took:.1f} s on a replica that was gone"

@@ -21,6 +21,7 @@ import json
 import logging
 import random
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -259,6 +260,16 @@ class Proxy(RequestParsing):
         # a stream's progress is watched: an engine whose streams all go silent is ejected (gateway/outlier.py)
         watch = rt.stalls.detector.begin(target, req.prompt_tokens, time.monotonic()) \
             if stream and rt.config.stall.enabled and target in rt.upstreams else None
+        replica = rt.upstreams.get(target)  # None for a peer gateway
+        abort: Callable[[UpstreamError], None] | None = None
+
+        def on_send(fn: Callable[[UpstreamError], None]) -> None:
+            nonlocal abort
+            abort = fn
+            if watch is not None:
+                watch.attach(fn)
+            if replica is not None:  # aborted if its probes find nothing listening (Runtime._read_probe)
+                replica.exchanges.add(fn)
         try:
             try:
                 attempt_deadline = min(deadline, time.monotonic() + (to.first_byte_s if stream else to.non_stream_s))
@@ -269,7 +280,7 @@ class Proxy(RequestParsing):
                         sent = splice.exact_body(sent)
                 upstream = await up.pool.post(request.path, sent, headers, connect_s=to.connect_s,
                                               first_byte_s=max(attempt_deadline - time.monotonic(), 0.001),
-                                              idle_s=to.idle_s, on_send=watch.attach if watch else None)
+                                              idle_s=to.idle_s, on_send=on_send)
                 status = upstream.status
                 budget = max(attempt_deadline - time.monotonic(), 0.001)  # the first body byte counts too
                 if status in RETRY_STATUSES:
@@ -308,6 +319,8 @@ class Proxy(RequestParsing):
         finally:
             if watch is not None:
                 watch.watch.end(watch)
+            if replica is not None and abort is not None:
+                replica.exchanges.discard(abort)
             rt.release(req.id, served, time.monotonic() - t0 if outcome is Outcome.OK else None, output_tokens)
             rt.attempt_done(target, outcome)
             if upstream is not None:

@@ -10,6 +10,7 @@ import contextlib
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any
@@ -37,7 +38,7 @@ from kvroute.gateway.probes import (
     tick_breakers,
 )
 from kvroute.gateway.tokens import RESIZE_STEP, TokenRatio
-from kvroute.gateway.upstream import UpstreamPool
+from kvroute.gateway.upstream import UpstreamConnectError, UpstreamError, UpstreamPool
 from kvroute.model import Decision, DecisionKind, Endpoint, Request
 from kvroute.policy import DispatchPacer
 
@@ -68,6 +69,9 @@ class Upstream:
     errors: int = 0
     prompt_tokens: int = 0  # the gateway's count of served prompts (the engine's units once learned)
     completion_tokens: int = 0  # the engine's usage, else the token events streamed
+    # the abort of every exchange sent to it and not over yet (gateway/proxy.py): called when its
+    # probes find nothing listening, so no request keeps waiting on a replica known to be gone
+    exchanges: set[Callable[[UpstreamError], None]] = field(default_factory=set)
     # adaptive probing (probes.next_probe_interval) and what probing it costs
     probe_every_s: float = 0.0
     next_probe_at: float = 0.0
@@ -634,6 +638,15 @@ class Runtime:
                 why = str(exc) or ("timed out" if isinstance(exc, TimeoutError) else exc.__class__.__name__)
                 log.warning("replica %s (%s) ejected after %d failed probes: %s", ep.id, up.config.url,
                             up.streak.fails, why)
+                if isinstance(exc, aiohttp.ClientConnectorError) and up.exchanges:
+                    # nothing listens there (the engine died or restarted): the exchanges still open
+                    # to it cannot be answered, whether or not their connection's close reached us;
+                    # failed now, they are retried elsewhere (a non-streamed one would otherwise wait
+                    # up to timeouts.non_stream_s for a head)
+                    log.warning("replica %s: %d request(s) in flight there retried elsewhere", ep.id,
+                                len(up.exchanges))
+                    for abort in list(up.exchanges):
+                        abort(UpstreamConnectError(f"replica {ep.id} ejected: {why}"))
             return
         ep.rtt_s = up.streak.rtt(time.monotonic() - t0, pc.rtt_ewma)
         if up.engine == "auto":
