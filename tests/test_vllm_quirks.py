@@ -358,13 +358,19 @@ def test_an_idle_replica_is_probed_rarely_and_a_busy_one_at_the_fast_rate():
         dep.close()
 
 
-def test_a_first_huge_prompt_is_not_a_freeze_and_the_last_replica_is_never_ejected():
+def test_a_first_prompt_is_no_freeze_a_huge_one_gets_its_prefill_and_the_last_replica_stays():
     detector = StallDetector(factor=10, min_s=1, max_s=3)
-    huge = detector.begin("r", 100_000, 0.0)  # nothing learned yet: 1 s + 10 s at the prior speed
-    assert not list(detector.sweep(10.5))
-    assert not list(detector.sweep(11.5, may_eject=lambda name: False))  # nowhere else to send it
+    first = detector.begin("r", 1500, 0.0)  # a CPU engine's first long prefill: its speed is unknown
+    assert not list(detector.sweep(60.0))
+    first.progressed(60.5)
+    detector.watch("r").end(first)
+    assert detector.watch("r").s_per_token == pytest.approx(60.5 / 1500)
+    detector.watch("r").s_per_token = 1e-6  # say it turned out very fast: the prior still holds
+    huge = detector.begin("r", 100_000, 100.0)  # 3 s (10 × a peak gap of 60.5 s, capped) + 10 s
+    assert not list(detector.sweep(112.5))
+    assert not list(detector.sweep(113.5, may_eject=lambda name: False))  # nowhere else to send it
     assert not detector.watch("r").stalled
-    assert [name for name, _, _ in detector.sweep(11.5)] == ["r"]
+    assert [name for name, _, _ in detector.sweep(113.5)] == ["r"]
     detector.watch("r").end(huge)
 
 

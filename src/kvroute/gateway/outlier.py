@@ -15,9 +15,11 @@ does the same with *progress* as the signal:
   longer than its threshold: ``factor ×`` the longest gap between progress events it normally
   shows (a peak that decays with a half-life of ``PEAK_HALF_LIFE_S``), bounded to
   [``min_s``, ``max_s``], plus the prefill time the prompts still waiting for their first token
-  are expected to take at the replica's learned seconds per prompt token (never assumed faster
-  than ``PRIOR_S_PER_TOKEN``, so a first huge prompt is not mistaken for a freeze) — a long
-  prompt is allowed its prefill, a short one on a frozen engine is not;
+  are expected to take at the replica's learned seconds per prompt token (time to first token
+  over prompt tokens, every first token; never assumed faster than ``PRIOR_S_PER_TOKEN``) — a
+  long prompt is allowed its prefill, a short one on a frozen engine is not. A replica that has
+  never produced a first token is not judged while all its streams wait for one: nothing says
+  yet how long its prefill takes (a CPU engine's first 1,500-token prompt took seconds here);
 - a stalled replica is ejected (its breaker held open) and every watched attempt on it aborted
   — unless no other replica could take its requests (Envoy's ``max_ejection_percent`` in its
   simplest form: ejecting the last one only turns slow answers into errors);
@@ -34,12 +36,12 @@ bounds them).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 PEAK_HALF_LIFE_S = 60.0  # how fast a long gap seen once stops widening the threshold
-MIN_PREFILL_TOKENS = 256  # shorter prompts say more about overheads than about prefill speed
 RATE_WEIGHT = 0.2  # EWMA weight of a new seconds-per-prompt-token sample
 PRIOR_S_PER_TOKEN = 1e-4  # prefill assumed no faster than 10,000 tokens/s: 100 K tokens are allowed 10 s
 
@@ -102,7 +104,7 @@ class ReplicaWatch:
             self.peak_gap_s, self.peak_at = gap, now
         if not attempt.first_token:
             attempt.first_token = True
-            if attempt.prompt_tokens >= MIN_PREFILL_TOKENS:
+            if attempt.prompt_tokens > 0:  # short prompts overstate it (overheads): errs on the safe side
                 sample = (now - attempt.started) / attempt.prompt_tokens
                 old = self.s_per_token
                 self.s_per_token = sample if old is None else old + RATE_WEIGHT * (sample - old)
@@ -113,6 +115,8 @@ class ReplicaWatch:
         peak = self.peak_gap_s * 0.5 ** ((now - self.peak_at) / PEAK_HALF_LIFE_S)
         base = min(max_s, max(min_s, factor * peak))
         pending = sum(a.prompt_tokens for a in self.attempts if not a.first_token)
+        if self.s_per_token is None and all(not a.first_token for a in self.attempts):
+            return math.inf  # no first token seen from it yet: its prefill speed is unknown
         return base + pending * max(self.s_per_token or 0.0, PRIOR_S_PER_TOKEN)
 
 

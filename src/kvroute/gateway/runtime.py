@@ -535,7 +535,7 @@ class Runtime:
             await self.events.start()
         await self.probe_all()
         self._probe_task = asyncio.create_task(
-            probe_forever(lambda: self.config.probe.interval_s, self.probe_all, "probe round failed"))
+            probe_forever(lambda: self.config.probe.interval_s, self.probe_due, "probe round failed"))
         self.peering.start()
         self.stalls.start()
         if self.fleet is not None:
@@ -569,10 +569,18 @@ class Runtime:
     async def probe_all(self) -> None:
         """Probe every replica once, in parallel; then tick the breakers, rescale the prefix index and let
         queued requests go where a replica freed up."""
+        await self._probe_round(force=True)
+
+    async def probe_due(self) -> None:
+        """One round of the probe loop: the replicas whose adaptive interval has come
+        (``probes.next_probe_interval``), then the same bookkeeping as :meth:`probe_all`."""
+        await self._probe_round(force=False)
+
+    async def _probe_round(self, force: bool) -> None:
         ups = list(self.upstreams.values())
         now = time.monotonic()
         slack = self.config.probe.interval_s / 2  # a round that runs a little early still probes what is due
-        await asyncio.gather(*(self._probe(up) for up in ups if up.next_probe_at <= now + slack))
+        await asyncio.gather(*(self._probe(up) for up in ups if force or up.next_probe_at <= now + slack))
         tick_breakers(ups, time.monotonic())
         self._rescale_index()
         self.drain_queue()
