@@ -4,7 +4,7 @@ from kvroute.model import Endpoint, Request
 from kvroute.policy import Router, build_policy
 from kvroute.policyfiles import load_entry_points
 from kvroute.prefix import BlockHasher, chat_key
-from kvroute.sim.scenario import DATA_DIR
+from kvroute.sim.tracefiles import DATA_DIR
 
 # The real Mooncake trace is data, not code: it lives in shared/ beside a checkout (or where
 # KVROUTE_TRACES points). CI and developer machines have it; a lone clone skips these tests.

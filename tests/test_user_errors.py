@@ -9,7 +9,7 @@ import pytest
 
 import kvroute.commands.simulate
 from kvroute.cli import main
-from kvroute.sim import scenario
+from kvroute.sim import tracefiles
 
 
 def one_error(capsys) -> str:
@@ -81,7 +81,7 @@ def test_writable_outputs_leave_no_scratch_file(tmp_path, monkeypatch):
 
 
 def test_bench_sim_speed_without_traces_says_where_it_looked(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(scenario, "DATA_DIR", tmp_path)
+    monkeypatch.setattr(tracefiles, "DATA_DIR", tmp_path)
     assert main(["bench", "sim-speed", "--skip-million"]) == 2
     line = one_error(capsys)
     assert str(tmp_path / "mooncake" / "conversation_trace.jsonl") in line

@@ -42,10 +42,10 @@ def cmd_bench_sim_speed(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from kvroute.bench import sim_speed
-    from kvroute.sim import scenario
+    from kvroute.sim import tracefiles
 
-    if not Path(scenario.resolve_trace(sim_speed.TRACE, "mooncake")).is_file():
-        trace = scenario.DATA_DIR / sim_speed.TRACE
+    if not Path(tracefiles.resolve_trace(sim_speed.TRACE, "mooncake")).is_file():
+        trace = tracefiles.DATA_DIR / sim_speed.TRACE
         return error(f"bench sim-speed replays the Mooncake conversation trace, not found at {trace}: traces "
                      "are looked up under $KVROUTE_TRACES (default: shared/data/traces beside a source checkout); "
                      f"set KVROUTE_TRACES to the folder that holds {sim_speed.TRACE}")

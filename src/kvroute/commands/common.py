@@ -113,7 +113,8 @@ def scenario_from_flags(scenario: str | None, *, workload: str | None = None, re
                         slo_tpot: float | None = None, slo_target: float | None = None, sweep: bool = False):
     """The scenario ``scenario`` names (a file or a bundled name; None: the defaults) with what the
     command's flags override (``simulate`` and ``live`` share this); ScenarioError names the problem."""
-    from kvroute.sim.scenario import Scenario, load_scenario, parse_scenario, workload_flag
+    from kvroute.sim.scenario import Scenario, load_scenario, parse_scenario
+    from kvroute.sim.tracefiles import workload_flag
 
     sc = load_scenario(scenario) if scenario else Scenario()
     data = sc.model_dump(exclude_none=True)

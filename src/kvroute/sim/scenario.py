@@ -14,8 +14,6 @@ Unknown keys are errors that name the key, the allowed keys and the file line (`
 
 from __future__ import annotations
 
-import json
-import os
 from importlib import resources
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
@@ -32,20 +30,13 @@ from kvroute.policyfiles import load_entry_points
 from kvroute.schema import StrictModel
 from kvroute.sim.disagg import PDSetup
 from kvroute.sim.simulation import BalancerSpec, Limits, ReplicaSpec, Setup
+from kvroute.sim.tracefiles import ScenarioError, resolve_trace
 from kvroute.workload import Workload
 from kvroute.workload.synthetic import ChatPoisson, ChatWorkload
-from kvroute.workload.traces import AzureTrace, MooncakeTrace, OpenAIConversations, TraceError, check_trace_file
+from kvroute.workload.traces import AzureTrace, MooncakeTrace, OpenAIConversations, TraceError
 
 SCENARIO_DIR = Path(str(resources.files("kvroute") / "scenarios"))  # package data
-# bundled traces live in shared/ beside the repository; KVROUTE_TRACES overrides
-DATA_DIR = Path(os.environ.get("KVROUTE_TRACES",
-                               Path(__file__).resolve().parents[3].parent / "shared" / "data" / "traces"))
-WORKLOAD_KINDS = ("chat", "tot", "mixed", "chat-poisson", "mooncake", "azure", "openai")
 TOPOLOGIES = ("regional", "global", "two-layer", "distributed")
-
-
-class ScenarioError(ConfigError):
-    """An invalid scenario; the message names file:line, the key and what is allowed."""
 
 
 class ReplicaGroup(StrictModel):
@@ -400,70 +391,6 @@ class Scenario(StrictModel):
                 raise ScenarioError(f"workload.{exc}") from None
         except TraceError as exc:
             raise ScenarioError(str(exc)) from None
-
-
-def resolve_trace(path: str | None, kind: str) -> str:
-    """The trace file to read: the bundled Mooncake/Azure trace when ``path`` is None, a path under the traces
-    folder when it only exists there, else ``path`` as given."""
-    if path is None:
-        bundled = {"mooncake": DATA_DIR / "mooncake" / "conversation_trace.jsonl",
-                   "azure": DATA_DIR / "azure-2023" / "AzureLLMInferenceTrace_code.csv"}.get(kind)
-        if bundled is None:
-            raise ScenarioError(f"workload.path is required for kind {kind!r}")
-        return str(bundled)
-    p = Path(path)
-    if not p.is_absolute() and not p.exists() and (DATA_DIR / path).exists():
-        p = DATA_DIR / path
-    return str(p)
-
-
-TRACE_FORMATS = "Mooncake JSONL (timestamp, input_length, output_length, hash_ids), OpenAI-messages JSONL, Azure CSV"
-
-
-def workload_flag(value: str) -> tuple[str, str | None]:
-    """``--workload``: a kind, or a trace file whose kind is detected → ``(kind, path)``."""
-    if value in WORKLOAD_KINDS:
-        return value, None
-    p = Path(value)
-    if not p.exists() and not p.is_absolute() and (DATA_DIR / value).exists():
-        p = DATA_DIR / value
-    if not p.exists():
-        raise ScenarioError(f"--workload {value!r}: not a workload kind nor an existing file; kinds: "
-                            f"{', '.join(WORKLOAD_KINDS)}; or a trace file ({TRACE_FORMATS})")
-    if p.suffix in (".yaml", ".yml"):
-        raise ScenarioError(f"--workload {value!r}: a YAML file is a scenario, not a trace; run it as "
-                            f"`kvroute simulate {value}`")
-    return detect_trace_kind(str(p)), str(p)
-
-
-def detect_trace_kind(path: str) -> str:
-    """Trace kind from a file: .csv → azure; JSONL with hash_ids/input_length → mooncake;
-    JSONL with messages → openai."""
-    try:
-        p = check_trace_file(path)
-    except TraceError as exc:
-        raise ScenarioError(str(exc)) from None
-    if p.suffix == ".csv":
-        return "azure"
-    with p.open("rb") as raw:
-        for lineno, data in enumerate(raw, 1):
-            try:
-                line = data.decode()
-            except UnicodeDecodeError:
-                raise ScenarioError(f"{path}:{lineno}: not UTF-8 text — is this a binary file? A trace is "
-                                    f"one of: {TRACE_FORMATS}") from None
-            if line.strip():
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise ScenarioError(f"{path}:{lineno}: invalid JSON ({exc.msg})") from None
-                if isinstance(obj, dict) and ("input_length" in obj or "hash_ids" in obj):
-                    return "mooncake"
-                if isinstance(obj, dict) and "messages" in obj:
-                    return "openai"
-                raise ScenarioError(f"{path}:{lineno}: not a Mooncake line (input_length, "
-                                    "output_length, hash_ids) nor an OpenAI conversation (messages)")
-    raise ScenarioError(f"{path}: empty trace")
 
 
 def parse_scenario(data: Any, source: str = "scenario", text: str | None = None) -> Scenario:
