@@ -43,6 +43,19 @@ def registries_restored():
         PLUGINS[kind].update(table)
 
 
+@pytest.fixture(autouse=True)
+def kvroute_logging_restored():
+    """A test that runs `kvroute serve` (or epp, controller) in-process configures the "kvroute"
+    logger for JSON lines on stderr; restored afterwards, so later tests' gateways log through
+    pytest's capture instead of printing between tests."""
+    import logging
+
+    logger = logging.getLogger("kvroute")
+    saved = (list(logger.handlers), logger.level, logger.propagate)
+    yield
+    logger.handlers[:], logger.level, logger.propagate = saved[0], saved[1], saved[2]
+
+
 @pytest.fixture
 def router_for():
     def build(preset: str, n: int = 4, params: dict | None = None, **ep_kw) -> Router:
