@@ -20,7 +20,7 @@ from functools import partial
 import httpx
 import pytest
 
-from kvroute.bench import hostile
+from kvroute.bench import attacks, hostile
 from kvroute.bench.gateway import UPSTREAM, _proc_stats, _stop
 from kvroute.ports import free_ports, wait_for_port
 
@@ -137,7 +137,7 @@ def test_an_unterminated_trailer_is_cut_at_the_head_limit(gateway):
 def test_a_long_chunk_extension_is_cut_too(gateway):
     gw = gateway()
     with socket.create_connection(("127.0.0.1", gw.port), timeout=5) as s:
-        s.sendall(hostile.HEAD + b"Transfer-Encoding: chunked\r\n\r\n5;ext=")
+        s.sendall(attacks.HEAD + b"Transfer-Encoding: chunked\r\n\r\n5;ext=")
         with pytest.raises((ConnectionResetError, BrokenPipeError)):
             for _ in range(2000):
                 s.sendall(b"a" * 65536)
