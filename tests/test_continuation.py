@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from kvroute.emulator.server import emulated_text
+from kvroute.emulator.text import emulated_text
 from kvroute.gateway.config import GatewayConfig, ReplicaConfig
 from kvroute.gateway.continuation import Splice
 from kvroute.gateway.server import Gateway

@@ -10,7 +10,8 @@ import openai
 import pytest
 
 from kvroute.emulator.realtime import RealtimeLoop
-from kvroute.emulator.server import Faults, emulated_text, start_emulator
+from kvroute.emulator.server import Faults, start_emulator
+from kvroute.emulator.text import emulated_text
 from kvroute.gateway.probes import parse_prometheus, read_indicators
 from kvroute.prefix import chat_key
 from tests.gateway_harness import LiveDeployment

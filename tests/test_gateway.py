@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from kvroute.emulator.server import emulated_text
+from kvroute.emulator.text import emulated_text
 from kvroute.ports import free_ports, wait_for_http
 from kvroute.prefix import chat_key
 from tests.gateway_harness import LiveDeployment

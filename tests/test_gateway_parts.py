@@ -6,7 +6,7 @@ import httpx
 import pytest
 
 from kvroute import yamlconf
-from kvroute.emulator.server import emulated_text
+from kvroute.emulator.text import emulated_text
 from kvroute.gateway.config import GatewayConfig, load_config
 from kvroute.gateway.probes import ProbeError, parse_prometheus, read_indicators, restarted
 from tests.gateway_harness import LiveDeployment

@@ -30,115 +30,23 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-import xxhash
 from aiohttp import web
 
+from kvroute.emulator.faults import Faults
 from kvroute.emulator.kv_events import EmulatorEvents, KVEventsOptions, pseudo_token_ids
 from kvroute.emulator.pd import PDEngine, PDRefused, add_routes, start_bootstrap
 from kvroute.emulator.quirks import EmptyText, Freeze, context_error, filtered_metrics, model_card
 from kvroute.emulator.realtime import RealtimeLoop
+from kvroute.emulator.text import TextModel, chat_context
 from kvroute.gateway.http import error_object
 from kvroute.perf.loader import load_profile
 from kvroute.perf.profile import HardwareProfile
-from kvroute.prefix import BlockHasher, PromptError, chat_key, completion_key
+from kvroute.prefix import BlockHasher, PromptError, completion_key
 from kvroute.sim.engine import DONE, Engine, Seq
 
 ENGINES = ("vllm", "sglang", "llamacpp")
 EMULATOR = web.AppKey("emulator", object)
 DEFAULT_MAX_TOKENS = 16
-
-
-@dataclass
-class Faults:
-    """Fault and behaviour knobs, settable at start (flags) or at run time (``POST /_fault``)."""
-
-    fail_rate: float = 0.0  # share of requests answered 500
-    hang: bool = False  # accept requests and never answer
-    close_after_tokens: int | None = None  # cut every stream after this many tokens
-    slowdown: float = 1.0  # model time runs this many times slower
-    probe_hang: bool = False  # /metrics and /health never answer
-    # what llama-server (llama-cpp-python 0.3.36) does, see shared/design/facts.md:
-    close_after_stream: bool = False  # close the connection after each stream despite Keep-Alive
-    ignore_disconnect: bool = False  # a non-stream request runs on after its client left
-    # what vLLM (CPU build, 0.32) does, see emulator/quirks.py:
-    empty_text: float = 0.0  # share of stream events sent with empty text (the text comes later)
-    frozen: bool = False  # the engine core stops; /health, /metrics, /v1/models still answer
-
-    def update(self, changes: dict[str, object]) -> None:
-        """Apply run-time changes, all or none; a bad name or value raises ValueError naming it."""
-        allowed = set(self.__dataclass_fields__)
-        unknown = sorted(set(changes) - allowed)
-        if unknown:
-            raise ValueError(f"unknown fault(s) {', '.join(unknown)}; allowed: {', '.join(sorted(allowed))}")
-        checked = {name: _check_fault(name, value) for name, value in changes.items()}
-        for name, value in checked.items():
-            setattr(self, name, value)
-
-
-def _check_fault(name: str, value: object) -> object:
-    if name in ("hang", "probe_hang", "close_after_stream", "ignore_disconnect", "frozen"):
-        if not isinstance(value, bool):
-            raise ValueError(f"{name} must be true or false, got {value!r}")
-    elif name == "fail_rate":
-        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
-            raise ValueError(f"fail_rate must be a number from 0 to 1, got {value!r}")
-    elif name == "empty_text":
-        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < 1:
-            raise ValueError(f"empty_text must be a number from 0 to below 1, got {value!r}")
-    elif name == "slowdown":
-        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 1000:
-            raise ValueError(f"slowdown must be a number > 0 and <= 1000, got {value!r}")
-    elif name == "close_after_tokens":
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-            raise ValueError(f"close_after_tokens must be null or an integer >= 0, got {value!r}")
-    return value
-
-
-class TextModel:
-    """The emulated model's output: token i is a three-letter word (with a leading space, so one
-    token is four characters and counts as one token by kvroute's estimate) picked by a hash
-    chained over the context's whitespace-separated words. The chain makes the next word a
-    function of the text so far, however that text was split between prompt and output."""
-
-    def __init__(self, context: str):
-        state = 0
-        for word in context.split():
-            state = xxhash.xxh3_64_intdigest(word.encode("utf-8", "surrogatepass"), seed=state)
-        self.state = state
-
-    def next(self) -> str:
-        """The next token's text, advancing the context by it."""
-        s = self.state
-        word = chr(97 + s % 26) + chr(97 + s // 26 % 26) + chr(97 + s // 676 % 26)
-        self.state = xxhash.xxh3_64_intdigest(word.encode(), seed=s)
-        return " " + word
-
-
-def emulated_text(context: str, tokens: int) -> str:
-    """The text the emulator generates for ``context`` (a completion prompt, or a chat key)."""
-    model = TextModel(context)
-    return "".join(model.next() for _ in range(tokens))
-
-
-def chat_context(body: dict, engine_type: str) -> tuple[str, str | None]:
-    """The key a chat request is processed under, and an error message when the engine would
-    refuse it. A trailing assistant message is continued (its text becomes the start of the
-    answer) on ``continue_final_message`` (vLLM, SGLang, llama-server), and by llama-server also
-    unasked; every engine refuses ``continue_final_message`` together with a generation prompt."""
-    messages = body.get("messages")
-    continued = bool(body.get("continue_final_message"))
-    if continued and body.get("add_generation_prompt", True):
-        return "", "continue_final_message and add_generation_prompt cannot both be true"
-    if not isinstance(messages, list) or not messages:
-        return chat_key(messages), None  # raises the PromptError that names the problem
-    last = messages[-1]
-    trailing = isinstance(last, dict) and last.get("role") == "assistant"
-    if continued and not trailing:
-        return "", "continue_final_message needs a final assistant message"
-    if trailing and (continued or engine_type == "llamacpp") and len(messages) > 1:
-        content = last.get("content")
-        return chat_key(messages[:-1]) + (content if isinstance(content, str) else ""), None
-    return chat_key(messages), None
 
 
 @dataclass
