@@ -86,14 +86,17 @@ class Measurements:
 
 
 def _text(n_bytes: int, rng: random.Random) -> str:
-    """A fresh prompt of about ``n_bytes`` UTF-8 bytes, the nonce included (a word at most over)."""
+    """A fresh prompt of ``n_bytes`` UTF-8 bytes, the nonce included (never shorter than the nonce).
+    The last word is cut to fit: whole words overshoot by up to a word, several tokens at the
+    byte-per-token ratios of small vocabularies, which would miss the sweep's length targets."""
     out = [f"calibration {uuid.uuid4().hex}."]
-    size = len(out[0])
+    nonce = len(out[0])
+    size = nonce
     while size < n_bytes:
         w = rng.choice(WORDS)
         out.append(w)
         size += len(w) + 1
-    return " ".join(out)
+    return " ".join(out)[:max(n_bytes, nonce)]
 
 
 class _Engine:
