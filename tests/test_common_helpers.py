@@ -39,6 +39,17 @@ def test_gateway_modules_do_not_import_numpy():
     assert out.stdout.strip() == "False"
 
 
+def test_the_command_line_parses_without_the_sim_extra():
+    """A base install (`pip install kvroute`, no numpy/matplotlib) runs `kvroute serve`: building the
+    parser must not import the simulator, as `bench plan` and `bench auto` once did."""
+    code = ("import sys; sys.modules['numpy'] = None; sys.modules['matplotlib'] = None; "
+            "from kvroute.commands import build_parser; "
+            "a = build_parser().parse_args(['serve', '--config', 'x.yaml']); print(a.command)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "serve"
+
+
 def test_free_ports_are_distinct_and_bindable():
     ports = free_ports(5)
     assert len(set(ports)) == 5

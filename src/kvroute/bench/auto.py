@@ -15,8 +15,6 @@ import statistics
 import time
 
 from kvroute.parallel import Executor, make_executor, worker_count
-from kvroute.sim.scenario import load_scenario
-from kvroute.sim.sweep import LEVELS, compare_task, knee_task
 
 SCENARIOS = ("chat-1region", "chat-3region-skewed", "tot", "mixed-tree", "mooncake")
 PRESETS = ("round_robin", "least_request", "consistent_hash", "sglang_cache_aware", "skywalker", "lmetric",
@@ -27,6 +25,10 @@ KNEE_PRESETS = ("round_robin", "lmetric", "skywalker")
 def run(scenarios=SCENARIOS, presets=PRESETS, seeds: int = 3, requests: int = 800,
         executor: Executor | None = None, progress=None) -> dict:
     """Knees, then every preset and auto in every cell on every seed; ratios per cell and the worst."""
+    # imported here: the simulator needs the [sim] extra, and parsing the command line must not
+    from kvroute.sim.scenario import load_scenario
+    from kvroute.sim.sweep import LEVELS, compare_task, knee_task
+
     ex = executor or Executor(1)
     labels = ["auto", *[p for p in presets if p != "auto"]]
     base = {}

@@ -13,14 +13,15 @@ import json
 import os
 import time
 
-from kvroute.parallel import make_executor
-from kvroute.plan.command import resolve
-from kvroute.plan.search import Planner
-from kvroute.plan.spec import load_plan
-
 
 def run(workers: tuple[int, ...] = (1, 2), requests: int = 800, ray: str | None = None) -> dict:
     """Plan once per worker count (and on ``ray`` if given); wall times, speedups over 1 worker, answers equal."""
+    # imported here: the simulator needs the [sim] extra, and parsing the command line must not
+    from kvroute.parallel import make_executor
+    from kvroute.plan.command import resolve
+    from kvroute.plan.search import Planner
+    from kvroute.plan.spec import load_plan
+
     spec = load_plan(resolve("skywalker-cost")).model_copy(update={"requests": requests,
                                                                    "layouts": ["even", "by-clients"]})
     out: dict = {"plan": "skywalker-cost", "requests_per_run": requests, "cpu_count": os.cpu_count(),
