@@ -76,3 +76,36 @@ def test_bad_topology_input_is_one_line_and_exit_code_2(tmp_path, capsys):
     bad.write_text("replicas: [{region: us}]\npolicies: [{preset: round_robin, topology: star}]\n")
     assert main(["simulate", str(bad)]) == 2
     assert "global" in capsys.readouterr().err
+
+
+def _gorgo_two_regions(clients, **workload):
+    return parse_scenario({
+        "network": {"rtt_ms": {"us-eu": 100}}, "seed": 3,
+        "replicas": [{"region": r, "count": 1, "profile": "a100-mistral-7b"} for r in ("us", "eu")],
+        "topology": {"kind": "two-layer"}, "workload": {"kind": "chat", "clients": clients, **workload},
+        "policies": [{"preset": "gorgo", "params": {"w_rtt": 1.0, "t_p": 0.0938, "w_queue": 0.0938,
+                                                    "queue": "prefill", "admission": "outstanding",
+                                                    "max_outstanding": 2}}],
+        "limits": {"max_requests": 120}})
+
+
+def test_gorgo_distributed_serves_locally_and_forwards_only_when_the_region_is_full():
+    """GORGO v1 §3.3: local first; a held request goes to a peer only when its cost is lower."""
+    light = run_scenario(_gorgo_two_regions({"us": 2}))[0].result
+    assert light["cross_region_forwards"] == 0 and set(light["by_path"]) == {"local"}
+    heavy = run_scenario(_gorgo_two_regions({"us": 12}))[0].result
+    assert heavy["cross_region_forwards"] > 0
+    assert heavy["by_path"]["local"]["requests"] > 0 and heavy["by_path"]["forwarded"]["requests"] > 0
+
+
+def test_one_load_generator_sends_every_request_from_its_region():
+    """GORGO v1 §4.3: one GuideLLM through a geo-routing tunnel: eu's users enter at the eu balancer
+    but their requests (and answers) travel from and to the generator in us."""
+    sc = three_regions(topology={"kind": "regional"}, workload={"kind": "chat", "clients": {"us": 3, "eu": 3}})
+    per_region = run_scenario(sc)[0].result["by_client_region"]
+    sc = three_regions(topology={"kind": "regional"},
+                       workload={"kind": "chat", "clients": {"us": 3, "eu": 3}, "load_generator": "us"})
+    one = run_scenario(sc)[0].result["by_client_region"]
+    assert per_region["eu"]["ttft_s"]["p50"] < 0.080 <= one["eu"]["ttft_s"]["p50"]  # the us-eu round trip
+    with pytest.raises(ScenarioError, match="load_generator"):
+        three_regions(workload={"kind": "chat", "load_generator": "mars"}).setup()

@@ -262,7 +262,7 @@ class Peering:
             queue += rt.fleet.sibling_queue()
             queued_tokens += rt.fleet.sibling_queued_tokens()
         w = self.weights
-        best = min((w.base(e.rtt_s, e.inflight_tokens) for e in eps), default=None)
+        best = min((w.base(e.rtt_s, w.queued(e)) for e in eps), default=None)
         return {"region": self.config.region, "zone": self.config.home_zone, "mode": self.mode,
                 "queue": queue, "available": sum(1 for e in eps if replica_available(e)),
                 "replicas": len(eps), "inflight": sum(e.inflight for e in rt.router.endpoints),

@@ -27,13 +27,18 @@ class GorgoWeights:
     w_rtt: float = 0.5  # per ms of RTT
     t_p: float = 1.0  # per uncached prompt token
     w_queue: float = 0.1  # per queued token
+    queue: str = "inflight"  # queued tokens: in flight, or prefill not yet past first token (gorgo's queue)
 
     @classmethod
     def of(cls, params: object) -> GorgoWeights:
         """The weights a policy's params carry, defaults for the ones it lacks."""
         d = cls()
         return cls(getattr(params, "w_rtt", d.w_rtt), getattr(params, "t_p", d.t_p),
-                   getattr(params, "w_queue", d.w_queue))
+                   getattr(params, "w_queue", d.w_queue), getattr(params, "queue", d.queue))
+
+    def queued(self, e: Endpoint) -> int:
+        """The endpoint's queued tokens as these weights count them."""
+        return e.queued_prefill_tokens if self.queue == "prefill" else e.inflight_tokens
 
     def base(self, rtt_s: float, queued_tokens: float) -> float:
         """The prompt-independent part of :meth:`cost` (what a gateway advertises to its peers)."""
@@ -57,7 +62,7 @@ def gorgo_peer_choice(req: Request, local: list[Endpoint], local_matches: dict[s
     request's residency zone, not excluded) count; a peer also needs an available replica. Ties
     stay local."""
     tokens, bt = req.prompt_tokens, req.block_tokens
-    local_cost = min((w.cost(e.rtt_s, max(0, tokens - bt * local_matches.get(e.id, 0)), e.inflight_tokens)
+    local_cost = min((w.cost(e.rtt_s, max(0, tokens - bt * local_matches.get(e.id, 0)), w.queued(e))
                       for e in hard_filter(req, local)), default=math.inf)
     local_cost += w.w_queue * local_backlog
     best, best_cost = None, local_cost

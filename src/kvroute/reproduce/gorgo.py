@@ -1,7 +1,8 @@
 """GORGO v1 (001_55e1ee0b5e0d1fc8.txt) and v2 (003_d2195008674d8fa4.txt) against the simulator.
 
-Setups: ``kvroute/scenarios/reproduce/gorgo-v1.yaml`` (three regions, one A100/Mistral-7B each, 10 chat
-clients; distributed LBs vs one central proxy) and ``gorgo-v2.yaml`` (one proxy in Ashburn,
+Setups: ``kvroute/scenarios/reproduce/gorgo-v1.yaml`` (three regions, one A100/Mistral-7B each, one load
+generator keeping 10 chat requests in flight; distributed GORGO local-first with peer forwarding, the
+baselines choosing among every region's server, vs one central proxy) and ``gorgo-v2.yaml`` (one proxy in Ashburn,
 three single-engine regions, a Mooncake-format trace; GORGO with the paper's learned weights vs
 session affinity). GORGO v2's protocol: ``gorgo_tuned`` tunes online on the scenario's requests
 (the tuning window); its learned weights are then frozen and compared with session affinity on
@@ -70,48 +71,64 @@ def tuner_state(result: dict) -> dict[str, float]:
     return {k.rsplit(".", 1)[-1]: v for k, v in result.get("policy_state", {}).items()}
 
 
-V1 = "gorgo(t_p=0.094,w_queue=0.094,w_rtt=1.0)"
 LEARNED = "gorgo(w_queue=0.5,w_rtt=0.276)"
 HACKED = "gorgo(w_queue=0.0)"
+
+
+def _pick(results: dict, preset: str, topology: str) -> dict:
+    """The one result of ``preset`` run on ``topology`` (labels carry the scenario's params)."""
+    found = [v for k, v in results.items() if k.split("(")[0].split("@")[0] == preset and k.endswith(f"@{topology}")]
+    if len(found) != 1:
+        raise KeyError(f"gorgo-v1: expected one {preset}@{topology} run, found {len(found)}")
+    return found[0]
+
+
+def _remote_share(result: dict) -> float:
+    """Share of requests served outside their client's region."""
+    return result["by_path"].get("remote", {}).get("requests", 0) / max(1, result["requests"])
 
 
 def rows_v1(lab: Lab) -> list[Row]:
     """GORGO v1's TTFT claims (central proxy vs least-load, prefix-trie and distributed GORGO; distributed
     GORGO's P99), paper beside simulator."""
     r = lab.run("gorgo-v1")
-    proxy = r[f"{V1}@global"]
-    others = {"least-load": r["least_load@distributed"], "prefix-trie": r["sglang_cache_aware@distributed"],
-              "distributed GORGO": r[f"{V1}@distributed"]}
+    proxy = _pick(r, "gorgo", "global")
+    dist = _pick(r, "gorgo", "two-layer")
+    others = {"least-load": _pick(r, "least_load", "distributed"),
+              "prefix-trie": _pick(r, "sglang_cache_aware", "distributed"), "distributed GORGO": dist}
     note = unstable_note(lab, "gorgo-v1")
     ratios = [o["ttft_s"]["p50"] / proxy["ttft_s"]["p50"] for o in others.values()]
     agree = ratio_agreement(ratios, 2.4, 2.5)
+    itl = f"TPOT p50 {proxy['tpot_s']['p50'] * 1000:.1f} ms behind the proxy vs {dist['tpot_s']['p50'] * 1000:.1f} ms"
     text = (f"{proxy['ttft_s']['p50'] * 1000:.0f} vs "
             + " / ".join(f"{o['ttft_s']['p50'] * 1000:.0f}" for o in others.values())
-            + f" ms ({fmt_range(ratios)})" + note)
+            + f" ms ({fmt_range(ratios)}; {itl})" + note)
+    why = ("" if agree == YES else
+           "checked: §5 credits the proxy's \"information advantage\" (\"by retaining the full-picture of every "
+           "node's KV-Cache and end-to-end latencies from proxy to node\"); kvroute's proxy sits with the one "
+           "load generator (§4.3) and serves most requests on nearby servers while the regional balancers "
+           f"pay the tunnel's WAN hop (distributed GORGO forwarded {dist['cross_region_forwards']} requests; the "
+           f"baselines sent {_remote_share(others['least-load']) * 100:.0f} % / "
+           f"{_remote_share(others['prefix-trie']) * 100:.0f} % to other regions), but the gap is smaller than "
+           "the paper's")
     out = [Row("median TTFT: central GORGO proxy vs least-load / prefix-trie / distributed GORGO",
-               "225 vs 568 / 565 / 539 ms (2.5×)", text, agree,
-               "" if agree == YES else "model limit: the paper attributes the proxy's win to LB "
-               "synchronisation and per-hop overhead between distributed LBs; kvroute's distributed LBs "
-               "have neither (each keeps exact local accounting, a hop costs only its RTT), so the "
-               "proxy only adds the RTT from Germany/Israel clients to the US (their TTFT p50 "
-               + " / ".join(f"{proxy['by_client_region'][g]['ttft_s']['p50'] * 1000:.0f}"
-                            for g in ("de", "il") if g in proxy["by_client_region"])
-               + " ms behind the proxy vs "
-               + " / ".join(f"{others['distributed GORGO']['by_client_region'][g]['ttft_s']['p50'] * 1000:.0f}"
-                            for g in ("de", "il") if g in others["distributed GORGO"]["by_client_region"])
-               + " ms distributed)", "gorgo-v1")]
-    d = others["distributed GORGO"]["ttft_s"]["p99"]
+               "225 vs 568 / 565 / 539 ms (2.5×)", text, agree, why, "gorgo-v1")]
+    d = dist["ttft_s"]["p99"]
     base = [others["least-load"]["ttft_s"]["p99"], others["prefix-trie"]["ttft_s"]["p99"]]
     ratios = [b / d for b in base]
     agree = ratio_agreement(ratios, 15.1, 17.2)
+    ll = others["least-load"]
     out.append(Row("P99 TTFT: distributed GORGO vs least-load / prefix-trie", "1.2 s vs 18.1 / 20.6 s",
                    f"{d:.2f} s vs {base[0]:.2f} / {base[1]:.2f} s ({fmt_range(ratios)})" + note, agree,
-                   "" if agree == YES else "setup/model: the paper's 18–21 s tails come from requests queued "
-                   "behind bursts at one SGLang server under its GuideLLM load; kvroute's 10 closed-loop "
-                   "clients keep at most 10 requests in flight on three simulated A100s (least-load's LB "
-                   f"queue p99 {others['least-load']['lb_queue_s']['p99']:.2f} s, "
-                   f"{others['least-load']['preemptions']} preemptions), so the baselines' tails stay near "
-                   "a long prompt's prefill time", "gorgo-v1"))
+                   "" if agree == YES else "checked: the baselines' tails do come from cross-region sends "
+                   f"({_remote_share(ll) * 100:.0f} % of least-load's requests served in another region; GORGO "
+                   "serves locally while a server admits, as §3.3 has it), but 10 requests in flight (§4.6) on "
+                   "three simulated A100s never queue long (least-load's LB queue p99 "
+                   f"{ll['lb_queue_s']['p99']:.2f} s, {ll['preemptions']} preemptions), so a tail is one WAN "
+                   "round trip plus a long prefill. The paper's 18-21 s P99s (Tables 2-3: P95 11.5 / 7.1 s, "
+                   "max 24.2 / 20.6 s, out of 100 and 85 requests) are several seconds of waiting the paper "
+                   "does not break down; §8 reports that \"GPU health was a major issue in high-throughput "
+                   "benchmark testing\", which a simulator does not model", "gorgo-v1"))
     return out
 
 

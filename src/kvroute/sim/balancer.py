@@ -9,7 +9,9 @@ included, through a :class:`~kvroute.policy.pacing.DispatchPacer`.
 With ``forward`` on, a request that finds no local replica available may go to a
 peer load balancer chosen by the same policy over the peers (SkyWalker's two-layer routing,
 with the regional snapshot as the peer router's prefix index); a forwarded request is never
-forwarded again.
+forwarded again. With the ``gorgo`` preset the peer choice is GORGO v1's distributed mode instead
+(:class:`GorgoPeering`): the held request goes to the peer whose GORGO cost, from the peer's
+summary at the last probe, beats staying in the local queue, else it stays queued.
 
 A balancer knows the simulation only through :class:`BalancerHost` (the clock, dispatch,
 forward, fail, the network's RTTs, and each replica's region and :class:`EngineState`: what a
@@ -18,17 +20,18 @@ forward, fail, the network's RTTs, and each replica's region and :class:`EngineS
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Mapping
 from typing import Any, Protocol
 
-from kvroute.model import DecisionKind, Endpoint, EndpointKind
+from kvroute.model import DecisionKind, Endpoint, EndpointKind, Request
 from kvroute.perf.network import RTT_EWMA, Network
 from kvroute.perf.profile import HardwareProfile
 from kvroute.policy import DEFAULT_TICK_S, DispatchPacer, Router, build_policy, policy_from_config
 from kvroute.policy.admission import replica_available
 from kvroute.policy.pd import PDRouter, compile_decider
-from kvroute.policy.peering import peer_router
+from kvroute.policy.peering import GorgoWeights, gorgo_peer_choice, peer_router
 from kvroute.sim.events import Scheduler
 from kvroute.workload.base import SimRequest
 
@@ -141,6 +144,7 @@ class SimBalancer:
         self._probed: list[list] = [[ep, sim.replicas[ep.id].engine, -1] for ep in self.router.all_endpoints]
         self.peers: Router | None = None
         self.peer_lbs: dict[str, SimBalancer] = {}
+        self.gorgo: GorgoPeering | None = None  # GORGO v1's distributed peer choice (gorgo preset)
         self._preset, self._params = preset, params
         self.queue: deque[Routed] = deque()
         self.max_queue = 0
@@ -157,6 +161,8 @@ class SimBalancer:
                         rtt_s=self.sim.network.rtt(self.region, p.region)) for p in peers]
         self.peers = peer_router({"preset": self._preset, "params": self._params or {}}, eps, self.sim.seed)
         self.peer_lbs = {p.id: p for p in peers}
+        if self._preset == "gorgo":
+            self.gorgo = GorgoPeering(self, GorgoWeights.of(self.router.policy.params))
 
     # -- requests ------------------------------------------------------------------------------
     def arrive(self, flight: Routed) -> None:
@@ -193,13 +199,17 @@ class SimBalancer:
                     self.sim.dispatch(flight, self, d.target, d.branch)
                 continue
             if d.kind is DecisionKind.HOLD and self.peers is not None and not req.from_peer:
-                self.peers.view.local_queue = len(queue) - 1  # the rest of the queue behind it
-                pd = self.peers.route(req)
-                if pd.dispatched and pd.target is not None:
+                if self.gorgo is not None:
+                    target = self.gorgo.choose(req)
+                else:
+                    self.peers.view.local_queue = len(queue) - 1  # the rest of the queue behind it
+                    pd = self.peers.route(req)
+                    target = pd.target if pd.dispatched else None
+                if target is not None:
                     queue.popleft()
                     if pacer is not None:
                         pacer.dispatched(now)
-                    self.sim.forward(flight, self, self.peers, self.peer_lbs[pd.target])
+                    self.sim.forward(flight, self, self.peers, self.peer_lbs[target])
                     continue
             if d.kind is DecisionKind.NONE:
                 queue.popleft()
@@ -235,5 +245,49 @@ class SimBalancer:
                 peer = self.peer_lbs[ep.id]
                 ep.peer_queue = len(peer.queue)
                 ep.peer_available = sum(1 for e in peer.router.endpoints if replica_available(e))
+            if self.gorgo is not None:
+                self.gorgo.refresh()
         if self.queue:
             self.drain()
+
+
+class GorgoPeering:
+    """GORGO v1's distributed mode at one balancer (001_55e1ee0b5e0d1fc8.txt §3.3, §3.5).
+
+    The balancer serves locally while a local replica admits the request (its admission gate:
+    the scenario's per-instance cap, §7's "rate limits and queuing limits on individual
+    instances"); a request it holds is forwarded "only when the local region cannot immediately
+    admit" it, to the peer whose cost — RTT to the peer + t_p × tokens not in the snapshot
+    index of what this balancer forwarded there + the peer's advertised queue cost — is below
+    the local cost (best local replica + the local queue's tokens); otherwise it stays queued
+    ("can optionally stay in the local region depending on the queue-size estimate"). Peer
+    summaries (``peering.gorgo_peer_choice``'s ``gorgo_base_cost``, the gateway's) are read at
+    each probe, so they are as stale as the probe interval. A forwarded request is served at
+    the peer (one hop)."""
+
+    def __init__(self, lb: SimBalancer, weights: GorgoWeights):
+        self.lb = lb
+        self.w = weights
+        self.base: dict[str, float] = {}
+
+    def refresh(self) -> None:
+        """Read each peer's summary: its cheapest replica's RTT and queued-token cost plus its LB queue."""
+        w = self.w
+        for ep in self.lb.peers.endpoints if self.lb.peers is not None else ():
+            peer = self.lb.peer_lbs[ep.id]
+            best = min((w.base(e.rtt_s, w.queued(e)) for e in peer.router.endpoints if e.routable),
+                       default=None)
+            queued = sum(f.sreq.req.prompt_tokens for f in peer.queue)
+            self.base[ep.id] = math.inf if best is None else best + w.w_queue * queued
+
+    def choose(self, req: Request) -> str | None:
+        """The peer to forward the held head of the queue to, or None to keep it queued; a choice
+        is committed to the peer Router (its prefix index is the snapshot)."""
+        lb, peers = self.lb, self.lb.peers
+        assert peers is not None
+        backlog = sum(f.sreq.req.prompt_tokens for f in lb.queue) - req.prompt_tokens  # behind the head
+        target = gorgo_peer_choice(req, lb.router.endpoints, lb.router.prefix.match(req.block_hashes), backlog,
+                                   peers.endpoints, peers.prefix.match(req.block_hashes), self.base, self.w)
+        if target is not None:
+            peers.commit(req, target)
+        return target

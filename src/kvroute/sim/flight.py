@@ -29,12 +29,13 @@ class Flight:
     """One request on its way through the simulated system: where it came from, the balancers and replica it
     met, and the times it reached each (for latency breakdowns and on_finish calls)."""
 
-    __slots__ = ("sreq", "client_region", "sent", "reached_lb", "at_peer", "notify", "replica", "back_s",
+    __slots__ = ("sreq", "client_region", "origin", "sent", "reached_lb", "at_peer", "notify", "replica", "back_s",
                  "first", "net_s", "dispatched", "prefill", "transfer_s")
 
     def __init__(self, sreq: SimRequest, client_region: str, sent: float):
         self.sreq = sreq
         self.client_region = client_region
+        self.origin = client_region  # where it was sent from (the load generator's region, if one sends all)
         self.sent = sent
         self.reached_lb = -1.0  # when it first reached a load balancer
         self.at_peer = -1.0  # when it reached the peer it was forwarded to (-1: not forwarded)

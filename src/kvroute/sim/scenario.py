@@ -73,9 +73,11 @@ class TopologySpec(StrictModel):
     * ``global``: ONE LB, placed in ``region`` (default: the first region), managing every
       replica — clients elsewhere pay the RTT to it, and it pays the RTT to remote replicas
       (SkyWalker Fig. 8's baselines, GORGO's central proxy);
-    * ``two-layer``: one LB per region with forwarding to peer LBs (SkyWalker);
+    * ``two-layer``: one LB per region with forwarding to peer LBs (SkyWalker; with the ``gorgo``
+      preset GORGO v1's distributed mode, local first, a held request to a cheaper peer);
     * ``distributed``: one LB per region, each managing every replica with its own, unshared
-      accounting (GORGO v1's distributed mode: each region's LB may send anywhere).
+      accounting (each region's LB may send anywhere: GORGO v1's least-load and prefix-trie
+      baselines).
     """
 
     kind: Literal["regional", "global", "two-layer", "distributed"] = Field(
@@ -117,6 +119,10 @@ class WorkloadSpec(StrictModel):
     depth: int = Field(4, ge=1, description="trees of thought: levels")
     branching: int = Field(2, ge=1, description="trees of thought: branches per node")
     think_time_s: float = Field(0.0, ge=0, description="closed loop: pause between a response and the next turn")
+    load_generator: str | None = Field(
+        None, description="region of ONE load generator that sends every request, each through the load "
+        "balancer nearest its client region (GORGO v1 §4.3: one GuideLLM instance behind a geo-routing "
+        "tunnel); unset: each client sends from its own region")
     skip_bad: bool = Field(False, description="skip and count malformed trace lines instead of failing "
                            "(`--skip-bad`)")
     shapes: dict[str, ShapeSpec] = Field(default_factory=dict)  # per client region (chat/tot/mixed)
@@ -327,12 +333,17 @@ class Scenario(StrictModel):
             pd = PDSetup(p.prefill_policy, p.disaggregate, p.link_gb_s, p.cross_region_link_gb_s)
         return Setup(replicas, balancers, self.network.model(),
                      Limits(self.limits.max_requests, self.limits.max_sim_s, self.limits.drain_s),
-                     self.seed, self.sample_interval_s, bt, self.slo.ttft_s, self.slo.tpot_s, pd)
+                     self.seed, self.sample_interval_s, bt, self.slo.ttft_s, self.slo.tpot_s, pd,
+                     origin=self.workload.load_generator)
 
     def _check_client_regions(self, groups: list[BalancerGroup]) -> None:
         """Clients in a region with neither replicas nor a load balancer are a typo more often
         than a plan (they would silently pay the default cross-region RTT): name the region."""
         known = set(self.regions()) | {b.region for b in groups}
+        gen = self.workload.load_generator
+        if gen is not None and gen not in known:
+            raise ScenarioError(f"workload.load_generator: no replicas (and no load balancer) in region {gen!r}; "
+                                f"regions: {', '.join(sorted(known))}")
         for region in self.workload.clients:
             if region not in known:
                 raise ScenarioError(f"workload.clients.{region}: no replicas (and no load balancer) in region "

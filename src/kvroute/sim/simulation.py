@@ -79,6 +79,9 @@ class Setup:
     # client region → residency zone its requests must be served in (kvroute plan's residency rules;
     # the policies' hard zone filter applies it, as the gateway does for a pinned key)
     residency: dict[str, str] = field(default_factory=dict)
+    # one load generator sends every request from this region, each through the balancer nearest
+    # its client region (GORGO v1 §4.3's GuideLLM + geo-routing tunnel); None: clients send from their regions
+    origin: str | None = None
 
 
 class Simulation:
@@ -151,6 +154,8 @@ class Simulation:
         lb = self.lb_for(region)
         now = self.loop.now
         flight = Flight(sreq, region, now)
+        if self.setup.origin is not None:
+            flight.origin = self.setup.origin
         if self.first_issue < 0:
             self.first_issue = now
         self.last_issue = now
@@ -158,7 +163,7 @@ class Simulation:
         self.outstanding += 1
         if sreq.program is not None:
             self._live[id(sreq.program)][2] += 1
-        self.loop.at(now + self.network.one_way(region, lb.region), lb.arrive, flight)
+        self.loop.at(now + self.network.one_way(flight.origin, lb.region), lb.arrive, flight)
 
     def _next_arrival(self, sreq: SimRequest | None) -> None:
         if sreq is not None and self._may_issue():
@@ -275,7 +280,7 @@ class Simulation:
             hops.append((router, lb, back, reached))
             here = lb.region
         flight.notify = hops
-        flight.back_s = back + self.network.one_way(here, flight.client_region)
+        flight.back_s = back + self.network.one_way(here, flight.origin)
         if not eng.fits(req.prompt_tokens, flight.sreq.output_tokens):
             self.loop.at(self.loop.now + flight.back_s, self._reject, flight)
             return

@@ -86,6 +86,19 @@ class Inflight(Scorer):
 
 
 @register_plugin
+class QueuedPrefillTokens(Scorer):
+    """Prefill tokens dispatched to the endpoint and not yet past their first token: its queue
+    wait in tokens (GORGO v1 §3.4's QueueWaitTime, counted as the queued requests only)."""
+
+    name = "queued_prefill_tokens"
+    inputs = frozenset({"prefill_backlog"})
+
+    def values(self, st: DecisionState, eps: list[Endpoint]) -> list[float]:
+        """Queued prefill tokens per endpoint, as this router counted them."""
+        return [e.queued_prefill_tokens for e in eps]
+
+
+@register_plugin
 class InflightTokens(Scorer):
     """Prompt tokens of the requests in flight on the endpoint (GORGO's queued tokens)."""
 

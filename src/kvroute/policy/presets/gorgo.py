@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
 from kvroute.model import Branch
@@ -18,7 +20,9 @@ GORGO_TERMS = {"w_rtt": "rtt_ms", "t_p": "uncached_tokens", "w_queue": "inflight
     rules=[{"enabled": "$warm_up", "route": "warm_up", "branch": WARM_UP},
            {"enabled": "$calibrate", "branch": Branch.MIN_COST,
             "cost": {"rtt_ms": "$w_rtt", "calibration": {"t_p": "$t_p", "w_queue": "$w_queue",
-                                                         "min_samples": "$calibration_min_samples"}}}],
+                                                         "min_samples": "$calibration_min_samples"}}},
+           {"enabled": "$queue_prefill", "branch": Branch.MIN_COST,
+            "cost": {"rtt_ms": "$w_rtt", "uncached_tokens": "$t_p", "queued_prefill_tokens": "$w_queue"}}],
     cost={"rtt_ms": "$w_rtt", "uncached_tokens": "$t_p", "inflight_tokens": "$w_queue"}, branch=Branch.MIN_COST)
 class GorgoParams(PolicyParams):
     """Minimise w_rtt·RTT_ms + t_p·uncached tokens + w_queue·queued tokens.
@@ -39,6 +43,15 @@ class GorgoParams(PolicyParams):
                             "squares on observed first tokens) and use it instead of t_p and w_queue; "
                             "costs are then in ms (set w_rtt 1; t_p and w_queue, in ms per token, "
                             "serve a replica until it has calibration_min_samples observations)")
+    @property
+    def queue_prefill(self) -> bool:
+        """Whether queued tokens are the prefill backlog (``queue: prefill``)."""
+        return self.queue == "prefill" and not self.calibrate
+
     calibration_min_samples: int = Field(8, ge=3, description="observations before a replica's fit is used")
+    queue: Literal["inflight", "prefill"] = Field(
+        "inflight", description="what counts as queued tokens: inflight = prompt tokens dispatched and not "
+        "finished (GORGO v2's proxy accounting, v1 §7's updated policy with running requests); prefill = "
+        "prefill tokens dispatched and not yet past their first token (the queue alone, v1 as evaluated)")
     warm_up: bool = Field(True, description="a replica with a cold cache (added, recovered) takes requests while "
                           "it has fewer in flight than every warm one (policy/builtin/warmup.py; issue 12)")

@@ -54,6 +54,9 @@ class GorgoTunedParams(GorgoParams):
                                  f"[{lo}, {hi}] with {name} {start}")
         if self.hop > self.window:
             raise ValueError(f"hop ({self.hop}) must not exceed window ({self.window})")
+        if self.queue != "inflight":
+            raise ValueError("gorgo_tuned tunes the in-flight queue term (GORGO v2): drop queue "
+                             "(or use gorgo with queue: prefill)")
         if self.calibrate:
             raise ValueError("gorgo_tuned tunes the weights instead of fitting them: drop calibrate "
                              "(or use gorgo with calibrate)")
