@@ -1,0 +1,219 @@
+"""The running batch of a simulated engine: the waiting queue, admission, and a sequence's moves
+between states (split out of sim/engine.py, issue 22).
+
+* Admission is FCFS from the waiting queue while a slot (``max_running``) and memory for the
+  uncached part of the prompt exist (vLLM v1's scheduler; head-of-line blocking: the queue waits
+  for memory behind its first sequence).
+* A finished prompt becomes prefix cache (sim/kvcache.py) and the sequence joins the decode batch;
+  decode growth that finds no memory evicts cache, then preempts the newest sequence (recompute:
+  it re-prefills prompt + generated tokens later).
+
+Extension point: ``admission`` (None by default, one test per admission) may hold a sequence back
+even when memory allows, e.g. SGLang's scheduler, which also reserves KV for the running
+sequences' future output; it is asked ``admission(engine, seq, need)`` with the KV tokens the
+sequence would take now and returns whether it may be admitted (False: it stays at the head of
+the queue, as when memory is short).
+
+The step loop (sim/engine.py) implements ``_plan`` and ``_interrupt``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import heapq
+from collections import deque
+from collections.abc import Callable
+
+from kvroute.perf.profile import HardwareProfile
+from kvroute.sim.events import Scheduler
+from kvroute.sim.kvcache import KVCache
+from kvroute.sim.seq import DECODE, DONE, PREFILL, WAITING, Jump, Seq
+
+Admission = Callable[["Batch", Seq, int], bool]  # (engine, seq, KV tokens it takes) → may admit
+
+
+class Batch(KVCache):
+    """Waiting queue, prefilling and decoding sequences, and their transitions (see the module
+    docstring); subclassed by the step loop (``Engine``)."""
+
+    def __init__(self, profile: HardwareProfile, loop: Scheduler,
+                 on_first_token: Callable[[Seq, float], None], on_finish: Callable[[Seq, float], None]):
+        super().__init__(profile)
+        self.loop = loop
+        self.on_first_token = on_first_token
+        self.on_finish = on_finish
+        self.admission: Admission | None = None
+        self.waiting: deque[Seq] = deque()
+        self.prefilling: list[Seq] = []
+        self.decoding: dict[int, Seq] = {}  # admission order → seq (newest last)
+        self.finishes: list[tuple[int, int, Seq]] = []
+        self.steps = 0  # decode clock: every decoding sequence gains one token per step
+        self.ctx_a = 0  # Σ a_i over decoding sequences
+        self.ctx_a2 = 0  # Σ a_i²
+        self._order = 0
+        self.changes = 0  # bumped whenever the waiting or running sets may have changed (probes skip the rest)
+        self._busy = False  # a step or decode jump is in progress
+        self._jump: Jump | None = None  # while decoding analytically
+        self._preempted = False
+        self.loading = 0  # admitted sequences whose KV is still arriving from a prefill engine
+        # counters
+        self.prompt_tokens = 0
+        self.hit_tokens = 0
+        self.preemptions = 0
+
+    # -- the step loop's part (sim/engine.py) --------------------------------------------------
+    def _plan(self) -> None:
+        """At a step boundary: admit, then schedule the next step or decode jump."""
+        raise NotImplementedError  # Engine implements it
+
+    def _interrupt(self, jump: Jump) -> None:
+        """Cut a decode jump in progress at its next step boundary."""
+        raise NotImplementedError  # Engine implements it
+
+    def _wake(self) -> None:
+        """Something changed: an idle engine plans a step at once, a decode jump in progress is
+        cut at the next step boundary (a step of prefill runs to its end)."""
+        if not self._busy:
+            self._plan()
+        elif self._jump is not None:
+            self._interrupt(self._jump)
+
+    # -- indicators (what a probe reads) -------------------------------------------------------
+    @property
+    def running(self) -> int:
+        """Sequences in the running batch (prefilling or decoding)."""
+        return len(self.prefilling) + len(self.decoding)
+
+    @property
+    def queued(self) -> int:
+        """Sequences waiting for admission, or for their KV from a prefill engine (vLLM lists
+        those as waiting too)."""
+        return len(self.waiting) + self.loading
+
+    # -- arrivals --------------------------------------------------------------------------------
+    def fits(self, prompt: int, output: int) -> bool:
+        """Whether a request of this prompt + output could ever fit the KV cache (else an engine refuses it)."""
+        return prompt + output <= self.capacity
+
+    def cancel(self, seq: Seq) -> None:
+        """Drop a sequence (its client went away), wherever it is, and free what it holds."""
+        self.changes += 1
+        if seq.state == WAITING:
+            with contextlib.suppress(ValueError):  # already admitted meanwhile
+                self.waiting.remove(seq)
+        elif seq.state == PREFILL:
+            self.prefilling = [s for s in self.prefilling if s is not seq]
+            self.used -= seq.private
+            self._unref(seq)
+        elif seq.state == DECODE:
+            self._release(seq)
+        seq.state = DONE
+
+    def submit(self, seq: Seq) -> None:
+        """Queue a sequence (FCFS); an idle engine plans a step at once, a decode jump in progress is cut at
+        the next step boundary."""
+        self.changes += 1
+        self.waiting.append(seq)
+        self._wake()
+
+    # -- admission -------------------------------------------------------------------------------
+    def _admit(self) -> None:
+        cap = self.p.max_running
+        waiting, prefilling, decoding = self.waiting, self.prefilling, self.decoding
+        admission = self.admission
+        while waiting and len(prefilling) + len(decoding) + self.loading < cap:
+            seq = waiting[0]
+            hashes = seq.hashes
+            m = self._match(hashes)
+            matched = min(m * seq.bt, seq.prompt)
+            need = seq.prompt - matched
+            if admission is not None and not admission(self, seq, need):
+                return  # held back by the admission policy: head-of-line, like memory
+            if need > self.capacity - self.used and not self._make_room(need, hashes[:m]):
+                return  # head-of-line: wait for memory
+            waiting.popleft()
+            self._take(hashes, m)
+            seq.refs = m
+            cached = min(matched, seq.prompt - 1)  # the last prompt token is always computed
+            if seq.cached < 0:
+                seq.cached = cached
+                self.prompt_tokens += seq.prompt
+                self.hit_tokens += cached
+            seq.private = need
+            self.used += need
+            seq.prefill_left = seq.prompt - cached
+            seq.state = PREFILL
+            self._order += 1
+            seq.order = self._order
+            if seq.remote is not None:  # disaggregated: memory is held, the KV arrives, then the
+                self._load(seq, need)  # last prompt token is computed here (the first token)
+                continue
+            prefilling.append(seq)
+
+    def _load(self, seq: Seq, tokens: int) -> None:
+        """Admitted with its KV on the way from a prefill engine: it joins the batch when the
+        transfer of ``tokens`` ends, with one prompt token left to compute."""
+        assert seq.remote is not None
+        delay = seq.remote(tokens)
+        seq.remote = None
+        seq.prefill_left = 1
+        self.loading += 1
+        self.loop.at(self.loop.now + delay, self._loaded, seq)
+
+    def _loaded(self, seq: Seq) -> None:
+        self.loading -= 1
+        self.changes += 1
+        if seq.state != PREFILL:
+            return  # cancelled while its KV was arriving (cancel freed its memory)
+        self.prefilling.append(seq)
+        self._wake()
+
+    # -- transitions -----------------------------------------------------------------------------
+    def _prefill_done(self, seq: Seq, now: float) -> None:
+        self._store_prompt(seq)
+        seq.state = DECODE
+        # KV now holds the prompt; each decode step adds the previous token's KV, so the
+        # context is a + steps and a sequence's tokens beyond its prompt are generated − 1
+        seq.a = seq.prompt - self.steps
+        self.ctx_a += seq.a
+        self.ctx_a2 += seq.a * seq.a
+        self.decoding[seq.order] = seq
+        if not seq.first_token_done:
+            seq.first_token_done = True
+            self.on_first_token(seq, now)
+        remaining = seq.output - seq.generated - 1
+        if remaining <= 0:
+            self._finish(seq, now)
+        else:
+            seq.finish_at = self.steps + remaining
+            heapq.heappush(self.finishes, (seq.finish_at, seq.order, seq))
+
+    def _decode_room(self, n_dec: int) -> bool:
+        """Memory for one more decode step; evict cache, else preempt the newest sequence."""
+        if self._make_room(n_dec):
+            return True
+        newest = self.decoding[next(reversed(self.decoding))]
+        self._preempt(newest)
+        return False
+
+    def _release(self, seq: Seq) -> None:
+        del self.decoding[seq.order]
+        self.ctx_a -= seq.a
+        self.ctx_a2 -= seq.a * seq.a
+        self.used -= seq.private + (seq.a + self.steps - seq.prompt)
+        self._unref(seq)
+
+    def _finish(self, seq: Seq, now: float) -> None:
+        self._release(seq)
+        seq.state = DONE
+        self.on_finish(seq, now)
+
+    def _preempt(self, seq: Seq) -> None:
+        generated = seq.a + self.steps - seq.prompt + 1  # tokens produced in this admission
+        self._release(seq)
+        self._preempted = True
+        self.preemptions += 1
+        seq.generated += generated
+        seq.prompt += generated  # recompute: prompt and generated tokens prefill again
+        seq.state = WAITING
+        self.waiting.appendleft(seq)
