@@ -18,7 +18,7 @@ from kvroute.sim.engine import DECODE, DONE, Engine, Seq
 from kvroute.sim.events import EventLoop
 from kvroute.sim.qoe_profiling import fit_profile
 from kvroute.sim.runner import run_scenario
-from kvroute.sim.scenario import parse_scenario
+from kvroute.sim.scenario import ScenarioError, parse_scenario
 from kvroute.sim.simulation import Simulation
 from kvroute.workload.long_context import MAX_CONTEXT, LongContext
 
@@ -146,11 +146,21 @@ def test_round_robin_within_a_stage():
     ({"stage_sizes": [2, 2], "bounds": []}, "bounds needs 1"),
     ({"bounds": [100]}, "bounds without stage_sizes"),
     ({"stage_sizes": [1, 1, 1], "bounds": [500, 100]}, "strictly increasing"),
-    ({"bidask": "maybe"}, "bidask"),
+    ({"bidask": "full"}, "bidask"),  # a simulator setting, not a policy parameter (a gateway never migrates)
 ])
 def test_bad_cascade_params_name_the_problem(params, match):
     with pytest.raises(ConfigError, match=match):
         build_policy("cascadeinfer", params)
+
+
+def test_simulator_settings_live_outside_the_policy_and_old_files_keep_working():
+    new = scenario([{"preset": "cascadeinfer", "simulator": {"layout": "dp"}}]).policy_list()
+    old = scenario([{"preset": "cascadeinfer", "params": {"layout": "dp"}}]).policy_list()
+    assert [e.label for e in new] == [e.label for e in old] == ["cascadeinfer(layout=dp)"]
+    with pytest.raises(ScenarioError, match=r"policies\[0\]\.simulator\.bidask"):
+        scenario([{"preset": "cascadeinfer", "simulator": {"bidask": "maybe"}}]).policy_list()
+    with pytest.raises(ScenarioError, match=r"simulator\.stages"):
+        scenario([{"preset": "cascadeinfer", "simulator": {"stages": [6, 4]}}]).policy_list()
 
 
 def scenario(policies, rate=20.0, requests=300, replicas=4):

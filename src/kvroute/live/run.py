@@ -39,6 +39,7 @@ from kvroute.metrics import Recorder
 from kvroute.perf.network import Network
 from kvroute.ports import free_ports
 from kvroute.processes import Child, Fleet
+from kvroute.sim import migration_settings
 from kvroute.sim.scenario import PolicyEntry, Scenario
 
 ADMIN_ENV = "KVROUTE_LIVE_ADMIN_KEY"
@@ -156,8 +157,8 @@ def gateway_config(run: LiveRun, entry: PolicyEntry, topo: Topology, region: str
     """The YAML of one gateway: its replicas as seen from its region, keys, peers when the
     gateway supports them."""
     spec = run.sc.topology
-    policy: str | dict[str, Any] = entry.preset if not entry.params else {"preset": entry.preset,
-                                                                         "params": entry.params}
+    params, _ = migration_settings.split(entry.params)  # the simulator's own settings stay behind
+    policy: str | dict[str, Any] = entry.preset if not params else {"preset": entry.preset, "params": params}
     replicas = [{"url": replica_urls[rid].get(region, run.replicas[rid].url), "id": rid,
                  "region": run.replica_region[rid], "engine": "vllm"}
                 for rid in run.replicas if run.replica_region[rid] in topo.gateways[region]]

@@ -33,7 +33,6 @@ import math
 import random
 import time
 from collections.abc import Mapping, Sequence
-from types import SimpleNamespace
 from typing import Any, Protocol
 
 from kvroute.cascade import bidask, partition
@@ -43,6 +42,7 @@ from kvroute.policy.presets.cascadeinfer import LengthStage, stage_filter
 from kvroute.sim.balancer import SimBalancer
 from kvroute.sim.engine import DECODE, Engine, Seq
 from kvroute.sim.events import EventLoop
+from kvroute.sim.migration_settings import MigrationSettings
 from kvroute.sim.qoe_profiling import QoEFit, fit_profile
 
 
@@ -85,14 +85,11 @@ class MigrationHost(Protocol):
     @property
     def outstanding(self) -> int: ...
 
+    @property
+    def migration_settings(self) -> MigrationSettings: ...
+
 DEFAULT_KV_BYTES_PER_TOKEN = 131_072  # assumed when a profile does not say (128 KiB)
 PLAN_SAMPLE = 2000  # requests of the workload's length sample the partition plans on
-
-
-# the simulator-side settings and their defaults (a composed policy with ``length_stage`` but
-# without the cascadeinfer preset's parameters gets these)
-SETTINGS = {"layout": "heuristic", "refinement": "adaptive", "refine_interval_s": 5.0, "bidask": "full",
-            "rebalance_interval_s": 1.0, "transfer_gb_s": 25.0, "max_transfers": 3, "imbalance": 0.1}
 
 
 def make_migrator(sim: MigrationHost) -> Migrator | None:
@@ -114,8 +111,7 @@ class Migrator:
         # every balancer's stage filter (one balancer in CascadeInfer's setting; kept in step)
         self.stage_filters = [f for lb in sim.lbs if (f := stage_filter(lb.router.policy)) is not None]
         self.cascade: LengthStage | None = self.stage_filters[0] if self.stage_filters else None
-        given = sim.lbs[0].router.policy.params
-        p: Any = SimpleNamespace(**{k: getattr(given, k, v) for k, v in SETTINGS.items()})
+        p = sim.migration_settings
         self.params = p
         self.order = [ep.id for ep in sim.lbs[0].router.endpoints]
         self.engines: dict[str, Engine] = {rid: sim.replicas[rid].engine for rid in self.order}

@@ -28,6 +28,7 @@ from kvroute.policy import policy_from_config
 from kvroute.policy.registry import preset_and_params
 from kvroute.policyfiles import load_entry_points
 from kvroute.schema import StrictModel
+from kvroute.sim import migration_settings
 from kvroute.sim.disagg import PDSetup
 from kvroute.sim.simulation import BalancerSpec, Limits, ReplicaSpec, Setup
 from kvroute.sim.tracefiles import ScenarioError, resolve_trace
@@ -252,25 +253,44 @@ class Scenario(StrictModel):
     def policy_list(self) -> list[PolicyEntry]:
         """One entry per policy, validated now so a typo fails before any run.
 
-        An entry is a preset name, ``{preset, params, topology}`` or a composition of plugins
-        (``{name, rules, cost, ...}``, docs/policies.md); ``topology`` (regional,
+        An entry is a preset name, ``{preset, params, topology, simulator}`` or a composition of
+        plugins (``{name, rules, cost, ...}``, docs/policies.md); ``topology`` (regional,
         global, two-layer) runs that policy on its own LB layout, so one table can put SkyWalker's
-        two-layer LBs beside baselines behind one global LB, as its Fig. 8 does.
+        two-layer LBs beside baselines behind one global LB, as its Fig. 8 does; ``simulator``
+        holds the simulator-only settings of the migrating presets (``sim/migration_settings.py``).
         """
         out, seen = [], set()
         for i, entry in enumerate(self.policies):
             topo = None
-            if isinstance(entry, dict) and "topology" in entry:
+            simulator: dict[str, Any] | None = None
+            if isinstance(entry, dict) and ("topology" in entry or "simulator" in entry):
                 entry = dict(entry)
-                topo = entry.pop("topology")
-                if topo not in TOPOLOGIES:
+                topo = entry.pop("topology", None)
+                simulator = entry.pop("simulator", None)
+                if topo is not None and topo not in TOPOLOGIES:
                     raise ScenarioError(f"policies[{i}].topology: {topo!r}; allowed: {', '.join(TOPOLOGIES)}")
-                if self.balancers:
+                if topo is not None and self.balancers:
                     raise ScenarioError(f"policies[{i}].topology: give either 'balancers' or topologies, not both")
+                if simulator is not None and not isinstance(simulator, dict):
+                    raise ScenarioError(f"policies[{i}].simulator: a mapping of simulator settings "
+                                        f"(sim/migration_settings.py), got {simulator!r}")
             try:
-                policy_from_config(entry, where=f"policies[{i}]")
-                preset, params = preset_and_params(entry, where=f"policies[{i}]")  # a composition: registered
-            except ConfigError as exc:
+                if isinstance(entry, dict) and "preset" in entry:
+                    # simulator settings under params (older files) or under simulator: the policy is
+                    # built without them; the run (label, Simulation) carries both, the simulator splits
+                    raw = entry.get("params") or {}
+                    if not isinstance(raw, dict):
+                        raise ScenarioError(f"policies[{i}].params: a mapping, got {raw!r}")
+                    own, _ = migration_settings.split(raw, simulator, f"policies[{i}].simulator")
+                    policy_from_config({**entry, "params": own or {}}, where=f"policies[{i}]")
+                    preset, params = entry["preset"], {**raw, **(simulator or {})} or None
+                else:
+                    if simulator:
+                        raise ScenarioError(f"policies[{i}].simulator: give the policy as {{preset: NAME, "
+                                            "simulator: {...}}")
+                    policy_from_config(entry, where=f"policies[{i}]")
+                    preset, params = preset_and_params(entry, where=f"policies[{i}]")  # a composition: registered
+            except (ConfigError, ValueError) as exc:
                 raise ScenarioError(str(exc)) from None
             label = preset if not params else f"{preset}({','.join(f'{k}={v}' for k, v in sorted(params.items()))})"
             if topo:

@@ -18,6 +18,7 @@ from kvroute.metrics import Recorder
 from kvroute.perf.network import Network
 from kvroute.perf.profile import HardwareProfile
 from kvroute.policy import Router
+from kvroute.sim import migration_settings
 from kvroute.sim.balancer import SimBalancer
 from kvroute.sim.disagg import Disaggregation, PDSetup, PrefillLeg
 from kvroute.sim.engine import Engine, Host, Seq
@@ -106,6 +107,8 @@ class Simulation:
         # prefill/decode legs (sim/disagg.py): None for an aggregated deployment
         self.pd = Disaggregation(self, setup.pd) if setup.pd is not None else None
         self.recorder = Recorder(list(self.replicas), [r.region for r in self.replicas.values()])
+        # the simulator's own settings (CascadeInfer planning, migration) are not the policy's
+        params, self.migration_settings = migration_settings.split(params)
         self.lbs = [SimBalancer(self, b.id, b.region, b.replicas, preset, params, b.probe_interval_s,
                                 b.forward, setup.index_block_tokens, b.dispatch_tick_s)
                     for b in setup.balancers]

@@ -13,8 +13,8 @@ The plan comes from ``stage_sizes`` and ``bounds`` (instances in configuration o
 the simulator, when they are empty — from the partition of §4.2 over the profile's fitted QoE
 model and the workload's lengths (``layout``); a runtime replaces it with ``set_plan`` and moves
 boundaries with ``set_bounds`` (range refinement, §4.3). Without a plan every instance is one
-stage. The simulator-only parameters (layout, refinement, bid-ask, transfers) are read by
-``sim/migration.py``; the plugin itself only routes.
+stage. The simulator's settings (layout, re-planning, refinement, bid-ask, transfers) are not
+policy parameters: they live in ``sim/migration_settings.py``; the plugin itself only routes.
 """
 
 from __future__ import annotations
@@ -163,28 +163,15 @@ def stage_filter(policy: object) -> LengthStage | None:
                  cost={"inflight_tokens": 1, "batch_size": 1e-6}, branch=Branch.LEAST_LOAD)
 class CascadeParams(PolicyParams):
     """Length stages: the earliest stage covering the prompt, least load (or round robin) within
-    it; migration, range refinement and bid-ask in the simulator."""
+    it. Planning, migration, range refinement and bid-ask are the simulator's (a scenario policy's
+    ``simulator:`` settings, ``sim/migration_settings.py``)."""
 
     stage_sizes: list[int] = Field(default_factory=list, description="instances per stage in length order, "
                                    "taken in configuration order; empty: planned (simulator) or one stage")
     bounds: list[int] = Field(default_factory=list, description="upper sequence length (tokens, exclusive) "
                               "of every stage but the last; strictly increasing")
-    layout: Literal["dp", "heuristic", "chain", "no_pipeline"] = Field(
-        "heuristic", description="simulator planning when stage_sizes is empty: exact DP, the two-phase "
-        "heuristic (§4.2), one instance per stage, or one stage")
-    refinement: Literal["adaptive", "equal_count", "equal_memory", "off"] = Field(
-        "adaptive", description="simulator range refinement (§4.3): the QoE split, the naive equal-count or "
-        "equal-memory split, or fixed boundaries")
-    refine_interval_s: float = Field(5.0, gt=0, description="simulator: seconds between range refinements")
     within: Literal["least_load", "round_robin"] = Field("least_load", description="how an instance is "
                                                          "picked within the stage")
-    bidask: Literal["full", "handover", "off"] = Field(
-        "full", description="simulator (§4.4): bid-ask hand-over and intra-stage rebalancing; bid-ask hand-over "
-        "only; or hand-over to the least loaded successor and no rebalancing")
-    rebalance_interval_s: float = Field(1.0, gt=0, description="simulator: seconds between overload checks")
-    transfer_gb_s: float = Field(25.0, gt=0, description="simulator: KV transfer bandwidth per migration, GB/s")
-    max_transfers: int = Field(3, ge=1, description="simulator: concurrent KV transfers per instance (§5: 3)")
-
     @property
     def within_round_robin(self) -> bool:
         """Whether the round-robin rule is on (``within: round_robin``)."""

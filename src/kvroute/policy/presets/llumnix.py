@@ -12,8 +12,6 @@ reading of "memory balancing with migration".
 
 from __future__ import annotations
 
-from pydantic import Field
-
 from kvroute.model import Endpoint
 from kvroute.policy.catalog import register_plugin, register_preset
 from kvroute.policy.params import PolicyParams
@@ -37,10 +35,5 @@ class Freeness(Scorer):
 @register_preset("llumnix", source="Llumnix (Sun et al., OSDI '24) as CascadeInfer's baseline: memory "
                  "balancing with migration", score={"freeness": 1}, branch="freeness")
 class LlumnixParams(PolicyParams):
-    """Most free KV memory per running request (Llumnix's freeness); migration in the simulator."""
-
-    rebalance_interval_s: float = Field(1.0, gt=0, description="simulator: seconds between rebalancing rounds")
-    imbalance: float = Field(0.1, ge=0, le=1, description="simulator: migrate while the KV demand gap between "
-                             "the most and least loaded instance exceeds this share of capacity")
-    transfer_gb_s: float = Field(25.0, gt=0, description="simulator: KV transfer bandwidth per migration, GB/s")
-    max_transfers: int = Field(3, ge=1, description="simulator: concurrent KV transfers per instance")
+    """Most free KV memory per running request (Llumnix's freeness); migration in the simulator
+    (its settings: a scenario policy's ``simulator:``, ``sim/migration_settings.py``)."""
