@@ -7,7 +7,6 @@ import httpx
 from kvroute.cli import main
 from kvroute.gateway.config import GatewayConfig
 from kvroute.model import DecisionKind
-from kvroute.policy.adaptive.selector import A, B, TTFTSelector
 from kvroute.policy.presets.auto import ADDITIVE, PREFIX_LOAD, RTT_AWARE
 from kvroute.sim.runner import run_scenario
 from kvroute.sim.scenario import Scenario, parse_scenario
@@ -72,53 +71,3 @@ def test_the_gateway_explains_auto_in_the_admin_api_and_metrics(monkeypatch):
         assert dep.settle() == (0, 0, 0)
     finally:
         dep.close()
-
-
-class _Req:
-    def __init__(self, rid):
-        self.id = rid
-
-
-class _St:
-    """The part of a DecisionState the selector reads, with Router.route's commit of its deferred
-    state changes."""
-
-    def __init__(self, rid):
-        self.req = _Req(rid)
-        self.effects = []
-
-    def defer(self, effect):
-        self.effects.append(effect)
-
-
-def drive(sel: TTFTSelector, ttft, e2e, n: int, start: int = 0) -> list[int]:
-    """n requests: ask, dispatch, answer at once with the arm's TTFT and E2E; returns the arms that served."""
-    arms = []
-    for i in range(start, start + n):
-        rid = f"r{i}"
-        st = _St(rid)
-        arm = A if sel.holds(st, []) else B
-        arms.append(arm)
-        for effect in st.effects:  # the dispatch is committed
-            effect()
-        sel.on_dispatched(_Req(rid), None, 0)
-        sel.on_first_token(rid, "e", ttft[arm])
-        sel.on_finished(rid, "e", e2e[arm], 10)
-    return arms
-
-
-def test_the_selector_measures_both_rules_then_keeps_the_faster():
-    sel = TTFTSelector(window=8, exploit=2)
-    arms = drive(sel, {A: 0.5, B: 0.2}, {A: 5.0, B: 5.0}, 16)
-    assert arms == [A] * 8 + [B] * 8  # one block each
-    assert drive(sel, {A: 0.5, B: 0.2}, {A: 5.0, B: 5.0}, 8, 16) == [B] * 8  # B was faster: kept
-    assert sel.state()["wins_other"] == 1
-    # after `exploit` blocks both are measured again; now A is faster, and wins
-    later = drive(sel, {A: 0.1, B: 0.9}, {A: 5.0, B: 5.0}, 40, 24)
-    assert A in later[:16] and later[-8:] == [A] * 8
-
-
-def test_the_guard_refuses_a_faster_first_token_bought_with_slower_answers():
-    sel = TTFTSelector(window=8, exploit=2, e2e_slack=0.1)
-    drive(sel, {A: 0.1, B: 0.3}, {A: 20.0, B: 5.0}, 16)  # A: best TTFT, 4× the end-to-end latency
-    assert drive(sel, {A: 0.1, B: 0.3}, {A: 20.0, B: 5.0}, 8, 16) == [B] * 8

@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 from kvroute.errors import ConfigError
 from kvroute.policy.compose import Preset
 from kvroute.policy.params import PolicyParams
-from kvroute.policy.plugins import KINDS, Plugin, check_inputs
+from kvroute.policy.plugins import KINDS, Plugin, Scorer, check_inputs
 
 P = TypeVar("P", bound=type[Plugin])
 T = TypeVar("T", bound=type[PolicyParams])
@@ -40,6 +40,13 @@ def register_plugin(cls: P) -> P:
         raise ConfigError(f"{cls.kind} {cls.name!r} is already registered (by {table[cls.name].__module__})")
     table[cls.name] = cls
     return cls
+
+
+def new_scorer(name: str) -> Scorer:
+    """A registered scorer built without arguments (plugins that combine others' values)."""
+    scorer = PLUGINS["scorer"][name]()
+    assert isinstance(scorer, Scorer)
+    return scorer
 
 
 def add_preset(preset: Preset) -> Preset:

@@ -1,7 +1,9 @@
 """The built-in plugins, registered on import: filters, scorers, conditions, pickers, routes, and
-the plugins that learn while serving (``learning``)."""
+the plugins that learn while serving (one package each under :mod:`kvroute.policy.adaptive`)."""
 
 # ruff: noqa: I001  (scorers first: listings and error messages name them in this order)
-from kvroute.policy.builtin import scorers, filters, conditions, pickers, routes, learning, warmup, pd
+from kvroute.policy.builtin import scorers, filters, conditions, pickers, routes
+from kvroute.policy.adaptive import es_tuner, ttft_fit, hotspot, predictor  # noqa: F401  (registers es, calibration, hotspot, predictor)
+from kvroute.policy.builtin import warmup, pd
 
-__all__ = ["conditions", "filters", "learning", "pd", "pickers", "routes", "scorers", "warmup"]
+__all__ = ["conditions", "filters", "pd", "pickers", "routes", "scorers", "warmup"]

@@ -1,0 +1,80 @@
+"""llm-d's predicted TTFT as plugins: ``PredictedTTFT`` (scorer ``predictor``) predicts each
+replica's TTFT on a step-time model (:mod:`.model`); ``PredictionErrorPlugin`` scores those
+predictions against the measured TTFTs (exported under ``predictor.``).
+"""
+
+from __future__ import annotations
+
+from kvroute.model import Endpoint, Request
+from kvroute.perf.profile import HardwareProfile
+from kvroute.policy.adaptive.predictor.model import TTFTPredictor
+from kvroute.policy.catalog import register_plugin
+from kvroute.policy.hooks import Lifecycle
+from kvroute.policy.plugins import DecisionState, Scorer
+from kvroute.policy.profiles import resolve_profile
+
+
+class PredictionErrorPlugin(Lifecycle):
+    """Compares the predicted TTFT of each dispatched request with the measured one (LMetric
+    Fig. 16's accuracy measure): mean absolute relative error and the share off by > 20 %."""
+
+    name = "predictor"
+
+    def __init__(self) -> None:
+        self.last: tuple[str, dict[str, float]] = ("", {})  # the latest decision's predictions
+        self._pending: dict[str, float] = {}
+        self.n = 0
+        self.abs_rel_err = 0.0
+        self.over_20 = 0
+
+    def on_dispatched(self, req: Request, endpoint: Endpoint, new_prefill_tokens: int) -> None:
+        """Keep the prediction made for the endpoint the request went to."""
+        rid, preds = self.last
+        if rid == req.id and endpoint.id in preds:
+            self._pending[req.id] = preds[endpoint.id]
+
+    def on_first_token(self, req_id: str, endpoint_id: str, ttft_s: float) -> None:
+        """Score the prediction against the measured TTFT."""
+        pred = self._pending.pop(req_id, None)
+        if pred is None or ttft_s <= 0:
+            return
+        err = abs(pred - ttft_s) / ttft_s
+        self.n += 1
+        self.abs_rel_err += err
+        self.over_20 += err > 0.2
+
+    def on_failed(self, req_id: str, endpoint_id: str) -> None:
+        """No first token will come."""
+        self._pending.pop(req_id, None)
+
+    def on_finished(self, req_id: str, endpoint_id: str, e2e_s: float, output_tokens: int) -> None:
+        """Nothing left to score."""
+        self._pending.pop(req_id, None)
+
+    def state(self) -> dict[str, float]:
+        """Requests scored, mean |predicted − measured| / measured, share off by more than 20 %."""
+        n = self.n
+        return {"scored": float(n), "mean_abs_rel_error": self.abs_rel_err / n if n else 0.0,
+                "share_over_20pct": self.over_20 / n if n else 0.0}
+
+
+@register_plugin
+class PredictedTTFT(Scorer, PredictionErrorPlugin):
+    """Each replica's TTFT for this request predicted on a hardware profile's step-time model
+    (llm-d's latency-based scheduler, LMetric §4.6); its error against measured TTFTs is state."""
+
+    name = "predictor"
+    inputs = frozenset({"prefix", "prefill_backlog", "load", "rtt"})
+
+    def __init__(self, profile: str | HardwareProfile = "h20-qwen3-30b-a3b"):
+        PredictionErrorPlugin.__init__(self)
+        self.predictor = TTFTPredictor(resolve_profile(profile))  # a name: the runtime's profile source
+
+    def values(self, st: DecisionState, eps: list[Endpoint]) -> list[float]:
+        """The predicted TTFT per endpoint (seconds), remembered so the error can be scored once the first
+        token arrives."""
+        req = st.req
+        preds = self.predictor.predict_many(eps, req.prompt_tokens, req.block_tokens, st.matches)
+        last = (req.id, {e.id: v for e, v in zip(eps, preds)})  # scored when it is dispatched
+        st.defer(lambda: setattr(self, "last", last))
+        return preds

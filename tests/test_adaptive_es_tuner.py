@@ -1,0 +1,103 @@
+"""GORGO v2's (1+1)-ES (policy/adaptive/es_tuner): when it steps, what it keeps, how σ moves."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from kvroute.policy.adaptive.es_tuner import GORGO_RANGES, OnePlusOneES, WeightRange
+from kvroute.stats import percentile_sorted
+
+START = {"w_rtt": 0.5, "w_queue": 0.1}
+
+
+def _bowl(w: dict[str, float], rng: random.Random) -> float:
+    """A TTFT whose p95 is lowest at w_rtt 0.3, w_queue 0.4 (both inside GORGO's ranges)."""
+    d = math.log(w["w_rtt"] / 0.3) ** 2 + math.log(w["w_queue"] / 0.4) ** 2
+    return 1.0 + d + 0.05 * rng.random()
+
+
+def _drive(es: OnePlusOneES, n: int, seed: int = 7) -> None:
+    rng = random.Random(seed)
+    for _ in range(n):
+        es.observe(_bowl(es.weights, rng))
+
+
+def test_nearest_rank_is_gorgos_quantile():
+    s = sorted(float(i) for i in range(128))
+    assert percentile_sorted(s, 0.95) == s[round(0.95 * 127)] == 121.0
+
+
+# samples observed → steps proposed: the first evaluation at 128 (window), then one every 32 (hop);
+# 672 samples = 128 + 17·32 would be the paper's 18th step
+STEPS = [(0, 0), (127, 0), (128, 1), (159, 1), (160, 2), (191, 2), (192, 3)]
+
+
+@pytest.mark.parametrize(("samples", "proposed"), STEPS)
+def test_es_steps_at_the_window_then_every_hop(samples, proposed):
+    es = OnePlusOneES(seed=1)
+    _drive(es, samples)
+    assert es.proposed == proposed
+    assert (es.weights == START) == (proposed == 0)  # the first offspring is served after the first step
+
+
+# objective, samples → what the search must have done
+OUTCOMES = [
+    # a bowl with its optimum at (0.3, 0.4): offspring are accepted, the parent's p95 falls, w_queue moves up
+    pytest.param("bowl", 4128, {"accepted": True, "improved": True}, id="bowl"),
+    # flat: no offspring beats the parent by 0.5 %, σ shrinks by 0.817 a step until < 0.05 (converged)
+    pytest.param("flat", 128 + 32 * 12, {"accepted": False, "improved": False}, id="flat"),
+]
+
+
+@pytest.mark.parametrize(("objective", "samples", "expect"), OUTCOMES)
+def test_es_outcome_per_objective(objective, samples, expect):
+    es = OnePlusOneES(seed=3)
+    rng = random.Random(7)
+    first_p95 = None
+    for i in range(samples):
+        es.observe(_bowl(es.weights, rng) if objective == "bowl" else 1.0)
+        if i == 127:
+            first_p95 = es.parent_p95
+    assert (es.accepted >= 1) == expect["accepted"]
+    assert es.parent_p95 is not None and first_p95 is not None
+    assert (es.parent_p95 < first_p95) == expect["improved"]
+    for k, r in GORGO_RANGES.items():
+        assert r.lo <= es.parent[k] <= r.hi
+    if expect["improved"]:
+        assert abs(math.log(es.parent["w_queue"] / 0.4)) < abs(math.log(0.1 / 0.4))
+    if not expect["accepted"]:  # σ shrank every step
+        assert es.converged and es.sigma < 0.05 and es.weights == es.parent == START
+        proposed = es.proposed
+        for _ in range(200):
+            es.observe(1.0)
+        assert es.proposed == proposed  # converged: serves the parent, proposes nothing
+
+
+def test_es_is_deterministic_under_a_seed_and_seed_dependent():
+    runs = []
+    for seed in (5, 5, 6):
+        es = OnePlusOneES(seed=seed)
+        _drive(es, 1500)
+        runs.append(es.state())
+    assert runs[0] == runs[1]
+    assert runs[0] != runs[2]
+
+
+def test_es_frozen_serves_fixed_weights_and_measures():
+    es = OnePlusOneES(frozen={"w_rtt": 0.276, "w_queue": 0.5}, seed=1)
+    _drive(es, 1000)
+    assert es.weights == {"w_rtt": 0.276, "w_queue": 0.5}
+    assert es.proposed == 0 and es.state()["window_p95_s"] > 0 and es.state()["frozen"] == 1.0
+
+
+@pytest.mark.parametrize(("build", "match"), [
+    (lambda: WeightRange(0.1, 0.0, 0.5), "lo"),  # log space: lower bounds must be positive
+    (lambda: WeightRange(0.6, 0.1, 0.5), "start"),  # start outside its range
+    (lambda: OnePlusOneES(window=16, hop=32), "hop"),  # a hop longer than the window
+])
+def test_bad_settings_are_refused(build, match):
+    with pytest.raises(ValueError, match=match):
+        build()
