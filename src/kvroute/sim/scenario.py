@@ -29,6 +29,7 @@ from kvroute.policy.registry import preset_and_params
 from kvroute.policyfiles import load_entry_points
 from kvroute.schema import StrictModel
 from kvroute.sim import migration_settings
+from kvroute.sim.stress import BurstSpec, RagSpec
 from kvroute.sim.disagg import PDSetup
 from kvroute.sim.simulation import BalancerSpec, Limits, ReplicaSpec, Setup
 from kvroute.sim.tracefiles import ScenarioError, resolve_trace
@@ -104,9 +105,11 @@ class WorkloadSpec(StrictModel):
     """What the simulated clients send: a synthetic kind or a trace file, clients per region and the knobs of
     each kind."""
 
-    kind: Literal["chat", "tot", "mixed", "chat-poisson", "long-context", "mooncake", "azure", "openai"] = Field(
+    kind: Literal["chat", "tot", "mixed", "chat-poisson", "long-context", "rag", "mooncake", "azure",
+                  "openai"] = Field(
         "chat", description="synthetic closed-loop chat, trees of thought or a mix; open-loop Poisson chat; "
-        "open-loop long-context requests up to 128K (CascadeInfer, workload/long_context.py); or a "
+        "open-loop long-context requests up to 128K (CascadeInfer, workload/long_context.py); open-loop RAG "
+        "over a shared corpus (workload/rag.py); or a "
         "trace: Mooncake JSONL, Azure CSV, OpenAI-messages JSONL conversations")
     clients: dict[str, int] = Field(default_factory=dict, description="per region: concurrent clients (closed "
                                     "loop) or the weight of trace requests assigned there; default 16 per "
@@ -127,6 +130,8 @@ class WorkloadSpec(StrictModel):
     skip_bad: bool = Field(False, description="skip and count malformed trace lines instead of failing "
                            "(`--skip-bad`)")
     shapes: dict[str, ShapeSpec] = Field(default_factory=dict)  # per client region (chat/tot/mixed)
+    rag: RagSpec = Field(default_factory=RagSpec, description="`rag`: corpus, retrieval and hot prefix")
+    bursts: BurstSpec | None = Field(None, description="chat-poisson, long-context, rag: bursty arrivals")
     max_prompt_tokens: int | None = Field(None, gt=0, description="traces: drop longer prompts (GORGO v2: 24,000)")
     max_output_tokens: int | None = Field(None, gt=0, description="traces: cap output lengths (GORGO v2: 128)")
     token_ratio: float | None = Field(None, ge=0.25, le=4, description="`openai` traces: engine tokens per bytes/4 "
@@ -386,6 +391,9 @@ class Scenario(StrictModel):
             if w.shapes and w.kind not in ("chat", "tot", "mixed"):
                 raise ScenarioError(f"workload.shapes: per-region shapes apply to chat, tot and mixed "
                                     f"workloads, not {w.kind!r}")
+            bursts = w.bursts.bursts() if w.bursts else None
+            if bursts and w.kind not in ("chat-poisson", "long-context", "rag"):
+                raise ScenarioError(f"workload.bursts apply to chat-poisson, long-context and rag, not {w.kind!r}")
             if w.kind in ("chat", "tot", "mixed"):
                 fractions = {"chat": 0.0, "tot": 1.0, "mixed": w.tree_fraction}
                 frac = fractions[w.kind]
@@ -399,10 +407,16 @@ class Scenario(StrictModel):
                     shapes[region] = (f, sh.depth or w.depth, sh.branching or w.branching)
                 return ChatWorkload(clients, self.seed, w.think_time_s, frac, w.depth, w.branching, shapes)
             if w.kind == "chat-poisson":
-                return ChatPoisson(w.rate or 1.0, clients, self.seed, max_requests=self.limits.max_requests)
+                return ChatPoisson(w.rate or 1.0, clients, self.seed, max_requests=self.limits.max_requests,
+                                   bursts=bursts)
             if w.kind == "long-context":
                 from kvroute.workload.long_context import LongContext
-                return LongContext(w.rate or 1.0, list(clients), self.seed, self.limits.max_requests)
+                return LongContext(w.rate or 1.0, list(clients), self.seed, self.limits.max_requests, bursts=bursts)
+            if w.kind == "rag":
+                from kvroute.workload.rag import RAGWorkload
+                g = w.rag
+                return RAGWorkload(w.rate or 1.0, clients, self.seed, self.limits.max_requests, g.documents,
+                                   g.per_request, g.zipf, g.hot_share, bursts)
             path = resolve_trace(w.path, w.kind)
             if (w.max_prompt_tokens or w.max_output_tokens) and w.kind not in ("mooncake", "azure"):
                 raise ScenarioError(f"workload.max_prompt_tokens / max_output_tokens apply to mooncake and "

@@ -45,7 +45,7 @@ def scaled(sc: Scenario, f: float, policy: str | dict | None = None) -> Scenario
     if sc.workload.kind in ("chat", "tot", "mixed", "openai"):
         clients = sc.clients()
         w["clients"] = {r: max(1, round(n * f)) for r, n in clients.items()}
-    elif sc.workload.rate or sc.workload.kind == "chat-poisson":
+    elif sc.workload.rate or sc.workload.kind in ("chat-poisson", "long-context", "rag"):
         w["rate"] = (sc.workload.rate or 1.0) * f
     else:
         w["time_scale"] = sc.workload.time_scale / f

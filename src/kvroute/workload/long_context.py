@@ -22,6 +22,7 @@ import random
 from collections.abc import Iterator
 
 from kvroute.model import Request
+from kvroute.workload.arrivals import ArrivalClock, Bursts
 from kvroute.workload.base import SimRequest, Workload
 
 MAX_CONTEXT = 131_072
@@ -34,8 +35,8 @@ class LongContext(Workload):
 
     def __init__(self, rate: float, regions: list[str], seed: int = 0, max_requests: int | None = None,
                  prompt_median: float = 1500.0, prompt_sigma: float = 1.6, output_median: float = 256.0,
-                 output_sigma: float = 0.9, max_context: int = MAX_CONTEXT):
-        self.rate = rate
+                 output_sigma: float = 0.9, max_context: int = MAX_CONTEXT, bursts: Bursts | None = None):
+        self.rate, self.bursts = rate, bursts
         self.regions = list(regions) or ["local"]
         self.seed = seed
         self.max_requests = max_requests
@@ -56,9 +57,10 @@ class LongContext(Workload):
     def arrivals(self) -> Iterator[SimRequest]:
         """Requests in arrival order (Poisson at ``rate``), regions taken in turn."""
         rng = random.Random(self.seed)
-        t, n = 0.0, 0
+        clock = ArrivalClock(rng, self.rate, self.bursts)
+        n = 0
         while self.max_requests is None or n < self.max_requests:
-            t += rng.expovariate(self.rate)
+            t = clock.next()
             prompt, out = self._lengths(rng)
             n += 1
             req = Request(id=f"lc{n}", region=self.regions[n % len(self.regions)], prompt_tokens=prompt,

@@ -25,6 +25,7 @@ import random
 from collections.abc import Iterator
 
 from kvroute.model import Request
+from kvroute.workload.arrivals import ArrivalClock, Bursts
 from kvroute.workload.base import Program, SimRequest, Workload
 from kvroute.workload.context import Context
 
@@ -186,8 +187,8 @@ class ChatPoisson(Workload):
     name = "chat-poisson"
 
     def __init__(self, rate: float, clients: dict[str, int], seed: int = 0, sessions: int = 512,
-                 max_requests: int | None = None):
-        self.rate = rate
+                 max_requests: int | None = None, bursts: Bursts | None = None):
+        self.rate, self.bursts = rate, bursts
         self.weights = dict(clients)
         self.rng = random.Random(seed)
         self.sessions = sessions
@@ -202,9 +203,10 @@ class ChatPoisson(Workload):
         regions = list(self.weights)
         weights = [self.weights[r] for r in regions]
         live: dict[str, list[Conversation]] = {r: [] for r in regions}
-        t, n = 0.0, 0
+        clock = ArrivalClock(rng, self.rate, self.bursts)
+        n = 0
         while self.max_requests is None or n < self.max_requests:
-            t += rng.expovariate(self.rate)
+            t = clock.next()
             region = rng.choices(regions, weights)[0]
             pool = live[region]
             if len(pool) < self.sessions:

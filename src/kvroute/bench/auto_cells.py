@@ -1,0 +1,89 @@
+"""The arithmetic of `kvroute bench auto`: a setup's capacity knee and one cell's verdict.
+
+**Capacity knee.** A preset's capacity on a setup is the highest offered load that is both within
+the SLO and stable: its SLO knee, capped by its stability knee on open-loop workloads (a load past
+the stability knee is a queue that grows for as long as the run lasts; a short run can still meet
+the SLO there, and comparing policies on it ranks how fast their queues grow, not how well they
+route). A closed loop is stable by construction, so its SLO knee is its capacity. The setup's knee
+is the highest capacity among the reference presets; when none meets the SLO at any load, the
+highest stability knee (``basis: stability``) — the SLO cannot be met there at all.
+
+**A cell's verdict.** Every policy runs on the same seeds (the same requests for every policy of a
+seed); a policy's value is its mean over the seeds. ``auto`` is compared with the best mean of the
+other presets per metric. A cell is *saturated* when a run of ``auto`` or of a preset it is compared
+with was unstable: its numbers measure a growing queue, so it is shown, marked and left out of the
+worst-cell verdict. The per-seed ratios (``auto`` ÷ that preset on the same requests) show the noise.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+
+def preset_capacity(knee: dict, closed_loop: bool) -> tuple[float, str] | None:
+    """``(factor, basis)`` of one preset's capacity from its knees, or None when it has none."""
+    slo, stab = knee["slo"]["factor"], knee["stability"]["factor"]
+    if slo is None:
+        return None
+    if closed_loop:
+        return slo, "slo"
+    if stab is None:
+        return None  # unstable at every load tried
+    return (slo, "slo") if slo <= stab else (stab, "stability-capped")
+
+
+def capacity_knee(knees: dict[str, dict], closed_loop: bool) -> dict | None:
+    """The setup's capacity knee from the reference presets' knees (see the module docstring)."""
+    caps = {p: c for p, k in knees.items() if (c := preset_capacity(k, closed_loop)) is not None}
+    if caps:
+        ref = max(caps, key=lambda p: caps[p][0])
+        f, basis = caps[ref]
+        return {"factor": f, "basis": basis, "policy": ref, "slo_met": True}
+    stab = {p: k["stability"]["factor"] for p, k in knees.items() if k["stability"]["factor"] is not None}
+    if stab:
+        ref = max(stab, key=lambda p: stab[p])
+        return {"factor": stab[ref], "basis": "stability", "policy": ref, "slo_met": False}
+    return None
+
+
+def judge_cell(per: dict[str, list[dict]], target: float = 0.97) -> dict:
+    """One cell from each policy's per-seed rows (``auto`` among them): ratios, winners, saturation."""
+    mean = {lbl: {"goodput_rps": statistics.fmean(r["goodput_rps"] for r in rs),
+                  "ttft_p99_s": statistics.fmean(r["ttft_p99_s"] for r in rs),
+                  "stable": all(r["stable"] for r in rs)} for lbl, rs in per.items()}
+    others = {k: v for k, v in mean.items() if k != "auto"}
+    best_g = max(others, key=lambda k: others[k]["goodput_rps"])
+    best_t = min(others, key=lambda k: others[k]["ttft_p99_s"])
+    a = mean["auto"]
+    g = a["goodput_rps"] / others[best_g]["goodput_rps"] if others[best_g]["goodput_rps"] else 1.0
+    t = others[best_t]["ttft_p99_s"] / a["ttft_p99_s"] if a["ttft_p99_s"] else 1.0
+    seeds_g = [_ratio(x["goodput_rps"], y["goodput_rps"]) for x, y in zip(per["auto"], per[best_g])]
+    seeds_t = [_ratio(y["ttft_p99_s"], x["ttft_p99_s"]) for x, y in zip(per["auto"], per[best_t])]
+    unstable = sorted(lbl for lbl, m in mean.items() if not m["stable"])
+    saturated = bool({"auto", best_g, best_t} & set(unstable))
+    return {"goodput_ratio": round(g, 4), "best_goodput": best_g, "ttft_p99_ratio": round(t, 4),
+            "best_ttft_p99": best_t, "goodput_ratio_seeds": [round(min(seeds_g), 4), round(max(seeds_g), 4)],
+            "ttft_p99_ratio_seeds": [round(min(seeds_t), 4), round(max(seeds_t), 4)],
+            "unstable": unstable, "saturated": saturated, "meets": min(g, t) >= target,
+            "auto": a, "presets": others}
+
+
+def _ratio(num: float, den: float) -> float:
+    return num / den if den else 1.0
+
+
+def worst_cell(cells: dict[str, dict[str, dict]]) -> tuple[dict | None, int, int, int]:
+    """``(worst non-saturated cell, cells judged, cells meeting the target, saturated cells)``."""
+    worst, judged, met, sat = None, 0, 0, 0
+    for name, per_level in cells.items():
+        for level, c in per_level.items():
+            if c["saturated"]:
+                sat += 1
+                continue
+            judged += 1
+            met += c["meets"]
+            score = min(c["goodput_ratio"], c["ttft_p99_ratio"])
+            if worst is None or score < worst["ratio"]:
+                metric = "goodput" if c["goodput_ratio"] <= c["ttft_p99_ratio"] else "TTFT p99"
+                worst = {"scenario": name, "level": level, "ratio": round(score, 4), "metric": metric}
+    return worst, judged, met, sat
