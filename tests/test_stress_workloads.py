@@ -88,7 +88,7 @@ def test_every_stress_scenario_is_bundled_and_runs(name):
 
 
 @pytest.mark.parametrize("workload, why", [
-    ({"kind": "chat", "bursts": {"factor": 2}}, "bursts apply to chat-poisson, long-context and rag"),
+    ({"kind": "chat", "bursts": {"factor": 2}}, "bursts apply to chat-poisson, long-context, rag"),
     ({"kind": "rag", "rag": {"documents": 2, "per_request": 3}}, "at least per_request"),
     ({"kind": "rag", "bursts": {"factor": 4, "share": 0.5}}, "leaves no traffic")])
 def test_bad_stress_knobs_say_what_is_wrong(workload, why):

@@ -29,12 +29,12 @@ from kvroute.policy.registry import preset_and_params
 from kvroute.policyfiles import load_entry_points
 from kvroute.schema import StrictModel
 from kvroute.sim import migration_settings
-from kvroute.sim.stress import BurstSpec, RagSpec
 from kvroute.sim.disagg import PDSetup
 from kvroute.sim.simulation import BalancerSpec, Limits, ReplicaSpec, Setup
+from kvroute.sim.stress import BurstSpec, RagSpec, WorkloadKind, open_loop_workload
 from kvroute.sim.tracefiles import ScenarioError, resolve_trace
 from kvroute.workload import Workload
-from kvroute.workload.synthetic import ChatPoisson, ChatWorkload
+from kvroute.workload.synthetic import ChatWorkload
 from kvroute.workload.traces import AzureTrace, MooncakeTrace, OpenAIConversations, TraceError
 
 SCENARIO_DIR = Path(str(resources.files("kvroute") / "scenarios"))  # package data
@@ -105,12 +105,10 @@ class WorkloadSpec(StrictModel):
     """What the simulated clients send: a synthetic kind or a trace file, clients per region and the knobs of
     each kind."""
 
-    kind: Literal["chat", "tot", "mixed", "chat-poisson", "long-context", "rag", "mooncake", "azure",
-                  "openai"] = Field(
+    kind: WorkloadKind = Field(
         "chat", description="synthetic closed-loop chat, trees of thought or a mix; open-loop Poisson chat; "
         "open-loop long-context requests up to 128K (CascadeInfer, workload/long_context.py); open-loop RAG "
-        "over a shared corpus (workload/rag.py); or a "
-        "trace: Mooncake JSONL, Azure CSV, OpenAI-messages JSONL conversations")
+        "over a shared corpus (workload/rag.py); or a trace: Mooncake JSONL, Azure CSV, OpenAI-messages JSONL")
     clients: dict[str, int] = Field(default_factory=dict, description="per region: concurrent clients (closed "
                                     "loop) or the weight of trace requests assigned there; default 16 per "
                                     "replica region. Each region needs replicas or a load balancer")
@@ -391,9 +389,8 @@ class Scenario(StrictModel):
             if w.shapes and w.kind not in ("chat", "tot", "mixed"):
                 raise ScenarioError(f"workload.shapes: per-region shapes apply to chat, tot and mixed "
                                     f"workloads, not {w.kind!r}")
-            bursts = w.bursts.bursts() if w.bursts else None
-            if bursts and w.kind not in ("chat-poisson", "long-context", "rag"):
-                raise ScenarioError(f"workload.bursts apply to chat-poisson, long-context and rag, not {w.kind!r}")
+            if (synthetic := open_loop_workload(w, clients, self.seed, self.limits.max_requests)) is not None:
+                return synthetic
             if w.kind in ("chat", "tot", "mixed"):
                 fractions = {"chat": 0.0, "tot": 1.0, "mixed": w.tree_fraction}
                 frac = fractions[w.kind]
@@ -406,17 +403,6 @@ class Scenario(StrictModel):
                         fractions[sh.kind] if sh.kind and sh.kind != "mixed" else frac)
                     shapes[region] = (f, sh.depth or w.depth, sh.branching or w.branching)
                 return ChatWorkload(clients, self.seed, w.think_time_s, frac, w.depth, w.branching, shapes)
-            if w.kind == "chat-poisson":
-                return ChatPoisson(w.rate or 1.0, clients, self.seed, max_requests=self.limits.max_requests,
-                                   bursts=bursts)
-            if w.kind == "long-context":
-                from kvroute.workload.long_context import LongContext
-                return LongContext(w.rate or 1.0, list(clients), self.seed, self.limits.max_requests, bursts=bursts)
-            if w.kind == "rag":
-                from kvroute.workload.rag import RAGWorkload
-                g = w.rag
-                return RAGWorkload(w.rate or 1.0, clients, self.seed, self.limits.max_requests, g.documents,
-                                   g.per_request, g.zipf, g.hot_share, bursts)
             path = resolve_trace(w.path, w.kind)
             if (w.max_prompt_tokens or w.max_output_tokens) and w.kind not in ("mooncake", "azure"):
                 raise ScenarioError(f"workload.max_prompt_tokens / max_output_tokens apply to mooncake and "

@@ -7,10 +7,17 @@ bursts (workload/arrivals.py). Both are issue 22's stress cases for ``auto``.
 
 from __future__ import annotations
 
+from typing import Any, Literal
+
 from pydantic import Field, model_validator
 
 from kvroute.schema import StrictModel
+from kvroute.sim.tracefiles import ScenarioError
 from kvroute.workload.arrivals import Bursts
+from kvroute.workload.base import Workload
+from kvroute.workload.long_context import LongContext
+from kvroute.workload.rag import RAGWorkload
+from kvroute.workload.synthetic import ChatPoisson
 
 
 class RagSpec(StrictModel):
@@ -47,3 +54,24 @@ class BurstSpec(StrictModel):
     def bursts(self) -> Bursts:
         """The arrival process's parameters."""
         return Bursts(self.factor, self.share, self.mean_s)
+
+
+WorkloadKind = Literal["chat", "tot", "mixed", "chat-poisson", "long-context", "rag", "mooncake", "azure", "openai"]
+OPEN_LOOP_SYNTHETIC = ("chat-poisson", "long-context", "rag")
+
+
+def open_loop_workload(w: Any, clients: dict[str, int], seed: int, max_requests: int | None) -> Workload | None:
+    """The synthetic open-loop workload ``w`` (a scenario's WorkloadSpec) describes, or None for the
+    other kinds; ``bursts`` on a kind without Poisson arrivals is a one-line error."""
+    bursts = w.bursts.bursts() if w.bursts else None
+    if bursts and w.kind not in OPEN_LOOP_SYNTHETIC:
+        raise ScenarioError(f"workload.bursts apply to {', '.join(OPEN_LOOP_SYNTHETIC)}, not {w.kind!r}")
+    rate = w.rate or 1.0
+    if w.kind == "chat-poisson":
+        return ChatPoisson(rate, clients, seed, max_requests=max_requests, bursts=bursts)
+    if w.kind == "long-context":
+        return LongContext(rate, list(clients), seed, max_requests, bursts=bursts)
+    if w.kind == "rag":
+        g = w.rag
+        return RAGWorkload(rate, clients, seed, max_requests, g.documents, g.per_request, g.zipf, g.hot_share, bursts)
+    return None

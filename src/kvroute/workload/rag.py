@@ -1,8 +1,8 @@
 """Retrieval-augmented generation over a shared document corpus (open loop), optionally with a hot prefix.
 
-Each request is the system prompt of one of two applications, the ``per_request`` documents a retriever returned for it (most
-relevant first) and the user's question. Documents are drawn from one corpus of ``documents``
-chunks with Zipf(``zipf``) popularity — a few documents are retrieved for most questions, as
+Each request is the system prompt of one of two applications, the ``per_request`` documents a
+retriever returned for it (most relevant first) and the user's question. Documents are drawn from
+one corpus of ``documents`` chunks with Zipf(``zipf``) popularity — a few documents are retrieved for most questions, as
 RAGCache (Jin et al., 2024, §3) measures for retrieval workloads — so requests that retrieved
 the same first document share its KV blocks, and the cache placement a router chooses matters.
 The corpus and the system prompts are shared by every region.
