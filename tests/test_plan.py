@@ -82,6 +82,34 @@ def test_a_pool_plans_exactly_as_the_serial_search(tmp_path):
     assert json.dumps(serial, sort_keys=True) == json.dumps(pooled, sort_keys=True)
 
 
+def test_the_pool_searches_ahead_without_changing_the_answer(tmp_path):
+    """With two workers the search keeps both busy by running probes a later round may ask for: the
+    answer and its run count stay the serial search's, and every run the answer counts was measured."""
+    spec = spec_of(write(tmp_path))
+    serial_planner = Planner(spec, Executor(1))
+    serial = serial_planner.run()
+    assert serial_planner.speculated == 0
+    with PoolExecutor(2) as pool:
+        planner = Planner(spec, pool)
+        pooled = planner.run()
+    assert pooled["runs"] == serial["runs"] == len(pooled["points"])
+    assert planner.speculated > 0
+    assert planner.speculative_unused <= planner.speculated
+
+
+def test_bench_plan_refuses_a_busy_machine(capsys):
+    """Another process spinning on a core: the speedup would measure the contention, so bench plan
+    refuses to start (one line, exit 2)."""
+    spinner = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 20: pass"])
+    try:
+        assert main(["bench", "plan", "--requests", "50"]) == 2
+    finally:
+        spinner.kill()
+        spinner.wait()
+    err = capsys.readouterr().err
+    assert "a speedup measured now means nothing" in err and "Traceback" not in err
+
+
 def test_an_unknown_hardware_name_is_one_line_naming_the_allowed(tmp_path, capsys):
     rc = main(["plan", write(tmp_path, PLAN.replace("l4-llama3.1-8b", "b200-dreams"))])
     err = capsys.readouterr().err.strip()

@@ -8,9 +8,10 @@ Scenario and runs the same seeded simulation; the results are the serial run's, 
 (tests/test_parallel.py checks it for the pool and for a real Ray head).
 
 * ``workers=1``: in this process, no pickling (what tests and debuggers want);
-* default: a ``forkserver`` process pool with every core (``os.cpu_count()``). Not ``fork``: the
-  caller may be drawing a progress bar from a thread, and a forked child of a threaded process
-  can inherit a held lock;
+* default: a process pool with every core (``os.cpu_count()``), started once when the executor
+  is made and reused: ``fork`` while the caller runs one thread, else ``forkserver`` (the caller
+  may be drawing a progress bar from a thread, and a forked child of a threaded process can
+  inherit a held lock);
 * ``ray="auto"`` or ``"HOST:PORT"`` (``ray://HOST:PORT`` for Ray Client): the tasks become Ray
   remote calls on that cluster, one CPU each. Vidur's config explorer runs its searches the
   same way. An address that does not answer is an :class:`ExecutorError` (one line, exit 2).
@@ -27,6 +28,7 @@ import logging
 import multiprocessing
 import os
 import socket
+import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from typing import Any
@@ -67,13 +69,36 @@ def _call(prelude: list[tuple[str, tuple]], fn: Callable[[Any], Any], item: Any)
     return fn(item)
 
 
+class Task:
+    """A submitted task: its ``result`` once ``done`` (see :meth:`Executor.submit`)."""
+
+    __slots__ = ("done", "handle", "result")
+
+    def __init__(self, handle: Any = None, result: Any = None, done: bool = False):
+        self.handle = handle
+        self.result = result
+        self.done = done
+
+
 class Executor:
-    """Runs ``fn`` over items, in this process (``workers=1``); subclasses run them elsewhere."""
+    """Runs ``fn`` over items, in this process (``workers=1``); subclasses run them elsewhere.
+
+    Two ways in: :meth:`map` (a batch, results in order) and :meth:`submit` / :meth:`wait` (tasks
+    handed over one by one as the caller decides them, up to :attr:`workers` in flight, so a search
+    keeps every worker busy without waiting for a whole batch: plan/search.py)."""
 
     kind = "serial"
 
     def __init__(self, workers: int = 1):
         self.workers = max(1, workers)
+
+    def submit(self, fn: Callable[[Any], Any], item: Any) -> Task:
+        """Start ``fn(item)``; here it runs at once and the task comes back done."""
+        return Task(result=_call(list(_PRELUDE), fn, item), done=True)
+
+    def wait(self, tasks: Iterable[Task]) -> list[Task]:
+        """Block until at least one of ``tasks`` is done; every done one, in the order given."""
+        return [t for t in tasks if t.done]
 
     def map(self, fn: Callable[[Any], Any], items: Iterable[Any],
             on_done: Callable[[int, Any], None] | None = None) -> list[Any]:
@@ -85,6 +110,21 @@ class Executor:
                 on_done(i, r)
             out.append(r)
         return out
+
+    def _map_tasks(self, fn: Callable[[Any], Any], items: list[Any],
+                   on_done: Callable[[int, Any], None] | None) -> list[Any]:
+        """:meth:`map` through :meth:`submit` / :meth:`wait` (every item handed over at once)."""
+        tasks = [self.submit(fn, x) for x in items]
+        index = {id(t): i for i, t in enumerate(tasks)}
+        pending = list(tasks)
+        while pending:
+            done = self.wait(pending)
+            finished = {id(t) for t in done}
+            pending = [t for t in pending if id(t) not in finished]
+            for t in done:
+                if on_done:
+                    on_done(index[id(t)], t.result)
+        return [t.result for t in tasks]
 
     def describe(self) -> str:
         """A few words for progress lines and reports: where the runs go."""
@@ -100,39 +140,55 @@ class Executor:
         self.close()
 
 
+def _ready() -> None:
+    """A pool worker's first task: nothing (it makes the pool start every process at once)."""
+
+
 class PoolExecutor(Executor):
-    """A local process pool (``forkserver``) of ``workers`` processes, started on first use."""
+    """A local process pool of ``workers`` processes, started when it is made and reused for every task.
+
+    ``fork`` when this process runs a single thread at that moment (a worker starts in
+    milliseconds with every module already imported), else ``forkserver``: a forked child of a
+    threaded process (a progress bar's thread) can inherit a held lock."""
 
     kind = "pool"
 
     def __init__(self, workers: int):
         super().__init__(workers)
         self._pool: ProcessPoolExecutor | None = None
+        self._get()
 
     def _get(self) -> ProcessPoolExecutor:
         if self._pool is None:
-            ctx = multiprocessing.get_context("forkserver")
-            ctx.set_forkserver_preload(["kvroute.sim.simulation", "kvroute.sim.scenario"])
+            ctx: Any = multiprocessing.get_context("fork" if threading.active_count() == 1 else "forkserver")
+            if ctx.get_start_method() == "forkserver":
+                ctx.set_forkserver_preload(["kvroute.sim.simulation", "kvroute.sim.scenario"])
             self._pool = ProcessPoolExecutor(self.workers, mp_context=ctx)
+            for f in [self._pool.submit(_ready) for _ in range(self.workers)]:
+                f.result()  # every worker is up before the first real task
         return self._pool
+
+    def submit(self, fn: Callable[[Any], Any], item: Any) -> Task:
+        """Queue ``fn(item)`` on the pool."""
+        return Task(self._get().submit(_call, list(_PRELUDE), fn, item))
+
+    def wait(self, tasks: Iterable[Task]) -> list[Task]:
+        """As :meth:`Executor.wait`, on the pool's futures."""
+        tasks = list(tasks)
+        if not any(t.done for t in tasks):
+            wait([t.handle for t in tasks], return_when=FIRST_COMPLETED)
+        for t in tasks:
+            if not t.done and t.handle.done():
+                t.result, t.done = t.handle.result(), True
+        return [t for t in tasks if t.done]
 
     def map(self, fn: Callable[[Any], Any], items: Iterable[Any],
             on_done: Callable[[int, Any], None] | None = None) -> list[Any]:
-        """As :meth:`Executor.map`, on the pool; a single item runs in this process (no start-up to pay)."""
+        """As :meth:`Executor.map`, on the pool; a single item runs in this process (no hand-over to pay)."""
         items = list(items)
         if len(items) <= 1:
             return Executor.map(self, fn, items, on_done)
-        pool, prelude = self._get(), list(_PRELUDE)
-        futures = {pool.submit(_call, prelude, fn, x): i for i, x in enumerate(items)}
-        out: list[Any] = [None] * len(items)
-        pending = set(futures)
-        while pending:
-            done, pending = wait(pending, return_when=FIRST_COMPLETED)
-            for f in sorted(done, key=lambda f: futures[f]):
-                out[futures[f]] = f.result()
-                if on_done:
-                    on_done(futures[f], out[futures[f]])
-        return out
+        return self._map_tasks(fn, items, on_done)
 
     def describe(self) -> str:
         """``N local processes``."""
@@ -167,21 +223,27 @@ class RayExecutor(Executor):
         self._remote = ray.remote(num_cpus=1)(_call)
         super().__init__(int(ray.cluster_resources().get("CPU", 1)))
 
+    def submit(self, fn: Callable[[Any], Any], item: Any) -> Task:
+        """``fn(item)`` as a remote task on the cluster."""
+        return Task(self._remote.remote(list(_PRELUDE), fn, item))
+
+    def wait(self, tasks: Iterable[Task]) -> list[Task]:
+        """As :meth:`Executor.wait`, on the tasks' object refs."""
+        tasks = list(tasks)
+        pending = [t.handle for t in tasks if not t.done]
+        if pending:
+            ready, _ = self._ray.wait(pending, num_returns=1)
+            more, _ = self._ray.wait(pending, num_returns=len(pending), timeout=0)
+            ready_ids = {r.hex() for r in ready + more}
+            for t in tasks:
+                if not t.done and t.handle.hex() in ready_ids:
+                    t.result, t.done = self._ray.get(t.handle), True
+        return [t for t in tasks if t.done]
+
     def map(self, fn: Callable[[Any], Any], items: Iterable[Any],
             on_done: Callable[[int, Any], None] | None = None) -> list[Any]:
         """As :meth:`Executor.map`, every item a remote task on the cluster."""
-        ray, prelude = self._ray, list(_PRELUDE)
-        refs = [self._remote.remote(prelude, fn, x) for x in items]
-        index = {r: i for i, r in enumerate(refs)}
-        out: list[Any] = [None] * len(refs)
-        pending = list(refs)
-        while pending:
-            done, pending = ray.wait(pending, num_returns=1)
-            for ref in done:
-                out[index[ref]] = ray.get(ref)
-                if on_done:
-                    on_done(index[ref], out[index[ref]])
-        return out
+        return self._map_tasks(fn, list(items), on_done)
 
     def describe(self) -> str:
         """``Ray cluster ADDRESS (N CPUs)``."""

@@ -2,8 +2,12 @@
 
 The plan is the bundled ``skywalker-cost`` (SkyWalker's Fig. 10 setup, cross-region vs region-local
 load balancing) with both layouts, so each search round hands the executor four independent runs.
-Each size is timed once, without a progress bar; the machine's load average before and after is
-reported, since other work on a shared machine takes cores from the pool.
+Each size is timed once, without a progress bar, from making the executor (the pool's start-up
+counts) to the answer. A speedup means something only on a machine the benchmark has to itself:
+before it starts, the CPU time other processes take over a second is sampled from /proc/stat and a
+busy machine is refused (``--allow-busy`` runs anyway); during each timed run the CPU others took
+(the machine's busy time less this process's and its workers') is measured and a run where they
+took more than a quarter of a core is flagged, the result marked not valid.
 """
 
 from __future__ import annotations
@@ -11,7 +15,37 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import time
+from pathlib import Path
+
+BUSY_CORES = 0.25  # others' CPU, in cores, above which a timing is not valid
+
+
+def _machine_busy_s() -> float | None:
+    """CPU seconds every process on the machine has spent so far (/proc/stat; None elsewhere)."""
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+    except OSError:
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[:8])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def _own_cpu_s() -> float:
+    """CPU seconds of this process and its finished children (the pool's workers, once shut down)."""
+    a, b = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return a.ru_utime + a.ru_stime + b.ru_utime + b.ru_stime
+
+
+def others_cores(seconds: float = 1.0) -> float | None:
+    """Cores' worth of CPU other processes use now, sampled over ``seconds`` (None without /proc)."""
+    m0, o0 = _machine_busy_s(), _own_cpu_s()
+    time.sleep(seconds)
+    m1, o1 = _machine_busy_s(), _own_cpu_s()
+    if m0 is None or m1 is None:
+        return None
+    return max(0.0, (m1 - m0) - (o1 - o0)) / seconds
 
 
 def run(workers: tuple[int, ...] = (1, 2), requests: int = 800, ray: str | None = None) -> dict:
@@ -29,18 +63,29 @@ def run(workers: tuple[int, ...] = (1, 2), requests: int = 800, ray: str | None 
     answers = {}
     for label, kw in [(f"{n} worker{'s' if n > 1 else ''}", {"workers": n}) for n in workers] + (
             [(f"ray {ray}", {"ray": ray})] if ray else []):
+        m0, o0 = _machine_busy_s(), _own_cpu_s()
+        t0 = time.perf_counter()
         with make_executor(**kw) as ex:
-            t0 = time.perf_counter()
-            answer = Planner(spec, ex).run()
+            planner = Planner(spec, ex)
+            answer = planner.run()
             wall = time.perf_counter() - t0
+        total = time.perf_counter() - t0  # with the pool's shut-down (a speculative run may finish first)
+        m1, o1 = _machine_busy_s(), _own_cpu_s()
+        others = None if m0 is None or m1 is None else round(max(0.0, (m1 - m0) - (o1 - o0)) / total, 2)
         answers[label] = json.dumps(answer, sort_keys=True)
-        out["runs"][label] = {"wall_s": round(wall, 2), "simulations": answer["runs"], "executor": ex.describe(),
+        out["runs"][label] = {"wall_s": round(wall, 2), "with_shutdown_s": round(total, 2),
+                              "simulations": answer["runs"], "speculative_unused": planner.speculative_unused,
+                              "executor": ex.describe(), "others_cores": others,
                               "winner": answer["winner"]["candidate"] if answer["winner"] else None}
     base = out["runs"][next(iter(out["runs"]))]["wall_s"]
     for r in out["runs"].values():
         r["speedup"] = round(base / r["wall_s"], 2)
     out["answers_identical"] = len(set(answers.values())) == 1
     out["load_after"] = [round(x, 2) for x in os.getloadavg()]
+    busy = [label for label, r in out["runs"].items()
+            if r["others_cores"] is not None and r["others_cores"] > BUSY_CORES]
+    out["valid"] = not busy and all(r["others_cores"] is not None for r in out["runs"].values())
+    out["busy_runs"] = busy
     return out
 
 
@@ -50,6 +95,8 @@ def add_parser(bench: argparse._SubParsersAction) -> None:
     p.add_argument("--workers", default="1,2", help="worker counts to time, comma-separated (default 1,2)")
     p.add_argument("--requests", type=int, default=800, help="requests per simulated run (default 800)")
     p.add_argument("--ray", metavar="ADDRESS", help="also time the plan on this Ray cluster")
+    p.add_argument("--allow-busy", action="store_true", dest="allow_busy",
+                   help="run even when other processes use the CPU (the speedup is then marked not valid)")
     p.add_argument("--json", metavar="FILE")
     p.set_defaults(func=cmd)
 
@@ -67,6 +114,10 @@ def cmd(args: argparse.Namespace) -> int:
             raise ValueError
     except ValueError:
         return error(f"--workers {args.workers!r}: expected positive integers, comma-separated (e.g. 1,2)")
+    busy = others_cores()
+    if busy is not None and busy > BUSY_CORES and not args.allow_busy:
+        return error(f"other processes are using {busy:.2f} cores of {os.cpu_count()}: a speedup measured now "
+                     "means nothing; run on a quiet machine (or --allow-busy to run anyway, marked not valid)")
     try:
         result = run(workers, args.requests, args.ray)
     except ExecutorError as exc:
@@ -74,12 +125,18 @@ def cmd(args: argparse.Namespace) -> int:
     t = Table(title=f"kvroute plan skywalker-cost ({result['requests_per_run']} requests per run), "
                     f"{result['cpu_count']} cores; load average before {result['load_before'][0]}, "
                     f"after {result['load_after'][0]}")
-    for col in ("executor", "simulations", "wall (s)", "speedup"):
+    for col in ("executor", "simulations", "unused speculative", "wall to answer (s)", "speedup",
+                "others' CPU (cores)"):
         t.add_column(col, justify="left" if col == "executor" else "right")
     for r in result["runs"].values():
-        t.add_row(r["executor"], str(r["simulations"]), f"{r['wall_s']:.1f}", f"{r['speedup']:.2f}×")
+        t.add_row(r["executor"], str(r["simulations"]), str(r["speculative_unused"]), f"{r['wall_s']:.2f}",
+                  f"{r['speedup']:.2f}×", "?" if r["others_cores"] is None else f"{r['others_cores']:.2f}")
     console.print(t)
+    if not result["valid"]:
+        console.print("[red]NOT VALID: other processes took CPU during "
+                      f"{', '.join(result['busy_runs']) or 'the runs (not measurable here)'}; "
+                      "the speedup is not a measurement of kvroute[/red]")
     console.print("answers identical on every executor" if result["answers_identical"]
                   else "[red]answers DIFFER between executors[/red]")
     write_json(args.json, result)
-    return 0 if result["answers_identical"] else 1
+    return 0 if result["answers_identical"] and result["valid"] else 1

@@ -6,11 +6,13 @@ in proportion to each region's clients, at least ``min_per_region`` each). Cost 
 
 Per candidate, *k* is searched as the capacity knee is in ``sim/sweep.py``: more replicas never
 make an SLO harder to meet (assumed, as every sizing study does), so the smallest passing *k* is
-bracketed by doubling from the minimum, then bisected. All candidates advance in lock-step
-rounds — one probe each per round, handed to the executor together — and a candidate is dropped
-as soon as even its cheapest still-possible *k* costs more than the cheapest deployment already
-known to pass (it is dominated on cost). The decisions depend only on finished rounds, so a pool
-or a Ray cluster gives the serial search's answer.
+bracketed by doubling from the minimum, then bisected. All candidates advance in
+rounds — one probe each per round — and a candidate is dropped as soon as even its cheapest
+still-possible *k* costs more than the cheapest deployment already known to pass (it is
+dominated on cost). The decisions depend only on finished rounds, so a pool or a Ray cluster
+gives the serial search's answer. With several workers the rounds do not wait as a batch: a
+worker with no run of the current round left starts a probe a later round is likely to ask for
+(``Planner._results``), so both cores stay busy to the end.
 
 A run *passes* when every percentile bound and the goodput share hold, no pinned request was
 served outside its residency zone, and the simulator calls the run stable: a saturated run's
@@ -24,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvroute.parallel import Executor
+from kvroute.parallel import Executor, Task
 from kvroute.plan.spec import PlanSpec, base_scenario, regions_of
 from kvroute.sim.scenario import Scenario, parse_scenario
 from kvroute.sim.simulation import Simulation
@@ -141,6 +143,10 @@ class Planner:
         self.weights = {r: float(n) for r, n in self.sc.clients().items()}
         self.kmin = spec.min_per_region * len(self.regions)
         self.runs = 0
+        self.speculated = 0  # runs started before a round asked for them (more than one worker)
+        self._measured: dict[tuple[Candidate, int], dict] = {}  # (candidate, k) → measurements
+        self._used: set[tuple[Candidate, int]] = set()  # the ones a round asked for
+        self._flight: dict[tuple[Candidate, int], Task] = {}
         self.candidates = [Candidate(hw.profile, hw.price_per_hour, e.label, _entry_of(e), layout)
                            for hw in spec.hardware
                            for e in parse_scenario({**self.sc.model_dump(exclude_none=True),
@@ -190,7 +196,7 @@ class Planner:
                     probes.append((c, s.next_k))
             if not probes:
                 break
-            results = self.ex.map(run_task, [(self.deployment(c, k), self.spec.residency) for c, k in probes])
+            results = self._results(probes, states, best_cost)
             self.runs += len(probes)
             for (c, k), m in zip(probes, results):
                 s = states[c]
@@ -208,7 +214,64 @@ class Planner:
             if self.progress:
                 self.progress(self.runs, self._expected(states), f"{sum(not s.done for s in states.values())} "
                                                                  "candidates searching")
+        self._flight.clear()  # speculative runs still going: their results are not needed
         return self._answer(states)
+
+    def _results(self, probes: list[tuple[Candidate, int]], states: dict[Candidate, _State],
+                 best_cost: float) -> list[dict]:
+        """The round's measurements, in probe order.
+
+        With more than one worker the round's runs are not handed over as one batch: up to
+        ``workers`` runs stay in flight, the round's own first, and a worker that would otherwise
+        idle (the round has fewer runs left than workers) runs a probe a later round may ask for —
+        each unfinished probe's next k if it fails, then if it passes. A run's measurements depend
+        only on its deployment, so a later round that asks for one already measured takes it as
+        it is, and the decisions (hence the answer and ``runs``) are the serial search's; a
+        speculative run no round asks for is counted in ``speculative_unused``, not in the answer."""
+        need = [(c, k) for c, k in probes]
+        while any(key not in self._measured for key in need):
+            for key in need:
+                if key not in self._measured and key not in self._flight:
+                    self._launch(key)
+            if self.ex.workers > 1:
+                for key in self._guesses(need, states, best_cost):
+                    if len(self._flight) >= self.ex.workers:
+                        break
+                    self._launch(key, speculative=True)
+            for t in self.ex.wait(list(self._flight.values())):
+                key = next(k for k, v in self._flight.items() if v is t)
+                del self._flight[key]
+                self._measured[key] = t.result
+        out = [self._measured[key] for key in need]
+        self._used.update(need)
+        return out
+
+    def _launch(self, key: tuple[Candidate, int], speculative: bool = False) -> None:
+        c, k = key
+        self._flight[key] = self.ex.submit(run_task, (self.deployment(c, k), self.spec.residency))
+        if speculative:
+            self.speculated += 1
+
+    def _guesses(self, need: list[tuple[Candidate, int]], states: dict[Candidate, _State],
+                 best_cost: float) -> list[tuple[Candidate, int]]:
+        """Probes the next round may ask for, likeliest first, not measured or in flight yet."""
+        fail, succeed = [], []
+        for c, k in need:
+            if (c, k) in self._measured:
+                continue
+            s = states[c]
+            if_fail = self._next(_State(lo=k, hi=s.hi))
+            if if_fail is not None and not (self.spec.prune and (k + 1) * c.price > best_cost + 1e-9):
+                fail.append((c, if_fail))
+            if_pass = self._next(_State(lo=s.lo, hi=k))
+            if if_pass is not None:
+                succeed.append((c, if_pass))
+        return [key for key in fail + succeed if key not in self._measured and key not in self._flight]
+
+    @property
+    def speculative_unused(self) -> int:
+        """Speculative runs whose measurements no round asked for (the cost of keeping workers busy)."""
+        return sum(1 for key in self._measured if key not in self._used)
 
     def _next(self, s: _State) -> int | None:
         top = self.spec.max_replicas
