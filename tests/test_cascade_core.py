@@ -85,6 +85,50 @@ def test_sixteen_instances_at_128k_partition_fast_and_split_skewed_lengths():
     assert exact.cost <= partition.chain(costs, 16).cost
 
 
+def brute_force_within(costs: partition.StageCosts, instances: int, max_k: int, stages: tuple[int, int]) -> float:
+    m = len(costs.cuts) - 1
+    best = float("inf")
+    for s in range(stages[0], min(stages[1], instances, m) + 1):
+        for inner in itertools.combinations(range(1, m), s - 1):
+            edges = [0, *inner, m]
+            for split in itertools.combinations(range(1, instances), s - 1):
+                ks = [b - a for a, b in zip([0, *split], [*split, instances])]
+                if max(ks) > max_k:
+                    continue
+                best = min(best, sum(costs.stage(edges[i], edges[i + 1], ks[i]) + costs.cut(edges[i])
+                                     for i in range(s)))
+    return best
+
+
+@settings(max_examples=40, deadline=None)
+@given(running=running_st, instances=st.integers(2, 5), max_k=st.integers(1, 3), fewest=st.integers(1, 3))
+def test_plans_within_an_envelope(running, instances, max_k, fewest):
+    """§6.1's envelope (stages of at most max_k instances, fewest..fewest+1 stages): the DP finds the
+    best plan inside it, the heuristic stays inside it too when it can."""
+    costs = partition.StageCosts(MODEL, running, partition.cut_points(5000, min_cut=256), 1e-6)
+    stages = (fewest, fewest + 1)
+    want = brute_force_within(costs, instances, max_k, stages)
+    if want == float("inf"):
+        with pytest.raises(ValueError, match="no plan"):
+            partition.exact(costs, instances, max_k, stages)
+        return
+    plan = partition.exact(costs, instances, max_k, stages)
+    assert plan.cost == pytest.approx(want, rel=1e-9, abs=1e-12)
+    assert max(plan.sizes) <= max_k and fewest <= len(plan.sizes) <= fewest + 1 and sum(plan.sizes) == instances
+    heur = partition.heuristic(costs, instances, max_k, stages)
+    assert sum(heur.sizes) == instances and heur.cost >= plan.cost - 1e-12
+    assert max(heur.sizes) <= max(max_k, -(-instances // (len(costs.cuts) - 1)))
+
+
+def test_sixteen_instances_in_the_papers_envelope():
+    """§6.1: "pipelines of 4 to 6 stages ..., with each stage comprising 1 to 4 instances"."""
+    running = partition.snapshot(skewed(2000), 1000)
+    costs = partition.StageCosts(MODEL, running, partition.cut_points(131072, 64, per_octave=2), 114688 / 25e9)
+    for solve in (partition.heuristic, partition.exact):
+        plan = solve(costs, 16, 4, (4, 6))
+        assert 4 <= len(plan.sizes) <= 6 and max(plan.sizes) <= 4 and sum(plan.sizes) == 16
+
+
 def test_snapshot_is_length_biased_and_inside_each_life():
     snap = partition.snapshot([(100, 1), (100, 999)], 2000, seed=2)
     assert all(i <= cur < fin for i, cur, fin in snap)

@@ -230,3 +230,24 @@ def test_reproduce_cascadeinfer_fills_every_row():
         assert r["agrees"] == YES or r["why_not"], r["claim"]
     assert rows["stage partition with 16 instances, 128K length"]["agrees"] == YES
     assert "static mean predictor" in rows["QoE model mean relative error (held-back runs)"]["kvroute"]
+
+
+def test_periodic_replanning_within_the_envelope_reports_every_plan():
+    """§4.2: planning at initialization and periodically from the period's statistics; §6.1's
+    envelope (4-6 stages of 1-4 instances) holds for every plan; each plan's shape is reported."""
+    sc = parse_scenario({
+        "name": "replan", "seed": 3,
+        "replicas": [{"region": "local", "count": 16, "profile": "h100-llama3.2-3b"}],
+        "topology": {"kind": "global", "region": "local"},
+        "workload": {"kind": "long-context", "rate": 30, "clients": {"local": 1}},
+        "simulator": {"max_stage_instances": 4, "stages": [4, 6], "replan_interval_s": 10},
+        "policies": ["cascadeinfer", "round_robin"], "limits": {"max_requests": 900}}, "test")
+    runs = {r.label: r.result for r in run_scenario(sc)}
+    assert set(runs) == {"cascadeinfer", "round_robin"}  # scenario-wide settings stay out of the labels
+    mig = runs["cascadeinfer"]["migration"]
+    plans = mig["plans"]
+    assert len(plans) >= 2 and plans[0]["at_s"] == 0 and "Little's law" in plans[0]["planned_on"]
+    assert all("observed" in p["planned_on"] for p in plans[1:])
+    for p in plans:
+        assert 4 <= len(p["sizes"]) <= 6 and max(p["sizes"]) <= 4 and sum(p["sizes"]) == 16
+    assert [len(s) for s in mig["stages"]] == plans[-1]["sizes"] and not runs["cascadeinfer"]["failed"]

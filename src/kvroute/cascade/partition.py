@@ -172,37 +172,53 @@ def _plan(costs: StageCosts, pieces: list[tuple[int, int, int]]) -> Plan:
     return Plan(tuple(Stage(k, cuts[a], cuts[b]) for k, a, b in pieces), cost)
 
 
-def exact(costs: StageCosts, instances: int) -> Plan:
-    """The optimal plan over every stage count, instance split and cut (the §4.2 recursion)."""
+def exact(costs: StageCosts, instances: int, max_k: int | None = None,
+          stages: tuple[int, int] | None = None) -> Plan:
+    """The optimal plan over every stage count, instance split and cut (the §4.2 recursion);
+    ``max_k`` caps a stage's instances, ``stages`` bounds the stage count (then the stage count
+    is a table dimension, as in the paper's f[s,e,l])."""
     m = len(costs.cuts) - 1
     inf = float("inf")
-    f = [[inf] * (m + 1) for _ in range(instances + 1)]
-    back: list[list[tuple[int, int] | None]] = [[None] * (m + 1) for _ in range(instances + 1)]
-    f[0][0] = 0.0
-    for e in range(1, instances + 1):
-        for j in range(1, m + 1):
-            best, arg = inf, None
-            for e0 in range(e):
-                row = f[e0]
-                for j0 in range(j):
-                    base = row[j0]
-                    if base == inf:
-                        continue
-                    v = base + costs.stage(j0, j, e - e0) + costs.cut(j0)
-                    if v < best:
-                        best, arg = v, (e0, j0)
-            f[e][j], back[e][j] = best, arg
+    top = max_k or instances
+    s_hi = stages[1] if stages else 1
+    # f[s][e][j]: best cost of s stages (0 = any count, when unbounded) over e instances and cuts[0..j]
+    f = [[[inf] * (m + 1) for _ in range(instances + 1)] for _ in range(s_hi + 1)]
+    back: dict[tuple[int, int, int], tuple[int, int, int]] = {}
+    f[0][0][0] = 0.0
+    for s in range(1, s_hi + 1) if stages else (0,):
+        for e in range(1, instances + 1):
+            for j in range(1, m + 1):
+                best, arg = inf, None
+                for e0 in range(max(0, e - top), e):
+                    row = f[s - 1][e0] if stages else f[0][e0]
+                    for j0 in range(j):
+                        base = row[j0]
+                        if base == inf:
+                            continue
+                        v = base + costs.stage(j0, j, e - e0) + costs.cut(j0)
+                        if v < best:
+                            best, arg = v, (s - 1 if stages else 0, e0, j0)
+                if arg is not None:
+                    f[s][e][j] = best
+                    back[(s, e, j)] = arg
+    if stages:
+        s_best = min(range(stages[0], s_hi + 1), key=lambda k: f[k][instances][m])
+        if f[s_best][instances][m] == inf:
+            raise ValueError(f"no plan of {stages[0]}-{stages[1]} stages of at most {top} instances covers "
+                             f"{instances} instances over {m} length tiers")
+    else:
+        s_best = 0
     pieces = []
-    e, j = instances, m
-    while e:
-        prev = back[e][j]
-        assert prev is not None
-        pieces.append((e - prev[0], prev[1], j))
-        e, j = prev
+    key = (s_best, instances, m)
+    while key[1]:
+        prev = back[key]
+        pieces.append((key[1] - prev[1], prev[2], key[2]))
+        key = prev
     return _plan(costs, pieces[::-1])
 
 
-def heuristic(costs: StageCosts, instances: int) -> Plan:
+def heuristic(costs: StageCosts, instances: int, max_k: int | None = None,
+              stages: tuple[int, int] | None = None) -> Plan:
     """Two phases (§4.2): one instance per stage, then greedy merges of adjacent stages.
 
     Phase 1 is the DP restricted to single-instance stages, with as many stages as there are
@@ -210,19 +226,26 @@ def heuristic(costs: StageCosts, instances: int) -> Plan:
     one by one, the stage where an extra instance lowers the cost most). Phase 2 merges the
     adjacent pair with the largest positive gain (their costs plus the cut between them, minus
     the merged stage's cost) until no merge gains; with E ≤ a few dozen a scan per merge is as
-    fast as a heap.
+    fast as a heap. ``max_k`` forbids merges past that many instances; ``stages`` = (fewest,
+    most): merging stops at the fewest, and continues past the last gaining merge, least loss
+    first, while there are more than the most.
     """
+    top = max_k or instances
     stages_n = min(instances, len(costs.cuts) - 1)
     pieces = _one_per_stage(costs, stages_n)
     for _ in range(instances - stages_n):
-        gains = [costs.stage(a, b, k) - costs.stage(a, b, k + 1) for k, a, b in pieces]
+        gains = [costs.stage(a, b, k) - costs.stage(a, b, k + 1) if k < top else -math.inf
+                 for k, a, b in pieces]
         i = gains.index(max(gains))
         k, a, b = pieces[i]
         pieces[i] = (k + 1, a, b)
-    while len(pieces) > 1:
-        best, at = 0.0, -1
+    fewest, most = stages or (1, len(pieces))
+    while len(pieces) > fewest:
+        best, at = (0.0 if len(pieces) <= most else -math.inf), -1
         for i in range(len(pieces) - 1):
             (k1, a1, b1), (k2, a2, b2) = pieces[i], pieces[i + 1]
+            if k1 + k2 > top:
+                continue
             gain = (costs.stage(a1, b1, k1) + costs.stage(a2, b2, k2) + costs.cut(a2)
                     - costs.stage(a1, b2, k1 + k2))
             if gain > best:

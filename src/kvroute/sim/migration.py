@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import math
 import random
-import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
@@ -40,6 +39,7 @@ from kvroute.cascade.ranges import Item, Refiner, divide, splitter
 from kvroute.perf.network import Network
 from kvroute.policy.presets.cascadeinfer import LengthStage, stage_filter
 from kvroute.sim.balancer import SimBalancer
+from kvroute.sim.cascade_planning import StagePlanner
 from kvroute.sim.engine import DECODE, Engine, Seq
 from kvroute.sim.events import EventLoop
 from kvroute.sim.migration_settings import MigrationSettings
@@ -89,7 +89,6 @@ class MigrationHost(Protocol):
     def migration_settings(self) -> MigrationSettings: ...
 
 DEFAULT_KV_BYTES_PER_TOKEN = 131_072  # assumed when a profile does not say (128 KiB)
-PLAN_SAMPLE = 2000  # requests of the workload's length sample the partition plans on
 
 
 def make_migrator(sim: MigrationHost) -> Migrator | None:
@@ -131,21 +130,18 @@ class Migrator:
         self.out_tokens: dict[str, int] = dict.fromkeys(self.order, 0)  # tokens generated per instance
         self.stats = {"migrations": 0, "handovers": 0, "rebalances": 0, "skipped_no_kv": 0,
                       "transfer_s": 0.0, "refinements": 0}
-        self.fit: QoEFit | None = None
-        self.plan_s = 0.0
-        self.plan_note = ""
-        self.plan_note_n = 0.0
+        self._qoe: QoEFit | None = None
         self.refiners: list[Refiner] = []
+        self.planner = StagePlanner(self, sim.workload, sim.seed)
 
     # -- set-up -------------------------------------------------------------------------------
     def start(self) -> None:
         """Plan (CascadeInfer), set the engines' limits and schedule the periodic rounds."""
         if self.cascade is not None:
-            self._plan()
+            self.planner.start()
             self._apply_limits()
-            if self.params.refinement != "off" and len(self.cascade.stages) > 1:
-                split = splitter(self.params.refinement, self._fit().model)
-                self.refiners = [Refiner(float(b), split) for b in self.cascade.bounds]
+            self._start_refiners()
+            if self.params.refinement != "off":
                 self.loop.at(self.params.refine_interval_s, self._refine_round)
         if self.cascade is None or self.params.bidask == "full":
             self.loop.at(self.params.rebalance_interval_s, self._rebalance_round)
@@ -153,62 +149,39 @@ class Migrator:
             self.loop.at(self.params.rebalance_interval_s, self._retry_round)
 
     def _fit(self) -> QoEFit:
-        if self.fit is None:
-            self.fit = fit_profile(self.profile)
-        return self.fit
+        if self._qoe is None:
+            self._qoe = fit_profile(self.profile)
+        return self._qoe
 
-    def _plan(self) -> None:
+    def fit(self) -> QoEFit:
+        """The QoE model fitted to this profile (fitted once, when first needed)."""
+        return self._fit()
+
+    def in_flight(self) -> int:
+        """Sequences in the engines' running batches now."""
+        return sum(eng.running for eng in self.engines.values())
+
+    def ongoing(self) -> bool:
+        """Whether requests are still coming or in flight (periodic rounds continue)."""
+        return self._active()
+
+    def issuing(self) -> bool:
+        """Whether the workload still issues requests."""
+        return self.sim.issuing
+
+    def replanned(self) -> None:
+        """A periodic plan replaced the stages: new limits, refiners from the new bounds."""
+        self._apply_limits()
+        self._start_refiners()
+
+    def _start_refiners(self) -> None:
         c = self.cascade
         assert c is not None
-        p = self.params
-        if c.stage_sizes:
-            for f in self.stage_filters:
-                f.plan_from_sizes(self.order)
-            self.plan_note = "from the preset's stage_sizes and bounds"
-            return
-        sample_of = getattr(self.sim.workload, "length_sample", None)
-        if sample_of is None or p.layout == "no_pipeline":
-            for f in self.stage_filters:
-                f.plan_from_sizes(self.order)
-            self.plan_note = ("one stage (layout no_pipeline)" if p.layout == "no_pipeline" else
-                              "one stage: the workload offers no length sample to plan on")
-            return
-        sample = sample_of(PLAN_SAMPLE)
-        fit = self._fit()
-        t0 = time.perf_counter()
-        running = self._snapshot(sample)
-        costs = partition.StageCosts(fit.model, running,
-                                     partition.cut_points(max(i + o for i, o in sample), 64, per_octave=2),
-                                     1.0 / self.tokens_per_s)
-        solve = {"dp": partition.exact, "heuristic": partition.heuristic, "chain": partition.chain}[p.layout]
-        plan = solve(costs, len(self.order))
-        self.plan_s = time.perf_counter() - t0
-        stages, i = [], 0
-        for k in plan.sizes:
-            stages.append(self.order[i:i + k])
-            i += k
-        for f in self.stage_filters:
-            f.set_plan(stages, plan.bounds)
-        self.plan_note = (f"{p.layout} over {len(running)} sequences in flight: sizes {plan.sizes}, "
-                          f"bounds {plan.bounds}")
-
-    def _snapshot(self, sample: list[tuple[int, int]]) -> list[partition.Running]:
-        """The sequences in flight at the workload's rate (Little's law on the profile's decode
-        step), drawn from the length sample; *choice*: the snapshot the partition plans on."""
-        prof = self.profile
-        rate = float(getattr(self.sim.workload, "rate", 0.0) or 1.0)
-        mean_out = sum(o for _, o in sample) / len(sample)
-        mean_ctx = sum(o * (i + o / 2) for i, o in sample) / sum(o for _, o in sample)  # length-biased
-
-        def tpot(batch: float) -> float:
-            b = max(1.0, batch)
-            return prof.step_time(decode=int(math.ceil(b)), decode_ctx=b * mean_ctx)
-
-        n = partition.concurrency(rate, mean_out, tpot, len(self.order), len(self.order) * prof.max_running)
-        step = tpot(n / len(self.order))
-        self.plan_note_n = n
-        return partition.snapshot(sample, max(len(self.order), int(round(n))), seed=self.sim.seed,
-                                  prefill_tokens=lambda i: prof.prefill_time(i) / step)
+        if self.params.refinement != "off" and len(c.stages) > 1:
+            split = splitter(self.params.refinement, self._fit().model)
+            self.refiners = [Refiner(float(b), split) for b in c.bounds]
+        else:
+            self.refiners = []
 
     def _apply_limits(self) -> None:
         c = self.cascade
@@ -221,6 +194,8 @@ class Migrator:
     def finished(self, seq: Seq, replica: str) -> None:
         """A sequence completed on ``replica``: count the tokens it generated there."""
         self.out_tokens[replica] = self.out_tokens.get(replica, 0) + seq.output - self.produced_at.pop(seq.rid, 0)
+        if self.cascade is not None:
+            self.planner.finished(seq.payload.sreq.req.prompt_tokens, seq.output)
         self.retry.pop(seq.rid, None)
 
     def demand(self, rid: str) -> float:
@@ -334,6 +309,8 @@ class Migrator:
         return self.sim.issuing or self.sim.outstanding > 0
 
     def _retry_round(self, _: object = None) -> None:
+        if self.cascade is not None:
+            self.planner.observe()
         for rid, (seq, src) in list(self.retry.items()):
             if seq.state == DECODE and self.engines[src].context(seq):
                 self.retry.pop(rid, None)
@@ -345,6 +322,7 @@ class Migrator:
 
     def _rebalance_round(self, _: object = None) -> None:
         if self.cascade is not None:
+            self.planner.observe()
             self._retry_round_once()
             for ids in self.cascade.stages:
                 if len(ids) > 1:
@@ -434,7 +412,8 @@ class Migrator:
             c = self.cascade
             out["stages"] = [list(s) for s in c.stages]
             out["bounds"] = list(c.bounds)
-            out["plan"] = self.plan_note
-            if self.fit is not None:
-                out["qoe_error"] = round(self.fit.model_error, 4)
+            out["plan"] = self.planner.note
+            out["plans"] = self.planner.shapes
+            if self._qoe is not None:
+                out["qoe_error"] = round(self._qoe.model_error, 4)
         return out

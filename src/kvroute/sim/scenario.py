@@ -222,9 +222,24 @@ class Scenario(StrictModel):
                                            "for mooncake, whose hash ids cover 512 tokens; else 64)")
     slo: SLOSpec = Field(default_factory=SLOSpec, description="service-level objective for goodput and the "
                          "capacity knee")
+    simulator: dict[str, Any] | None = Field(
+        None, description="simulator settings for every policy that migrates sequences (cascadeinfer, llumnix: "
+        "layout, max_stage_instances, stages, replan_interval_s, refinement, bidask, ...; "
+        "sim/migration_settings.py); a policy's own `simulator:` overrides them, and they do not enter its label")
     pd: PDSpec | None = Field(None, description="prefill/decode disaggregation: replica groups with role prefill "
                               "and decode, the prefill policy, when to split, the KV links (sim/disagg.py); "
                               "`policies` then choose the decode engine")
+
+    @model_validator(mode="after")
+    def _simulator_settings(self) -> Scenario:
+        """The scenario's simulator settings are valid (one line, at the key)."""
+        if self.simulator:
+            try:
+                migration_settings.split(None, self.simulator)
+            except ValueError as exc:
+                where, msg = str(exc).split(": ", 1)
+                raise yamlconf.AtItem(msg, tuple(where.split("."))) from None
+        return self
 
     @model_validator(mode="after")
     def _pd_roles(self) -> Scenario:
@@ -301,6 +316,8 @@ class Scenario(StrictModel):
             if label in seen:
                 raise ScenarioError(f"policies[{i}]: {label} is listed twice")
             seen.add(label)
+            if self.simulator:  # the scenario's simulator settings under the policy's own
+                params = {**self.simulator, **(params or {})}
             out.append(PolicyEntry(label, preset, params, topo))
         return out
 
