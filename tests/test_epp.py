@@ -22,7 +22,7 @@ from kvroute.emulator.server import Faults, start_emulator  # noqa: E402
 from kvroute.epp import protocol as P  # noqa: E402
 from kvroute.epp.server import EndpointPicker  # noqa: E402
 from kvroute.gateway.config import GatewayConfig  # noqa: E402
-from kvroute.gateway.runtime import QueueFull  # noqa: E402
+from kvroute.gateway.holdqueue import QueueFull  # noqa: E402
 from kvroute.policy import PRESETS  # noqa: E402
 from tests.envoy_client import Stream, exchange, headers  # noqa: E402
 
@@ -153,7 +153,7 @@ def test_grpc_health_liveness_and_readiness():
 
 async def stop_probes(rt) -> None:
     """Stop the runtime's background probe rounds (they would re-admit replicas a test marks down)."""
-    task = rt._probe_task
+    task = rt.prober.task
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task

@@ -53,7 +53,7 @@ def dep():
 
     async def reread():  # the probes read /v1/models before the test changed the lists
         for up in d.runtime.upstreams.values():
-            await d.runtime._read_models(up)
+            await d.runtime.prober.read_models(up)
     d.call(reread())
     yield d
     assert d.settle() == (0, 0, 0)
@@ -109,7 +109,7 @@ def test_llama_server_serves_its_one_model_whatever_name_the_client_uses():
         d.upstreams[0].models = ["/models/tiny.gguf"]  # llama-server lists its file path
 
         async def reread():
-            await d.runtime._read_models(d.runtime.upstreams["r0"])
+            await d.runtime.prober.read_models(d.runtime.upstreams["r0"])
         d.call(reread())
         r = client(d).completions.with_raw_response.create(model="gpt-4o", prompt="hi")
         assert r.status_code == 200 and r.headers["x-kvroute-replica"] == "r0"

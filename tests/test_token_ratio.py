@@ -43,7 +43,7 @@ async def _run() -> tuple[float, list[tuple[int, int]], int]:
             _, req = gw.proxy.parse(json.dumps(body).encode(), PROXIED["/v1/chat/completions"], {})
             r = await client.chat.completions.create(**body)
             pairs.append((req.prompt_tokens, r.usage.prompt_tokens))
-        await gw.runtime.probe_all()  # the index's block worth follows the ratio on a probe round
+        await gw.runtime.prober.probe_all()  # the index's block worth follows the ratio on a probe round
         return gw.runtime.tokens.scale, pairs, gw.runtime.router.index_block_tokens
     finally:
         await gw.stop()
@@ -74,7 +74,7 @@ async def _forgetting() -> list[tuple[set[str], set[str]]]:
             await client.chat.completions.create(model="m", messages=_messages(i), max_tokens=1)
         seen.append((set(rt.tokens.ratios), set(rt.drained)))
         rt.upstreams["e0"].reading.prompt_tokens_total = 1e12  # its counter goes back: a restart
-        await rt.probe_all()
+        await rt.prober.probe_all()
         rt.set_drained("e1", True)
         seen.append((set(rt.tokens.ratios), set(rt.drained)))
         rt.reconfigure(config.model_copy(update={"replicas": replicas[:1]}))  # a reload without e1

@@ -39,9 +39,10 @@ from kvroute.epp import protocol as P
 from kvroute.errors import ClientError
 from kvroute.gateway.breaker import CircuitState
 from kvroute.gateway.config import GatewayConfig
+from kvroute.gateway.holdqueue import PolicyError, QueueFull, QueueTimeout
 from kvroute.gateway.openai import PROXIED
+from kvroute.gateway.replica import Outcome
 from kvroute.gateway.retry import RETRY_STATUSES
-from kvroute.gateway.runtime import Outcome, PolicyError, QueueFull, QueueTimeout
 from kvroute.gateway.server import Gateway
 from kvroute.gateway.tokens import reported_completion_tokens
 from kvroute.model import DecisionKind, Request

@@ -28,7 +28,8 @@ from kvroute.gateway.outlier import ReplicaWatch, StallDetector
 from kvroute.gateway.upstream import UpstreamError, UpstreamTimeout
 
 if TYPE_CHECKING:
-    from kvroute.gateway.runtime import Runtime, Upstream
+    from kvroute.gateway.replica import Upstream
+    from kvroute.gateway.runtime import Runtime
 
 log = logging.getLogger("kvroute.gateway")
 SWEEP_S = 0.25

@@ -38,8 +38,8 @@ from urllib.parse import urlsplit
 from kvroute.errors import ServiceError
 from kvroute.gateway.http import Request as HTTPRequest
 from kvroute.gateway.openai import Kind
+from kvroute.gateway.replica import Outcome
 from kvroute.gateway.retry import Failure, RetryReason
-from kvroute.gateway.runtime import Outcome
 from kvroute.gateway.upstream import UpstreamError, UpstreamTimeout
 
 if TYPE_CHECKING:

@@ -28,15 +28,17 @@ from typing import Any
 from kvroute.errors import ClientError
 from kvroute.gateway.auth import KeyState
 from kvroute.gateway.continuation import Break, LegResponder, Splice, error_event
+from kvroute.gateway.holdqueue import PolicyError, QueueFull, QueueTimeout
 from kvroute.gateway.http import Request as HTTPRequest
 from kvroute.gateway.http import Responder
 from kvroute.gateway.openai import Kind, RequestParsing, prompt_key
 from kvroute.gateway.outlier import Attempt
 from kvroute.gateway.pd import forward_split
 from kvroute.gateway.peers import PEER_HEADERS
+from kvroute.gateway.replica import Outcome
 from kvroute.gateway.residency import REGION_HEADER, RESIDENCY_HEADER, ResidencyConflict
 from kvroute.gateway.retry import RETRY_STATUSES, Failure, RetryReason, backoff_s, failure_of
-from kvroute.gateway.runtime import Outcome, PolicyError, QueueFull, QueueTimeout, Runtime
+from kvroute.gateway.runtime import Runtime
 from kvroute.gateway.tokens import reported_completion_tokens, reported_prompt_tokens, token_events
 from kvroute.gateway.tracing import Tracer
 from kvroute.gateway.upstream import (

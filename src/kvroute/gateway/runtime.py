@@ -1,44 +1,29 @@
-"""The load balancer's state in the live gateway: replicas, the Router, the FIFO queue, probes,
-health, circuit breakers. Everything here runs on the event loop's thread, so a routing
+"""The load balancer's state in the live gateway: replicas, the Router, health, circuit breakers,
+accounting and reloads; the hold queue is :mod:`.holdqueue`, the probes :mod:`.prober`, one
+replica's record :mod:`.replica`. Everything here runs on the event loop's thread, so a routing
 decision and its commit are one synchronous step — no burst can see stale in-flight counts.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
-from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
 from kvroute.discovery.manager import Discovery
-from kvroute.errors import ServiceError
 from kvroute.gateway.breaker import CircuitBreaker
-from kvroute.gateway.config import GatewayConfig, ProbeConfig, ReplicaConfig
+from kvroute.gateway.config import GatewayConfig, ReplicaConfig
 from kvroute.gateway.ejection import Ejector
+from kvroute.gateway.holdqueue import HoldQueue, PolicyError
 from kvroute.gateway.metrics import GatewayMetrics
 from kvroute.gateway.peers import Peering
-from kvroute.gateway.probes import (
-    VLLM_FILTERED,
-    ProbeError,
-    ProbeStreak,
-    Reading,
-    kv_capacity,
-    next_probe_interval,
-    parse_prometheus,
-    probe_forever,
-    read_indicators,
-    restarted,
-    tick_breakers,
-)
-from kvroute.gateway.tokens import RESIZE_STEP, TokenRatio
-from kvroute.gateway.upstream import UpstreamConnectError, UpstreamError, UpstreamPool
+from kvroute.gateway.prober import Prober
+from kvroute.gateway.replica import Outcome, Upstream
+from kvroute.gateway.tokens import TokenRatio
+from kvroute.gateway.upstream import UpstreamPool
 from kvroute.model import Decision, DecisionKind, Endpoint, Request
 from kvroute.policy import DispatchPacer
 
@@ -46,67 +31,6 @@ if TYPE_CHECKING:
     from kvroute.fleet.sync import FleetSync
 
 log = logging.getLogger("kvroute.gateway")
-
-
-@dataclass
-class Upstream:
-    """One replica as the gateway keeps it: its config, the Endpoint the policy sees, breaker, connection
-    pool, probe streak, last reading and the models it serves."""
-
-    config: ReplicaConfig
-    endpoint: Endpoint
-    breaker: CircuitBreaker
-    pool: UpstreamPool
-    engine: str = "auto"
-    streak: ProbeStreak = field(default_factory=ProbeStreak)
-    reading: Reading | None = None  # the last successful probe
-    restarts: int = 0
-    models: frozenset[str] | None = None  # what it serves: configured, or read from /v1/models
-    model_cards: list[dict[str, Any]] = field(default_factory=list)  # its /v1/models entries
-    models_read_at: float = -1e9
-    # what the gateway sent it, for /metrics: attempts, failed attempts, tokens
-    requests: int = 0
-    errors: int = 0
-    prompt_tokens: int = 0  # the gateway's count of served prompts (the engine's units once learned)
-    completion_tokens: int = 0  # the engine's usage, else the token events streamed
-    # the abort of every exchange sent to it and not over yet (gateway/proxy.py): called when its
-    # probes find nothing listening, so no request keeps waiting on a replica known to be gone
-    exchanges: set[Callable[[UpstreamError], None]] = field(default_factory=set)
-    # adaptive probing (probes.next_probe_interval) and what probing it costs
-    probe_every_s: float = 0.0
-    next_probe_at: float = 0.0
-    probes: int = 0
-    probe_bytes: int = 0
-    filtered: bool | None = None  # vLLM's filtered metrics: None untried, then whether they answer
-
-
-@dataclass
-class Waiter:
-    """A request the policy held, waiting in the gateway queue for a replica (its future gets the Decision)."""
-
-    request: Request
-    future: asyncio.Future
-    enqueued: float = field(default_factory=time.monotonic)
-
-
-class QueueFull(ServiceError):
-    """The LB queue is at its configured length; the gateway answers 429."""
-
-
-class QueueTimeout(ServiceError):
-    """No replica took the request within the queue's max wait; the gateway answers 503."""
-
-
-class PolicyError(ServiceError):
-    """The routing policy raised; logged with its traceback, answered 503 without details."""
-
-
-class Outcome(Enum):
-    """What one upstream attempt says about the replica's health (fed to its breaker)."""
-
-    OK = "ok"
-    FAILED = "failed"
-    NEUTRAL = "neutral"
 
 
 class Runtime:
@@ -124,11 +48,11 @@ class Runtime:
         self._excluded: dict[str | None, tuple[str, ...] | None] = {}  # excluded_for, per model
         for rc in config.replicas:
             self._add(rc)
-        self.queue: deque[Waiter] = deque()
-        self.pacer = self._pacer(config)
-        self._wake: asyncio.TimerHandle | None = None  # a paced drain already scheduled
+        self.hold = HoldQueue(lambda: self.config.queue, self._route, self._forward_held, self._undo,
+                              lambda s: self.metrics.queue_wait.observe(s))  # gateway/holdqueue.py
+        self.queue = self.hold.waiting  # the held requests, oldest first
+        self.hold.pacer = self._pacer(config)
         self.tokens = TokenRatio()  # engine tokens per estimated token (gateway/tokens.py)
-        self._index_scale = 1.0  # the ratio the index's capacity was last computed with
         self.prompt_tokens_routed = 0
         self.hit_tokens_routed = 0
         self.keys = config.auth.key_ring(time.monotonic())
@@ -137,7 +61,7 @@ class Runtime:
         self.metrics = GatewayMetrics(self)
         self.peering = Peering(self)  # peer gateways and forwarding (gateway/peers.py)
         self.fleet = self._fleet(config)  # sibling instances of this region (kvroute/fleet), or None
-        self._probe_task: asyncio.Task | None = None
+        self.prober = Prober(self)  # replica probes (gateway/prober.py)
         self.stalls = Ejector(self)  # stall detection from request progress (gateway/outlier.py)
         self.session: aiohttp.ClientSession | None = None
         self.discovery = self._discovery(config)  # engines that come and go (kvroute/discovery)
@@ -166,7 +90,8 @@ class Runtime:
         return str(policy.get("preset") or policy.get("name") or "composed")  # a composition names itself
 
     # -- replicas -------------------------------------------------------------------------------
-    def _replicas_changed(self) -> None:
+    def replicas_changed(self) -> None:
+        """A replica came, went, was drained, or its engine or models changed: exclusions are recomputed."""
         self._excluded.clear()
 
     def _add(self, rc: ReplicaConfig) -> None:
@@ -180,7 +105,7 @@ class Runtime:
         breaker = CircuitBreaker(bc.failures, bc.cooldown_s, bc.successes)
         up = self.upstreams[rc.name] = Upstream(rc, ep, breaker, UpstreamPool(rc.url, tls=rc.tls_context()),
                                                 engine=rc.engine)
-        self._replicas_changed()
+        self.replicas_changed()
         if rc.models is not None:
             up.models = frozenset(rc.models)
             up.model_cards = [{"id": m, "object": "model", "owned_by": rc.name} for m in rc.models]
@@ -220,7 +145,7 @@ class Runtime:
     def remove_replica(self, name: str) -> None:
         """Remove a replica at run time; its in-flight requests finish where they are."""
         self._drop(name)
-        self._replicas_changed()
+        self.replicas_changed()
         log.info("replica %s removed at run time", name)
 
     def _drop(self, name: str) -> None:
@@ -236,7 +161,7 @@ class Runtime:
     def set_drained(self, name: str, drained: bool) -> None:
         """A drained replica takes no new requests; its in-flight ones finish."""
         (self.drained.add if drained else self.drained.discard)(name)
-        self._replicas_changed()
+        self.replicas_changed()
         log.info("replica %s %s", name, "drained" if drained else "taking requests again")
         if not drained:
             self.drain_queue()
@@ -302,7 +227,7 @@ class Runtime:
             changes.append(f"policy {self.policy_name}")
         if (new.block_tokens, new.max_prefix_blocks) != (self.config.block_tokens, self.config.max_prefix_blocks):
             self.router.reset_index(new.block_tokens, new.max_prefix_blocks)
-            self._index_scale = 1.0  # in nominal units again: the next probe round rescales it
+            self.prober.index_scale = 1.0  # in nominal units again: the next probe round rescales it
             if self.events is not None:  # own keys of another block size: follow every replica afresh
                 self.events.block_tokens = new.block_tokens
                 for r in new.replicas:
@@ -338,8 +263,8 @@ class Runtime:
         if restart_discovery:
             self._restart_discovery()
             changes.append("discovery (restarted)")
-        self.pacer = self._pacer(new)
-        self._replicas_changed()
+        self.hold.pacer = self._pacer(new)
+        self.replicas_changed()
         self.drain_queue()
         return changes
 
@@ -359,41 +284,27 @@ class Runtime:
 
     # -- admission and accounting ----------------------------------------------------------------
     async def admit(self, req: Request) -> Decision:
-        """Route now, or wait in FIFO order while the policy holds (selective pushing)."""
-        forward = self.peering.before_local(req)  # GORGO distributed: a cheaper peer
+        """Route now, or wait in FIFO order while the policy holds (selective pushing); a cheaper
+        peer may take the request first (GORGO distributed)."""
+        forward = self.peering.before_local(req)
         if forward is not None:
             return forward
-        if not self.queue:
-            d = self._route(req)
-            if d.kind is not DecisionKind.HOLD:
-                return d
-        qc = self.config.queue
-        if len(self.queue) >= qc.max_len:
-            raise QueueFull(f"LB queue is full ({qc.max_len} waiting)")
-        waiter = Waiter(req, asyncio.get_running_loop().create_future())
-        self.queue.append(waiter)
-        self.drain_queue()
-        try:
-            async with asyncio.timeout(qc.max_wait_s):  # unlike wait_for on 3.11, a cancel after
-                return await waiter.future  # set_result still cancels: _abandon undoes the dispatch
-        except TimeoutError:
-            self._abandon(waiter)
-            raise QueueTimeout(f"no replica could take the request within {qc.max_wait_s:g} s") from None
-        except asyncio.CancelledError:  # the client went away while queued
-            self._abandon(waiter)
-            raise
+        return await self.hold.admit(req)
 
-    def _abandon(self, w: Waiter) -> None:
-        """A waiter gave up: leave the queue, or undo a dispatch it can no longer use — as a
-        request never sent: the index forgets its prompt, and a half-open breaker's trial slot
-        (taken by the dispatch) is handed back."""
-        if not w.future.done():
-            w.future.cancel()  # drain_queue skips it
-        elif not w.future.cancelled() and w.future.exception() is None and (d := w.future.result()).dispatched:
-            self.release(w.request.id, served=False)
-            self.attempt_done(d.target or "", Outcome.NEUTRAL)
-            if d.prefill is not None:
-                self.attempt_done(d.prefill, Outcome.NEUTRAL)
+    def _forward_held(self, req: Request, behind: int) -> Decision | None:
+        """A held request with ``behind`` others queued after it here: a peer that admits it (SkyWalker),
+        counting the queues of this region's sibling instances too."""
+        if self.fleet is not None:
+            behind += self.fleet.sibling_queue()
+        return self.peering.on_hold(req, behind)
+
+    def _undo(self, req: Request, d: Decision) -> None:
+        """A queued request gave up after it was dispatched: as a request never sent, the index
+        forgets its prompt, and a half-open breaker's trial slot (taken by the dispatch) is handed back."""
+        self.release(req.id, served=False)
+        self.attempt_done(d.target or "", Outcome.NEUTRAL)
+        if d.prefill is not None:
+            self.attempt_done(d.prefill, Outcome.NEUTRAL)
 
     def _route(self, req: Request) -> Decision:
         """Decide and commit; a dispatch to a half-open replica takes its single trial slot.
@@ -425,46 +336,8 @@ class Runtime:
         return PolicyError(f"policy {self.policy_name} failed")
 
     def drain_queue(self) -> None:
-        """Dispatch queued requests, oldest first, while the policy admits them — at most one
-        per pacer tick, so a replica that looked free at the last probe is not handed the whole
-        queue at once (SkyWalker's LB pops one request per 10 ms). Requests that arrive to an
-        empty queue route at once; the admission gate counts them against the probed room."""
-        queue, pacer = self.queue, self.pacer
-        while queue:
-            w = queue[0]
-            if w.future.done():
-                queue.popleft()
-                continue
-            if pacer is not None:
-                now = time.monotonic()
-                if not pacer.ready(now):
-                    self._wake_later(pacer.wait_s(now))
-                    return
-            try:
-                d = self._route(w.request)
-            except PolicyError as exc:
-                queue.popleft()
-                w.future.set_exception(exc)
-                continue
-            if d.kind is DecisionKind.HOLD:
-                behind = len(queue) - 1 + (self.fleet.sibling_queue() if self.fleet is not None else 0)
-                forward = self.peering.on_hold(w.request, behind)  # SkyWalker: a peer that admits it
-                if forward is None:
-                    return
-                d = forward
-            queue.popleft()
-            if pacer is not None and d.kind is DecisionKind.DISPATCH:
-                pacer.dispatched(time.monotonic())
-            self.metrics.queue_wait.observe(time.monotonic() - w.enqueued)
-            w.future.set_result(d)
-
-    def _wake_later(self, delay_s: float) -> None:
-        if self._wake is None:
-            self._wake = asyncio.get_running_loop().call_later(delay_s, self._paced_drain)
-
-    def _paced_drain(self) -> None:
-        self._wake = None
-        self.drain_queue()
+        """Dispatch held requests while the policy admits them (:meth:`HoldQueue.drain`)."""
+        self.hold.drain()
 
     def dispatched(self, req: Request, d: Decision) -> None:
         """A decision is about to be forwarded (the fleet hears of it: its siblings count it)."""
@@ -533,9 +406,8 @@ class Runtime:
             await self.discovery.start()
         if self.events is not None:
             await self.events.start()
-        await self.probe_all()
-        self._probe_task = asyncio.create_task(
-            probe_forever(lambda: self.config.probe.interval_s, self.probe_due, "probe round failed"))
+        await self.prober.probe_all()
+        self.prober.start()
         self.peering.start()
         self.stalls.start()
         if self.fleet is not None:
@@ -544,12 +416,8 @@ class Runtime:
     async def stop(self) -> None:
         """Stop probing, fail every queued request with QueueTimeout (shutting down) and close sessions and
         pools."""
-        if self._wake is not None:
-            self._wake.cancel()
-        if self._probe_task:
-            self._probe_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._probe_task
+        self.hold.stop_pacing()
+        await self.prober.stop()
         if self.discovery is not None:
             await self.discovery.stop()
         await self.peering.stop()
@@ -558,152 +426,8 @@ class Runtime:
             await self.fleet.stop()
         if self.events is not None:
             await self.events.stop()
-        for w in self.queue:
-            if not w.future.done():
-                w.future.set_exception(QueueTimeout("gateway is shutting down"))
+        self.hold.close()
         if self.session:
             await self.session.close()
         for up in self.upstreams.values():
             up.pool.close()
-
-    async def probe_all(self) -> None:
-        """Probe every replica once, in parallel; then tick the breakers, rescale the prefix index and let
-        queued requests go where a replica freed up."""
-        await self._probe_round(force=True)
-
-    async def probe_due(self) -> None:
-        """One round of the probe loop: the replicas whose adaptive interval has come
-        (``probes.next_probe_interval``), then the same bookkeeping as :meth:`probe_all`."""
-        await self._probe_round(force=False)
-
-    async def _probe_round(self, force: bool) -> None:
-        ups = list(self.upstreams.values())
-        now = time.monotonic()
-        slack = self.config.probe.interval_s / 2  # a round that runs a little early still probes what is due
-        await asyncio.gather(*(self._probe(up) for up in ups if force or up.next_probe_at <= now + slack))
-        tick_breakers(ups, time.monotonic())
-        self._rescale_index()
-        self.drain_queue()
-
-    def _rescale_index(self) -> None:
-        """A prefix block is a fixed span of bytes; when the learned token ratio has moved, its
-        worth in tokens, and so each index's capacity in blocks, follows (gateway/tokens.py)."""
-        scale = self.tokens.scale
-        if abs(scale / self._index_scale - 1) <= RESIZE_STEP:
-            return
-        self._index_scale = scale
-        self.router.index_block_tokens = self.tokens.block_tokens(self.config.block_tokens)
-        for ep in self.router.all_endpoints:
-            self.router.resize_index(ep.id)
-
-    async def _probe(self, up: Upstream) -> None:
-        pc = self.config.probe
-        ep = up.endpoint
-        t0 = time.monotonic()
-        try:
-            await self._read_probe(up, pc, ep, t0)
-        finally:
-            reading = up.reading
-            idle = ep.healthy and ep.inflight == 0 and reading is not None and reading.running == 0 \
-                and reading.waiting == 0
-            up.probe_every_s = next_probe_interval(up.probe_every_s, idle, pc.interval_s, pc.idle_interval_s)
-            up.next_probe_at = t0 + up.probe_every_s
-
-    async def _scrape(self, up: Upstream, path: str, timeout_s: float) -> str:
-        """One GET of the replica's metrics at ``path``; its text (ProbeError unless 200)."""
-        assert self.session is not None, "probing before start()"
-        # identity: prometheus_client's app (vLLM's /metrics/) gzips for a client that accepts it
-        async with self.session.get(f"{up.config.url}{path}", timeout=aiohttp.ClientTimeout(total=timeout_s),
-                                    headers={"Accept-Encoding": "identity"},
-                                    ssl=up.pool.tls if up.pool.tls is not None else True) as resp:
-            if resp.status != 200:
-                raise ProbeError(f"{path.split('?')[0]} answered {resp.status}")
-            text = await resp.text()
-        up.probe_bytes += len(text)
-        return text
-
-    async def _read_probe(self, up: Upstream, pc: ProbeConfig, ep: Endpoint, t0: float) -> None:
-        up.probes += 1
-        try:
-            reading = None
-            if up.engine == "vllm" and up.filtered is not False:  # only the series routing reads
-                try:
-                    text = await self._scrape(up, VLLM_FILTERED, pc.timeout_s)
-                    reading = read_indicators(parse_prometheus(text), up.engine)
-                    up.filtered = True
-                except ProbeError as exc:  # an engine that does not filter: the whole page from now on
-                    up.filtered = False
-                    log.info("replica %s: filtered metrics refused (%s); reading /metrics", ep.id, exc)
-            if reading is None:
-                text = await self._scrape(up, "/metrics", pc.timeout_s)
-                reading = read_indicators(parse_prometheus(text), up.engine)
-            if reading.kv_tokens is None:
-                reading.kv_tokens = kv_capacity(text)
-        except (TimeoutError, aiohttp.ClientError, ProbeError, UnicodeDecodeError) as exc:
-            self.metrics.probe_failures.labels(ep.id).inc()
-            if up.streak.failed(ep.healthy, pc.unhealthy_after):
-                ep.healthy = False
-                why = str(exc) or ("timed out" if isinstance(exc, TimeoutError) else exc.__class__.__name__)
-                log.warning("replica %s (%s) ejected after %d failed probes: %s", ep.id, up.config.url,
-                            up.streak.fails, why)
-                if isinstance(exc, aiohttp.ClientConnectorError) and up.exchanges:
-                    # nothing listens there (the engine died or restarted): the exchanges still open
-                    # to it cannot be answered, whether or not their connection's close reached us;
-                    # failed now, they are retried elsewhere (a non-streamed one would otherwise wait
-                    # up to timeouts.non_stream_s for a head)
-                    log.warning("replica %s: %d request(s) in flight there retried elsewhere", ep.id,
-                                len(up.exchanges))
-                    for abort in list(up.exchanges):
-                        abort(UpstreamConnectError(f"replica {ep.id} ejected: {why}"))
-            return
-        ep.rtt_s = up.streak.rtt(time.monotonic() - t0, pc.rtt_ewma)
-        if up.engine == "auto":
-            up.engine = reading.engine
-            self._replicas_changed()
-        if restarted(up.reading, reading):  # a restart faster than ejection: the cache is gone
-            up.restarts += 1
-            self.router.forget_cache(ep.id)
-            if self.events is not None:
-                self.events.restarted(ep.id)  # its sequence starts over: replay from 0
-            self.tokens.forget(ep.id)  # it may serve another model (tokenizer) now
-            ep.warming = True  # its cache is empty: the warm-up rule may let it in
-            log.warning("replica %s restarted (process start time or counters reset); its cache entries "
-                        "are forgotten", ep.id)
-        elif up.reading is None and reading.kv_usage is None:
-            log.info("replica %s (%s) exports no KV-cache usage; KV-aware scores treat it as empty",
-                     ep.id, reading.engine)
-        if reading.kv_tokens and not up.config.kv_tokens and ep.kv_blocks != reading.kv_tokens:
-            ep.kv_blocks = reading.kv_tokens  # block_size 1: capacity in tokens
-            self.router.resize_index(ep.id)
-            log.info("replica %s holds %d KV tokens (from its metrics); its prefix index is bounded to that",
-                     ep.id, reading.kv_tokens)
-        up.reading = reading
-        if up.config.models is None and t0 - up.models_read_at >= pc.models_every_s:
-            up.models_read_at = t0
-            await self._read_models(up)
-        ep.apply_probe(reading.running, reading.waiting, reading.kv_usage)
-        if up.streak.succeeded(ep.healthy, pc.healthy_after):
-            ep.healthy = True
-            self.router.forget_cache(ep.id)  # it may have restarted with an empty cache
-            if self.events is not None:
-                self.events.restarted(ep.id)
-            ep.warming = True
-            log.info("replica %s re-admitted", ep.id)
-
-    async def _read_models(self, up: Upstream) -> None:
-        """What the replica serves, from its /v1/models (kept as it was when the read fails)."""
-        assert self.session is not None
-        try:
-            async with self.session.get(f"{up.config.url}/v1/models",
-                                        ssl=up.pool.tls if up.pool.tls is not None else True,
-                                        timeout=aiohttp.ClientTimeout(total=self.config.probe.timeout_s)) as r:
-                data = (await r.json(content_type=None)).get("data") if r.status == 200 else None
-        except (TimeoutError, aiohttp.ClientError, ValueError, AttributeError):
-            return
-        if isinstance(data, list):
-            cards = [c for c in data if isinstance(c, dict) and isinstance(c.get("id"), str)]
-            up.model_cards = cards
-            models = frozenset(c["id"] for c in cards)
-            if models != up.models:
-                up.models = models
-                self._replicas_changed()
