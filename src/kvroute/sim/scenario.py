@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from importlib import resources
 from pathlib import Path
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal
 
 from pydantic import Field, ValidationError, model_validator
 
@@ -24,12 +24,11 @@ from kvroute import yamlconf
 from kvroute.errors import ConfigError
 from kvroute.perf.loader import ProfileError, load_profile
 from kvroute.perf.network import NetworkSpec
-from kvroute.policy import policy_from_config
-from kvroute.policy.registry import preset_and_params
 from kvroute.policyfiles import load_entry_points
 from kvroute.schema import StrictModel
 from kvroute.sim import migration_settings
 from kvroute.sim.disagg import PDSetup
+from kvroute.sim.policy_entries import PolicyEntry, policy_entry
 from kvroute.sim.simulation import BalancerSpec, Limits, ReplicaSpec, Setup
 from kvroute.sim.stress import BurstSpec, RagSpec, WorkloadKind, open_loop_workload
 from kvroute.sim.tracefiles import ScenarioError, resolve_trace
@@ -186,15 +185,6 @@ class PDSpec(StrictModel):
         return self
 
 
-class PolicyEntry(NamedTuple):
-    """One policy to compare: its label in results, preset, parameters and an optional topology of its own."""
-
-    label: str
-    preset: str
-    params: dict | None
-    topology: str | None  # overrides the scenario's topology for this policy
-
-
 _DEFAULT_POLICIES: list[str | dict[str, Any]] = ["auto"]  # the default policy (policy/presets/auto.py)
 
 
@@ -277,48 +267,14 @@ class Scenario(StrictModel):
         two-layer LBs beside baselines behind one global LB, as its Fig. 8 does; ``simulator``
         holds the simulator-only settings of the migrating presets (``sim/migration_settings.py``).
         """
-        out, seen = [], set()
+        out: list[PolicyEntry] = []
+        seen: set[str] = set()
         for i, entry in enumerate(self.policies):
-            topo = None
-            simulator: dict[str, Any] | None = None
-            if isinstance(entry, dict) and ("topology" in entry or "simulator" in entry):
-                entry = dict(entry)
-                topo = entry.pop("topology", None)
-                simulator = entry.pop("simulator", None)
-                if topo is not None and topo not in TOPOLOGIES:
-                    raise ScenarioError(f"policies[{i}].topology: {topo!r}; allowed: {', '.join(TOPOLOGIES)}")
-                if topo is not None and self.balancers:
-                    raise ScenarioError(f"policies[{i}].topology: give either 'balancers' or topologies, not both")
-                if simulator is not None and not isinstance(simulator, dict):
-                    raise ScenarioError(f"policies[{i}].simulator: a mapping of simulator settings "
-                                        f"(sim/migration_settings.py), got {simulator!r}")
-            try:
-                if isinstance(entry, dict) and "preset" in entry:
-                    # simulator settings under params (older files) or under simulator: the policy is
-                    # built without them; the run (label, Simulation) carries both, the simulator splits
-                    raw = entry.get("params") or {}
-                    if not isinstance(raw, dict):
-                        raise ScenarioError(f"policies[{i}].params: a mapping, got {raw!r}")
-                    own, _ = migration_settings.split(raw, simulator, f"policies[{i}].simulator")
-                    policy_from_config({**entry, "params": own or {}}, where=f"policies[{i}]")
-                    preset, params = entry["preset"], {**raw, **(simulator or {})} or None
-                else:
-                    if simulator:
-                        raise ScenarioError(f"policies[{i}].simulator: give the policy as {{preset: NAME, "
-                                            "simulator: {...}}")
-                    policy_from_config(entry, where=f"policies[{i}]")
-                    preset, params = preset_and_params(entry, where=f"policies[{i}]")  # a composition: registered
-            except (ConfigError, ValueError) as exc:
-                raise ScenarioError(str(exc)) from None
-            label = preset if not params else f"{preset}({','.join(f'{k}={v}' for k, v in sorted(params.items()))})"
-            if topo:
-                label += f"@{topo}"
-            if label in seen:
-                raise ScenarioError(f"policies[{i}]: {label} is listed twice")
-            seen.add(label)
-            if self.simulator:  # the scenario's simulator settings under the policy's own
-                params = {**self.simulator, **(params or {})}
-            out.append(PolicyEntry(label, preset, params, topo))
+            e = policy_entry(i, entry, TOPOLOGIES, bool(self.balancers), self.simulator)
+            if e.label in seen:
+                raise ScenarioError(f"policies[{i}]: {e.label} is listed twice")
+            seen.add(e.label)
+            out.append(e)
         return out
 
     def balancer_groups(self, topology: str | None = None) -> list[BalancerGroup]:
