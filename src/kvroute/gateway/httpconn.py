@@ -1,0 +1,407 @@
+"""One client connection of the gateway's HTTP server (``gateway/http.py`` describes the limits
+and rules it enforces): llhttp callbacks build requests, handlers run one at a time in order
+(pipelining), deadlines are set per phase and enforced by the server's sweep, and every refusal
+is answered, counted and the connection closed."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import socket
+import time
+from collections import deque
+from typing import TYPE_CHECKING, cast
+
+import httptools
+
+from kvroute.gateway.httpmsg import REASONS, BadRequest, Request, Responder, error_body, log
+
+if TYPE_CHECKING:
+    from kvroute.gateway.http import HTTPServer
+
+# connection phases, for deadlines: _NEW has sent nothing yet (held to the head deadline, counted
+# from the accept); _IDLE waits between kept-alive requests
+_IDLE, _HEAD, _BODY, _BUSY, _NEW = 0, 1, 2, 3, 4
+LINGER_S = 1.0  # a refused connection is read and discarded this long, so the refusal is not lost to a reset
+MAX_LINGERING = 256  # refused connections lingering at once; beyond, they are closed at once
+# a read this large means the client has more queued: let the other connections (and new ones) have
+# a turn before reading on; otherwise the loop reads up to 32 such buffers per connection per turn
+_BIG_READ = 64 * 1024
+_DETACHED = httptools.HttpRequestParser(object())  # a closed connection's parser: holds no callbacks
+
+
+class _Connection(asyncio.Protocol):
+    """One client connection: llhttp callbacks build requests; handlers run one at a time, in
+    order (pipelining); deadlines are set per phase and enforced by ``HTTPServer._sweep``."""
+
+    transport: asyncio.Transport  # set by connection_made
+
+    def __init__(self, server: HTTPServer):
+        self.server = server
+        self.limits = server.limits
+        self.parser = httptools.HttpRequestParser(self)  # holds our callbacks: dropped by connection_lost
+        self.client = ""  # the peer's address
+        self.counted = False  # in server.connections and server.clients
+        self.lingering = False  # refused: reading and discarding until LINGER_S passes
+        self.pending: deque[Request] = deque()
+        self.task: asyncio.Task[None] | None = None
+        self.closed = False
+        self.paused = False
+        self.reading = True
+        self._drain: asyncio.Future[None] | None = None
+        self.phase = _IDLE
+        self.deadline = math.inf
+        self.rejection: BadRequest | None = None  # answered once the requests before it are
+        self.upgraded = False
+        # the request being parsed
+        self._url = b""
+        self._headers: dict[str, str] = {}
+        self._head_bytes = 0
+        self._n_headers = 0
+        self._head_seen = 0  # raw bytes received while a head is incomplete (unterminated fields)
+        self._stall = 0  # raw bytes of a body since its last data: chunk framing, trailers
+        self._in_trailers = False
+        self._body: list[bytes] = []
+        self._body_len = 0
+        self._req: Request | None = None
+
+    # -- transport events ---------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport = cast(asyncio.Transport, transport)  # uvloop's are not subclasses
+        server, limits = self.server, self.limits
+        peer = transport.get_extra_info("peername")
+        self.client = client = str(peer[0]) if isinstance(peer, tuple) and peer else ""
+        if not server.clients.add(client, limits.max_connections_per_client):
+            self._refuse(503, "too_many_client_connections", _TOO_MANY_CLIENT,
+                         f"the address holds its limit of {limits.max_connections_per_client} connections")
+            return
+        if len(server.connections) >= limits.max_connections:
+            # at the cap, a connection that holds no request (silent since its accept, or idle
+            # between requests) makes room, the longest-held first, as nginx reuses its idle
+            # keep-alive connections: a flood of silent connections from many addresses cannot
+            # lock new clients out; only when every connection is mid-request is the answer 503
+            victim = next(iter(server.idle), None)
+            if victim is None:
+                server.clients.remove(client)
+                self._refuse(503, "too_many_connections", _TOO_MANY,
+                             f"the gateway holds its limit of {limits.max_connections} connections, all busy")
+                return
+            victim.evict()
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        server.connections.add(self)
+        server.idle[self] = None
+        self.counted = True
+        self.phase, self.deadline = _NEW, server.now + limits.header_timeout_s  # not the keep-alive time
+
+    def _refuse(self, status: int, reason: str, body: bytes, detail: str) -> None:
+        """Answer a connection over a limit before reading anything, then close it. The answer goes
+        out with a FIN while what the client sends meanwhile is read and dropped (for ``LINGER_S``),
+        so a client that wrote its request first still reads the refusal instead of a reset."""
+        server, transport = self.server, self.transport
+        server.rejections.record(status, reason, self.client, detail, time.monotonic())
+        self.closed = True  # nothing is parsed or answered on this connection
+        transport.write(b"HTTP/1.1 %d %b\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
+                        b"Connection: close\r\nContent-Length: %d\r\n\r\n%b"
+                        % (status, REASONS[status].encode(), len(body), body))
+        if server.lingering < MAX_LINGERING and transport.can_write_eof():
+            transport.write_eof()
+            self.lingering = True
+            server.lingering += 1
+            asyncio.get_running_loop().call_later(LINGER_S, transport.close)
+        else:
+            transport.close()
+
+    def evict(self) -> None:
+        """Close a connection that holds no request to make room for a new one (counted as
+        ``kvroute_http_rejected{status="0",reason="evicted_idle"}``: closed without an answer)."""
+        self.server.rejections.record(0, "evicted_idle", self.client, "a connection holding no request was "
+                                      "closed to admit a new one at the connection limit", time.monotonic())
+        self._uncount()
+        self.closed = True
+        self.transport.close()
+
+    def _uncount(self) -> None:
+        if self.counted:
+            self.counted = False
+            server = self.server
+            server.connections.discard(self)
+            server.clients.remove(self.client)
+            server.idle.pop(self, None)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        server = self.server
+        self._uncount()
+        if self.lingering:
+            self.lingering = False
+            server.lingering -= 1
+        # the parser holds this connection's callbacks (a reference cycle): drop it, and any partial
+        # body, now rather than whenever the cyclic GC runs
+        self.parser = _DETACHED
+        self._body = []
+        self._req = None
+        self.pending.clear()
+        if self.task is not None and not self.task.done():
+            self.task.cancel()  # the client went away: stop working for it
+        if self._drain is not None and not self._drain.done():
+            self._drain.set_exception(ConnectionResetError("client disconnected"))
+
+    def pause_writing(self) -> None:
+        self.paused = True
+
+    def resume_writing(self) -> None:
+        self.paused = False
+        if self._drain is not None and not self._drain.done():
+            self._drain.set_result(None)
+
+    async def drained(self) -> None:
+        """Wait until the client has read enough of what was written."""
+        if self.closed:
+            raise ConnectionResetError("client disconnected")
+        self._drain = asyncio.get_running_loop().create_future()
+        await self._drain
+
+    def write(self, data: bytes) -> None:
+        if not self.closed:
+            self.transport.write(data)
+
+    def data_received(self, data: bytes) -> None:
+        if self.rejection is not None or self.upgraded or self.closed:
+            return  # the stream is out of sync, or the connection refused: what follows is never read
+        limits = self.limits
+        if self.phase == _BODY:
+            self._stall += len(data)  # back to 0 at each piece of body data (on_body)
+        else:
+            self._head_seen += len(data)
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserCallbackError as exc:
+            cause = exc.__context__
+            self._fail(cause if isinstance(cause, BadRequest) else BadRequest(400, "malformed request"))
+            return
+        except httptools.HttpParserUpgrade:
+            self.upgraded = True  # protocol upgrades are not offered: answer, then close
+            self._stop_reading()
+            return
+        except httptools.HttpParserError as exc:
+            self._fail(BadRequest(400, f"malformed HTTP request: {exc}", "malformed"))
+            return
+        phase = self.phase
+        if len(data) >= _BIG_READ and self.reading and not self.closed and self.rejection is None:
+            self.transport.pause_reading()
+            asyncio.get_running_loop().call_soon(self._take_turn)
+        if phase == _HEAD and self._head_seen > limits.max_head_bytes:
+            self._fail(BadRequest(431, f"request head larger than {limits.max_head_bytes} bytes", "head_too_large"))
+        elif phase == _BODY and self._stall > limits.max_head_bytes:
+            # an unterminated trailer field or chunk extension: without this it is bounded only by
+            # the body deadline, and llhttp's partial fields are joined at a cost that grows with them
+            self._fail(BadRequest(431, f"chunk framing or trailer section larger than {limits.max_head_bytes} "
+                                       "bytes", "trailer_too_large"))
+
+    def _take_turn(self) -> None:
+        """Read on after one turn of the loop, unless reading was paused for a reason of its own."""
+        if self.reading and not self.closed and self.rejection is None:
+            self.transport.resume_reading()
+
+    # -- llhttp callbacks -----------------------------------------------------------------------
+    def on_message_begin(self) -> None:
+        self.server.idle.pop(self, None)  # it holds a request now
+        if self.phase != _NEW:  # a new connection's head deadline runs from the accept
+            self.deadline = self.server.now + self.limits.header_timeout_s
+        self.phase = _HEAD
+        self._url = b""
+        self._headers = {}
+        self._head_bytes = 0
+        self._n_headers = 0
+        self._in_trailers = False
+        self._body = []
+        self._body_len = 0
+
+    def on_url(self, url: bytes) -> None:
+        self._url += url
+        self._count_head(len(url))
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        limits = self.limits
+        self._count_head(len(name) + len(value) + 4)
+        self._n_headers += 1
+        if self._n_headers > limits.max_headers:
+            raise BadRequest(431, f"more than {limits.max_headers} header fields", "too_many_headers")
+        if self._in_trailers:
+            return  # legal, counted against the head limits, not used
+        key = name.decode("latin-1").lower()
+        text = value.decode("latin-1")
+        prior = self._headers.get(key)
+        if prior is not None:
+            if key == "host":
+                raise BadRequest(400, "more than one Host header", "host")
+            # RFC 9110 §5.3: repeated fields are one comma-joined list; Cookie is joined with "; "
+            # (RFC 6265 §5.4), since a comma may be part of a cookie's value
+            text = f"{prior}; {text}" if key == "cookie" else f"{prior}, {text}"
+        self._headers[key] = text
+
+    def _count_head(self, n: int) -> None:
+        self._head_bytes += n
+        if self._head_bytes > self.limits.max_head_bytes:
+            raise BadRequest(431, f"request head larger than {self.limits.max_head_bytes} bytes", "head_too_large")
+
+    def on_headers_complete(self) -> None:
+        parser, headers, limits = self.parser, self._headers, self.limits
+        version = parser.get_http_version()
+        if version not in ("1.1", "1.0"):  # 0.9 means a request line without a version
+            raise BadRequest(505 if version >= "2" else 400, f"HTTP/{version} is not supported; use HTTP/1.1",
+                             "version")
+        if version == "1.1" and "host" not in headers:
+            raise BadRequest(400, "HTTP/1.1 request without a Host header", "host")
+        te = headers.get("transfer-encoding")
+        if te is not None and te.strip().lower() != "chunked":
+            raise BadRequest(501, f"unsupported Transfer-Encoding {te[:40]!r}; only 'chunked' is accepted",
+                             "transfer_coding")
+        length = headers.get("content-length")
+        if length is not None and int(length) > limits.max_body_bytes:  # llhttp checked the digits
+            raise BadRequest(413, f"request body exceeds the limit of {limits.max_body_bytes} bytes",
+                             "body_too_large")
+        self._in_trailers = True
+        self._head_seen = 0
+        self._stall = 0
+        self.phase = _BODY
+        self.deadline = self.server.now + limits.body_timeout_s
+        self._req = Request(parser.get_method().decode("ascii"), self._url.decode("latin-1"), headers,
+                            parser.should_keep_alive())
+        if (te is not None or (length is not None and length != "0")) and \
+                headers.get("expect", "").lower() == "100-continue" and self.task is None:
+            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+
+    def on_body(self, data: bytes) -> None:
+        self._stall = 0
+        self._body_len += len(data)
+        if self._body_len > self.limits.max_body_bytes:
+            raise BadRequest(413, f"request body exceeds the limit of {self.limits.max_body_bytes} bytes",
+                             "body_too_large")
+        self._body.append(data)
+
+    def on_message_complete(self) -> None:
+        req = self._req
+        assert req is not None  # llhttp completes only messages whose head it reported
+        self._req = None
+        req.body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
+        self._body = []
+        self._head_seen = 0
+        self.pending.append(req)
+        self.phase, self.deadline = _BUSY, math.inf
+        if self.task is None:
+            self._next()
+        else:
+            self._stop_reading()  # a complete request already waits: read no further ahead
+
+    # -- failures -------------------------------------------------------------------------------
+    def _fail(self, exc: BadRequest) -> None:
+        """Stop reading; answer the error after the requests before it, then close. A partial body
+        is dropped now: it is never used."""
+        self.rejection = exc
+        self._body = []
+        self.server.rejections.record(exc.status, exc.reason, self.client, str(exc), time.monotonic())
+        self._stop_reading()
+        if self.task is None:
+            self._next()
+
+    def _stop_reading(self) -> None:
+        if self.reading and not self.closed:
+            self.reading = False
+            self.transport.pause_reading()
+
+    def _idle(self) -> None:
+        if self.counted:
+            self.server.idle[self] = None  # the newest idle one: evicted last
+        self.phase = _IDLE
+        self.deadline = self.server.now + self.limits.keepalive_timeout_s
+
+    def expire(self) -> None:
+        """A deadline passed: a half-sent request gets 408; an idle or silent connection, or one
+        whose client left an answer unread, is just closed."""
+        if self.phase in (_HEAD, _BODY) and self.task is None:
+            what = "head" if self.phase == _HEAD else "body"
+            self.server.rejections.record(408, f"{what}_timeout", self.client,
+                                          f"the request {what} did not arrive in time", time.monotonic())
+            Responder(self, keep_alive=False).send(408, error_body(f"request {what} not received in time"))
+        self.closed = True
+        self._body = []
+        self.transport.close()
+
+    # -- handling ---------------------------------------------------------------------------------
+    def _next(self) -> None:
+        if self.closed:
+            self.task = None
+            return
+        if not self.pending:
+            self.task = None
+            if self.rejection is not None:
+                exc = self.rejection
+                Responder(self, keep_alive=False).send(
+                    exc.status, error_body(str(exc), code="body_too_large" if exc.status == 413 else None))
+                self.closed = True
+                self.transport.close()
+            elif self.upgraded:
+                self.closed = True
+                self.transport.close()
+            elif not self.reading:
+                self.reading = True
+                self.transport.resume_reading()
+            if self.phase == _BUSY:
+                self._idle()
+            return
+        req = self.pending.popleft()
+        self.phase, self.deadline = _BUSY, math.inf
+        self.task = asyncio.get_running_loop().create_task(self._run(req))
+
+    async def _run(self, req: Request) -> None:
+        server = self.server
+        keep_alive = req.keep_alive and not server.closing and not self.upgraded
+        resp = Responder(self, keep_alive, req.method == "HEAD")
+        server.active += 1
+        try:
+            await server.handler(req, resp)
+            if not resp.started:
+                raise RuntimeError(f"handler for {req.method} {req.path} returned without answering")
+            if not resp.finished:
+                await resp.end()
+        except asyncio.CancelledError:
+            return  # the client disconnected; nothing more to write
+        except ConnectionResetError:
+            self.transport.close()
+            return
+        except Exception:
+            log.exception("unhandled error on %s %s", req.method, req.path)
+            server.errors += 1
+            if not resp.started:
+                resp.keep_alive = False
+                resp.send(500, error_body("internal gateway error", "server_error"))
+            self.transport.close()
+            return
+        finally:
+            server.active -= 1
+            if server.idle_waiter is not None and server.active == 0 and not server.idle_waiter.done():
+                server.idle_waiter.set_result(None)
+        if not resp.keep_alive:
+            self.closed = True
+            self.transport.close()
+            return
+        if self.paused and not self.closed:
+            # the client has not read this answer: start no other one until it does (a client that
+            # pipelines without reading would otherwise have every answer buffered here), and give
+            # it the keep-alive time to read
+            self.deadline = server.now + self.limits.keepalive_timeout_s
+            try:
+                await self.drained()
+            except ConnectionResetError:
+                return
+            self.deadline = math.inf
+        self._next()
+
+
+_TOO_MANY = error_body("too many connections to the gateway; retry shortly", "server_error",
+                       code="too_many_connections")
+_TOO_MANY_CLIENT = error_body("too many connections from this address; close some or retry shortly",
+                              "server_error", code="too_many_client_connections")

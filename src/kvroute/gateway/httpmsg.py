@@ -1,0 +1,156 @@
+"""HTTP messages of the gateway's server (``gateway/http.py``): the parsed :class:`Request`, the
+:class:`Responder` that writes its answer (whole, or chunked for streams), the client limits
+(:class:`HTTPLimits`), the refusal a parser callback raises (:class:`BadRequest`) and the one
+place the OpenAI error shape is built (:func:`error_object`)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvroute.errors import ClientError
+
+if TYPE_CHECKING:
+    from kvroute.gateway.httpconn import _Connection
+
+log = logging.getLogger("kvroute.gateway")
+
+REASONS = {100: "Continue", 200: "OK", 204: "No Content", 400: "Bad Request", 401: "Unauthorized",
+           404: "Not Found", 405: "Method Not Allowed", 408: "Request Timeout", 411: "Length Required",
+           413: "Payload Too Large", 429: "Too Many Requests", 431: "Request Header Fields Too Large",
+           500: "Internal Server Error", 501: "Not Implemented", 502: "Bad Gateway",
+           503: "Service Unavailable", 504: "Gateway Timeout", 505: "HTTP Version Not Supported"}
+
+
+@dataclass(frozen=True)
+class HTTPLimits:
+    """What one client may hold. Defaults follow the common servers: 64 KiB of head and 100
+    header fields (nginx/uvicorn allow less or about as much), 10 s to send a head (nginx's
+    client_header_timeout is 60 s; a proxy for API clients needs far less), 60 s for a body,
+    30 s idle keep-alive (uvicorn 5 s, nginx 75 s); a quarter of the connections per client address."""
+
+    max_head_bytes: int = 64 * 1024
+    max_headers: int = 100
+    max_body_bytes: int = 16 * 1024 * 1024
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 60.0
+    keepalive_timeout_s: float = 30.0
+    max_connections: int = 4096
+    max_connections_per_client: int = 1024
+
+
+def error_object(message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None) -> dict[str, dict[str, str | None]]:
+    """The OpenAI error shape, ``{"error": {message, type, param, code}}``: the one place every
+    component (gateway, continuation, emulator, controller) builds it."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> bytes:
+    """:func:`error_object` as a JSON response body."""
+    return json.dumps(error_object(message, type_, param, code)).encode()
+
+
+class BadRequest(ClientError):
+    """The request cannot be read to its end: answer ``status`` and close the connection.
+    ``reason`` is the short label it is counted under (``kvroute_http_rejected``)."""
+
+    def __init__(self, status: int, message: str, reason: str = "malformed"):
+        super().__init__(message, status)
+        self.reason = reason
+
+
+class Request:
+    """One parsed request: method, path and query, lower-cased header names, the whole body."""
+
+    __slots__ = ("method", "path", "query", "headers", "body", "keep_alive")
+
+    def __init__(self, method: str, target: str, headers: dict[str, str], keep_alive: bool):
+        self.method = method
+        if target[:1] != "/" and target[:8].lower().startswith(("http://", "https://")):
+            target = origin_form(target)
+        self.path, _, self.query = target.partition("?")
+        self.headers = headers
+        self.body = b""
+        self.keep_alive = keep_alive
+
+
+def origin_form(target: str) -> str:
+    """``http://host:port/p?q`` → ``/p?q``: a server must accept a request target in absolute form
+    (RFC 9112 §3.2.2); the authority names this gateway, so only the path and query matter."""
+    rest = target[target.index("//") + 2:]
+    cut = min((i for i in (rest.find("/"), rest.find("?")) if i >= 0), default=len(rest))
+    tail = rest[cut:]
+    return tail if tail.startswith("/") else "/" + tail
+
+
+class Responder:
+    """Writes the response to one request: either ``send`` (whole body) or ``start`` / ``write``
+    / ``end`` (chunked stream). The response to a HEAD request (``head_only``) is its head alone,
+    with the headers a GET would get (RFC 9110 §9.3.2): a body there would be read by a kept-alive
+    client as the next response."""
+
+    __slots__ = ("_conn", "keep_alive", "head_only", "status", "started", "finished", "extra_headers")
+
+    def __init__(self, conn: _Connection, keep_alive: bool, head_only: bool = False):
+        self._conn = conn
+        self.keep_alive = keep_alive
+        self.head_only = head_only
+        self.status = 0
+        self.started = False
+        self.finished = False
+        self.extra_headers: list[tuple[str, str]] = []
+
+    def _head(self, status: int, headers: Iterable[tuple[str, str]], content_type: str | None,
+              length: int | None) -> bytes:
+        lines = [f"HTTP/1.1 {status} {REASONS.get(status, 'Status')}"]
+        if content_type:
+            lines.append(f"Content-Type: {content_type}")
+        for name, value in (*headers, *self.extra_headers):
+            lines.append(f"{name}: {value}")
+        lines.append(f"Content-Length: {length}" if length is not None else "Transfer-Encoding: chunked")
+        if not self.keep_alive:
+            lines.append("Connection: close")
+        return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+
+    def send(self, status: int, body: bytes, headers: Iterable[tuple[str, str]] = (),
+             content_type: str | None = "application/json") -> None:
+        """The whole response at once."""
+        if self.started:
+            raise RuntimeError("response already started")
+        self.status, self.started, self.finished = status, True, True
+        head = self._head(status, headers, content_type, len(body))
+        self._conn.write(head if self.head_only else head + body)
+
+    def send_error(self, status: int, message: str, type_: str = "invalid_request_error",
+                   param: str | None = None, code: str | None = None,
+                   headers: Iterable[tuple[str, str]] = ()) -> None:
+        """An OpenAI-style error response."""
+        self.send(status, error_body(message, type_, param, code), headers)
+
+    def start(self, status: int, headers: Iterable[tuple[str, str]] = (), content_type: str | None = None) -> None:
+        """Begin a chunked response."""
+        self.status, self.started = status, True
+        self._conn.write(self._head(status, headers, content_type, None))
+
+    async def write(self, data: bytes) -> None:
+        """One chunk of a started response; waits while the client's socket buffer is full."""
+        if data and not self.head_only:
+            conn = self._conn
+            conn.write(b"%x\r\n%b\r\n" % (len(data), data))
+            if conn.paused:
+                await conn.drained()
+
+    async def end(self) -> None:
+        """The last chunk."""
+        if not self.finished:
+            self.finished = True
+            if not self.head_only:
+                self._conn.write(b"0\r\n\r\n")
+
+
+Handler = Callable[[Request, Responder], Awaitable[None]]
