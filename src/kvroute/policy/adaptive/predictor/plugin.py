@@ -21,7 +21,9 @@ class PredictionErrorPlugin(Lifecycle):
     name = "predictor"
 
     def __init__(self) -> None:
-        self.last: tuple[str, dict[str, float]] = ("", {})  # the latest decision's predictions
+        # the latest decision's predictions: (request id, endpoints, values), looked up only for the
+        # endpoint it is dispatched to (a dict of all of them per decision cost more than the lookup)
+        self.last: tuple[str, list[Endpoint], list[float]] = ("", [], [])
         self._pending: dict[str, float] = {}
         self.n = 0
         self.abs_rel_err = 0.0
@@ -29,9 +31,13 @@ class PredictionErrorPlugin(Lifecycle):
 
     def on_dispatched(self, req: Request, endpoint: Endpoint, new_prefill_tokens: int) -> None:
         """Keep the prediction made for the endpoint the request went to."""
-        rid, preds = self.last
-        if rid == req.id and endpoint.id in preds:
-            self._pending[req.id] = preds[endpoint.id]
+        rid, eps, preds = self.last
+        if rid == req.id:
+            eid = endpoint.id
+            for e, v in zip(eps, preds):
+                if e.id == eid:
+                    self._pending[req.id] = v
+                    break
 
     def on_first_token(self, req_id: str, endpoint_id: str, ttft_s: float) -> None:
         """Score the prediction against the measured TTFT."""
@@ -75,6 +81,6 @@ class PredictedTTFT(Scorer, PredictionErrorPlugin):
         token arrives."""
         req = st.req
         preds = self.predictor.predict_many(eps, req.prompt_tokens, req.block_tokens, st.matches)
-        last = (req.id, {e.id: v for e, v in zip(eps, preds)})  # scored when it is dispatched
+        last = (req.id, eps, preds)  # scored when it is dispatched
         st.defer(lambda: setattr(self, "last", last))
         return preds
