@@ -36,7 +36,7 @@ from __future__ import annotations
 import asyncio
 import ssl
 
-from kvroute.gateway.httpconn import _Connection
+from kvroute.gateway.httpconn import ServerState, _Connection
 from kvroute.gateway.httpmsg import (
     REASONS,
     BadRequest,
@@ -49,28 +49,16 @@ from kvroute.gateway.httpmsg import (
     log,
     origin_form,
 )
-from kvroute.gateway.limits import ClientCounts, Rejections
 
-__all__ = ["REASONS", "BadRequest", "HTTPLimits", "HTTPServer", "Handler", "Request", "Responder", "_Connection",
-           "error_body", "error_object", "origin_form"]
+__all__ = ["REASONS", "BadRequest", "HTTPLimits", "HTTPServer", "Handler", "Request", "Responder", "ServerState",
+           "_Connection", "error_body", "error_object", "origin_form"]
 
 
-class HTTPServer:
+class HTTPServer(ServerState):
     """Accepts connections and hands each complete request to ``handler``."""
 
     def __init__(self, handler: Handler, limits: HTTPLimits | None = None):
-        self.handler = handler
-        self.limits = limits or HTTPLimits()
-        self.connections: set[_Connection] = set()
-        self.active = 0
-        self.closing = False
-        self.clients = ClientCounts()  # open connections per client address
-        self.idle: dict[_Connection, None] = {}  # connections holding no request, longest-held first
-        self.rejections = Rejections(log)  # refusals by (status, reason), logged at a bounded rate
-        self.lingering = 0  # refused connections still being read and discarded
-        self.errors = 0  # handler exceptions answered 500
-        self.idle_waiter: asyncio.Future[None] | None = None
-        self.now = 0.0  # the loop's clock as of the last sweep: deadlines need no finer grain
+        super().__init__(handler, limits or HTTPLimits())
         self._server: asyncio.base_events.Server | None = None
         self._sweeper: asyncio.Task[None] | None = None
 

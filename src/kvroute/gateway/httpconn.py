@@ -10,14 +10,12 @@ import math
 import socket
 import time
 from collections import deque
-from typing import TYPE_CHECKING, cast
+from typing import cast
 
 import httptools
 
-from kvroute.gateway.httpmsg import REASONS, BadRequest, Request, Responder, error_body, log
-
-if TYPE_CHECKING:
-    from kvroute.gateway.http import HTTPServer
+from kvroute.gateway.httpmsg import REASONS, BadRequest, Handler, HTTPLimits, Request, Responder, error_body, log
+from kvroute.gateway.limits import ClientCounts, Rejections
 
 # connection phases, for deadlines: _NEW has sent nothing yet (held to the head deadline, counted
 # from the accept); _IDLE waits between kept-alive requests
@@ -30,13 +28,32 @@ _BIG_READ = 64 * 1024
 _DETACHED = httptools.HttpRequestParser(object())  # a closed connection's parser: holds no callbacks
 
 
+class ServerState:
+    """What a server's connections share (``gateway/http.py``'s ``HTTPServer`` adds listening,
+    the deadline sweep and closing): the handler, limits, open and idle connections, counters."""
+
+    def __init__(self, handler: Handler, limits: HTTPLimits):
+        self.handler = handler
+        self.limits = limits
+        self.connections: set[_Connection] = set()
+        self.active = 0
+        self.closing = False
+        self.clients = ClientCounts()  # open connections per client address
+        self.idle: dict[_Connection, None] = {}  # connections holding no request, longest-held first
+        self.rejections = Rejections(log)  # refusals by (status, reason), logged at a bounded rate
+        self.lingering = 0  # refused connections still being read and discarded
+        self.errors = 0  # handler exceptions answered 500
+        self.idle_waiter: asyncio.Future[None] | None = None
+        self.now = 0.0  # the loop's clock as of the last sweep: deadlines need no finer grain
+
+
 class _Connection(asyncio.Protocol):
     """One client connection: llhttp callbacks build requests; handlers run one at a time, in
-    order (pipelining); deadlines are set per phase and enforced by ``HTTPServer._sweep``."""
+    order (pipelining); deadlines are set per phase and enforced by ``HTTPServer._sweep`` (``gateway/http.py``)."""
 
     transport: asyncio.Transport  # set by connection_made
 
-    def __init__(self, server: HTTPServer):
+    def __init__(self, server: ServerState):
         self.server = server
         self.limits = server.limits
         self.parser = httptools.HttpRequestParser(self)  # holds our callbacks: dropped by connection_lost

@@ -9,12 +9,9 @@ import json
 import logging
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from kvroute.errors import ClientError
-
-if TYPE_CHECKING:
-    from kvroute.gateway.httpconn import _Connection
 
 log = logging.getLogger("kvroute.gateway")
 
@@ -88,6 +85,18 @@ def origin_form(target: str) -> str:
     return tail if tail.startswith("/") else "/" + tail
 
 
+class Sink(Protocol):
+    """Where a :class:`Responder` writes: a client connection (``gateway/httpconn.py``)."""
+
+    paused: bool  # the client's socket buffer is full
+
+    def write(self, data: bytes) -> None:
+        """Queue bytes to the client."""
+
+    async def drained(self) -> None:
+        """Wait until the client has read enough to write on."""
+
+
 class Responder:
     """Writes the response to one request: either ``send`` (whole body) or ``start`` / ``write``
     / ``end`` (chunked stream). The response to a HEAD request (``head_only``) is its head alone,
@@ -96,7 +105,7 @@ class Responder:
 
     __slots__ = ("_conn", "keep_alive", "head_only", "status", "started", "finished", "extra_headers")
 
-    def __init__(self, conn: _Connection, keep_alive: bool, head_only: bool = False):
+    def __init__(self, conn: Sink, keep_alive: bool, head_only: bool = False):
         self._conn = conn
         self.keep_alive = keep_alive
         self.head_only = head_only
