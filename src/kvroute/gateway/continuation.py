@@ -48,8 +48,10 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from kvroute.gateway.http import error_object
+from kvroute.gateway.tokens import token_events
 
 Reason = Literal["migrate", "recover"]
+RAW_LIMIT = 64 * 1024  # bytes of first-leg events kept unparsed; beyond, they are parsed and dropped
 GENERATED = ("content", "reasoning_content", "reasoning", "tool_calls", "function_call")  # a chat delta's output
 _STRUCTURED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "json_schema", "regex", "ebnf")
 
@@ -77,7 +79,12 @@ class Splice:
         self.ident: dict[str, Any] | None = None  # id, created, model, ... of the first event
         self.partial = b""  # an event not complete yet
         self.done = False  # [DONE] forwarded
-        self.continuable = True  # false once the stream carries what a prefill cannot restore
+        self._continuable = True  # false once the stream carries what a prefill cannot restore
+        # first-leg events forwarded as they came and not parsed yet (``_event``'s fast path):
+        # their payloads, bytes, and the tokens ``token_events`` counted in them
+        self._raw: list[bytes] = []
+        self._raw_len = 0
+        self._raw_tokens = 0
         self.error: str | None = None  # an in-stream error event the engine sent
         self.limit: int | None = None  # the current leg's replica's context limit
         self.outgrown = False  # the sequence reached ``limit``: the leg stops at this event
@@ -104,13 +111,38 @@ class Splice:
 
     @property
     def tokens(self) -> int:
-        """Tokens generated (and forwarded) so far, over every leg."""
+        """Tokens generated (and forwarded) so far, over every leg (events not parsed yet are
+        counted by ``token_events``, exact for one token per event; :meth:`settle` makes it exact)."""
         return self.count
 
     @property
     def text(self) -> str:
         """The text generated so far."""
+        self.settle()
         return "".join(self.pieces)
+
+    @property
+    def continuable(self) -> bool:
+        """Whether the stream can still be continued elsewhere (nothing a prefill cannot restore)."""
+        self.settle()
+        return self._continuable
+
+    @continuable.setter
+    def continuable(self, value: bool) -> None:
+        self._continuable = value
+
+    def settle(self) -> None:
+        """Parse the events the fast path forwarded unparsed: text, exact token count, the
+        finish and what makes a stream not continuable. Needed only when a stream is continued
+        (or the kept bytes pass ``RAW_LIMIT``), so a stream that ends well never pays for it."""
+        raw = self._raw
+        if not raw:
+            return
+        self._raw = []
+        self.count -= self._raw_tokens
+        self._raw_len = self._raw_tokens = 0
+        for payload in raw:
+            self._parse(payload, b"")
 
     def max_tokens(self) -> int | None:
         """The client's output limit, if it set one."""
@@ -161,6 +193,24 @@ class Splice:
         if payload == b"[DONE]":
             self.done = True
             return event
+        if self.legs == 1 and self.ident is not None and self.limit is None \
+                and b'"error"' not in payload and b'"usage"' not in payload:
+            # the first leg's plain token events pass unchanged: nothing to rewrite or check, so they are
+            # kept as bytes and counted cheaply; their text is parsed only if the stream is continued
+            n = token_events(payload)
+            self._raw.append(payload)
+            self._raw_len += len(payload)
+            self._raw_tokens += n
+            self.count += n
+            if self._raw_len > RAW_LIMIT:
+                self.settle()
+            return event
+        self.settle()
+        return self._parse(payload, event)
+
+    def _parse(self, payload: bytes, event: bytes) -> bytes | None:
+        """Account one event's payload (text, tokens, finish, usage, error) and return the event to
+        forward: ``event`` itself, rewritten, or None."""
         try:
             obj = json.loads(payload)
         except ValueError:
@@ -259,6 +309,10 @@ class Splice:
         self.usage_added = not self.client_continuous
         if not self.usage_added:
             return raw
+        if b'"stream_options"' not in raw:  # the usual case: the field is added to the bytes as they are
+            end = raw.rstrip()
+            if end.endswith(b"}") and end[:-1].rstrip()[-1:] not in (b"{", b""):
+                return end[:-1] + b',"stream_options":{"include_usage":true,"continuous_usage_stats":true}}'
         body = json.loads(raw)
         opts = body.get("stream_options")
         body["stream_options"] = {**(opts if isinstance(opts, dict) else {}), "include_usage": True,
@@ -269,6 +323,7 @@ class Splice:
     def next_body(self) -> dict[str, Any] | None:
         """The body that continues this stream on any replica; None when the client's limit is
         already spent or the engine said it finished (the stream is complete but for its ending)."""
+        self.settle()
         body = dict(self.body)
         top = self.max_tokens()
         if self.finished or (top is not None and self.tokens >= top):
@@ -287,6 +342,7 @@ class Splice:
 
     def begin_leg(self) -> None:
         """Start counting a new leg."""
+        self.settle()
         self.legs += 1
         self.leg_start = self.tokens
         self.partial = b""
@@ -298,6 +354,7 @@ class Splice:
         """The final chunk and ``[DONE]`` of a stream whose every token was delivered before its
         replica failed: ``finish_reason`` is ``length``, as the engine would have said (only
         ``[DONE]`` when the engine had sent its finishing event already)."""
+        self.settle()
         if self.finished:
             return b"data: [DONE]\n\n"
         ident = self.ident or {}
