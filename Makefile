@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 DEVSTAMP:= $(VENV)/.installed-dev
 OUT     ?= out
 
-.PHONY: install install-dev demo lint test bench fidelity clean system-deps vllm-env
+.PHONY: install install-dev demo lint test bench fidelity clean system-deps vllm-env peers
 
 # issue 19: real vLLM engines for tests/test_vllm.py, in a venv of their own so that vLLM's pins
 # never touch the project's (shared/design/real-vllm-cpu.md: torch from the machine's CPU wheel,
@@ -70,6 +70,17 @@ system-deps:
 	    echo "installing$$missing from Debian's packages (real-component tests)"; \
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $$missing >/dev/null; \
 	  else echo "note:$$missing not installed and not root: the tests needing them skip"; fi; fi
+
+# `kvroute bench gateway --peers` (docs/hot-path.md): the Rust routers from PyPI in a venv of their own
+# (kvroute/bench/peers.py looks there), nginx from Debian's packages; not part of `make test`
+PEERS_VENV := .venv-peers
+peers:
+	test -x $(PEERS_VENV)/bin/python || $(PY) -m venv $(PEERS_VENV)
+	$(PEERS_VENV)/bin/pip install -q sglang-router==0.3.2 vllm-router==0.1.17
+	@command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ] || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends nginx >/dev/null; \
+	  else echo "note: nginx not installed and not root: --peers skips it"; fi; }
 
 test: lint system-deps $(VLLM_STAMP)
 	$(BIN)/python -m pytest --cov --cov-report=term:skip-covered --cov-fail-under=$(COV_MIN)

@@ -58,10 +58,17 @@ async def chat(request):
     return resp
 async def metrics(request):
     return web.Response(body=METRICS, content_type="text/plain")
+async def health(request):  # the Rust routers (bench gateway --peers) check their workers here
+    return web.json_response({"status": "ok"})
+async def models(request):
+    return web.json_response({"object": "list", "data": [{"id": "m", "object": "model"}]})
 async def main():
     app = web.Application()
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_get("/metrics", metrics)
+    for path in ("/health", "/health_generate", "/get_server_info", "/get_model_info"):
+        app.router.add_get(path, health)
+    app.router.add_get("/v1/models", models)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     for p in ports:
@@ -257,3 +264,34 @@ def run(requests: int = 20000, concurrency: int = 32, repeats: int = 3, limit_s:
         for proc in procs:
             _stop(proc)
     return result
+
+
+def gate(rows: dict, baseline: dict, tolerance: float) -> tuple[list[str], list[str]]:
+    """The regression gate: for every preset and mode in both, this gateway's median CPU per
+    request against the baseline's (a ``--baseline-src`` build measured in the same run, or a
+    stored ``--json`` result from the same machine). Returns (every comparison, the failures:
+    slower than the baseline by more than ``tolerance``, e.g. 0.10 = 10 %)."""
+    lines, failed = [], []
+    for mode in ("nonstream", "stream"):
+        for preset, row in rows.get(mode, {}).items():
+            base = baseline.get(mode, {}).get(preset)
+            if base is None or "gateway_cpu_us_per_req" not in base:
+                continue
+            now, then = row["gateway_cpu_us_per_req"], base["gateway_cpu_us_per_req"]
+            ratio = now / then if then else float("inf")
+            line = (f"{preset} {mode}: {now * 1000 / 1e6:.3f} s CPU per 1,000 requests vs baseline "
+                    f"{then * 1000 / 1e6:.3f} s ({ratio - 1:+.0%}; allowed +{tolerance:.0%})")
+            lines.append(line)
+            if ratio > 1 + tolerance:
+                failed.append(line)
+    return lines, failed
+
+
+def export_ref(ref: str, dest: str) -> str:
+    """The ``src/`` of git revision ``ref`` of the current repository, unpacked under ``dest``
+    (a baseline build for ``--baseline-src``); returns its path."""
+    root = subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True, check=True)
+    archive = subprocess.run(["git", "-C", root.stdout.strip(), "archive", ref, "src"], capture_output=True,
+                             check=True)
+    subprocess.run(["tar", "-x", "-C", dest], input=archive.stdout, check=True)
+    return str(Path(dest) / "src")

@@ -67,37 +67,6 @@ def cmd_bench_sim_speed(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_bench_gateway(args: argparse.Namespace) -> int:
-    """`kvroute bench gateway`: throughput and added latency of the gateway against going direct to a stub
-    upstream, per preset."""
-    from kvroute.bench import gateway
-
-    result = gateway.run(requests=args.requests, concurrency=args.concurrency, repeats=args.repeats,
-                         presets=tuple(args.presets.split(",")), upstream_delay_ms=args.upstream_delay_ms,
-                         baseline_src=args.baseline_src, progress=lambda m: err.print(m))
-    variants = [("gateway", result)]
-    if args.baseline_src:
-        variants.append((f"baseline {args.baseline_src}", result["baseline"]))
-    for label, rows in variants:
-        for mode in ("nonstream", "stream"):
-            table = Table(title=f"{label} vs direct, {mode} ({args.requests} requests × {args.repeats}, "
-                                f"concurrency {args.concurrency}, upstream delay {args.upstream_delay_ms:g} ms, "
-                                f"medians)")
-            for col in ("preset", "via req/s", "direct req/s", "ratio (spread)", "gateway CPU µs/req (spread)",
-                        "added p50 (spread)", "added p99 (spread)"):
-                table.add_column(col, justify="left" if col == "preset" else "right")
-            for name, r in rows[mode].items():
-                lo, hi = r["rps_ratio_spread"]
-                clo, chi = r["gateway_cpu_us_per_req_spread"]
-                table.add_row(name, f"{r['gateway_rps']:,.0f}", f"{r['direct_rps']:,.0f}",
-                              f"{r['rps_ratio']:.2f}x ({lo:.2f}–{hi:.2f})",
-                              f"{r['gateway_cpu_us_per_req']:.0f} ({clo:.0f}–{chi:.0f})",
-                              gateway.added_text(r, "p50"), gateway.added_text(r, "p99"))
-            console.print(table)
-    write_json(args.json, result)
-    return 0
-
-
 def cmd_bench_hostile(args: argparse.Namespace) -> int:
     """`kvroute bench hostile`: what each cheap attack costs the gateway (memory, CPU, /health
     latency for new clients), beside uvicorn and aiohttp; ``--check`` exits 1 when the gateway
@@ -190,18 +159,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     from kvroute.bench.auto import add_parser as add_bench_auto
 
     add_bench_auto(bench)
-    bg = bench.add_parser("gateway", help="gateway vs direct throughput and added latency")
-    bg.add_argument("--json", metavar="FILE")
-    bg.add_argument("--requests", type=int, default=20000)
-    bg.add_argument("--concurrency", type=int, default=32)
-    bg.add_argument("--repeats", type=int, default=3)
-    bg.add_argument("--presets", default="round_robin,sglang_cache_aware,skywalker,lmetric")
-    bg.add_argument("--upstream-delay-ms", type=float, default=0.0,
-                    help="upstream wait before answering (an engine's TTFT); default 0")
-    bg.add_argument("--baseline-src", metavar="DIR",
-                    help="also measure a gateway imported from this source tree (e.g. a git worktree's src/ of "
-                         "an older commit), interleaved in the same run")
-    bg.set_defaults(func=cmd_bench_gateway)
+    from kvroute.commands.bench_gateway import add_parser as add_bench_gateway
+
+    add_bench_gateway(bench)
     bh = bench.add_parser("hostile", help="what hostile clients cost the gateway, beside uvicorn and aiohttp")
     bh.add_argument("--json", metavar="FILE")
     from kvroute.bench.hostile import ATTACKS  # no I/O: a table of names and coroutines

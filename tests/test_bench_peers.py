@@ -1,0 +1,60 @@
+"""`kvroute bench gateway --peers` and `--gate`: the harness measures a real peer (HAProxy, which
+`make test` installs) beside a real kvroute process on loopback, skips a missing one with how to
+install it, and the gate fails a slower build."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvroute.bench import gateway, gateway_peers, peers
+from kvroute.cli import main
+from tests.fleet_harness import needs_haproxy
+
+
+@needs_haproxy
+def test_peers_run_measures_haproxy_beside_kvroute_and_skips_missing(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVROUTE_PEERS_BIN", str(tmp_path))  # the Rust routers' venv, if any, is not looked in
+    monkeypatch.setattr(peers, "PEERS_VENV", "no-such-venv")
+    monkeypatch.setattr(peers.shutil, "which", lambda _p: None)  # haproxy is still found in /usr/sbin
+    lines: list[str] = []
+    result = gateway_peers.run(requests=200, repeats=1, delays=(0.0,), peers=("haproxy", "vllm-router"),
+                               busy_share=1.0, progress=lines.append)  # a test machine is never quiet
+    assert result["skipped"] == [f"vllm-router: not installed, skipped; install: {peers.PEERS['vllm-router'].install}"]
+    for mode in ("nonstream", "stream"):
+        rows = result["delays"]["0"][mode]
+        assert set(rows) == {"kvroute round_robin", "haproxy"}
+        for row in rows.values():
+            assert row["errors"] == 0 and row["gateway_rps"] > 0
+            assert 0 <= row["others_share_max"] <= 1
+        assert rows["kvroute round_robin"]["cpu_s_per_1000"] > 0  # a Python gateway spends measurable CPU
+    assert any("kvroute round_robin" in v and "nginx" not in v for v in result["verdict"])
+    assert not result["refused"]
+
+
+@needs_haproxy
+def test_a_busy_run_is_refused_not_reported(capsys, monkeypatch):
+    monkeypatch.setattr(peers.shutil, "which", lambda _p: None)
+    code = main(["bench", "gateway", "--peers", "haproxy", "--requests", "100", "--repeats", "1", "--delays", "0",
+                 "--busy-share", "-1"])  # any share of other jobs is too much: every load is disturbed
+    out = capsys.readouterr()
+    assert code == 3
+    assert "refused: other jobs kept the machine busy" in out.err
+    assert "routers vs direct" not in out.out  # no table of numbers that cannot be trusted
+
+
+def test_gate_fails_a_slower_build_and_passes_within_tolerance():
+    row = {"gateway_cpu_us_per_req": 100.0}
+    base = {"nonstream": {"round_robin": {"gateway_cpu_us_per_req": 80.0}},
+            "stream": {"round_robin": {"gateway_cpu_us_per_req": 200.0}}}
+    lines, failed = gateway.gate({"nonstream": {"round_robin": row}, "stream": {"round_robin": {
+        "gateway_cpu_us_per_req": 205.0}}}, base, 0.10)
+    assert len(lines) == 2
+    assert failed == [lines[0]] and "+25%" in failed[0]
+    _, failed = gateway.gate({"nonstream": {"round_robin": row}}, base, 0.30)
+    assert failed == []
+
+
+def test_gate_needs_a_baseline(capsys):
+    assert main(["bench", "gateway", "--gate", "0.1"]) == 2
+    assert "--gate needs a baseline" in capsys.readouterr().err
+    assert main(["bench", "gateway", "--peers", "caddy"]) == 2
