@@ -73,7 +73,7 @@ def test_the_plugin_scores_its_predictions(pairs, scored, mean_err, share):
     plugin = PredictionErrorPlugin()
     for i, (predicted, measured) in enumerate(pairs):
         rid = f"r{i}"
-        plugin.last = (rid, {"a": predicted, "b": 99.0})  # the decision's predictions
+        plugin.last = (rid, [Endpoint("a"), Endpoint("b")], [predicted, 99.0])  # the decision's predictions
         plugin.on_dispatched(Request(id=rid), Endpoint("a"), 0)
         plugin.on_first_token(rid, "a", measured)
     st = plugin.state()
@@ -84,10 +84,10 @@ def test_the_plugin_scores_its_predictions(pairs, scored, mean_err, share):
 
 def test_a_request_dispatched_elsewhere_or_failed_is_not_scored():
     plugin = PredictionErrorPlugin()
-    plugin.last = ("r0", {"a": 1.0})
+    plugin.last = ("r0", [Endpoint("a")], [1.0])
     plugin.on_dispatched(Request(id="r1"), Endpoint("a"), 0)  # not the decision's request
     plugin.on_first_token("r1", "a", 1.0)
-    plugin.last = ("r2", {"a": 1.0})
+    plugin.last = ("r2", [Endpoint("a")], [1.0])
     plugin.on_dispatched(Request(id="r2"), Endpoint("a"), 0)
     plugin.on_failed("r2", "a")
     plugin.on_first_token("r2", "a", 1.0)

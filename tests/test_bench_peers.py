@@ -4,8 +4,6 @@ install it, and the gate fails a slower build."""
 
 from __future__ import annotations
 
-import pytest
-
 from kvroute.bench import gateway, gateway_peers, peers
 from kvroute.cli import main
 from tests.fleet_harness import needs_haproxy
