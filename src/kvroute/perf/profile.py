@@ -78,6 +78,11 @@ class HardwareProfile(StrictModel):
     # the longest idle copy is llama-server's slot choice (--slot-prompt-similarity, 0.10 in
     # 0.3.36: the idle slot with the longest common prefix when it covers > 10 % of the prompt).
     prefix_reuse: Literal["shared", "idle_slots"] = "shared"
+    # How the waiting queue is admitted. "vllm": whenever the uncached prompt fits, preempting
+    # later when decoding runs out of memory (vLLM v1). "sglang": only if the prompt plus a
+    # decaying share of every running request's future output fits (SGLang's new_token_ratio;
+    # sim/sglang_admission.py), so requests wait before the replica overcommits.
+    admission: Literal["vllm", "sglang"] = "vllm"
     # published points this profile must reproduce within 5% (checked by the tests), each one of
     # {prefill, expect_s} | {prefill, ttft_s} | {decode, ctx, expect_s} | {decode, ctx, attn_share}
     # | {heterogeneity_cv, expect_h}, with its source. ``independent: true`` marks an anchor

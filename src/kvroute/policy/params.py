@@ -24,4 +24,7 @@ class PolicyParams(StrictModel):
     model_config = ConfigDict(frozen=True)
 
     admission: AdmissionName = admission_field()
-    max_outstanding: int = Field(16, ge=1, description="limit for admission=outstanding")
+    # 10: the per-replica default of the load balancer SkyWalker builds on (skypilot-org/skypilot
+    # serve-multi-region-lb, sky/serve/load_balancer.py --max-concurrent-requests); was 16, assumed
+    max_outstanding: int = Field(10, ge=1, description="limit for admission=outstanding (default: "
+                                 "SkyServe's load balancer, 10 per replica)")

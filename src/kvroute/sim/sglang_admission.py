@@ -1,0 +1,99 @@
+"""SGLang-style admission: reserve a decaying share of every running request's future output.
+
+vLLM v1 admits a waiting request whenever its uncached prompt fits and preempts later, when a
+decode step finds no memory (``sim/engine.py``). SGLang's scheduler instead budgets the tokens
+its running requests may still generate (sgl-project/sglang ``python/sglang/srt/managers/``):
+
+* ``schedule_policy.py``, ``PrefillAdder``: each running request holds
+  ``min(max_new_tokens − generated, CLIP) × new_token_ratio`` tokens of the free pool
+  (``_get_running_request_total_token_offset``); a new request is admitted only if its uncached
+  prompt plus ``min(max_new_tokens, CLIP)`` (the whole estimate, not a share) fits what is left
+  (``add_one_req``: ``total_tokens = extend_input_len + max_new``; NO_TOKEN otherwise, and the
+  scheduler stops admitting for this round, FCFS).
+* ``scheduler.py``: ``new_token_ratio`` starts at ``init_new_token_ratio`` (0.7 × the default
+  ``schedule_conservativeness`` 1.0), falls by ``new_token_ratio_decay`` = (init − min) / 600
+  after every decode step that did not run out of memory, never below ``min_new_token_ratio``
+  = init × 0.14, returns to init when the scheduler finds nothing to run, and after a decode
+  out-of-memory retraction becomes min(1, (Σ generated + 20 × n) / (Σ max_new_tokens + 1)) over
+  the requests left in the batch (``ScheduleBatch.retract_decode``).
+* Constants (``environ.py``; ``global_config.py`` in older releases): SGLANG_INIT_NEW_TOKEN_RATIO
+  0.7, SGLANG_MIN_NEW_TOKEN_RATIO_FACTOR 0.14, SGLANG_NEW_TOKEN_RATIO_DECAY_STEPS 600,
+  SGLANG_RETRACT_DECODE_STEPS 20, SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION 4096.
+* ``max_new_tokens``: a request without ``max_tokens`` gets ``max_req_len − prompt − 1``
+  (``scheduler.py``, ``init_req_max_new_tokens``; ``max_req_len`` is at most the KV pool's
+  tokens). kvroute's simulated clients send no ``max_tokens`` (a CHOICE: SkyWalker's benchmark
+  settings are not published), so the estimate is the pool size less the prompt, clipped at 4096.
+
+Because the reservation makes admission stop before memory runs out, requests wait in the
+engine's queue earlier — the "pending" signal SkyWalker's selective pushing probes (§3.3).
+Kept out of the engine: the engine calls :meth:`SGLangReserve.admits` before admitting and
+:meth:`SGLangReserve.retracted` after a preemption; nothing else changes.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the engine imports this module; no import back at run time
+    from kvroute.sim.engine import Engine, Seq
+
+INIT_NEW_TOKEN_RATIO = 0.7  # SGLANG_INIT_NEW_TOKEN_RATIO × schedule_conservativeness (1.0)
+MIN_NEW_TOKEN_RATIO_FACTOR = 0.14  # SGLANG_MIN_NEW_TOKEN_RATIO_FACTOR
+NEW_TOKEN_RATIO_DECAY_STEPS = 600  # SGLANG_NEW_TOKEN_RATIO_DECAY_STEPS
+RETRACT_DECODE_STEPS = 20  # SGLANG_RETRACT_DECODE_STEPS
+CLIP_MAX_NEW_TOKENS = 4096  # SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION
+
+
+class SGLangReserve:
+    """One engine's ``new_token_ratio`` and the admission test built on it."""
+
+    __slots__ = ("init", "floor", "decay", "ratio", "max_req_len", "_steps")
+
+    def __init__(self, kv_tokens: int):
+        self.init = INIT_NEW_TOKEN_RATIO
+        self.floor = self.init * MIN_NEW_TOKEN_RATIO_FACTOR
+        self.decay = (self.init - self.floor) / NEW_TOKEN_RATIO_DECAY_STEPS
+        self.ratio = self.init
+        self.max_req_len = kv_tokens - 1  # SGLang: min(context_len, pool tokens) − 1
+        self._steps = 0  # the engine's decode clock when the ratio was last brought up to date
+
+    def max_new(self, seq: Seq) -> int:
+        """The request's ``max_new_tokens`` (no client cap: the pool less its original prompt)."""
+        return max(0, self.max_req_len - (seq.prompt - seq.generated) - 1)
+
+    def _catch_up(self, engine: Engine) -> None:
+        """Apply the decay of the decode steps run since the last look (one per step)."""
+        steps = engine.steps - self._steps
+        if steps > 0:
+            self.ratio = max(self.floor, self.ratio - self.decay * steps)
+        self._steps = engine.steps
+
+    def held(self, engine: Engine) -> float:
+        """Tokens the running requests hold for their future output: Σ min(left, CLIP) × ratio."""
+        total = 0
+        for seq in engine.prefilling:
+            total += min(self.max_new(seq) - seq.generated, CLIP_MAX_NEW_TOKENS)
+        for seq in engine.decoding.values():
+            made = seq.generated + engine.context(seq) - seq.prompt + 1
+            total += max(0, min(self.max_new(seq) - made, CLIP_MAX_NEW_TOKENS))
+        return total * self.ratio
+
+    def admits(self, engine: Engine, seq: Seq, need: int) -> bool:
+        """Whether ``seq`` (``need`` uncached prompt tokens) passes SGLang's token budget now."""
+        self._catch_up(engine)
+        if not engine.prefilling and not engine.decoding:
+            self.ratio = self.init  # an idle scheduler resets the estimate
+            held = 0.0
+        else:
+            held = self.held(engine)
+        room = engine.free_tokens() - held
+        left = max(0, self.max_new(seq) - seq.generated)  # a retracted request's remaining budget
+        return need + min(left, CLIP_MAX_NEW_TOKENS) < room
+
+    def retracted(self, engine: Engine) -> None:
+        """After a decode out-of-memory preemption: re-estimate the ratio from the batch left."""
+        self._catch_up(engine)
+        left = list(engine.decoding.values())
+        made = sum(s.generated + engine.context(s) - s.prompt + 1 for s in left)
+        budget = sum(self.max_new(s) for s in left)
+        self.ratio = min(1.0, (made + RETRACT_DECODE_STEPS * len(left)) / (budget + 1))
