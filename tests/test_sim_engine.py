@@ -12,7 +12,10 @@ from kvroute.sim.events import EventLoop
 
 
 def small_profile(**kw):
+    """The L4 profile's step times with vLLM's admission (these tests are about vLLM's scheduler;
+    SGLang's, which the L4 profile runs, is tested in test_sglang_admission.py) and ``kw``."""
     base = load_profile("l4-llama3.1-8b").model_dump()
+    base["admission"] = "vllm"
     base.update(kw)
     return type(load_profile("l4-llama3.1-8b"))(**base)
 

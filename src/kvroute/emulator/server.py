@@ -140,7 +140,7 @@ class Emulator:
             prompt_tokens = math.ceil(len(key.encode("utf-8", "surrogatepass")) / self.bytes_per_token)
             block_tokens = max(1, round(block_tokens * 4.0 / self.bytes_per_token))
         rid = uuid.uuid4().hex
-        seq = Seq(rid, max(1, prompt_tokens), max(1, max_tokens), hashes, block_tokens)
+        seq = Seq(rid, max(1, prompt_tokens), max(1, max_tokens), hashes, block_tokens, max_new=max(1, max_tokens))
         seq.remote = remote
         too_long = context_error(seq.prompt, seq.output, self.max_model_len)
         if too_long:

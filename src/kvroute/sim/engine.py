@@ -34,6 +34,7 @@ from kvroute.sim.events import Scheduler
 from kvroute.sim.handover import Handover
 from kvroute.sim.host import Host
 from kvroute.sim.seq import DECODE, DONE, PREFILL, WAITING, Jump, Seq, steps_done
+from kvroute.sim.sglang_admission import install as install_admission
 
 __all__ = ["DECODE", "DONE", "PREFILL", "WAITING", "Engine", "Host", "Jump", "Seq"]
 
@@ -66,6 +67,7 @@ class Engine(Handover):
         self._version = 0
         self._chunks: list[tuple[Seq, int]] = []  # the prefill chunks of the step in progress
         self.busy_s = 0.0
+        install_admission(self)  # SGLang's token budget when the profile says so (sim/sglang_admission.py)
 
     _steps_done = staticmethod(steps_done)
 

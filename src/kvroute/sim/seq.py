@@ -31,11 +31,12 @@ class Seq:
 
     __slots__ = ("rid", "payload", "prompt", "output", "hashes", "bt", "state", "cached",
                  "prefill_left", "private", "refs", "a", "finish_at", "order", "first_token_done",
-                 "generated", "moving", "remote")
+                 "generated", "moving", "remote", "max_new")
 
     def __init__(self, rid: str, prompt: int, output: int, hashes: tuple[int, ...], bt: int,
-                 payload: Any = None):
+                 payload: Any = None, max_new: int = 0):
         self.rid = rid
+        self.max_new = max_new  # the client's max_tokens (0: none sent); SGLang's admission reads it
         self.payload = payload
         self.prompt = prompt
         self.output = max(1, output)

@@ -19,15 +19,16 @@ its running requests may still generate (sgl-project/sglang ``python/sglang/srt/
 * Constants (``environ.py``; ``global_config.py`` in older releases): SGLANG_INIT_NEW_TOKEN_RATIO
   0.7, SGLANG_MIN_NEW_TOKEN_RATIO_FACTOR 0.14, SGLANG_NEW_TOKEN_RATIO_DECAY_STEPS 600,
   SGLANG_RETRACT_DECODE_STEPS 20, SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION 4096.
-* ``max_new_tokens``: a request without ``max_tokens`` gets ``max_req_len − prompt − 1``
-  (``scheduler.py``, ``init_req_max_new_tokens``; ``max_req_len`` is at most the KV pool's
-  tokens). kvroute's simulated clients send no ``max_tokens`` (a CHOICE: SkyWalker's benchmark
-  settings are not published), so the estimate is the pool size less the prompt, clipped at 4096.
+* ``max_new_tokens``: the client's ``max_tokens`` when it sends one, else
+  ``max_req_len − prompt − 1`` (``scheduler.py``, ``init_req_max_new_tokens``; ``max_req_len``
+  is at most the KV pool's tokens). kvroute's synthetic clients send one (chat 2048, tree node
+  1024: workload/synthetic.py; SkyWalker's benchmark settings are not published).
 
 Because the reservation makes admission stop before memory runs out, requests wait in the
 engine's queue earlier — the "pending" signal SkyWalker's selective pushing probes (§3.3).
-Kept out of the engine: the engine calls :meth:`SGLangReserve.admits` before admitting and
-:meth:`SGLangReserve.retracted` after a preemption; nothing else changes.
+Kept out of the engine: :func:`install` sets the engine's ``admission`` hook (sim/batch.py) when
+the profile says ``admission: sglang``. A retraction is seen at the next admission check (the
+engine's preemption counter moved), which is when SGLang next reads the ratio.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the engine imports this module; no import back at run time
-    from kvroute.sim.engine import Engine, Seq
+    from kvroute.sim.batch import Batch
+    from kvroute.sim.seq import Seq
 
 INIT_NEW_TOKEN_RATIO = 0.7  # SGLANG_INIT_NEW_TOKEN_RATIO × schedule_conservativeness (1.0)
 MIN_NEW_TOKEN_RATIO_FACTOR = 0.14  # SGLANG_MIN_NEW_TOKEN_RATIO_FACTOR
@@ -47,7 +49,7 @@ CLIP_MAX_NEW_TOKENS = 4096  # SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION
 class SGLangReserve:
     """One engine's ``new_token_ratio`` and the admission test built on it."""
 
-    __slots__ = ("init", "floor", "decay", "ratio", "max_req_len", "_steps")
+    __slots__ = ("init", "floor", "decay", "ratio", "max_req_len", "_steps", "_preemptions")
 
     def __init__(self, kv_tokens: int):
         self.init = INIT_NEW_TOKEN_RATIO
@@ -56,30 +58,39 @@ class SGLangReserve:
         self.ratio = self.init
         self.max_req_len = kv_tokens - 1  # SGLang: min(context_len, pool tokens) − 1
         self._steps = 0  # the engine's decode clock when the ratio was last brought up to date
+        self._preemptions = 0  # the engine's preemption count at the last look
 
     def max_new(self, seq: Seq) -> int:
-        """The request's ``max_new_tokens`` (no client cap: the pool less its original prompt)."""
-        return max(0, self.max_req_len - (seq.prompt - seq.generated) - 1)
+        """The request's ``max_new_tokens``: its client's cap, at most the pool less its original prompt."""
+        top = max(0, self.max_req_len - (seq.prompt - seq.generated) - 1)
+        return min(seq.max_new, top) if seq.max_new > 0 else top
 
-    def _catch_up(self, engine: Engine) -> None:
+    def _catch_up(self, engine: Batch) -> None:
         """Apply the decay of the decode steps run since the last look (one per step)."""
         steps = engine.steps - self._steps
         if steps > 0:
             self.ratio = max(self.floor, self.ratio - self.decay * steps)
         self._steps = engine.steps
 
-    def held(self, engine: Engine) -> float:
+    @staticmethod
+    def made(engine: Batch, seq: Seq) -> int:
+        """Tokens a decoding sequence has generated in all (asked at a step boundary, as admission is)."""
+        return seq.generated + seq.a + engine.steps - seq.prompt + 1
+
+    def held(self, engine: Batch) -> float:
         """Tokens the running requests hold for their future output: Σ min(left, CLIP) × ratio."""
         total = 0
         for seq in engine.prefilling:
-            total += min(self.max_new(seq) - seq.generated, CLIP_MAX_NEW_TOKENS)
+            total += max(0, min(self.max_new(seq) - seq.generated, CLIP_MAX_NEW_TOKENS))
         for seq in engine.decoding.values():
-            made = seq.generated + engine.context(seq) - seq.prompt + 1
-            total += max(0, min(self.max_new(seq) - made, CLIP_MAX_NEW_TOKENS))
+            total += max(0, min(self.max_new(seq) - self.made(engine, seq), CLIP_MAX_NEW_TOKENS))
         return total * self.ratio
 
-    def admits(self, engine: Engine, seq: Seq, need: int) -> bool:
+    def __call__(self, engine: Batch, seq: Seq, need: int) -> bool:
         """Whether ``seq`` (``need`` uncached prompt tokens) passes SGLang's token budget now."""
+        if engine.preemptions != self._preemptions:
+            self._preemptions = engine.preemptions
+            self.retracted(engine)
         self._catch_up(engine)
         if not engine.prefilling and not engine.decoding:
             self.ratio = self.init  # an idle scheduler resets the estimate
@@ -90,10 +101,16 @@ class SGLangReserve:
         left = max(0, self.max_new(seq) - seq.generated)  # a retracted request's remaining budget
         return need + min(left, CLIP_MAX_NEW_TOKENS) < room
 
-    def retracted(self, engine: Engine) -> None:
+    def retracted(self, engine: Batch) -> None:
         """After a decode out-of-memory preemption: re-estimate the ratio from the batch left."""
         self._catch_up(engine)
         left = list(engine.decoding.values())
-        made = sum(s.generated + engine.context(s) - s.prompt + 1 for s in left)
+        made = sum(self.made(engine, s) for s in left)
         budget = sum(self.max_new(s) for s in left)
         self.ratio = min(1.0, (made + RETRACT_DECODE_STEPS * len(left)) / (budget + 1))
+
+
+def install(engine: Batch) -> None:
+    """Give ``engine`` SGLang's admission when its profile asks for it (``admission: sglang``)."""
+    if engine.p.admission == "sglang":
+        engine.admission = SGLangReserve(engine.p.kv_tokens)
