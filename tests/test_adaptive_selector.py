@@ -1,10 +1,14 @@
-"""auto's online selector (policy/adaptive/selector): which rule it keeps, and its guard."""
+"""auto's online selector (policy/adaptive/selector): interleaved trials, switching on evidence, the guard,
+the doubling exploit stretch; and the trust region (near_best) that keeps trials safe."""
 
 from __future__ import annotations
 
 import pytest
 
+from kvroute.model import Endpoint
 from kvroute.policy.adaptive.selector import A, B, TTFTSelector
+from kvroute.policy.adaptive.selector.plugin import welch
+from kvroute.policy.builtin.filters import NearBest
 
 
 class _Req:
@@ -25,7 +29,8 @@ class _St:
 
 
 def drive(sel: TTFTSelector, ttft, e2e, n: int, start: int = 0) -> list[int]:
-    """n requests: ask, dispatch, answer at once with the arm's TTFT and E2E; returns the arms that served."""
+    """n requests: ask, dispatch, answer at once with the arm's TTFT and E2E (a callable of the request
+    number, or a constant); returns the arms that served."""
     arms = []
     for i in range(start, start + n):
         rid = f"r{i}"
@@ -35,49 +40,107 @@ def drive(sel: TTFTSelector, ttft, e2e, n: int, start: int = 0) -> list[int]:
         for effect in st.effects:  # the dispatch is committed
             effect()
         sel.on_dispatched(_Req(rid), None, 0)
-        sel.on_first_token(rid, "e", ttft[arm])
-        sel.on_finished(rid, "e", e2e[arm], 10)
+        t, e = ttft[arm], e2e[arm]
+        sel.on_first_token(rid, "e", t(i) if callable(t) else t)
+        sel.on_finished(rid, "e", e(i) if callable(e) else e, 10)
     return arms
 
 
-def test_the_selector_measures_both_rules_then_keeps_the_faster():
+def noisy(mean: float, spread: float = 0.1):
+    """A deterministic TTFT series around ``mean`` (a sawtooth of ± ``spread``)."""
+    return lambda i: mean + spread * ((i * 7919) % 11 - 5) / 5
+
+
+def test_a_trial_interleaves_the_rules_then_the_incumbent_serves():
     sel = TTFTSelector(window=8, exploit=2)
-    arms = drive(sel, {A: 0.5, B: 0.2}, {A: 5.0, B: 5.0}, 16)
-    assert arms == [A] * 8 + [B] * 8  # one block each
-    assert drive(sel, {A: 0.5, B: 0.2}, {A: 5.0, B: 5.0}, 8, 16) == [B] * 8  # B was faster: kept
-    assert sel.state()["wins_other"] == 1
-    # after `exploit` blocks both are measured again; now A is faster, and wins
-    later = drive(sel, {A: 0.1, B: 0.9}, {A: 5.0, B: 5.0}, 40, 24)
-    assert A in later[:16] and later[-8:] == [A] * 8
+    assert drive(sel, {A: noisy(0.5), B: noisy(0.5)}, {A: 5.0, B: 5.0}, 16) == [A, B] * 8
+    assert sel.state()["rounds"] == 1 and sel.state()["wins_other"] == 1  # a tie keeps LMetric (B)
+    # kept once: the stretch doubles (2 windows × 8 × 2 = 32 dispatches), then the next trial
+    assert drive(sel, {A: noisy(0.5), B: noisy(0.5)}, {A: 5.0, B: 5.0}, 32, 16) == [B] * 32
+    assert drive(sel, {A: noisy(0.5), B: noisy(0.5)}, {A: 5.0, B: 5.0}, 4, 48) == [A, B, A, B]
 
 
-def test_the_guard_refuses_a_faster_first_token_bought_with_slower_answers():
-    sel = TTFTSelector(window=8, exploit=2, e2e_slack=0.1)
-    drive(sel, {A: 0.1, B: 0.3}, {A: 20.0, B: 5.0}, 16)  # A: best TTFT, 4× the end-to-end latency
-    assert drive(sel, {A: 0.1, B: 0.3}, {A: 20.0, B: 5.0}, 8, 16) == [B] * 8
-
-
-# TTFT and E2E latency each rule's requests measure → the rule served after one exploration round
+# TTFT and E2E each rule's requests measure → the rule serving after one trial
 ROUNDS = [
-    pytest.param({A: 0.5, B: 0.2}, {A: 5.0, B: 5.0}, 0.1, B, id="the-other-rule-is-faster"),
-    pytest.param({A: 0.2, B: 0.5}, {A: 5.0, B: 5.0}, 0.1, A, id="the-guarded-rule-is-faster"),
-    pytest.param({A: 0.3, B: 0.3}, {A: 5.0, B: 5.0}, 0.1, A, id="a-tie-keeps-the-guarded-rule"),
-    pytest.param({A: 0.1, B: 0.3}, {A: 20.0, B: 5.0}, 0.1, B, id="guard-refuses-fast-first-tokens-slow-answers"),
-    pytest.param({A: 0.1, B: 0.3}, {A: 5.4, B: 5.0}, 0.1, A, id="within-the-e2e-slack"),
-    pytest.param({A: 0.1, B: 0.3}, {A: 5.4, B: 5.0}, 0.05, B, id="beyond-a-tighter-slack"),
+    pytest.param({A: noisy(0.2), B: noisy(0.5)}, {A: 5.0, B: 5.0}, 0.1, 2.0, A, id="challenger-clearly-faster"),
+    pytest.param({A: noisy(0.5), B: noisy(0.2)}, {A: 5.0, B: 5.0}, 0.1, 2.0, B, id="incumbent-faster"),
+    pytest.param({A: noisy(0.45, 0.3), B: noisy(0.5, 0.3)}, {A: 5.0, B: 5.0}, 0.1, 2.0, B,
+                 id="a-lead-within-the-noise-keeps-the-incumbent"),
+    pytest.param({A: noisy(0.45, 0.3), B: noisy(0.5, 0.3)}, {A: 5.0, B: 5.0}, 0.1, 0.0, A,
+                 id="z-0-follows-any-lead"),
+    pytest.param({A: noisy(0.1), B: noisy(0.3)}, {A: 20.0, B: 5.0}, 0.1, 2.0, B,
+                 id="guard-refuses-fast-first-tokens-slow-answers"),
+    pytest.param({A: noisy(0.1), B: noisy(0.3)}, {A: 5.4, B: 5.0}, 0.1, 2.0, A, id="within-the-e2e-slack"),
+    pytest.param({A: noisy(0.1), B: noisy(0.3)}, {A: 5.4, B: 5.0}, 0.05, 2.0, B, id="beyond-a-tighter-slack"),
 ]
 
 
-@pytest.mark.parametrize(("ttft", "e2e", "slack", "kept"), ROUNDS)
-def test_the_rule_kept_after_one_round(ttft, e2e, slack, kept):
-    sel = TTFTSelector(window=8, exploit=2, e2e_slack=slack)
-    assert drive(sel, ttft, e2e, 16) == [A] * 8 + [B] * 8  # one block each
-    assert drive(sel, ttft, e2e, 16, 16) == [kept] * 16  # the winner serves `exploit` blocks
+@pytest.mark.parametrize(("ttft", "e2e", "slack", "z", "kept"), ROUNDS)
+def test_the_rule_serving_after_one_trial(ttft, e2e, slack, z, kept):
+    sel = TTFTSelector(window=8, exploit=2, e2e_slack=slack, z=z)
+    assert drive(sel, ttft, e2e, 16) == [A, B] * 8
+    assert drive(sel, ttft, e2e, 16, 16) == [kept] * 16
     assert sel.state()["rounds"] == 1
     assert sel.state()["wins_guarded" if kept == A else "wins_other"] == 1
 
 
-@pytest.mark.parametrize(("window", "exploit"), [(7, 8), (64, 0)])
-def test_bad_settings_are_refused(window, exploit):
-    with pytest.raises(ValueError, match="window must be"):
-        TTFTSelector(window=window, exploit=exploit)
+def test_a_switch_is_followed_back_when_the_traffic_changes():
+    sel = TTFTSelector(window=8, exploit=1)
+    drive(sel, {A: noisy(0.1), B: noisy(0.5)}, {A: 5.0, B: 5.0}, 16)
+    assert drive(sel, {A: noisy(0.1), B: noisy(0.5)}, {A: 5.0, B: 5.0}, 8, 16) == [A] * 8  # switched: 1 window
+    later = drive(sel, {A: noisy(0.9), B: noisy(0.2)}, {A: 5.0, B: 5.0}, 24, 24)
+    assert later[:16] == [A, B] * 8 and later[16:] == [B] * 8  # the next trial switched back: 1 window
+    assert sel.state()["wins_guarded"] == 1 and sel.state()["wins_other"] == 1
+
+
+def test_answers_of_an_earlier_trial_do_not_count_in_the_next():
+    sel = TTFTSelector(window=8, exploit=1)
+    for i in range(16):  # a trial whose answers never come ...
+        st = _St(f"old{i}")
+        sel.holds(st, [])
+        for effect in st.effects:
+            effect()
+        sel.on_dispatched(_Req(f"old{i}"), None, 0)
+    assert sel.state()["rounds"] == 0  # ... is still awaited: the incumbent serves meanwhile
+    assert drive(sel, {A: 0.1, B: 0.1}, {A: 1.0, B: 1.0}, 4) == [B] * 4
+
+
+@pytest.mark.parametrize(("better", "worse", "want"), [
+    ([1.0, 1.0], [2.0, 2.0], float("inf")), ([2.0, 2.0], [1.0, 1.0], 0.0),
+    ([1.0, 2.0, 3.0], [2.0, 3.0, 4.0], pytest.approx(1.2247, abs=1e-3))])
+def test_welch_counts_standard_errors_of_the_lead(better, worse, want):
+    assert welch(better, worse) == want
+
+
+@pytest.mark.parametrize(("window", "exploit", "z"), [(7, 8, 2.0), (64, 0, 2.0), (64, 8, -1.0)])
+def test_bad_settings_are_refused(window, exploit, z):
+    with pytest.raises(ValueError, match="window must be|z must be"):
+        TTFTSelector(window=window, exploit=exploit, z=z)
+
+
+class _Lm:
+    """A DecisionState whose new prefill per endpoint is given."""
+
+    def __init__(self, new):
+        self._new = new
+
+    def new_prefill(self, eps):
+        return [self._new[e.id] for e in eps]
+
+
+def _ep(eid, queued, batch):
+    e = Endpoint(id=eid)
+    e.queued_prefill_tokens, e.running = queued, batch
+    return e
+
+
+@pytest.mark.parametrize(("factor", "kept"), [(1.0, ["a"]), (2.0, ["a", "b"]), (10.0, ["a", "b", "c"])])
+def test_near_best_keeps_the_endpoints_lmetric_ranks_within_the_factor(factor, kept):
+    eps = [_ep("a", 0, 0), _ep("b", 500, 0), _ep("c", 100, 5)]  # lmetric: 1000, 1500, (100+1000)×6
+    st = _Lm({"a": 1000, "b": 1000, "c": 1000})
+    assert [e.id for e in NearBest("lmetric", factor).filter(st, eps)] == kept
+
+
+def test_near_best_refuses_a_factor_below_one():
+    with pytest.raises(ValueError, match="factor must be >= 1"):
+        NearBest("lmetric", 0.5)

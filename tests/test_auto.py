@@ -65,7 +65,9 @@ def test_the_gateway_explains_auto_in_the_admin_api_and_metrics(monkeypatch):
         assert r.status_code == 200
         info = httpx.get(f"{dep.url}/admin/policy", headers={"Authorization": "Bearer sk-admin-auto"}).json()
         assert info["name"] == "auto" and info["in_charge"] == ADDITIVE and info["branches"] == {ADDITIVE: 1}
-        assert info["state"]["ttft_selector.serving_guarded"] == 1.0
+        # the first request of the first trial went by GORGO's additive cost; LMetric's score routes the next
+        assert info["state"]["ttft_selector.region.trialling"] == 1.0
+        assert info["state"]["ttft_selector.region.serving_guarded"] == 0.0
         text = httpx.get(f"{dep.url}/metrics").text
         assert f'kvroute_policy_branch_total{{branch="{ADDITIVE}",policy="auto"}} 1.0' in text
         assert dep.settle() == (0, 0, 0)

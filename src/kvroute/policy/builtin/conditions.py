@@ -81,3 +81,16 @@ class RttSpreadAbove(Condition):
         """True when max − min of the candidates' probe RTTs exceeds ``ms``."""
         rtts = [e.rtt_s for e in eps]
         return 1000.0 * (max(rtts) - min(rtts)) > self.ms
+
+
+@register_plugin
+class RttSpreadAtMost(RttSpreadAbove):
+    """The negation of ``rtt_spread_above``: the candidates' probe RTTs differ by at most ``ms``
+    milliseconds — one region as seen from this load balancer (``auto`` trials a different
+    challenger there than across regions)."""
+
+    name = "rtt_spread_at_most"
+
+    def holds(self, st: DecisionState, eps: list[Endpoint]) -> bool:
+        """True when max − min of the candidates' probe RTTs is at most ``ms``."""
+        return not super().holds(st, eps)

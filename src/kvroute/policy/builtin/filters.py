@@ -78,3 +78,30 @@ class CachedWithinSpread(Filter):
         loads = [e.running + e.waiting + e.dispatched_since_probe for e in eps]  # batch_size, inlined
         limit = statistics.fmean(loads) + self.std_factor * statistics.pstdev(loads)
         return [e for e, b in zip(eps, loads) if e.id in matches and b <= limit]
+
+
+@register_plugin
+class NearBest(Filter):
+    """Endpoints whose ``scorer`` value is within ``factor`` × the best one's: a trust region around
+    another rule's choice. ``auto`` lets GORGO's cost choose only among the replicas LMetric's score
+    ranks near its best, so trialling the challenger can never send a request where the incumbent
+    judges it far worse (a hot prefix's cached replica with a long queue) — safe exploration."""
+
+    name = "near_best"
+    inputs = frozenset({"prefix", "prefill_backlog", "load"})
+
+    def __init__(self, scorer: str = "lmetric", factor: float = 2.0):
+        if factor < 1:
+            raise ValueError(f"factor must be >= 1, got {factor}")
+        from kvroute.policy.catalog import new_scorer
+
+        self.scorer, self.factor = new_scorer(scorer), factor
+        if not self.scorer.lower_is_better:
+            raise ValueError(f"near_best: scorer {scorer!r} is higher-is-better; it needs a cost")
+
+    def filter(self, st: DecisionState, eps: list[Endpoint]) -> list[Endpoint]:
+        """``eps`` scoring at most ``factor`` × the lowest score (all of them when every score is 0)."""
+        values = self.scorer.values(st, eps)
+        limit = self.factor * min(values)
+        return [e for e, v in zip(eps, values) if v <= limit] if limit > 0 else \
+            [e for e, v in zip(eps, values) if v <= 0]

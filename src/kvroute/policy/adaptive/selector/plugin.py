@@ -1,129 +1,161 @@
-"""Online choice between two routing rules by the TTFTs they produce: explore both, keep the better.
+"""Online choice between two routing rules by the TTFTs they produce: an interleaved trial, kept on evidence.
 
-``auto`` has two cost functions that each win somewhere — GORGO's additive cost (uncached plus
-queued tokens) and LMetric's multiplicative score — and nothing it can observe up front says which
-fits a deployment. So it measures: the ``ttft_selector`` condition routes by one rule for a block
-of ``window`` dispatches, then by the other, compares the p90 of the TTFTs each block's requests
-measured (the runtime's first-token times, as GORGO v2's tuner uses), and serves the winner for
-``exploit`` blocks before measuring again, so a change of traffic is followed.
+``auto`` has a challenger cost — GORGO's (uncached plus queued tokens, plus the RTT across
+regions) — and an incumbent, LMetric's multiplicative score, and nothing it can observe up front
+says which fits a deployment. So it measures, as an online A/B test does:
 
-Guard against reward hacking (GORGO v2 §4: a tuner scoring TTFT alone learned to send everything
-to the nearest replica, best TTFT and worst end-to-end latency): a rule wins on TTFT only if its
-requests' mean end-to-end latency is not more than ``e2e_slack`` worse than the other's.
+* **interleaved trials.** For ``2 × window`` dispatches the two rules take turns, request by
+  request, so both face the same queues, cache contents and arrival burst at the same moment. (A
+  first version measured one block of ``window`` dispatches per rule; blocks at different times
+  compared different traffic — a run's start against its steady state, a burst against a lull —
+  and a bad rule routing a whole block alone built queues that hurt long after: on a hot prefix
+  the additive cost piled the hot class onto its cached replicas for 64 dispatches in a row.)
+* **evidence to switch.** The rule serving between trials (the incumbent) is replaced only when
+  the challenger's mean TTFT is lower by more than ``z`` standard errors of the difference
+  (Welch's statistic over the trial's answered requests). A tie or a noisy difference keeps the
+  incumbent, so the selector does not flip on noise.
+* **guard against reward hacking** (GORGO v2 §4: a tuner scoring TTFT alone learned to send
+  everything to the nearest replica — best TTFT, worst end-to-end latency): the challenger also
+  needs a mean end-to-end latency at most ``e2e_slack`` worse than the incumbent's.
+* **fewer trials while the answer holds.** The incumbent then serves ``exploit`` windows; each
+  trial that keeps it doubles that (up to ``exploit × 8`` windows), a switch resets it — the
+  doubling schedule of online learning, so exploration's share shrinks on stable traffic and a
+  change of traffic is still followed.
 
 Pure: no clock, no randomness; the outcome depends only on the events' order.
 """
 
 from __future__ import annotations
 
+import math
+
 from kvroute.model import Endpoint, Request
 from kvroute.policy.catalog import register_plugin
 from kvroute.policy.hooks import Lifecycle
 from kvroute.policy.plugins import Condition, DecisionState
 
-A, B = 1, 0  # A: the guarded rule holds; B: fall through to the next rule
+A, B = 1, 0  # A: the guarded rule (the challenger) routes; B: fall through to the next rule (the incumbent)
+MAX_DOUBLINGS = 3  # exploit at most 2**3 × the base stretch between trials
 
 
-def _p90(xs: list[float]) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, round(0.9 * (len(s) - 1)))] if s else float("inf")
+def mean_se(xs: list[float]) -> tuple[float, float]:
+    """Mean and its standard error (0 for fewer than two samples)."""
+    n = len(xs)
+    m = sum(xs) / n
+    if n < 2:
+        return m, 0.0
+    var = sum((x - m) ** 2 for x in xs) / (n - 1)
+    return m, math.sqrt(var / n)
+
+
+def welch(better: list[float], worse: list[float]) -> float:
+    """How many standard errors ``better``'s mean lies below ``worse``'s (≤ 0: not below)."""
+    mb, sb = mean_se(better)
+    mw, sw = mean_se(worse)
+    se = math.hypot(sb, sw)
+    if se == 0:
+        return math.inf if mb < mw else 0.0
+    return (mw - mb) / se
 
 
 @register_plugin
 class TTFTSelector(Condition, Lifecycle):
-    """Holds while the rule it guards is the one serving: alternately explored, then the faster one kept."""
+    """Holds while the rule it guards serves: both rules trialled interleaved, the challenger kept on evidence."""
 
     name = "ttft_selector"
     inputs = frozenset()
 
-    def __init__(self, window: int = 64, exploit: int = 8, e2e_slack: float = 0.1):
+    def __init__(self, window: int = 64, exploit: int = 8, e2e_slack: float = 0.1, z: float = 2.0, scope: str = ""):
         if window < 8 or exploit < 1:
             raise ValueError("ttft_selector: window must be ≥ 8 and exploit ≥ 1")
-        self.window, self.exploit, self.e2e_slack = window, exploit, e2e_slack
-        self.arm = A  # the rule serving now
-        self.best = A  # the last round's winner (served while a round's answers are awaited)
-        self.phase = "explore"  # explore → wait (for the answers) → exploit → explore ...
-        self.explore = [A, B]  # blocks still to measure this round, the current one first
-        self.exploit_until = 0
-        self.left = window  # dispatches left in the current block
-        self.block = 0  # block number; a request is scored in the block it was dispatched in
+        if z < 0:
+            raise ValueError("ttft_selector: z must be ≥ 0")
+        self.window, self.exploit, self.e2e_slack, self.z = window, exploit, e2e_slack, z
+        self.scope = f"{scope}." if scope else ""  # names this instance's state when a policy has several
+        self.incumbent = B  # the fall-through rule serves until the challenger is shown faster
+        self.phase = "trial"  # trial → wait (for its answers) → exploit → trial ...
+        self.arm = A  # the rule for the next dispatch
+        self.trialled = 0  # dispatches in the current trial
+        self.left = 0  # exploit: dispatches before the next trial
+        self.kept = 0  # consecutive trials that kept the incumbent (doubles the exploit stretch)
+        self.trial = 0  # trial number; a request is scored in the trial it was dispatched in
         self.asked: str | None = None  # the last request the condition was consulted for
-        self.owner: dict[str, tuple[int, int]] = {}  # req id → (block, arm)
+        self.owner: dict[str, tuple[int, int]] = {}  # req id → (trial, arm)
         self.ttft: dict[int, list[float]] = {A: [], B: []}
         self.e2e: dict[int, list[float]] = {A: [], B: []}
-        self.measured = {0: A}  # the blocks of this round's exploration → the rule each served
         self.wins = {A: 0, B: 0}
         self.rounds = 0
+        self.evidence = 0.0  # the last trial's statistic (challenger's lead in standard errors)
 
     def holds(self, st: DecisionState, eps: list[Endpoint]) -> bool:
-        """True when the guarded rule serves now (the request is marked as this condition's when
-        the dispatch is committed: deciding changes nothing)."""
+        """True when the guarded rule routes this request (the request is marked as this
+        condition's when the dispatch is committed: deciding changes nothing)."""
         rid = st.req.id
         st.defer(lambda: setattr(self, "asked", rid))
         return self.arm == A
 
     def on_dispatched(self, req: Request, endpoint: Endpoint, new_prefill_tokens: int) -> None:
-        """Count the dispatch in the current block when this condition chose its rule."""
+        """Count the dispatch when this condition chose its rule; during a trial, alternate the rules."""
         if self.asked != req.id:
-            return  # an earlier rule decided (hotspot, several regions): not ours to score
-        self.owner[req.id] = (self.block, self.arm)
-        self.left -= 1
-        if self.left <= 0:
-            self._next_block()
+            return  # an earlier rule decided (hotspot, another regime): not ours to score
+        if self.phase == "trial":
+            self.owner[req.id] = (self.trial, self.arm)
+            self.trialled += 1
+            if self.trialled >= 2 * self.window:
+                self.phase, self.arm = "wait", self.incumbent  # until enough of the trial has answered
+            else:
+                self.arm = A if self.trialled % 2 == 0 else B
+        elif self.phase == "exploit":
+            self.left -= 1
+            if self.left <= 0:
+                self._start_trial()
 
     def on_first_token(self, req_id: str, endpoint_id: str, ttft_s: float) -> None:
-        """Score the TTFT for the rule that routed the request, if its block is being measured."""
-        blk_arm = self.owner.get(req_id)
-        if blk_arm is not None and self.measured.get(blk_arm[0]) == blk_arm[1]:
-            self.ttft[blk_arm[1]].append(ttft_s)
+        """Score the TTFT for the rule that routed the request, if it belongs to the current trial."""
+        tr_arm = self.owner.get(req_id)
+        if tr_arm is not None and tr_arm[0] == self.trial:
+            self.ttft[tr_arm[1]].append(ttft_s)
 
     def on_finished(self, req_id: str, endpoint_id: str, e2e_s: float, output_tokens: int) -> None:
-        """The guard's sample: end-to-end latency per rule."""
-        blk_arm = self.owner.pop(req_id, None)
-        if blk_arm is not None and self.measured.get(blk_arm[0]) == blk_arm[1]:
-            self.e2e[blk_arm[1]].append(e2e_s)
+        """The guard's sample: end-to-end latency per rule; decide once the trial has answered."""
+        tr_arm = self.owner.pop(req_id, None)
+        if tr_arm is not None and tr_arm[0] == self.trial:
+            self.e2e[tr_arm[1]].append(e2e_s)
         self._maybe_decide()
 
     def on_failed(self, req_id: str, endpoint_id: str) -> None:
         """No sample will come."""
         self.owner.pop(req_id, None)
 
-    def _next_block(self) -> None:
-        """A block ended: measure the next rule, wait for the answers, or re-explore after exploiting."""
-        self.block += 1
-        self.left = self.window
-        if self.phase == "explore":
-            self.explore.pop(0)
-            if self.explore:
-                self.arm = self.explore[0]
-                self.measured[self.block] = self.arm
-            else:
-                self.phase, self.arm = "wait", self.best  # until both blocks' requests have answered
-        elif self.phase == "exploit" and self.block >= self.exploit_until:
-            self.phase, self.explore, self.arm = "explore", [A, B], A
-            self.ttft, self.e2e = {A: [], B: []}, {A: [], B: []}
-            self.measured = {self.block: A}
+    def _start_trial(self) -> None:
+        self.trial += 1
+        self.phase, self.arm, self.trialled = "trial", A, 0
+        self.ttft, self.e2e = {A: [], B: []}, {A: [], B: []}
+        self.owner = {}  # the last trial's stragglers no longer count
 
     def _maybe_decide(self) -> None:
-        """Once enough of both measured blocks answered: keep the faster rule, unless the guard objects."""
+        """Once half of each rule's trial requests answered: switch only on evidence the guard accepts."""
         if self.phase != "wait":
             return
         half = self.window // 2
         if min(len(self.ttft[A]), len(self.ttft[B]), len(self.e2e[A]), len(self.e2e[B])) < half:
             return
-        p = {A: _p90(self.ttft[A]), B: _p90(self.ttft[B])}
-        e = {k: sum(v) / len(v) for k, v in self.e2e.items()}
-        best = A if p[A] <= p[B] else B
-        other = B if best == A else A
-        if e[best] > (1 + self.e2e_slack) * e[other]:
-            best = other  # faster first tokens bought with slower answers: the guard refuses
-        self.best = self.arm = best
-        self.wins[best] += 1
+        inc = self.incumbent
+        ch = A if inc == B else B
+        self.evidence = welch(self.ttft[ch], self.ttft[inc])
+        e2e_ok = mean_se(self.e2e[ch])[0] <= (1 + self.e2e_slack) * mean_se(self.e2e[inc])[0]
+        if self.evidence > self.z and e2e_ok:
+            self.incumbent, self.kept = ch, 0
+        else:
+            self.kept = min(MAX_DOUBLINGS, self.kept + 1)
+        self.wins[self.incumbent] += 1
         self.rounds += 1
-        self.phase, self.exploit_until = "exploit", self.block + self.exploit
-        self.measured = {}
+        self.phase, self.arm = "exploit", self.incumbent
+        self.left = self.exploit * self.window * 2 ** self.kept
 
     def state(self) -> dict[str, float]:
-        """The rule serving (1: the guarded one), rounds decided and each rule's wins."""
-        return {"serving_guarded": float(self.arm == A), "rounds": float(self.rounds),
-                "wins_guarded": float(self.wins[A]), "wins_other": float(self.wins[B])}
+        """The rule serving (1: the guarded one), trials decided, each rule's wins, the last trial's evidence."""
+        out = {"serving_guarded": float(self.arm == A), "rounds": float(self.rounds),
+               "wins_guarded": float(self.wins[A]), "wins_other": float(self.wins[B]),
+               "trialling": float(self.phase == "trial"), "evidence": round(min(self.evidence, 1e6), 3)}
+        return {self.scope + k: v for k, v in out.items()}
