@@ -11,10 +11,14 @@ import pytest
 
 from kvroute.bench.auto_cells import capacity_knee, judge_cell, preset_capacity, worst_cell
 from kvroute.sim.scenario import ScenarioError, load_scenario, parse_scenario
+from kvroute.sim.tracefiles import DATA_DIR
 from kvroute.workload.arrivals import ArrivalClock, Bursts
 from kvroute.workload.rag import RAGWorkload
 
-STRESS = ("rag", "hot-prefix", "bursty-chat", "code-azure", "long-context", "mixed-hardware", "rag-3region")
+AZURE = DATA_DIR / "azure-2023" / "AzureLLMInferenceTrace_code.csv"
+STRESS = ("rag", "hot-prefix", "bursty-chat", "long-context", "mixed-hardware", "rag-3region",
+          pytest.param("code-azure", marks=pytest.mark.skipif(not AZURE.exists(), reason=f"needs the Azure trace at "
+                                                              f"{AZURE} (set KVROUTE_TRACES)")))
 
 
 def _dispersion(times: list[float]) -> float:
