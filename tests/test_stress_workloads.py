@@ -144,3 +144,16 @@ def test_the_worst_cell_leaves_saturated_cells_out():
     worst, judged, met, sat = worst_cell({"s": {"50%": ok, "90%": bad_but_saturated}})
     assert (worst["scenario"], worst["level"], judged, met, sat) == ("s", "50%", 1, 0, 1)
     assert worst["ratio"] == pytest.approx(10 / 10.5, abs=1e-4) and worst["metric"] == "goodput"
+
+
+def test_bench_auto_skips_a_bundled_trace_scenario_whose_trace_is_missing_and_says_so(monkeypatch, tmp_path):
+    from kvroute.bench import auto
+    from kvroute.sim import tracefiles
+
+    monkeypatch.setattr(tracefiles, "DATA_DIR", tmp_path)
+    monkeypatch.setattr(auto, "bundled_scenarios", lambda: ("code-azure",))
+    result = auto.run(None, ("lmetric",), 1, 50)
+    assert list(result["skipped"]) == ["code-azure"] and result["scenarios"] == {}
+    assert auto.verdict_lines(result)[0].startswith("skipped code-azure: ")
+    with pytest.raises(ScenarioError, match="no such trace file"):  # named on the command line: an error
+        auto.run(("code-azure",), ("lmetric",), 1, 50)

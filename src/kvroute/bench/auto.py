@@ -33,21 +33,31 @@ def run(scenarios: tuple[str, ...] | None = None, presets=PRESETS, seeds: int = 
         executor: Executor | None = None, progress=None) -> dict:
     """Knees, then every preset and auto in every cell on every seed; ratios per cell and the worst."""
     # imported here: the simulator needs the [sim] extra, and parsing the command line must not
-    from kvroute.sim.scenario import load_scenario
+    from kvroute.sim.scenario import ScenarioError, load_scenario
     from kvroute.sim.sweep import LEVELS, compare_task, knee_task
 
+    named = scenarios is not None
     scenarios = scenarios or bundled_scenarios()
     ex = executor or Executor(1)
     labels = ["auto", *[p for p in presets if p != "auto"]]
-    base, closed = {}, {}
+    base, closed, skipped = {}, {}, {}
     for name in scenarios:
         sc = load_scenario(name)
+        try:
+            closed[name] = sc.make_workload().closed_loop
+        except ScenarioError as exc:  # a bundled trace-based scenario on a machine without the trace
+            if named:
+                raise
+            skipped[name] = str(exc)
+            continue
         data = sc.model_dump(exclude_none=True)
         data.setdefault("limits", {})["max_requests"] = requests
         data["policies"] = list(KNEE_PRESETS)
-        base[name], closed[name] = data, sc.make_workload().closed_loop
+        base[name] = data
+    scenarios = tuple(n for n in scenarios if n not in skipped)
     knees = ex.map(knee_task, [(base[n], p) for n in scenarios for p in KNEE_PRESETS])
-    out: dict = {"requests_per_run": requests, "seeds": seeds, "presets": labels, "scenarios": {}}
+    out: dict = {"requests_per_run": requests, "seeds": seeds, "presets": labels, "scenarios": {},
+                 "skipped": skipped}
     jobs = []
     for i, name in enumerate(scenarios):
         ks = dict(zip(KNEE_PRESETS, knees[i * len(KNEE_PRESETS):(i + 1) * len(KNEE_PRESETS)]))
@@ -135,7 +145,8 @@ def table(result: dict):
 def verdict_lines(result: dict) -> list[str]:
     """The worst cell and the counts, in words."""
     w = result["worst"]
-    lines = [f"{result['cells_within_3pct']} of {result['cells_judged']} cells within 3 % on both metrics; "
+    lines = [f"skipped {name}: {why}" for name, why in result.get("skipped", {}).items()]
+    lines += [f"{result['cells_within_3pct']} of {result['cells_judged']} cells within 3 % on both metrics; "
              f"{result['cells_saturated']} saturated cells left out ({result.get('wall_s', '?')} s wall)"]
     if w:
         lines.append(f"worst cell: {w['scenario']} at {w['level']} — {w['ratio']:.3f} of the best ({w['metric']})")
