@@ -103,6 +103,9 @@ class LiveRequest:
     prompt_tokens: int
     cached_tokens: int
     estimated_tokens: int
+    user: int = -1  # which conversation, and which of its turns (for pairing with the simulator)
+    turn: int = -1
+    replica: str = ""  # the gateway's x-kvroute-replica
 
 
 @dataclass
@@ -122,6 +125,7 @@ async def _one(session: aiohttp.ClientSession, url: str, messages: list[dict], m
     async with session.post(f"{url}/v1/chat/completions", json=body) as r:
         if r.status != 200:
             raise RuntimeError(f"gateway answered {r.status}: {(await r.text())[:200]}")
+        replica = r.headers.get("x-kvroute-replica", "")
         async for line in r.content:
             if not line.startswith(b"data:") or line.startswith(b"data: [DONE]"):
                 continue
@@ -134,19 +138,23 @@ async def _one(session: aiohttp.ClientSession, url: str, messages: list[dict], m
     return LiveRequest(ttft if ttft is not None else done - t0, done - t0, t0, done,
                        int(usage.get("prompt_tokens", 0)),
                        int((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)),
-                       estimate_tokens(chat_key(messages)))
+                       estimate_tokens(chat_key(messages)), replica=replica)
 
 
 async def _user(session: aiohttp.ClientSession, url: str, conv: list[dict], max_tokens: int, run: LiveRun,
-                start_s: float) -> None:
+                start_s: float, user: int = -1) -> None:
     await asyncio.sleep(start_s)
+    turn = 0
     for i, m in enumerate(conv):
         if m["role"] != "user":
             continue
         try:
-            run.requests.append(await _one(session, url, conv[:i + 1], max_tokens))
+            req = await _one(session, url, conv[:i + 1], max_tokens)
+            req.user, req.turn = user, turn
+            run.requests.append(req)
         except (aiohttp.ClientError, RuntimeError, TimeoutError):
             run.errors += 1
+        turn += 1
 
 
 async def live_run(gateway_url: str, convs: list[list[dict]], max_tokens: int, timeout_s: float = 300,
@@ -160,8 +168,8 @@ async def live_run(gateway_url: str, convs: list[list[dict]], max_tokens: int, t
     rng = random.Random(seed)
     starts = sorted(rng.random() for _ in convs)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
-        await asyncio.gather(*(_user(session, gateway_url, c, max_tokens, run, t)
-                               for c, t in zip(convs, starts, strict=True)))
+        await asyncio.gather(*(_user(session, gateway_url, c, max_tokens, run, t, u)
+                               for u, (c, t) in enumerate(zip(convs, starts, strict=True))))
     return run
 
 
@@ -181,7 +189,12 @@ def live_summary(run: LiveRun) -> dict:
     r = run.requests
     span = max(x.done for x in r) - min(x.sent for x in r) if r else 0.0
     prompt = sum(x.prompt_tokens for x in r)
+    t0 = min((x.sent for x in r), default=0.0)
     return {"requests": len(r), "errors": run.errors, "ttft_s": [x.ttft for x in r],
+            # per request (for finding what the model lacks): sent (s from the first), TTFT, E2E,
+            # prompt and cached tokens, conversation, turn, replica
+            "per_request": [[round(x.sent - t0, 4), round(x.ttft, 4), round(x.e2e, 4), x.prompt_tokens,
+                             x.cached_tokens, x.user, x.turn, x.replica] for x in r],
             "ttft_p50": percentile([x.ttft for x in r], 0.5), "ttft_p99": percentile([x.ttft for x in r], 0.99),
             "e2e_p50": percentile([x.e2e for x in r], 0.5), "throughput": len(r) / span if span else 0.0,
             "cached_share": sum(x.cached_tokens for x in r) / prompt if prompt else 0.0,
@@ -269,6 +282,9 @@ def simulate(convs: list[list[dict]], policy: str, profile: str, replicas: int, 
     run = run_scenario(sc)[0]
     r, rec = run.result, run.recorder
     return {"requests": r["requests"], "errors": sum(r["failed"].values()), "ttft_s": list(rec.ttft),
+            # per request: sent, TTFT, E2E, prompt and cached tokens, replica index
+            "per_request": [[round(s, 4), round(t, 4), round(e, 4), p, c, i] for s, t, e, p, c, i in zip(
+                rec.sent_at, rec.ttft, rec.e2e, rec.prompt_tokens, rec.cached_tokens, rec.replica, strict=True)],
             "ttft_p50": r["ttft_s"]["p50"], "ttft_p99": r["ttft_s"]["p99"], "e2e_p50": r["e2e_s"]["p50"],
             "throughput": r["throughput_rps"], "cached_share": r["prefix_hit_rate"],
             **breakdown(list(rec.ttft), list(rec.e2e), list(rec.prompt_tokens), list(rec.cached_tokens))}

@@ -8,6 +8,15 @@ outside the step loop: ``TTFT = ttft_overhead + c0 + c_prefill·L + c_prefill_at
 the two prefill costs. ``c_attn_fixed`` is folded into ``c0``: both are paid once per decoding
 step, and a sweep of decode steps cannot tell them apart.
 
+Cold prefills alone pin ``c_prefill`` and ``c_prefill_attn`` poorly: over 128-2,048 tokens the
+linear and the quadratic term trade off against each other, and the fit may split them in a way
+that is right for cold prompts and wrong for what a multi-turn workload mostly runs, a short new
+part over a long cached prefix. So the sweep also measures warm prefills (``n`` new tokens after
+``ctx`` cached ones: ``TTFT = ttft_overhead + c0 + c_prefill·n + c_prefill_attn·n·(ctx + n/2)``),
+and one least-squares fit takes cold and warm points together. Measured on three llama-servers
+(2 cores, shared): ~100 new tokens after ~1,500 cached took 55-90 ms alone where a cold-only fit
+predicted ~30-45 ms, and four such prefills batched together 200-355 ms (issue 21).
+
 Each swept point is the median of its repeats on every engine; both fits are least squares on
 relative error over those medians (every point counts the same whatever its size),
 with coefficients kept ≥ 0 (a term whose best value is negative is dropped and the rest refitted:
@@ -32,6 +41,7 @@ from pathlib import Path
 import yaml
 
 from kvroute.calibrate.measure import Measurements, Sweep
+from kvroute.calibrate.noise import api_delay, step_sigma
 from kvroute.perf.profile import HardwareProfile
 
 
@@ -70,6 +80,10 @@ def fit_profile(m: Measurements, name: str, hardware: str, max_batched_tokens: i
     for n, tokens, s in m.prefill:
         by_len[(n,)].append((tokens, s / sharing))
     prefill = [v for _, v in _medians(by_len)]  # (tokens, seconds) per swept length
+    by_warm: dict[tuple, list[tuple[float, ...]]] = defaultdict(list)
+    for ctx, n, cached, new, s in m.warm:
+        by_warm[(ctx, n)].append((cached, new, s / sharing))
+    warm = [v for _, v in _medians(by_warm)]  # (cached, new tokens, seconds) per swept point
     by_step: dict[tuple, list[tuple[float, ...]]] = defaultdict(list)
     for b, ctx, mean_ctx, s in m.decode:
         by_step[(b, ctx)].append((mean_ctx, s / sharing))
@@ -77,12 +91,15 @@ def fit_profile(m: Measurements, name: str, hardware: str, max_batched_tokens: i
     # medians per point, then the fit: on a shared machine single requests stall now and then, and
     # a fit on relative error over raw points would chase those stalls
     c0, c_decode, c_attn = nonneg_lstsq([[1.0, b, b * ctx] for b, ctx, _ in decode], [s for *_, s in decode])
-    rest = [s - c0 for _, s in prefill]
+    rest = [s - c0 for _, s in prefill] + [s - c0 for *_, s in warm]
     if min(rest) <= 0:
         raise ValueError("prefill took less than one decode step: the measurements are inconsistent "
                          "(is something else loading the engines?)")
-    overhead, c_prefill, c_pattn = nonneg_lstsq([[1.0, t, t * t / 2] for t, _ in prefill], rest)
+    overhead, c_prefill, c_pattn = nonneg_lstsq(
+        [[1.0, t, t * t / 2] for t, _ in prefill] + [[1.0, n, n * (ctx + n / 2)] for ctx, n, _ in warm], rest)
     facts = m.engines
+    sigma, sigma_points = step_sigma(m.prefill)
+    delay = api_delay(m.probes)
     kv = kv_tokens or min((f.kv_tokens for f in facts if f.kv_tokens), default=None) or 65536
     running = max_running or min((f.slots for f in facts if f.slots), default=None) or 256
     batch = max_batched_tokens or min((f.batch_tokens for f in facts if f.batch_tokens), default=None) or 8192
@@ -91,7 +108,8 @@ def fit_profile(m: Measurements, name: str, hardware: str, max_batched_tokens: i
         c_attn_s=c_attn, c_prefill_attn_s=c_pattn, ttft_overhead_s=overhead, kv_blocks=max(1, kv // block_size),
         block_size=block_size, max_running=running, max_batched_tokens=batch,
         # llama-server (it has slots) lends a cached prefix only from a slot serving no request
-        prefix_reuse="idle_slots" if any(f.slots for f in facts) else "shared")
+        prefix_reuse="idle_slots" if any(f.slots for f in facts) else "shared",
+        noise_step_sigma=sigma, noise_api_delay_s=delay["api_delay_s"])
     source = f"measured by kvroute calibrate, {len(facts)} engine(s) loaded together"
     if sharing > 1:
         source += f", divided by {sharing:g} for {host_cores} shared cores"
@@ -100,6 +118,11 @@ def fit_profile(m: Measurements, name: str, hardware: str, max_batched_tokens: i
         got = profile.ttft_overhead_s + profile.prefill_time(round(length))
         errors.append(got / s - 1)
         points.append({"prefill": round(length), "ttft_s": round(s, 6), "fit_s": round(got, 6),
+                       "error": round(got / s - 1, 4), "source": source})
+    for ctx, n, s in warm:
+        got = profile.ttft_overhead_s + profile.step_time(round(n), prefill_attn=n * (ctx + n / 2))
+        errors.append(got / s - 1)
+        points.append({"prefill": round(n), "cached": round(ctx), "ttft_s": round(s, 6), "fit_s": round(got, 6),
                        "error": round(got / s - 1, 4), "source": source})
     for b, mean_ctx, s in decode:
         got = profile.step_time(decode=b, decode_ctx=b * mean_ctx)
@@ -113,7 +136,9 @@ def fit_profile(m: Measurements, name: str, hardware: str, max_batched_tokens: i
     report = {"rms_error": rms, "max_error": max(abs(e) for e in errors), "points": points,
               "engines": [f.__dict__ for f in facts], "wall_s": m.wall_s, "host_cores": host_cores,
               "sharing": sharing,
-              "sweep": (sweep or Sweep()).__dict__, "raw_prefill": len(m.prefill), "raw_decode": len(m.decode)}
+              "sweep": (sweep or Sweep()).__dict__, "raw_prefill": len(m.prefill), "raw_decode": len(m.decode),
+              "raw_warm": len(m.warm),
+              "noise": {"step_sigma": sigma, "step_points": sigma_points, **delay}}
     return profile, report
 
 
@@ -127,9 +152,10 @@ def write_profile(path: str | Path, profile: HardwareProfile, report: dict) -> N
         *(f"#   {f['url']} ({f['bytes_per_token']:.2f} bytes/token, KV tokens {f['kv_tokens']}, slots {f['slots']})"
           for f in facts),
         f"# sweep: prefill {list(sweep['prefill_lengths'])} x{sweep['repeats']}, decode batches "
-        f"{list(sweep['batch_sizes'])} at contexts {list(sweep['contexts'])}, {sweep['decode_tokens']} tokens each",
+        f"{list(sweep['batch_sizes'])} at contexts {list(sweep['contexts'])}, {sweep['decode_tokens']} tokens each; "
+        f"warm prefills {list(sweep.get('warm_lengths', ()))} new tokens after {list(sweep.get('warm_contexts', ()))}",
         "# Step time T = c0 + c_prefill*P + c_decode*D + c_attn*sum(ctx) + c_prefill_attn*sum(p*(ctx+p/2));",
-        "# decode steps fit c0, c_decode, c_attn; prefills fit ttft_overhead, c_prefill, c_prefill_attn",
+        "# decode steps fit c0, c_decode, c_attn; cold and warm prefills fit ttft_overhead, c_prefill, c_prefill_attn",
         "# (least squares on relative error, coefficients >= 0). c_attn_fixed is folded into c0.",
         f"# fit error over {len(report['points'])} points: RMS {report['rms_error']:.1%}, "
         f"max {report['max_error']:.1%} (per point below: fit_s, error = fit/measured - 1).",
@@ -137,6 +163,12 @@ def write_profile(path: str | Path, profile: HardwareProfile, report: dict) -> N
         "max_batched_tokens: llama-server's n_batch (2048, assumed) or the command line;",
         "# prefix_reuse: idle_slots for llama-server (a prefix is reused only from an idle slot), else shared.",
     ]
+    noise = report.get("noise")
+    if noise:
+        header.append(f"# engine noise (used only where a scenario says `engine_noise: profile`): step time "
+                      f"log-sigma {noise['step_sigma']:.3f} from {noise['step_points']} prefill repeats; extra "
+                      f"per-request delay mean {noise['api_delay_s'] * 1000:.2f} ms from {noise['probes']} "
+                      "tiny-prompt probes (calibrate/noise.py)")
     if report.get("sharing", 1.0) > 1:
         header.append(f"# the engines share {report['host_cores']} cores: every measured time was divided by "
                       f"{report['sharing']:g} (engines / cores); simulate them with `host_cores: "

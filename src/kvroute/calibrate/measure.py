@@ -58,6 +58,12 @@ class Sweep:
     decode_tokens: int = 24
     repeats: int = 2
     timeout_s: float = 120.0  # any one request
+    # warm prefills: a prompt of ``ctx`` tokens, then the same prompt plus ``n`` new tokens (its
+    # prefix cached): the attention of new tokens over a cached context, which a cold prefill
+    # alone cannot tell apart from the per-token cost (see fit.py)
+    warm_contexts: tuple[int, ...] = (512, 1536)
+    warm_lengths: tuple[int, ...] = (64, 256)
+    noise_probes: int = 8  # rounds of a tiny prompt, for the per-request delay's spread (noise.py)
 
 
 @dataclass
@@ -81,6 +87,9 @@ class Measurements:
     model: str = ""
     prefill: list[tuple[int, int, float]] = field(default_factory=list)
     decode: list[tuple[int, int, float, float]] = field(default_factory=list)
+    # (target context, target new tokens, cached tokens, new tokens, seconds) per warm prefill
+    warm: list[tuple[int, int, int, int, float]] = field(default_factory=list)
+    probes: list[tuple[int, float]] = field(default_factory=list)  # (engine index, seconds) tiny prompts
     wall_s: float = 0.0
     sweep: Sweep | None = None  # what was swept: the asked sweep as the context limit let it run
 
@@ -109,6 +118,12 @@ class _Engine:
         self.overhead = 0.0  # tokens a prompt costs beyond its words (the nonce, a BOS)
         self.seen: list[tuple[int, int]] = []  # (prompt bytes, the engine's prompt tokens)
         self.rng = random.Random(url)
+        self.cached: int | None = None  # cached prompt tokens of the last answer, where the engine says
+
+    def suffix(self, tokens: int) -> str:
+        """Fresh text of about ``tokens`` tokens to append to a prompt (no per-prompt cost: it
+        follows the prompt's own)."""
+        return _text(max(1, int(tokens * self.bytes_per_token)), self.rng)
 
     def prompt(self, tokens: int) -> str:
         return _text(max(1, int((tokens - self.overhead) * self.bytes_per_token)), self.rng)
@@ -137,6 +152,10 @@ class _Engine:
             tokens = int(data["usage"]["prompt_tokens"])
         except (KeyError, TypeError, ValueError):
             raise CalibrationError(f"{self.url}: the answer has no usage.prompt_tokens") from None
+        try:
+            self.cached = int(data["usage"]["prompt_tokens_details"]["cached_tokens"])
+        except (KeyError, TypeError, ValueError):
+            self.cached = None
         self.learn(len(prompt.encode()), tokens)
         return elapsed, tokens
 
@@ -188,6 +207,25 @@ class _Engine:
                 async with self.session.get(f"{self.url}/metrics", timeout=aiohttp.ClientTimeout(total=5)) as r:
                     facts.kv_tokens = kv_capacity(await r.text()) if r.status == 200 else None
         return facts
+
+
+async def _warm_point(engines: list[_Engine], ctx: int, n: int, m: Measurements, say) -> None:
+    """One warm prefill on every engine at once: a fresh prompt of ``ctx`` tokens, then that
+    prompt plus ``n`` fresh tokens; the second's time is a prefill of its uncached tokens over the
+    cached context, both as the engine counts them (an engine that does not report cached tokens
+    gives no point)."""
+    bases = [e.prompt(ctx) for e in engines]
+    await asyncio.gather(*(e.complete(b, 1) for e, b in zip(engines, bases, strict=True)))
+
+    async def grow(e: _Engine, base: str) -> tuple[float, int, int | None]:
+        s, tokens = await e.complete(base + " " + e.suffix(n), 1)
+        return s, tokens, e.cached
+
+    got = await asyncio.gather(*(grow(e, b) for e, b in zip(engines, bases, strict=True)))
+    m.warm.extend((ctx, n, cached, tokens - cached, s) for s, tokens, cached in got
+                  if cached is not None and cached > 0 and tokens > cached)
+    say(f"warm prefill {n} tokens after {ctx}: " + ", ".join(
+        f"{s * 1000:.1f} ms ({c} cached)" for s, _, c in got))
 
 
 def _step_time(streams: list[list[float]]) -> float | None:
@@ -245,7 +283,9 @@ def fit_sweep(sweep: Sweep, max_model_len: int | None) -> tuple[Sweep, list[str]
         return kept
 
     fitted = replace(sweep, prefill_lengths=fit(sweep.prefill_lengths, 1, "prefill lengths"),
-                     contexts=fit(sweep.contexts, sweep.decode_tokens, "decode contexts"))
+                     contexts=fit(sweep.contexts, sweep.decode_tokens, "decode contexts"),
+                     warm_contexts=fit(sweep.warm_contexts, max(sweep.warm_lengths, default=0) + 1,
+                                       "warm prefill contexts"))
     return fitted, notes
 
 
@@ -289,6 +329,12 @@ async def measure(urls: list[str], model: str | None = None, sweep: Sweep | None
                 got = await asyncio.gather(*(e.complete(e.prompt(n), 1) for e in engines))
                 m.prefill.extend((n, tokens, s) for s, tokens in got)
                 say(f"prefill {n} tokens (repeat {rep + 1}): " + ", ".join(f"{s * 1000:.1f} ms" for s, _ in got))
+            for ctx in sweep.warm_contexts:
+                for n in sweep.warm_lengths:
+                    await _warm_point(engines, ctx, n, m, say)
+        for _ in range(sweep.noise_probes):
+            got = await asyncio.gather(*(e.complete(e.prompt(16), 1) for e in engines))
+            m.probes.extend((i, s) for i, (s, _) in enumerate(got))
         for ctx in sweep.contexts:
             for batch in sweep.batch_sizes:
                 prompts = [[e.prompt(ctx) for _ in range(batch)] for e in engines]

@@ -23,7 +23,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     if why:
         return error(f"--out {args.out}: cannot write there: {why}")
     sweep = Sweep(args.prefill_lengths, args.batch_sizes, args.contexts, args.decode_tokens, args.repeats,
-                  args.timeout)
+                  args.timeout, warm_contexts=args.warm_contexts, warm_lengths=args.warm_lengths,
+                  noise_probes=args.noise_probes)
     import asyncio
 
     try:
@@ -39,12 +40,16 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     for col in ("point", "measured", "fit", "error"):
         table.add_column(col, justify="right")
     for pt in report["points"]:
-        what = f"prefill {pt['prefill']}" if "prefill" in pt else f"decode x{pt['decode']} @ {pt['ctx']}"
+        what = (f"prefill {pt['prefill']}" + (f" after {pt['cached']}" if "cached" in pt else "")
+                if "prefill" in pt else f"decode x{pt['decode']} @ {pt['ctx']}")
         measured = pt.get("ttft_s", pt.get("expect_s"))
         table.add_row(what, f"{measured * 1000:.2f} ms", f"{pt['fit_s'] * 1000:.2f} ms", f"{pt['error']:+.1%}")
     console.print(table)
     fields = ("c0_s", "c_prefill_s", "c_decode_s", "c_attn_s", "c_prefill_attn_s", "ttft_overhead_s")
     console.print(", ".join(f"{f} {getattr(profile, f):.3g}" for f in fields))
+    noise = report["noise"]
+    console.print(f"engine noise: step log-sigma {noise['step_sigma']:.3f} ({noise['step_points']} prefill repeats), "
+                  f"extra per-request delay mean {noise['api_delay_s'] * 1000:.2f} ms ({noise['probes']} probes)")
     return 0
 
 
@@ -65,6 +70,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     ca.add_argument("--decode-tokens", type=int, default=24, dest="decode_tokens",
                     help="tokens generated per decode measurement (default 24)")
     ca.add_argument("--repeats", type=int, default=2, help="repeats of each prefill length (default 2)")
+    ca.add_argument("--warm-contexts", type=int_list, default=(512, 1536), dest="warm_contexts", metavar="N,N,...",
+                    help="warm prefills: cached prompt lengths in tokens (default 512,1536)")
+    ca.add_argument("--warm-lengths", type=int_list, default=(64, 256), dest="warm_lengths", metavar="N,N,...",
+                    help="warm prefills: new tokens after the cached prompt (default 64,256)")
+    ca.add_argument("--noise-probes", type=int, default=8, dest="noise_probes", metavar="N",
+                    help="rounds of a tiny prompt on every engine, for the per-request delay's spread (default 8)")
     ca.add_argument("--max-batched-tokens", type=int, dest="max_batched_tokens",
                     help="the engines' per-step token budget (default: llama-server's 2048, else 8192)")
     ca.add_argument("--kv-tokens", type=int, dest="kv_tokens", help="KV capacity per engine (default: from the engine)")

@@ -83,6 +83,12 @@ class HardwareProfile(StrictModel):
     # decaying share of every running request's future output fits (SGLang's new_token_ratio;
     # sim/sglang_admission.py), so requests wait before the replica overcommits.
     admission: Literal["vllm", "sglang"] = "vllm"
+    # How noisy the engine is, measured by `kvroute calibrate` (calibrate/noise.py): the log-normal
+    # sigma of a step's time and the mean extra per-request delay before the engine's queue. The
+    # simulator uses them only where a scenario switches noise on (``engine_noise: profile``,
+    # sim/noise.py); 0 = not measured.
+    noise_step_sigma: float = Field(0.0, ge=0)
+    noise_api_delay_s: float = Field(0.0, ge=0)
     # published points this profile must reproduce within 5% (checked by the tests), each one of
     # {prefill, expect_s} | {prefill, ttft_s} | {decode, ctx, expect_s} | {decode, ctx, attn_share}
     # | {heterogeneity_cv, expect_h}, with its source. ``independent: true`` marks an anchor
