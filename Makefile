@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 DEVSTAMP:= $(VENV)/.installed-dev
 OUT     ?= out
 
-.PHONY: install install-dev demo lint test bench fidelity clean system-deps vllm-env peers
+.PHONY: install install-dev demo lint test bench fidelity fidelity-vllm clean system-deps vllm-env peers
 
 # issue 19: real vLLM engines for tests/test_vllm.py, in a venv of their own so that vLLM's pins
 # never touch the project's (shared/design/real-vllm-cpu.md: torch from the machine's CPU wheel,
@@ -99,6 +99,11 @@ FIDELITY_REPEATS ?= 3
 fidelity: $(DEVSTAMP)
 	mkdir -p $(OUT)
 	$(BIN)/python -m tests.llamacpp.fidelity --json $(OUT)/bench-fidelity.json -- --repeats $(FIDELITY_REPEATS)
+
+# issue 21: the same comparison against two real vLLM CPU engines (one per core)
+fidelity-vllm: $(DEVSTAMP) $(VLLM_STAMP)
+	mkdir -p $(OUT)
+	$(BIN)/python -m tests.vllm.fidelity --json $(OUT)/bench-fidelity-vllm.json -- --repeats $(FIDELITY_REPEATS)
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(OUT) .pytest_cache

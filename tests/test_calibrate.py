@@ -41,13 +41,16 @@ def test_fit_recovers_the_emulators_known_profile(tmp_path):
         for ctx in (150, 600, 1000):
             assert fitted.step_time(decode=b, decode_ctx=b * ctx) == pytest.approx(
                 KNOWN.step_time(decode=b, decode_ctx=b * ctx), rel=0.25), (b, ctx)
+    # a request's real-time emulation runs late by a few ms on a loaded machine, whatever its
+    # size: an absolute slack of 10 ms beside the relative one
     for n in (300, 1000, 2000):
-        assert fitted.ttft_overhead_s + fitted.prefill_time(n) == pytest.approx(KNOWN.prefill_time(n), rel=0.25), n
+        assert fitted.ttft_overhead_s + fitted.prefill_time(n) == pytest.approx(KNOWN.prefill_time(n), rel=0.25,
+                                                                                abs=0.01), n
     # warm prefills (new tokens over a cached prefix) are predicted too, not only cold ones
     assert len(m.warm) == 8 and all(cached > 0 for _, _, cached, _, _ in m.warm)
     for n, ctx in ((64, 1500), (256, 500)):
         assert fitted.ttft_overhead_s + fitted.step_time(n, prefill_attn=n * (ctx + n / 2)) == pytest.approx(
-            KNOWN.step_time(n, prefill_attn=n * (ctx + n / 2)), rel=0.25), (n, ctx)
+            KNOWN.step_time(n, prefill_attn=n * (ctx + n / 2)), rel=0.25, abs=0.01), (n, ctx)
     assert report["max_error"] < 0.25 and len(report["points"]) == 14  # 4 cold, 4 warm, 6 decode
     # the noise measurement: a spread of step times and a per-request delay, both measured
     assert report["noise"]["probes"] == 2 * SWEEP.noise_probes and fitted.noise_api_delay_s >= 0

@@ -555,9 +555,12 @@ def test_calibrate_fits_real_llama_servers_loaded_together(engines, tmp_path):
 
     eng = engines(2)
     sweep = Sweep(prefill_lengths=(128, 512, 1024), batch_sizes=(1, 2), contexts=(128, 512), decode_tokens=12,
-                  repeats=1, timeout_s=CLIENT_TIMEOUT)
+                  repeats=1, timeout_s=CLIENT_TIMEOUT, warm_contexts=(512,), warm_lengths=(64, 256), noise_probes=4)
     m = asyncio.run(asyncio.wait_for(measure([e.url for e in eng], sweep=sweep), 60))
     assert {f.slots for f in m.engines} == {4} and all(f.kv_tokens == 16384 for f in m.engines)  # from /props
+    # a warm prefill reuses its prompt from the idle slot that just served it (llama-server says so)
+    assert len(m.warm) == 4 and all(cached >= 0.9 * ctx for ctx, _, cached, _, _ in m.warm), m.warm
+    assert len(m.probes) == 8
     profile, report = fit_profile(m, "llama-tiny", "this machine", sweep=sweep)
     assert profile.max_running == 4 and profile.max_batched_tokens == 2048  # slots; n_batch
     assert profile.prefix_reuse == "idle_slots"

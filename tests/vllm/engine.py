@@ -59,11 +59,14 @@ class VLLMEngine:
     ``events_port``, replay ROUTER on ``replay_port``, topic ``kv``), pinned to one core."""
 
     def __init__(self, model: Path, port: int, events_port: int, replay_port: int, core: int, blocks: int,
-                 workdir: Path, extra_args: tuple[str, ...] = ()):
-        """``extra_args``: more server flags (e.g. a ``--kv-transfer-config`` for a P/D pair)."""
+                 workdir: Path, extra_args: tuple[str, ...] = (), max_model_len: int | None = None):
+        """``extra_args``: more server flags (e.g. a ``--kv-transfer-config`` for a P/D pair);
+        ``max_model_len``: the context limit (default: what ``blocks`` hold, less one block; the
+        tiny model's positions stop at 2,048)."""
         self.model, self.port, self.events_port, self.replay_port = model, port, events_port, replay_port
         self.core, self.blocks, self.workdir = core, blocks, workdir
         self.extra_args = extra_args
+        self.max_model_len = max_model_len or (blocks - 1) * BLOCK
         self.proc: subprocess.Popen | None = None
         self.pids: set[int] = set()
 
@@ -81,7 +84,7 @@ class VLLMEngine:
                   "replay_endpoint": f"tcp://127.0.0.1:{self.replay_port}", "topic": "kv"}
         cmd = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model),
                "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(self.port),
-               "--dtype", "bfloat16", "--max-model-len", str((self.blocks - 1) * BLOCK), "--enable-prefix-caching",
+               "--dtype", "bfloat16", "--max-model-len", str(self.max_model_len), "--enable-prefix-caching",
                "--block-size", str(BLOCK), "--enforce-eager", "--num-gpu-blocks-override", str(self.blocks),
                "--enable-prompt-tokens-details", "--kv-events-config", json.dumps(events), *self.extra_args]
         self.log = open(self.workdir / f"vllm-{self.port}.log", "ab")  # noqa: SIM115 (closed in stop)

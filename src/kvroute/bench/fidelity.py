@@ -15,8 +15,8 @@ machine hits all alike, and replays each in the simulator. A metric is then the 
 repeats with its min-max spread, sim/live is the ratio of the medians, and TTFT p99 is also
 taken over all repeats' requests pooled (a p99 of N×60 requests).
 
-Live, each request's TTFT (first content chunk) and E2E are timed by the client, and the
-engines' own ``usage.prompt_tokens`` / ``cached_tokens`` give the cached-token share. The
+Live, each request's TTFT (the first chunk with a delta: the first token) and E2E are timed by
+the client, and the engines' own ``usage.prompt_tokens`` / ``cached_tokens`` give the cached-token share. The
 gateway runs as its own process (`kvroute serve`), as in a deployment. The simulator counts
 prompts with the token ratio the live run observed (engine tokens per bytes/4 estimate: what the
 gateway learns online), so both count the engine's tokens.
@@ -116,8 +116,9 @@ class LiveRun:
     errors: int = 0
 
 
-async def _one(session: aiohttp.ClientSession, url: str, messages: list[dict], max_tokens: int) -> LiveRequest:
-    body = {"model": "default", "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+async def _one(session: aiohttp.ClientSession, url: str, messages: list[dict], max_tokens: int,
+               model: str = "default") -> LiveRequest:
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     ttft = None
@@ -130,7 +131,10 @@ async def _one(session: aiohttp.ClientSession, url: str, messages: list[dict], m
             if not line.startswith(b"data:") or line.startswith(b"data: [DONE]"):
                 continue
             event = json.loads(line[5:])
-            if ttft is None and any((c.get("delta") or {}).get("content") for c in event.get("choices") or []):
+            # the first chunk with a delta is the first token on both engines: llama-server sends
+            # the role with the first token's text, vLLM the role when its first token is out (and
+            # many of a random-weight model's tokens have empty text)
+            if ttft is None and any("delta" in c for c in event.get("choices") or []):
                 ttft = time.perf_counter() - t0
             if event.get("usage"):
                 usage = event["usage"]
@@ -142,14 +146,14 @@ async def _one(session: aiohttp.ClientSession, url: str, messages: list[dict], m
 
 
 async def _user(session: aiohttp.ClientSession, url: str, conv: list[dict], max_tokens: int, run: LiveRun,
-                start_s: float, user: int = -1) -> None:
+                start_s: float, user: int = -1, model: str = "default") -> None:
     await asyncio.sleep(start_s)
     turn = 0
     for i, m in enumerate(conv):
         if m["role"] != "user":
             continue
         try:
-            req = await _one(session, url, conv[:i + 1], max_tokens)
+            req = await _one(session, url, conv[:i + 1], max_tokens, model)
             req.user, req.turn = user, turn
             run.requests.append(req)
         except (aiohttp.ClientError, RuntimeError, TimeoutError):
@@ -158,7 +162,7 @@ async def _user(session: aiohttp.ClientSession, url: str, conv: list[dict], max_
 
 
 async def live_run(gateway_url: str, convs: list[list[dict]], max_tokens: int, timeout_s: float = 300,
-                   seed: int = 0) -> LiveRun:
+                   seed: int = 0, model: str = "default") -> LiveRun:
     """Every user's conversation, each turn after the previous answer (closed loop). Users start
     at uniformly random instants over the first second, as the simulator's closed-loop clients do
     (a thundering herd of first turns would be another workload), and conversation i is the i-th
@@ -168,7 +172,7 @@ async def live_run(gateway_url: str, convs: list[list[dict]], max_tokens: int, t
     rng = random.Random(seed)
     starts = sorted(rng.random() for _ in convs)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
-        await asyncio.gather(*(_user(session, gateway_url, c, max_tokens, run, t, u)
+        await asyncio.gather(*(_user(session, gateway_url, c, max_tokens, run, t, u, model)
                                for u, (c, t) in enumerate(zip(convs, starts, strict=True))))
     return run
 
@@ -263,9 +267,11 @@ class GatewayProcess:
 
 
 def simulate(convs: list[list[dict]], policy: str, profile: str, replicas: int, token_ratio: float,
-             max_tokens: int, folder: Path, seed: int = 0, host_cores: int | None = None) -> dict:
+             max_tokens: int, folder: Path, seed: int = 0, host_cores: int | None = None,
+             noise: bool = False) -> dict:
     """The same conversations through `kvroute simulate` (an OpenAI-messages trace); ``host_cores``:
-    the replicas share one machine with that many cores (scenario ``host_cores``)."""
+    the replicas share one machine with that many cores (scenario ``host_cores``); ``noise``: the
+    engines get the profile's measured timing noise and reordering (``engine_noise: profile``)."""
     from kvroute.sim.runner import run_scenario
     from kvroute.sim.scenario import parse_scenario
 
@@ -278,7 +284,7 @@ def simulate(convs: list[list[dict]], policy: str, profile: str, replicas: int, 
     sc = parse_scenario({"replicas": [group],
                          "workload": {"kind": "openai", "path": str(trace), "clients": {"local": len(convs)},
                                       "token_ratio": token_ratio},
-                         "policies": [policy], "seed": seed})
+                         "policies": [policy], "seed": seed, **({"engine_noise": "profile"} if noise else {})})
     run = run_scenario(sc)[0]
     r, rec = run.result, run.recorder
     return {"requests": r["requests"], "errors": sum(r["failed"].values()), "ttft_s": list(rec.ttft),
@@ -290,11 +296,13 @@ def simulate(convs: list[list[dict]], policy: str, profile: str, replicas: int, 
             **breakdown(list(rec.ttft), list(rec.e2e), list(rec.prompt_tokens), list(rec.cached_tokens))}
 
 
-async def _bytes_per_token(url: str) -> float:
-    from kvroute.calibrate.measure import Sweep, _Engine
+async def _engine_facts(url: str) -> tuple[str, float]:
+    """The engine's model name (llama-server takes any, vLLM only its own) and bytes per token."""
+    from kvroute.calibrate.measure import Sweep, _Engine, _model_card
 
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s:
-        return (await _Engine(s, url, "default", Sweep(), None).facts()).bytes_per_token
+        model, limit = await _model_card(s, url, None)
+        return model, (await _Engine(s, url, model, Sweep(), None).facts(limit)).bytes_per_token
 
 
 async def calibrate_engines(urls: list[str], host_cores: int | None) -> str:
@@ -336,16 +344,17 @@ def combine_repeats(repeats: list[dict]) -> dict:
 
 async def run_fidelity(urls: list[str], profile: str, policies: tuple[str, ...] = POLICIES,
                        workload: Workload | None = None, log=None, host_cores: int | None = None,
-                       repeats: int = 3) -> dict:
+                       repeats: int = 3, noise: bool = True) -> dict:
     """``repeats`` live and simulated runs of every policy (repeat i: seed ``workload.seed + i``,
     the policies interleaved within it); returns every repeat, the medians with their spread and
     the ratios of the medians. ``host_cores``: the cores the engines share (None: the simulator
-    gives every engine a machine of its own)."""
+    gives every engine a machine of its own). ``noise``: simulate with the profile's measured engine
+    noise (a real engine has it; its p99 does not come from the mean model alone)."""
     w = workload or Workload()
     say = log or (lambda _msg: None)
-    bpt = await _bytes_per_token(urls[0])
+    model, bpt = await _engine_facts(urls[0])
     out: dict = {"workload": w.__dict__, "engines": urls, "profile": profile, "bytes_per_token": bpt,
-                 "host_cores": host_cores, "repeats": repeats, "policies": {}}
+                 "host_cores": host_cores, "repeats": repeats, "engine_noise": noise, "policies": {}}
     runs: dict[str, list[dict]] = {p: [] for p in policies}
     with tempfile.TemporaryDirectory(prefix="kvroute-fidelity-") as tmp:
         folder = Path(tmp)
@@ -357,7 +366,7 @@ async def run_fidelity(urls: list[str], profile: str, policies: tuple[str, ...] 
                 await gw.start()
                 try:
                     cpu0, gw_cpu0, t0 = time.process_time(), gw.cpu_s(), time.perf_counter()
-                    run = await live_run(gw.url, convs, w.max_tokens, seed=wi.seed)
+                    run = await live_run(gw.url, convs, w.max_tokens, seed=wi.seed, model=model)
                     wall = time.perf_counter() - t0
                     live = live_summary(run)
                     # what the balancer and the clients cost the cores the engines share
@@ -367,7 +376,7 @@ async def run_fidelity(urls: list[str], profile: str, policies: tuple[str, ...] 
                 finally:
                     gw.stop()
                 sim = simulate(convs, policy, profile, len(urls), live["token_ratio"], w.max_tokens, folder,
-                               wi.seed, host_cores)
+                               wi.seed, host_cores, noise)
                 ratio = {k: _ratio(sim[k], live[k]) for k, _ in METRICS}
                 runs[policy].append({"seed": wi.seed, "live": live, "sim": sim, "sim_over_live": ratio})
                 say(f"repeat {i + 1}/{repeats} {policy}: TTFT p99 live {live['ttft_p99'] * 1000:.0f} ms, "

@@ -119,10 +119,12 @@ def fit_profile(m: Measurements, name: str, hardware: str, max_batched_tokens: i
         errors.append(got / s - 1)
         points.append({"prefill": round(length), "ttft_s": round(s, 6), "fit_s": round(got, 6),
                        "error": round(got / s - 1, 4), "source": source})
-    for ctx, n, s in warm:
-        got = profile.ttft_overhead_s + profile.step_time(round(n), prefill_attn=n * (ctx + n / 2))
+    for cached_mid, new_mid, s in warm:
+        got = profile.ttft_overhead_s + profile.step_time(round(new_mid),
+                                                          prefill_attn=new_mid * (cached_mid + new_mid / 2))
         errors.append(got / s - 1)
-        points.append({"prefill": round(n), "cached": round(ctx), "ttft_s": round(s, 6), "fit_s": round(got, 6),
+        points.append({"prefill": round(new_mid), "cached": round(cached_mid), "ttft_s": round(s, 6),
+                       "fit_s": round(got, 6),
                        "error": round(got / s - 1, 4), "source": source})
     for b, mean_ctx, s in decode:
         got = profile.step_time(decode=b, decode_ctx=b * mean_ctx)

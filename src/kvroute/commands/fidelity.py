@@ -50,7 +50,8 @@ def cmd_bench_fidelity(args: argparse.Namespace) -> int:
     policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
     try:
         out = asyncio.run(run_fidelity(args.url, args.profile, policies, w, log=lambda line: err.print(line),
-                                       host_cores=args.host_cores, repeats=args.repeats))
+                                       host_cores=args.host_cores, repeats=args.repeats,
+                                       noise=args.engine_noise == "profile"))
     except (RuntimeError, OSError) as exc:
         return error(f"bench fidelity: {exc}")
     n = out["repeats"]
@@ -110,5 +111,8 @@ def add_parser(bench: argparse._SubParsersAction) -> None:
     bf.add_argument("--repeats", type=positive_int, default=3, metavar="N",
                     help="run every policy N times live (interleaved) and in simulate; report medians, min-max "
                          "and pooled TTFT p99 (default 3)")
+    bf.add_argument("--engine-noise", choices=("profile", "off"), default="profile", dest="engine_noise",
+                    help="simulate with the profile's measured engine noise (timing spread, API-server delay: "
+                         "sim/noise.py) or without (default profile; a profile that measured none has none)")
     bf.add_argument("--json", metavar="FILE")
     bf.set_defaults(func=cmd_bench_fidelity)

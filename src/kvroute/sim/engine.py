@@ -21,7 +21,8 @@ Modules (split by idea, issue 22): seq.py (a request, the states, the jump), kvc
 accounting and prefix cache), batch.py (queue, admission, transitions), handover.py (migration),
 host.py (shared cores), this file (step planning and the event loop's callbacks). Extension
 points, None by default (one test each): ``admission`` (batch.py) may hold a sequence back;
-``step_noise`` (here) returns a factor for each planned step or decode jump's time.
+``step_noise`` (here) returns a factor for each planned step or decode jump's time, given its
+number of steps (sim/noise.py).
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ class Engine(Handover):
         # migration (sim/handover.py): hears of sequences past ``limit`` after a step
         self.on_limit: Callable[[Engine, list[Seq]], None] | None = None
         # extension point: a factor applied to each planned step's (or decode jump's α and β) time
-        self.step_noise: Callable[[], float] | None = None
+        self.step_noise: Callable[[int], float] | None = None
         self._version = 0
         self._chunks: list[tuple[Seq, int]] = []  # the prefill chunks of the step in progress
         self.busy_s = 0.0
@@ -138,7 +139,7 @@ class Engine(Handover):
             # one varlen attention pass over decodes and chunks (heterogeneity: perf/profile.py)
             dt = p.step_time(tokens, n_dec, ctx_sum, attn, p.heterogeneity(n_all, len_sum, len_sq))
             if noise is not None:
-                dt *= noise()
+                dt *= noise(1)
             if host is not None:  # cores shared with other engines (Host)
                 self._slow = host.slowdown
                 dt *= self._slow
@@ -166,8 +167,8 @@ class Engine(Handover):
         h = p.heterogeneity(n_dec, ctx_sum, ctx_sq)
         alpha = p.step_time(0, n_dec, ctx_sum, 0.0, h)
         beta = p.decode_growth(n_dec, h)
-        if noise is not None:
-            f = noise()
+        if noise is not None:  # one factor for the K steps (sim/noise.py)
+            f = noise(K)
             alpha *= f
             beta *= f
         if host is not None:  # cores shared with other engines (Host)

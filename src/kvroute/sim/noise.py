@@ -15,12 +15,14 @@ Two mechanisms, each a number measured by ``kvroute calibrate`` (:mod:`kvroute.c
   jump of K steps draws one factor with ``step_sigma / sqrt(K)``: the mean of K independent
   step factors has that spread (to first order), and the jump stays one event.
 * **API-server delay** (``api_delay_s``): between a balancer's dispatch and the engine's queue,
-  every request spends an extra, exponentially distributed time with this mean (on top of the
-  profile's fixed ``ttft_overhead_s``): HTTP parsing, tokenizing and the server's event loop,
-  which take longer for some requests than others. Two requests dispatched to one engine closer
-  together than that spread can reach its queue in the other order: the reordering. The
-  exponential shape is kvroute's choice (a non-negative delay with one parameter, fitted to its
-  measured mean); the calibration reports the measured quantiles beside it.
+  every request spends an exponentially distributed time with this mean: HTTP parsing,
+  tokenizing and the server's event loop, which take longer for some requests than others. It
+  replaces that much of the profile's ``ttft_overhead_s`` (the fitted mean overhead), so the mean
+  delay is unchanged: ``max(0, ttft_overhead_s - api_delay_s) + Exp(api_delay_s)``. Two requests
+  dispatched to one engine closer together than that spread can reach its queue in the other
+  order: the reordering. The exponential shape is kvroute's choice (a non-negative delay with
+  one parameter, fitted to its measured mean); the calibration reports measured quantiles
+  beside it. Prefill/decode disaggregated legs (sim/disagg.py) keep the fixed overhead.
 
 Each mechanism draws from its own seeded stream, so switching noise on changes nothing else's
 random draws, and with noise off (the default) no draw is made at all: fixed-seed runs are
@@ -32,6 +34,15 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+from pydantic import Field
+
+from kvroute.schema import StrictModel
+
+if TYPE_CHECKING:
+    from kvroute.perf.profile import HardwareProfile
+    from kvroute.sim.engine import Engine
 
 
 @dataclass(frozen=True)
@@ -46,6 +57,27 @@ class NoiseSpec:
     def active(self) -> bool:
         """Whether either mechanism is on."""
         return self.step_sigma > 0 or self.api_delay_s > 0
+
+
+class NoiseConfig(StrictModel):
+    """A scenario's ``engine_noise`` given as numbers (else ``profile``: each replica's measured ones)."""
+
+    step_sigma: float = Field(0.0, ge=0, le=2, description="log-normal sigma of every engine step's time "
+                              "(mean-one factor; `kvroute calibrate` measures it)")
+    api_delay_s: float = Field(0.0, ge=0, description="mean of the exponential part of each request's delay "
+                               "before the engine's queue: requests dispatched closer than it may overtake")
+
+
+def resolve(config: NoiseConfig | Literal["profile"] | None, profile: HardwareProfile) -> NoiseSpec | None:
+    """One replica's noise from a scenario's ``engine_noise`` (None: off)."""
+    if config is None:
+        return None
+    if config == "profile":
+        spec = NoiseSpec(profile.noise_step_sigma, profile.noise_api_delay_s)
+    else:
+        assert isinstance(config, NoiseConfig)
+        spec = NoiseSpec(config.step_sigma, config.api_delay_s)
+    return spec if spec.active else None
 
 
 class StepNoise:
@@ -65,14 +97,34 @@ class StepNoise:
 
 
 class ApiDelay:
-    """Draws each request's extra delay at the engine's API server (one stream per run, seeded)."""
+    """Draws each request's delay between dispatch and the engine's queue (one stream per run,
+    seeded), for engines whose noise has an API-server delay."""
 
-    __slots__ = ("mean", "rng")
+    __slots__ = ("means", "rng")
 
-    def __init__(self, mean_s: float, seed: str):
-        self.mean = mean_s
+    def __init__(self, means: dict[str, float], seed: str):
+        self.means = means  # replica id → mean extra delay (s); absent: the fixed overhead only
         self.rng = random.Random(seed)
 
-    def draw(self) -> float:
-        """Seconds (exponential with the configured mean)."""
-        return self.rng.expovariate(1 / self.mean)
+    def delay(self, replica: str, overhead_s: float) -> float:
+        """Seconds from dispatch to the engine's queue, less the network: the profile's overhead
+        ``overhead_s``, with ``api_delay_s`` of it drawn from an exponential (module docstring)."""
+        mean = self.means.get(replica)
+        if mean is None:
+            return overhead_s
+        fixed = overhead_s - mean
+        return (fixed if fixed > 0 else 0.0) + self.rng.expovariate(1 / mean)
+
+
+def attach(engines: dict[str, Engine], noise: dict[str, NoiseSpec | None], seed: int) -> ApiDelay | None:
+    """Give every engine with step noise its own seeded factor stream (``engine.step_noise``);
+    the run's API-server delays, or None when no engine has one."""
+    means = {}
+    for rid, spec in noise.items():
+        if spec is None or not spec.active:
+            continue
+        if spec.step_sigma > 0:
+            engines[rid].step_noise = StepNoise(spec.step_sigma, f"step-noise-{seed}-{rid}").factor
+        if spec.api_delay_s > 0:
+            means[rid] = spec.api_delay_s
+    return ApiDelay(means, f"api-delay-{seed}") if means else None

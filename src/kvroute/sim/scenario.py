@@ -28,6 +28,7 @@ from kvroute.policyfiles import load_entry_points
 from kvroute.schema import StrictModel
 from kvroute.sim import migration_settings
 from kvroute.sim.disagg import PDSetup
+from kvroute.sim.noise import NoiseConfig, resolve
 from kvroute.sim.policy_entries import PolicyEntry, policy_entry
 from kvroute.sim.simulation import BalancerSpec, Limits, ReplicaSpec, Setup
 from kvroute.sim.stress import BurstSpec, RagSpec, WorkloadKind, open_loop_workload
@@ -216,6 +217,9 @@ class Scenario(StrictModel):
         None, description="simulator settings for every policy that migrates sequences (cascadeinfer, llumnix: "
         "layout, max_stage_instances, stages, replan_interval_s, refinement, bidask, ...; "
         "sim/migration_settings.py); a policy's own `simulator:` overrides them, and they do not enter its label")
+    engine_noise: NoiseConfig | Literal["profile"] | None = Field(
+        None, description="timing noise and request reordering in the engines (sim/noise.py): `profile` (each "
+        "replica's measured `noise_*`, from `kvroute calibrate`) or {step_sigma, api_delay_s}; unset: none")
     pd: PDSpec | None = Field(None, description="prefill/decode disaggregation: replica groups with role prefill "
                               "and decode, the prefill policy, when to split, the KV links (sim/disagg.py); "
                               "`policies` then choose the decode engine")
@@ -308,8 +312,8 @@ class Scenario(StrictModel):
             n0 = sum(1 for r in replicas if r.region == g.region and r.role == g.role)
             host = (f"group-{len(replicas)}", g.host_cores) if g.host_cores else None
             role = "" if g.role == "mixed" else f"{g.role[0]}-"  # p-us-0, d-us-0: the role in the id
-            replicas += [ReplicaSpec(f"{role}{g.region}-{n0 + i}", g.region, prof, host, g.role)
-                         for i in range(g.count)]
+            replicas += [ReplicaSpec(f"{role}{g.region}-{n0 + i}", g.region, prof, host, g.role,
+                                     resolve(self.engine_noise, prof)) for i in range(g.count)]
         groups = self.balancer_groups(topology)
         self._check_client_regions(groups)
         balancers = []

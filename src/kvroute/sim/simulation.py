@@ -25,6 +25,7 @@ from kvroute.sim.engine import Engine, Host, Seq
 from kvroute.sim.events import EventLoop
 from kvroute.sim.flight import Flight, Replica
 from kvroute.sim.migration import make_migrator
+from kvroute.sim.noise import NoiseSpec, attach
 from kvroute.workload import Program, SimRequest, Workload
 
 
@@ -37,6 +38,7 @@ class ReplicaSpec:
     profile: HardwareProfile
     host: tuple[str, int] | None = None  # (machine, cores) it shares with the replicas naming that machine
     role: str = "mixed"  # prefill / decode / mixed (sim/disagg.py)
+    noise: NoiseSpec | None = None  # timing noise and reordering (sim/noise.py); None: off
 
 
 @dataclass
@@ -104,6 +106,8 @@ class Simulation:
                                                               self._first_token, self._finish,
                                                               host=hosts.get(r.host) if r.host else None), r.role)
                          for r in setup.replicas}
+        self.api_delay = attach({k: r.engine for k, r in self.replicas.items()},
+                                {r.id: r.noise for r in setup.replicas}, setup.seed)
         # prefill/decode legs (sim/disagg.py): None for an aggregated deployment
         self.pd = Disaggregation(self, setup.pd) if setup.pd is not None else None
         self.recorder = Recorder(list(self.replicas), [r.region for r in self.replicas.values()])
@@ -226,8 +230,11 @@ class Simulation:
         flight.dispatched = self.loop.now
         reached = flight.at_peer if flight.at_peer >= 0 else flight.reached_lb
         flight.notify.append((lb.router, lb, self.network.one_way(rep.region, lb.region), reached))
-        delay = self.network.one_way(lb.region, rep.region) + rep.engine.p.ttft_overhead_s
-        self.loop.at(self.loop.now + delay, self._arrive_replica, flight)
+        overhead = rep.engine.p.ttft_overhead_s
+        if self.api_delay is not None:  # a noisy API server: requests may overtake (sim/noise.py)
+            overhead = self.api_delay.delay(replica_id, overhead)
+        self.loop.at(self.loop.now + self.network.one_way(lb.region, rep.region) + overhead, self._arrive_replica,
+                     flight)
 
     def dispatch_split(self, flight: Flight, lb: SimBalancer, prefill_id: str, replica_id: str, branch: str) -> None:
         """A balancer splits ``flight``: prefilled on ``prefill_id``, decoded on ``replica_id``

@@ -1,0 +1,68 @@
+"""Issue 12's fidelity comparison against real vLLM CPU engines (issue 21, item 8): start two
+engines from `.venv-vllm` (`make vllm-env`), one pinned to each core, as tests/test_vllm.py does,
+run `kvroute bench fidelity` against them (it calibrates them first, with this machine's core
+count as the cores they share), and stop every engine process by its PID.
+
+    python -m tests.vllm.fidelity [--engines N] [--blocks B] [--json FILE] [-- extra bench fidelity args]
+
+(`make fidelity-vllm`.) vLLM's scheduler (continuous batching, chunked prefill, a shared prefix
+cache, preemption) is the one the simulator models; each engine is two processes (API server
+and engine core), which the core pinning does not cover: the API servers share both cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from kvroute.ports import free_ports
+from tests.vllm import engine as vllm
+
+# KV blocks per engine (32 tokens each): 16K tokens of cache, room for most of the workload's
+# conversations; the context limit is the tiny model's 2,048 positions, so the workload's shared
+# system prompt is cut from 1,500 to 1,200 tokens (prompts stay below ~1,800 tokens)
+BLOCKS = 512
+MAX_MODEL_LEN = 2048
+SYSTEM_TOKENS = "1200"
+
+def main(argv: list[str] | None = None) -> int:
+    """Start the engines, run the comparison, stop them; the bench's exit status."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--engines", type=int, default=2)
+    ap.add_argument("--blocks", type=int, default=BLOCKS)
+    ap.add_argument("--json", metavar="FILE")
+    ap.add_argument("rest", nargs="*", help="more `kvroute bench fidelity` arguments (after --)")
+    args = ap.parse_args(argv)
+    if not vllm.available():
+        print("no vLLM engine: run `make vllm-env` first", file=sys.stderr)
+        return 2
+    root = Path(tempfile.mkdtemp(prefix="kvroute-fidelity-vllm-"))
+    model = vllm.write_model(vllm.MODEL_DIR)
+    ports = free_ports(3 * args.engines)
+    cores = os.cpu_count() or 1
+    engines = [vllm.VLLMEngine(model, ports[3 * i], ports[3 * i + 1], ports[3 * i + 2], core=i % cores,
+                               blocks=args.blocks, workdir=root / f"e{i}", max_model_len=MAX_MODEL_LEN)
+               for i in range(args.engines)]
+    try:
+        for e in engines:
+            e.start()
+        for e in engines:
+            e.wait_ready()
+        urls = [x for e in engines for x in ("--url", e.url)]
+        cmd = [sys.executable, "-m", "kvroute.cli", "bench", "fidelity", *urls, "--system-tokens", SYSTEM_TOKENS,
+               *(["--json", args.json] if args.json else []), *args.rest]
+        print(f"load average {os.getloadavg()[0]:.2f}; {' '.join(cmd[2:])}", file=sys.stderr)
+        return subprocess.call(cmd)
+    finally:
+        for e in engines:
+            e.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
