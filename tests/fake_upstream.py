@@ -10,8 +10,9 @@ import json
 import threading
 from collections.abc import Awaitable, Callable
 
-from kvroute.gateway.config import GatewayConfig, ReplicaConfig
+from kvroute.gateway.config import GatewayConfig
 from kvroute.gateway.server import Gateway
+from kvroute.replicas import ReplicaConfig
 
 METRICS = b"vllm:num_requests_running 0\nvllm:num_requests_waiting 0\nvllm:kv_cache_usage_perc 0\n"
 OK_JSON = (b'{"id":"x","object":"text_completion","choices":[{"index":0,"text":"ok","finish_reason":"stop"}],'

@@ -8,8 +8,9 @@ import shutil
 
 import pytest
 
-from kvroute.gateway.config import GatewayConfig, PeerConfig, ReplicaConfig
+from kvroute.gateway.config import GatewayConfig, PeerConfig
 from kvroute.gateway.server import Gateway
+from kvroute.replicas import ReplicaConfig
 from tests.test_peers import TOKEN, Mesh
 
 

@@ -15,12 +15,14 @@ import time
 import pytest
 
 from kvroute import yamlconf
-from kvroute.gateway.config import GatewayConfig, base_url, read_secret
+from kvroute.gateway.config import GatewayConfig
 from kvroute.gateway.http import error_body, error_object
 from kvroute.gateway.probes import ProbeStreak
 from kvroute.ports import free_port, free_ports, wait_for_http, wait_for_port
+from kvroute.replicas import base_url
 from kvroute.shutdown import until_stopped
 from kvroute.stats import percentile, percentile_sorted
+from kvroute.yamlconf import read_secret
 
 
 def test_percentile_is_the_nearest_rank_on_the_zero_based_index():

@@ -18,13 +18,14 @@ import openai
 import pytest
 
 from kvroute.emulator.text import emulated_text
-from kvroute.gateway.config import GatewayConfig, ReplicaConfig
+from kvroute.gateway.config import GatewayConfig
 from kvroute.gateway.continuation import Splice
 from kvroute.gateway.server import Gateway
 from kvroute.model import Decision, Endpoint, Request
 from kvroute.policy.base import Policy, View
 from kvroute.ports import free_ports, wait_for_http
 from kvroute.prefix import chat_key, estimate_tokens
+from kvroute.replicas import ReplicaConfig
 from tests.gateway_harness import LiveDeployment
 
 CHAT = [{"role": "system", "content": "You summarise incident reports."},

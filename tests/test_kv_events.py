@@ -350,10 +350,11 @@ class EventDeployment:
     async def _start(self, n, generation, hash_bytes, kv_blocks, policy, events):
         from kvroute.emulator.kv_events import KVEventsOptions
         from kvroute.emulator.server import start_emulator
-        from kvroute.gateway.config import GatewayConfig, ReplicaConfig
+        from kvroute.gateway.config import GatewayConfig
         from kvroute.gateway.server import Gateway
         from kvroute.live.embedded import Deployment, event_source
         from kvroute.perf.loader import load_profile
+        from kvroute.replicas import ReplicaConfig
 
         profile = load_profile("h100-llama3.2-3b").model_copy(update={"kv_blocks": kv_blocks})
         opts = KVEventsOptions("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", "kv", generation, hash_bytes)

@@ -28,8 +28,9 @@ import httpx
 import openai
 import pytest
 
-from kvroute.gateway.config import GatewayConfig, ReplicaConfig
+from kvroute.gateway.config import GatewayConfig
 from kvroute.gateway.server import Gateway
+from kvroute.replicas import ReplicaConfig
 from tests.llamacpp import build
 from tests.llamacpp.engine import MODEL_ALIAS, LlamaServer
 from tests.llamacpp.tiny_model import WORDS, write_tiny_gguf

@@ -14,8 +14,9 @@ import openai
 import pytest
 
 from kvroute.emulator.server import Faults, start_emulator
-from kvroute.gateway.config import GatewayConfig, ReplicaConfig
+from kvroute.gateway.config import GatewayConfig
 from kvroute.gateway.server import Gateway
+from kvroute.replicas import ReplicaConfig
 from kvroute.yamlconf import ConfigFileError, validate
 
 PROFILE = "h100-llama3.2-3b"

@@ -24,8 +24,9 @@ pytestmark = pytest.mark.skipif(not vllm.available(), reason="no .venv-vllm: `ma
 
 @pytest.fixture(scope="module")
 def pair():
-    from kvroute.gateway.config import GatewayConfig, ReplicaConfig
+    from kvroute.gateway.config import GatewayConfig
     from kvroute.gateway.server import Gateway
+    from kvroute.replicas import ReplicaConfig
 
     root = Path(tempfile.mkdtemp(prefix="kvroute-vllm-pd-"))
     model = vllm.write_model(vllm.MODEL_DIR)

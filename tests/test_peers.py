@@ -12,11 +12,12 @@ import httpx
 import pytest
 
 from kvroute.emulator.server import Faults, start_emulator
-from kvroute.gateway.config import GatewayConfig, PeerConfig, ReplicaConfig
+from kvroute.gateway.config import GatewayConfig, PeerConfig
 from kvroute.gateway.peers import FORWARDED_HEADER, STATUS_PATH, TOKEN_HEADER
 from kvroute.gateway.server import Gateway
 from kvroute.live.delay import DelayProxy
 from kvroute.ports import free_port
+from kvroute.replicas import ReplicaConfig
 from tests.fake_upstream import METRICS, SSE_HEAD, ScriptedUpstream, chunk, replies
 
 TOKEN = "peer-secret-1"

@@ -8,8 +8,9 @@ import httpx
 import openai
 import pytest
 
-from kvroute.gateway.config import GatewayConfig, ReplicaConfig
+from kvroute.gateway.config import GatewayConfig
 from kvroute.gateway.server import Gateway
+from kvroute.replicas import ReplicaConfig
 from tests.fake_upstream import FaultyDeployment, ScriptedUpstream, http_response, replies
 
 

@@ -9,10 +9,11 @@ import openai
 import pytest
 
 from kvroute.emulator.server import Faults, start_emulator
-from kvroute.gateway.config import GatewayConfig, ReplicaConfig
+from kvroute.gateway.config import GatewayConfig
 from kvroute.gateway.openai import PROXIED
 from kvroute.gateway.server import Gateway
 from kvroute.gateway.tokens import HIGH, TokenRatio, reported_prompt_tokens
+from kvroute.replicas import ReplicaConfig
 
 BYTES_PER_TOKEN = 3.0  # the emulated tokenizer; kvroute's estimate assumes 4
 

@@ -43,8 +43,9 @@ class Gateway:
     """A kvroute gateway on a background loop, in front of the engines with their KV events."""
 
     def __init__(self, engines: list[vllm.VLLMEngine], model: Path, policy: str = "sglang_cache_aware"):
-        from kvroute.gateway.config import GatewayConfig, ReplicaConfig
+        from kvroute.gateway.config import GatewayConfig
         from kvroute.gateway.server import Gateway as GW
+        from kvroute.replicas import ReplicaConfig
 
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)

@@ -36,8 +36,9 @@ class Gateway:
     """A plain kvroute gateway (round robin, stall detection on) on a background loop."""
 
     def __init__(self, engines: list[vllm.VLLMEngine]):
-        from kvroute.gateway.config import GatewayConfig, ReplicaConfig
+        from kvroute.gateway.config import GatewayConfig
         from kvroute.gateway.server import Gateway as GW
+        from kvroute.replicas import ReplicaConfig
 
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)

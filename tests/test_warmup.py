@@ -9,11 +9,12 @@ import aiohttp
 import pytest
 
 from kvroute.emulator.server import Faults, start_emulator
-from kvroute.gateway.config import GatewayConfig, ReplicaConfig
+from kvroute.gateway.config import GatewayConfig
 from kvroute.gateway.server import Gateway
 from kvroute.model import Endpoint, Request
 from kvroute.policy import Router, build_policy
 from kvroute.prefix import BlockHasher, chat_key
+from kvroute.replicas import ReplicaConfig
 
 SYSTEMS = [f"group {g}: " + "you are a helpful assistant with a long shared system prompt. " * 30 for g in range(3)]
 PROFILE = "h100-llama3.2-3b"  # answers in milliseconds: hundreds of requests in a few seconds

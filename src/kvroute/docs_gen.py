@@ -1,6 +1,7 @@
 """The configuration reference, generated from the pydantic models so that it cannot drift.
 
-Every key of the gateway config (``gateway/config.py``) and of a scenario (``sim/scenario.py``)
+Every key of the gateway config (``gateway/config.py`` and the models it nests) and of a scenario
+(``sim/scenario.py``)
 becomes one table row: key path, type with its bounds, default, meaning. The meaning is the
 field's ``description``, else its comment in the source (on the field's lines or just above
 them). ``kvroute config-reference --write`` rewrites the section between the markers of

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -135,3 +136,21 @@ def load(model: type[M], path: str | Path) -> M:
     """Read and validate a YAML file into ``model``."""
     data, text = read(path)
     return validate(model, data, str(path), text)
+
+
+def read_secret(env: str | None, file: str | None, owner: str = "") -> str:
+    """A secret from the environment variable ``env`` or else from ``file`` (surrounding whitespace
+    dropped), so that keys and tokens never sit in the YAML; unset, unreadable or empty is a
+    ValueError naming the source, after ``owner`` (e.g. ``"peer_auth: "``)."""
+    if env is not None:
+        value = os.environ.get(env, "").strip()
+        if not value:
+            raise ValueError(f"{owner}environment variable {env} is unset or empty")
+        return value
+    try:
+        value = Path(str(file)).read_text().strip()
+    except OSError as exc:
+        raise ValueError(f"{owner}cannot read {file}: {exc.strerror}") from None
+    if not value:
+        raise ValueError(f"{owner}{file} is empty")
+    return value

@@ -88,8 +88,9 @@ def _approximate_gateway(engines, policy: str):
     gw = Gateway.__new__(Gateway)
     import asyncio
 
-    from kvroute.gateway.config import GatewayConfig, ReplicaConfig
+    from kvroute.gateway.config import GatewayConfig
     from kvroute.gateway.server import Gateway as GW
+    from kvroute.replicas import ReplicaConfig
 
     gw.loop = asyncio.new_event_loop()
     gw.thread = threading.Thread(target=gw.loop.run_forever, daemon=True)

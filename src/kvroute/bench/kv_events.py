@@ -59,10 +59,11 @@ async def _one_run(preset: str, events: bool, seed: int, replicas: int, kv_block
 
     from kvroute.emulator.kv_events import KVEventsOptions
     from kvroute.emulator.server import start_emulator
-    from kvroute.gateway.config import GatewayConfig, ReplicaConfig
+    from kvroute.gateway.config import GatewayConfig
     from kvroute.gateway.server import Gateway
     from kvroute.live.embedded import event_source
     from kvroute.perf.loader import load_profile
+    from kvroute.replicas import ReplicaConfig
 
     profile = load_profile("h100-llama3.2-3b").model_copy(update={"kv_blocks": kv_blocks, "block_size": BLOCK})
     opts = KVEventsOptions("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", "kv", "map")
@@ -328,7 +329,7 @@ def command(args: Any) -> int:
         return error(f"--presets: unknown {', '.join(unknown)}; allowed: {', '.join(KNOWN)}")
     if args.publishers < 1:
         return error(f"--publishers must be at least 1, got {args.publishers}")
-    from kvroute.gateway.config import events_extra_installed
+    from kvroute.replicas import events_extra_installed
 
     try:
         events_extra_installed()

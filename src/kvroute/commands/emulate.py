@@ -39,7 +39,7 @@ def cmd_emulate(args: argparse.Namespace) -> int:
     kv_events = None
     if args.kv_events:
         from kvroute.emulator.kv_events import KVEventsOptions
-        from kvroute.gateway.config import events_extra_installed
+        from kvroute.replicas import events_extra_installed
 
         try:
             events_extra_installed()

@@ -23,9 +23,10 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from kvroute import yamlconf
-from kvroute.gateway.config import ReplicaConfig, base_url, read_secret
 from kvroute.perf.network import NetworkSpec
+from kvroute.replicas import ReplicaConfig, base_url
 from kvroute.schema import StrictModel
+from kvroute.yamlconf import read_secret
 
 
 class SecretSource(StrictModel):

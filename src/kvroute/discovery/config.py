@@ -21,6 +21,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from kvroute.replicas import ReplicaConfig
 from kvroute.schema import StrictModel
 
 SA_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"  # where the kubelet mounts the pod's token
@@ -29,8 +30,6 @@ SA_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"  # where the kubelet mo
 def check_defaults(v: dict[str, Any]) -> dict[str, Any]:
     """``defaults`` are fields of a ``replicas:`` entry given to every engine a source finds;
     ``url`` and ``id`` come from the source itself."""
-    from kvroute.gateway.config import ReplicaConfig  # the gateway's model; imported late: no cycle
-
     own = sorted({"url", "id"} & v.keys())
     if own:
         raise ValueError(f"defaults may not set {', '.join(own)}: the source gives each engine its own")

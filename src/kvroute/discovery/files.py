@@ -14,6 +14,7 @@ from pydantic import Field
 from kvroute import yamlconf
 from kvroute.discovery.config import FileSource
 from kvroute.discovery.model import Engine
+from kvroute.replicas import ReplicaConfig
 from kvroute.schema import StrictModel
 
 log = logging.getLogger("kvroute.discovery")
@@ -21,8 +22,6 @@ log = logging.getLogger("kvroute.discovery")
 
 def read_engines(path: str) -> list[Engine]:
     """The engines a file lists; a bad file is a ConfigFileError naming file:line and the field."""
-    from kvroute.gateway.config import ReplicaConfig
-
     class EngineFile(StrictModel):
         replicas: list[ReplicaConfig] = Field(default_factory=list)
 

@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pydantic import ValidationError
 
 from kvroute.discovery.model import Engine
-
-if TYPE_CHECKING:
-    from kvroute.gateway.config import ReplicaConfig
+from kvroute.replicas import ReplicaConfig, events_extra_installed
 
 log = logging.getLogger("kvroute.discovery")
 
@@ -42,8 +40,6 @@ class Reconciler:
 
     def replica(self, e: Engine, defaults: dict[str, Any]) -> ReplicaConfig:
         """The ``replicas:`` entry for ``e``: the source's defaults, the engine's own fields, its id and URL."""
-        from kvroute.gateway.config import ReplicaConfig
-
         known = ReplicaConfig.model_fields  # a field the gateway does not define is dropped, not an error
         data: dict[str, Any] = {**defaults, **{k: v for k, v in e.fields.items() if k in known},
                                 "url": e.url, "id": e.id}
@@ -57,8 +53,6 @@ class Reconciler:
 
     def _events_installed(self) -> bool:
         """Whether KV events can be consumed (the ``events`` extra); said once when they cannot."""
-        from kvroute.gateway.config import events_extra_installed
-
         try:
             events_extra_installed()
         except ValueError as exc:

@@ -45,7 +45,7 @@ class KVEventsOptions:
 
     def publisher(self) -> EventPublisher:
         """A publisher on these endpoints (to be started on the running loop)."""
-        from kvroute.gateway.config import events_extra_installed
+        from kvroute.replicas import events_extra_installed
 
         events_extra_installed()  # a ValueError naming the extra rather than an ImportError
         from kvroute.kvevents.publisher import EventPublisher

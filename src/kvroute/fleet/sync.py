@@ -47,7 +47,7 @@ from kvroute.fleet.ledger import (
 )
 
 if TYPE_CHECKING:
-    from kvroute.gateway.config import FleetConfig
+    from kvroute.fleet.config import FleetConfig
     from kvroute.gateway.runtime import Runtime
     from kvroute.model import Request
 

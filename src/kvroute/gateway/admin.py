@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Any
 from pydantic import ValidationError
 
 from kvroute.gateway.auth import bearer
-from kvroute.gateway.config import ReplicaConfig
 from kvroute.gateway.http import Request, Responder
+from kvroute.replicas import ReplicaConfig
 
 if TYPE_CHECKING:
     from kvroute.gateway.runtime import Runtime

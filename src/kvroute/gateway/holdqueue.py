@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvroute.errors import ServiceError
-from kvroute.gateway.config import QueueConfig
+from kvroute.gateway.settings import QueueConfig
 from kvroute.model import Decision, DecisionKind, Request
 from kvroute.policy import DispatchPacer
 

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 import aiohttp
 
-from kvroute.gateway.config import GatewayConfig, ProbeConfig
+from kvroute.gateway.config import GatewayConfig
 from kvroute.gateway.metrics import GatewayMetrics
 from kvroute.gateway.probes import (
     VLLM_FILTERED,
@@ -28,6 +28,7 @@ from kvroute.gateway.probes import (
     tick_breakers,
 )
 from kvroute.gateway.replica import Upstream
+from kvroute.gateway.settings import ProbeConfig
 from kvroute.gateway.tokens import RESIZE_STEP, TokenRatio
 from kvroute.gateway.upstream import UpstreamConnectError
 from kvroute.model import Endpoint

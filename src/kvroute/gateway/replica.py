@@ -9,10 +9,10 @@ from enum import Enum
 from typing import Any
 
 from kvroute.gateway.breaker import CircuitBreaker
-from kvroute.gateway.config import ReplicaConfig
 from kvroute.gateway.probes import ProbeStreak, Reading
 from kvroute.gateway.upstream import UpstreamError, UpstreamPool
 from kvroute.model import Endpoint
+from kvroute.replicas import ReplicaConfig
 
 
 @dataclass

@@ -15,7 +15,7 @@ import aiohttp
 
 from kvroute.discovery.manager import Discovery
 from kvroute.gateway.breaker import CircuitBreaker
-from kvroute.gateway.config import GatewayConfig, ReplicaConfig
+from kvroute.gateway.config import GatewayConfig
 from kvroute.gateway.ejection import Ejector
 from kvroute.gateway.holdqueue import HoldQueue, PolicyError
 from kvroute.gateway.metrics import GatewayMetrics
@@ -26,6 +26,7 @@ from kvroute.gateway.tokens import TokenRatio
 from kvroute.gateway.upstream import UpstreamPool
 from kvroute.model import Decision, DecisionKind, Endpoint, Request
 from kvroute.policy import DispatchPacer
+from kvroute.replicas import ReplicaConfig
 
 if TYPE_CHECKING:
     from kvroute.fleet.sync import FleetSync

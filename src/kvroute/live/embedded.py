@@ -13,8 +13,9 @@ from aiohttp import web
 
 from kvroute.emulator.kv_events import KVEventsOptions
 from kvroute.emulator.server import Emulator, Faults, start_emulator
-from kvroute.gateway.config import GatewayConfig, ReplicaConfig, ReplicaEventsConfig
+from kvroute.gateway.config import GatewayConfig
 from kvroute.gateway.server import Gateway
+from kvroute.replicas import ReplicaConfig, ReplicaEventsConfig
 
 DEFAULT_PROFILE = "h100-llama3.2-3b"
 
