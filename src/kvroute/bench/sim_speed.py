@@ -51,11 +51,15 @@ def million(requests: int = 1_000_000, replicas: int = 16, rate: float = 125.0) 
                          "workload": {"kind": "chat-poisson", "rate": rate, "clients": {"us": 1}},
                          "policies": ["lmetric"], "limits": {"max_requests": requests}, "seed": 1})
     sim = Simulation(sc.setup(), "lmetric", None, sc.make_workload())
+    start_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
     t0 = time.perf_counter()
     result = sim.run()
     wall = time.perf_counter() - t0
-    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return {"requests": result["requests"], "wall_s": round(wall, 2), "peak_rss_mb": round(peak_mb, 1),
+    peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {"requests": result["requests"], "wall_s": round(wall, 2), "peak_rss_mb": round(peak_kb / 1024, 1),
+            "start_rss_mb": round(start_kb / 1024, 1),
+            "bytes_per_request": round((peak_kb - start_kb) * 1024 / max(1, result["requests"])),
+            "under_1gb": peak_kb < 1024 * 1024,
             "sim_requests_per_s": round(result["requests"] / wall), "ttft_p50_s": result["ttft_s"]["p50"],
             "throughput_rps": result["throughput_rps"], "replicas": replicas, "rate": rate}
 

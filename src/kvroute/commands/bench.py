@@ -62,7 +62,9 @@ def cmd_bench_sim_speed(args: argparse.Namespace) -> int:
     if "million" in result:
         m = result["million"]
         console.print(f"{m['requests']:,}-request synthetic run: {m['wall_s']:.1f} s wall, "
-                      f"peak RSS {m['peak_rss_mb']:,.0f} MB ({m['sim_requests_per_s']:,}/s)")
+                      f"peak RSS {m['peak_rss_mb']:,.0f} MB ({m['start_rss_mb']:,.0f} MB before it started, "
+                      f"{m['bytes_per_request']:,} bytes per simulated request; "
+                      f"{'under' if m['under_1gb'] else 'OVER'} 1 GB), {m['sim_requests_per_s']:,}/s")
     write_json(args.json, result)
     return 0
 

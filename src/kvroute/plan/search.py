@@ -188,7 +188,7 @@ class Planner:
             for c, s in states.items():
                 if s.done:
                     continue
-                if self.spec.prune and (s.lo + 1) * c.price > best_cost + 1e-9:
+                if self._pruned(c, s.lo, best_cost):
                     s.done, s.note = True, (f"pruned: {s.lo + 1} replicas would already cost "
                                             f"{(s.lo + 1) * c.price:.4g}/h > the best passing {best_cost:.4g}/h")
                     continue
@@ -224,7 +224,8 @@ class Planner:
         With more than one worker the round's runs are not handed over as one batch: up to
         ``workers`` runs stay in flight, the round's own first, and a worker that would otherwise
         idle (the round has fewer runs left than workers) runs a probe a later round may ask for —
-        each unfinished probe's next k if it fails, then if it passes. A run's measurements depend
+        the next probe of a candidate whose run of this round is measured (certain unless pruning
+        drops it), then each unfinished probe's next k if it fails, then if it passes. A run's measurements depend
         only on its deployment, so a later round that asks for one already measured takes it as
         it is, and the decisions (hence the answer and ``runs``) are the serial search's; a
         speculative run no round asks for is counted in ``speculative_unused``, not in the answer."""
@@ -254,19 +255,36 @@ class Planner:
 
     def _guesses(self, need: list[tuple[Candidate, int]], states: dict[Candidate, _State],
                  best_cost: float) -> list[tuple[Candidate, int]]:
-        """Probes the next round may ask for, likeliest first, not measured or in flight yet."""
-        fail, succeed = [], []
+        """Probes the next round may ask for, likeliest first, not measured or in flight yet: the
+        next k of a candidate whose probe of this round is measured (certain, unless pruning drops
+        it), then for each unmeasured probe its next k if it fails, then if it passes."""
+        best = best_cost
+        for c, k in need:  # passes already known this round lower the cost bound
+            m = self._measured.get((c, k))
+            if m is not None and verdict(self.spec, m)[0]:
+                best = min(best, k * c.price)
+        certain, fail, succeed = [], [], []
         for c, k in need:
-            if (c, k) in self._measured:
-                continue
             s = states[c]
+            m = self._measured.get((c, k))
+            if m is not None:
+                passes = verdict(self.spec, m)[0]
+                state = _State(lo=s.lo, hi=k) if passes else _State(lo=k, hi=s.hi)
+                nxt = self._next(state)
+                if nxt is not None and not self._pruned(c, state.lo, best):
+                    certain.append((c, nxt))
+                continue
             if_fail = self._next(_State(lo=k, hi=s.hi))
-            if if_fail is not None and not (self.spec.prune and (k + 1) * c.price > best_cost + 1e-9):
+            if if_fail is not None and not self._pruned(c, k, best):
                 fail.append((c, if_fail))
             if_pass = self._next(_State(lo=s.lo, hi=k))
             if if_pass is not None:
                 succeed.append((c, if_pass))
-        return [key for key in fail + succeed if key not in self._measured and key not in self._flight]
+        return [key for key in certain + fail + succeed if key not in self._measured and key not in self._flight]
+
+    def _pruned(self, c: Candidate, lo: int, best_cost: float) -> bool:
+        """Whether a candidate whose highest failing k is ``lo`` is dominated on cost."""
+        return self.spec.prune and (lo + 1) * c.price > best_cost + 1e-9
 
     @property
     def speculative_unused(self) -> int:

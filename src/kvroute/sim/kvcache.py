@@ -87,8 +87,9 @@ class KVCache:
         new = seq.hashes[seq.refs:full]
         shared = 0
         stored: list[int] | None = [] if self.on_blocks_stored is not None else None
+        get = refcnt.get
         for i, h in enumerate(new):
-            c = refcnt.get(h)
+            c = get(h)
             if c is None:
                 refcnt[h] = 1
                 if stored is not None:
@@ -126,14 +127,18 @@ class KVCache:
             refcnt, pop = self.refcnt, evictable.popitem
             copies = self.idle_copies
             evicted: list[int] | None = [] if self.on_blocks_removed is not None else None
-            for _ in range(k):
-                h = pop(False)[0]
-                del refcnt[h]
-                if copies is not None:
-                    copies.pop(h, None)
-                    self.host_copies.pop(h, None)
-                if evicted is not None:
-                    evicted.append(h)
+            if copies is None and evicted is None:  # the simulator's common case
+                for _ in range(k):
+                    del refcnt[pop(False)[0]]
+            else:
+                for _ in range(k):
+                    h = pop(False)[0]
+                    del refcnt[h]
+                    if copies is not None:
+                        copies.pop(h, None)
+                        self.host_copies.pop(h, None)
+                    if evicted is not None:
+                        evicted.append(h)
             self.used -= k * bt
             if evicted and self.on_blocks_removed is not None:
                 self.on_blocks_removed(evicted)
