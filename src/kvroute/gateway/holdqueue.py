@@ -56,10 +56,20 @@ class HoldQueue:
 
     async def admit(self, req: Request) -> Decision:
         """Route now, or wait in FIFO order while the policy holds (selective pushing)."""
+        d = self.try_now(req)
+        return d if d is not None else await self.wait(req)
+
+    def try_now(self, req: Request) -> Decision | None:
+        """:meth:`admit`'s first step, without a coroutine (the proxy's hot path): the decision
+        when nobody waits and the policy does not hold; None when ``req`` must :meth:`wait`."""
         if not self.waiting:
             d = self._route(req)
             if d.kind is not DecisionKind.HOLD:
                 return d
+        return None
+
+    async def wait(self, req: Request) -> Decision:
+        """Queue ``req`` behind those waiting and return its decision once the policy admits it."""
         qc = self._settings()
         if len(self.waiting) >= qc.max_len:
             raise QueueFull(f"LB queue is full ({qc.max_len} waiting)")

@@ -1,10 +1,20 @@
 """Prometheus metrics of the gateway, in a registry of its own (several gateways per process
-in tests stay apart)."""
+in tests stay apart).
+
+What every request touches — the request and branch counters and the latency histograms — is
+counted in plain Python numbers (:class:`LocalHistogram`, dicts of counts) and turned into
+metric families only when ``/metrics`` is scraped: prometheus_client's own children take a lock
+and check their state at each increment, several microseconds per request on the hot path, for a
+gateway whose counters are only ever touched from its one event-loop thread.
+"""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from bisect import bisect_left
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, disable_created_metrics, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 disable_created_metrics()  # *_created series double the exposition for no operational use
 
@@ -17,16 +27,13 @@ class GatewayMetrics:
 
     def __init__(self, runtime) -> None:
         self.registry = r = CollectorRegistry()
-        self.requests = Counter("kvroute_requests", "Requests by route, status code and policy",
-                                ["route", "status", "policy"], registry=r)
-        self.branches = Counter("kvroute_policy_branch", "Routing decisions by policy branch",
-                                ["policy", "branch"], registry=r)
-        self.ttft = Histogram("kvroute_ttft_seconds", "Time to first byte of the response body, at the gateway",
-                              buckets=LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("kvroute_e2e_seconds", "Request latency at the gateway", buckets=LATENCY_BUCKETS,
-                             registry=r)
-        self.queue_wait = Histogram("kvroute_lb_queue_wait_seconds", "Time held in the LB queue",
-                                    buckets=LATENCY_BUCKETS, registry=r)
+        # the hot path's: plain counts, exported at scrape time (_HotCollector)
+        self.request_counts: dict[tuple[str, str, str], int] = {}  # (route, status, policy) -> requests
+        self.branch_by_policy: dict[tuple[str, str], int] = {}  # (policy, branch) -> decisions
+        self.ttft = LocalHistogram("kvroute_ttft_seconds", "Time to first byte of the response body, at the gateway")
+        self.e2e = LocalHistogram("kvroute_e2e_seconds", "Request latency at the gateway")
+        self.queue_wait = LocalHistogram("kvroute_lb_queue_wait_seconds", "Time held in the LB queue")
+        r.register(_HotCollector(self))
         self.probe_failures = Counter("kvroute_probe_failures", "Failed probes", ["replica"], registry=r)
         self.retries = Counter("kvroute_retries", "Upstream attempts retried on another replica", ["reason"],
                                registry=r)
@@ -56,11 +63,14 @@ class GatewayMetrics:
 
     def count_request(self, route: str, status: int, policy: str) -> None:
         """Count one answered request by route, status code and policy."""
-        self._child(self.requests, route, str(status), policy).inc()
+        key = (route, str(status), policy)
+        counts = self.request_counts
+        counts[key] = counts.get(key, 0) + 1
 
     def count_branch(self, policy: str, branch: str) -> None:
         """Count one routing decision by the policy branch that made it."""
-        self._child(self.branches, policy, branch).inc()
+        pair = (policy, branch)
+        self.branch_by_policy[pair] = self.branch_by_policy.get(pair, 0) + 1
         self.branch_counts[branch] = self.branch_counts.get(branch, 0) + 1
         self.last_branch = branch
 
@@ -71,6 +81,56 @@ class GatewayMetrics:
     def render(self) -> bytes:
         """The registry in Prometheus text format, for ``GET /metrics``."""
         return generate_latest(self.registry)
+
+
+class LocalHistogram:
+    """A Prometheus histogram (``LATENCY_BUCKETS``) kept as plain counts: ``observe`` is a bisect
+    and two additions, no lock (one event-loop thread observes); :meth:`family` builds the
+    exposition at scrape time."""
+
+    __slots__ = ("name", "doc", "counts", "sum")
+
+    def __init__(self, name: str, doc: str):
+        self.name, self.doc = name, doc
+        self.counts = [0] * (len(LATENCY_BUCKETS) + 1)  # per bucket (not cumulative), +Inf last
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        """Count one observation (seconds)."""
+        self.counts[bisect_left(LATENCY_BUCKETS, value)] += 1  # le-buckets: a value on a bound counts there
+        self.sum += value
+
+    def family(self) -> HistogramMetricFamily:
+        """The histogram as a metric family (cumulative buckets, sum)."""
+        cumulative, total = [], 0
+        for bound, n in zip((*LATENCY_BUCKETS, float("inf")), self.counts):
+            total += n
+            cumulative.append(("+Inf" if bound == float("inf") else str(float(bound)), total))
+        fam = HistogramMetricFamily(self.name, self.doc)
+        fam.add_metric([], cumulative, sum_value=self.sum)
+        return fam
+
+
+class _HotCollector:
+    """The hot path's counts as metric families, at scrape time."""
+
+    def __init__(self, metrics: GatewayMetrics) -> None:
+        self.m = metrics
+
+    def collect(self) -> Iterator[CounterMetricFamily | HistogramMetricFamily]:
+        m = self.m
+        requests = CounterMetricFamily("kvroute_requests", "Requests by route, status code and policy",
+                                       labels=["route", "status", "policy"])
+        for labels, n in sorted(m.request_counts.items()):
+            requests.add_metric(list(labels), n)
+        yield requests
+        branches = CounterMetricFamily("kvroute_policy_branch", "Routing decisions by policy branch",
+                                       labels=["policy", "branch"])
+        for pair, n in sorted(m.branch_by_policy.items()):
+            branches.add_metric(list(pair), n)
+        yield branches
+        for hist in (m.ttft, m.e2e, m.queue_wait):
+            yield hist.family()
 
 
 class _RejectionCollector:

@@ -16,6 +16,8 @@ accounting exactly once and counts the request once. The application (routes, he
 is ``gateway/server.py``.
 """
 
+from __future__ import annotations  # the closures made per request evaluate no annotations
+
 import asyncio
 import json
 import logging
@@ -180,7 +182,9 @@ class Proxy(RequestParsing):
         failure: Failure | None = None
         for attempt in range(1, rc.max_attempts + 1):
             try:
-                decision = await rt.admit(req)
+                decision = rt.route_now(req)
+                if decision is None:  # the policy holds it, or others wait before it: the LB queue
+                    decision = await rt.hold.wait(req)
             except QueueFull as exc:
                 rt.metrics.rejected.labels("full").inc()
                 resp.send_error(429, str(exc), "rate_limit_error", code="queue_full", headers=[("Retry-After", "1")])

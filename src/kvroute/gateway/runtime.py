@@ -292,6 +292,13 @@ class Runtime:
             return forward
         return await self.hold.admit(req)
 
+    def route_now(self, req: Request) -> Decision | None:
+        """:meth:`admit` without a coroutine when it need not wait (the proxy's hot path): a
+        cheaper peer's forward, or the decision made at once; None when the request must wait in
+        the hold queue (then ``await hold.wait(req)``)."""
+        forward = self.peering.before_local(req)
+        return forward if forward is not None else self.hold.try_now(req)
+
     def _forward_held(self, req: Request, behind: int) -> Decision | None:
         """A held request with ``behind`` others queued after it here: a peer that admits it (SkyWalker),
         counting the queues of this region's sibling instances too."""

@@ -265,6 +265,14 @@ class UpstreamResponse:
 
     async def read(self, timeout_s: float | None = None) -> bytes:
         """The whole body; ``timeout_s`` bounds the wait for its first piece."""
+        conn = self._conn
+        if conn is not None and conn.state == _DONE:  # a small answer arrives with its head: no await
+            chunks = conn.chunks
+            if chunks and chunks[-1] is _EOF and all(c.__class__ is bytes for c in list(chunks)[:-1]):
+                body = b"".join(chunks.popleft() for _ in range(len(chunks) - 1))  # type: ignore[misc]
+                chunks.popleft()
+                self._done = True
+                return body
         parts = []
         while (chunk := await self.next_chunk(timeout_s)) is not None:
             parts.append(chunk)

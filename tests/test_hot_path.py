@@ -1,0 +1,127 @@
+"""The hot path's shortcuts (docs/hot-path.md) give what the long way gives: the splice's unparsed
+first leg, the substring token count, the byte-level vLLM usage field, the msgspec decode with
+the standard library's errors, and the lock-free latency histograms."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+from kvroute.errors import ClientError
+from kvroute.gateway import tokens
+from kvroute.gateway.continuation import RAW_LIMIT, Splice
+from kvroute.gateway.metrics import LATENCY_BUCKETS, LocalHistogram
+from kvroute.gateway.openai import _loads
+
+CHAT = [{"role": "user", "content": "hi"}]
+
+
+def _events(rng: random.Random, n: int) -> list[bytes]:
+    """A chat stream as engines send it: a role announcement, token events (some empty, some in
+    spaced JSON, one with a quote in its text), a finishing event, [DONE]."""
+    out = [{"id": "a", "created": 1, "model": "m", "choices": [{"index": 0, "delta": {"role": "assistant",
+                                                                                      "content": ""}}]}]
+    for _ in range(n):
+        text = rng.choice(["", " to", 'say "hi"', "ö", " x"])
+        out.append({"id": "a", "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}]})
+    out.append({"id": "a", "choices": [{"index": 0, "delta": {"content": ""}, "finish_reason": "stop"}]})
+    lines = [(json.dumps(o) if i % 3 else json.dumps(o, separators=(",", ":"))) for i, o in enumerate(out)]
+    return [f"data: {line}\n\n".encode() for line in lines] + [b"data: [DONE]\n\n"]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_an_unparsed_first_leg_counts_and_continues_like_a_parsed_one(seed):
+    rng = random.Random(seed)
+    events = _events(rng, rng.randint(1, 60))
+    stream = b"".join(events)
+    cuts = sorted(rng.sample(range(1, len(stream)), 5))
+    pieces = [stream[a:b] for a, b in zip([0, *cuts], [*cuts, len(stream)])]
+    lazy = Splice.open("chat", {"messages": CHAT, "stream": True, "max_tokens": 500}, 30)
+    eager = Splice.open("chat", {"messages": CHAT, "stream": True, "max_tokens": 500}, 30)
+    assert lazy is not None and eager is not None
+    eager.limit = 10**9  # a context limit: every event is parsed (the fast path is off)
+    out_lazy = b"".join(lazy.feed(p) for p in pieces)
+    out_eager = b"".join(eager.feed(p) for p in pieces)
+    assert out_lazy == out_eager == stream  # the first leg passes unchanged either way
+    assert lazy._raw  # the fast path kept events unparsed
+    assert lazy.tokens == eager.tokens  # counted by token_events, the same as parsed
+    assert lazy.text == eager.text and lazy.finished == eager.finished and lazy.tokens == eager.tokens
+    assert lazy.next_body() == eager.next_body()
+
+
+def test_kept_bytes_are_bounded():
+    s = Splice.open("chat", {"messages": CHAT, "stream": True}, 30)
+    assert s is not None
+    event = b'data: {"id":"a","choices":[{"index":0,"delta":{"content":"' + b"x" * 1000 + b'"}}]}\n\n'
+    for _ in range(3 * RAW_LIMIT // len(event)):
+        s.feed(event)
+        assert s._raw_len <= RAW_LIMIT
+    assert s.text == "x" * 1000 * (3 * RAW_LIMIT // len(event))
+
+
+def test_token_events_substring_shortcut_agrees_with_the_regexes():
+    rng = random.Random(1)
+    for event in _events(rng, 200):
+        slow = 1 if tokens._GENERATED.search(event) and not (
+            tokens._EMPTY.search(event) and (b'"role"' in event or tokens._ENDING.search(event))) else 0
+        assert tokens.token_events(event) == slow
+
+
+@pytest.mark.parametrize("body", [{"model": "m", "messages": CHAT, "stream": True},
+                                  {"model": "m", "messages": CHAT, "stream": True,
+                                   "stream_options": {"include_usage": True}}])
+def test_vllm_usage_field_added_to_the_bytes_equals_the_round_trip(body):
+    s = Splice.open("chat", body, 10)
+    assert s is not None
+    raw = json.dumps(body).encode() + b"\n"
+    sent = json.loads(s.exact_body(raw))
+    want = dict(body, stream_options={**body.get("stream_options", {}), "include_usage": True,
+                                      "continuous_usage_stats": True})
+    assert sent == want
+
+
+@pytest.mark.parametrize("raw", [b"{not json", b'{"a": NaN}', b'"\\ud800"', b"[" * 5000 + b"]" * 5000,
+                                 b'{"n": ' + b"9" * 5000 + b"}", b"\xff\xfe"])
+def test_fast_decode_accepts_and_refuses_what_json_does(raw):
+    try:
+        want: object = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        want = type(exc)
+    try:
+        got: object = _loads(raw)
+    except (ValueError, RecursionError) as exc:
+        got = type(exc)
+    if isinstance(want, float):  # NaN
+        assert isinstance(got, float) and got != got
+    elif isinstance(want, type):
+        assert got is want
+    else:
+        assert got == want
+
+
+def test_parse_errors_read_as_before():
+    from kvroute.gateway.openai import PROXIED, RequestParsing
+
+    with pytest.raises(ClientError, match="not valid JSON: Expecting property name enclosed in double quotes"):
+        RequestParsing.parse(object.__new__(RequestParsing), b"{not json", PROXIED["/v1/chat/completions"], {})
+
+
+def test_local_histogram_exposition_equals_prometheus_clients():
+    ref_registry, local_registry = CollectorRegistry(), CollectorRegistry()
+    ref = Histogram("kvroute_e2e_seconds", "Request latency at the gateway", buckets=LATENCY_BUCKETS,
+                    registry=ref_registry)
+    local = LocalHistogram("kvroute_e2e_seconds", "Request latency at the gateway")
+
+    class Collector:
+        def collect(self):
+            yield local.family()
+
+    local_registry.register(Collector())
+    rng = random.Random(2)
+    for v in [*LATENCY_BUCKETS, 0.0, 500.0, *(rng.expovariate(5) for _ in range(300))]:
+        ref.observe(v)
+        local.observe(v)
+    assert generate_latest(local_registry) == generate_latest(ref_registry)
