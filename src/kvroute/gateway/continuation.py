@@ -74,7 +74,7 @@ class Splice:
         self.pieces: list[str] = []  # generated text forwarded to the client, per event
         self.count = 0  # tokens generated (and forwarded) over every leg, counted by events
         self.leg_start = 0  # tokens generated before the current leg
-        self.finished = False  # an event carried finish_reason: nothing is left to generate
+        self._finished = False  # an event carried finish_reason: nothing is left to generate
         self.legs = 1
         self.ident: dict[str, Any] | None = None  # id, created, model, ... of the first event
         self.partial = b""  # an event not complete yet
@@ -130,6 +130,16 @@ class Splice:
     @continuable.setter
     def continuable(self, value: bool) -> None:
         self._continuable = value
+
+    @property
+    def finished(self) -> bool:
+        """Whether an event carried ``finish_reason``: nothing is left to generate."""
+        self.settle()
+        return self._finished
+
+    @finished.setter
+    def finished(self, value: bool) -> None:
+        self._finished = value
 
     def settle(self) -> None:
         """Parse the events the fast path forwarded unparsed: text, exact token count, the
