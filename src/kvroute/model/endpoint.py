@@ -36,6 +36,9 @@ class Endpoint:
     # prefill/decode disaggregation (policy/pd.py): "prefill" engines only prefill and hand the KV
     # to a "decode" engine; "mixed" engines do both (every engine of an aggregated fleet)
     role: str = "mixed"
+    # the replica's hardware profile when the runtime knows it (the simulator: its HardwareProfile; a
+    # profile name works too); None = unknown. The llm_d predictor models the replica with it.
+    profile: object = None
     # static capacity
     kv_blocks: int = 0  # 0 = unknown
     block_size: int = 16

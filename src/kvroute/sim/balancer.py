@@ -130,7 +130,7 @@ class SimBalancer:
         for rid in replica_ids:
             rep = sim.replicas[rid]
             p = rep.engine.p
-            eps.append(Endpoint(rid, region=rep.region, kv_blocks=p.kv_blocks, block_size=p.block_size,
+            eps.append(Endpoint(rid, region=rep.region, profile=p, kv_blocks=p.kv_blocks, block_size=p.block_size,
                                 max_running=p.max_running, rtt_s=sim.network.rtt(region, rep.region),
                                 role=getattr(rep, "role", "mixed")))
         pd = getattr(getattr(sim, "setup", None), "pd", None)

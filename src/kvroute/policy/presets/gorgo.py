@@ -53,5 +53,6 @@ class GorgoParams(PolicyParams):
         "inflight", description="what counts as queued tokens: inflight = prompt tokens dispatched and not "
         "finished (GORGO v2's proxy accounting, v1 §7's updated policy with running requests); prefill = "
         "prefill tokens dispatched and not yet past their first token (the queue alone, v1 as evaluated)")
-    warm_up: bool = Field(True, description="a replica with a cold cache (added, recovered) takes requests while "
-                          "it has fewer in flight than every warm one (policy/builtin/warmup.py; issue 12)")
+    warm_up: bool = Field(False, description="a replica with a cold cache (added, recovered) takes requests while "
+                          "it has fewer in flight than every warm one (policy/builtin/warmup.py; issue 12); off: "
+                          "neither GORGO paper has one")

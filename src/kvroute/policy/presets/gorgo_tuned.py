@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, model_validator
 
 from kvroute.model import Branch
@@ -17,7 +19,7 @@ from kvroute.policy.presets.gorgo import GORGO_TERMS, GorgoParams
     cost={"es": {"terms": GORGO_TERMS, "start": {"w_rtt": "$w_rtt", "t_p": "$t_p", "w_queue": "$w_queue"},
                  "ranges": {"w_rtt": "$w_rtt_range", "w_queue": "$w_queue_range"},
                  "window": "$window", "hop": "$hop", "sigma0": "$sigma0", "sigma_min": "$sigma_min",
-                 "frozen": "$frozen"}},
+                 "frozen": "$frozen", "judge": "$judge"}},
     branch=Branch.MIN_COST)
 class GorgoTunedParams(GorgoParams):
     """GORGO's cost with w_rtt and w_queue tuned online by GORGO v2's (1+1)-ES on p95 TTFT.
@@ -38,6 +40,9 @@ class GorgoTunedParams(GorgoParams):
                     "it drop the queue term, the paper's reward-hacking failure)")
     window: int = Field(128, ge=8, description="first tokens in the rolling window (GORGO v2: 128)")
     hop: int = Field(32, ge=1, description="first tokens between tuner steps (GORGO v2: 32)")
+    judge: Literal["window", "hop"] = Field(
+        "window", description="what a step scores: the p95 of the rolling window (GORGO v2 §4) or of the last "
+        "hop's first tokens only (each offspring on its own samples; kvroute's alternative)")
     sigma0: float = Field(0.5, gt=0, description="initial log-space step size σ")
     sigma_min: float = Field(0.05, gt=0, description="the search stops once σ falls below this")
     frozen: bool = Field(False, description="serve w_rtt and w_queue as given, never tune (held-out "

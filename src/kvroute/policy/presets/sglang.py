@@ -39,8 +39,10 @@ class CacheAwareParams(PolicyParams):
     miss: Literal["least_load", "smallest_tree"] = Field(
         "least_load", description="where a cache miss goes: least_load (SGLang today, default) or "
         "smallest_tree (the SGLang router SkyWalker compared against)")
-    warm_up: bool = Field(True, description="a replica with a cold cache (added, recovered) takes requests while "
-                          "it has fewer in flight than every warm one (policy/builtin/warmup.py; issue 12)")
+    warm_up: bool = Field(False, description="a replica with a cold cache (added, recovered) takes requests while "
+                          "it has fewer in flight than every warm one (policy/builtin/warmup.py; issue 12); off: "
+                          "SGLang's cache_aware router has no such rule: a miss goes to the least loaded "
+                          "(or smallest-tree) worker")
 
     @property
     def smallest_tree(self) -> bool:

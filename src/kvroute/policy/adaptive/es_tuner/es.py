@@ -16,13 +16,14 @@ GORGO v2 §2.2 (003_d2195008674d8fa4.txt) tunes the cost weights of its router w
 
 Choices where the paper is vague (also in ARCHITECTURE.md):
 
-* Each offspring is judged on the first tokens of its own hop (the p95 of those 32), and the
-  parent on the last hop before its first offspring. The paper judges on the rolling 128
-  window itself; but that window still holds 96 first tokens of the weights before the
-  offspring, so one bad offspring's tail is carried into the next three judgements and every
-  offspring after it is rejected (seeded runs starting away from the optimum accepted nothing
-  in 1,500 samples). The rolling window's p95 is still computed every hop and exported: it
-  is what an operator watches. Steps still come at 128 samples and then every 32.
+* ``judge``: the paper judges each step on "the p95 TTFT of a rolling 128-request window with
+  hop size 32" (§4), so an offspring's score is the p95 of the whole window — its own 32 first
+  tokens and the 96 served before it under earlier weights. That is the default
+  (``judge="window"``). ``judge="hop"`` scores each offspring on its own hop only (the parent
+  on the last hop before its first offspring): the window still carries 96 first tokens of the
+  weights before an offspring, so one bad offspring's tail weighs on the next three judgements
+  (seeded runs starting away from the optimum accepted nothing in 1,500 samples); the hop score
+  is kvroute's alternative, not the paper's. Steps come at 128 samples and then every 32 either way.
 * "Beats" means a p95 at least 0.5 % below the parent's (GORGO's code's 0.005 tolerance, read
   as the improvement that counts as real).
 * The parent's score is not re-measured after it is accepted (a classic (1+1)-ES).
@@ -71,9 +72,13 @@ class OnePlusOneES:
 
     def __init__(self, ranges: Mapping[str, WeightRange] = GORGO_RANGES, *, window: int = 128,
                  hop: int = 32, quantile: float = 0.95, sigma0: float = 0.5, sigma_min: float = 0.05,
-                 margin: float = 0.005, seed: int = 0, frozen: Mapping[str, float] | None = None):
+                 margin: float = 0.005, seed: int = 0, frozen: Mapping[str, float] | None = None,
+                 judge: str = "window"):
         if hop < 1 or window < hop:
             raise ValueError(f"need 1 <= hop <= window, got window={window}, hop={hop}")
+        if judge not in ("window", "hop"):
+            raise ValueError(f"judge must be window or hop, got {judge!r}")
+        self.judge = judge
         self.ranges = dict(ranges)
         self.window_size, self.hop, self.quantile = window, hop, quantile
         self.sigma, self.sigma_min, self.margin = sigma0, sigma_min, margin
@@ -84,7 +89,7 @@ class OnePlusOneES:
             start.update(frozen)
         self.parent: dict[str, float] = start
         self.weights: dict[str, float] = dict(start)
-        self.parent_p95: float | None = None  # the parent's hop p95 (None until the first window)
+        self.parent_p95: float | None = None  # the parent's score (None until the first window)
         self.window: deque[float] = deque(maxlen=window)
         self.window_p95 = 0.0
         self.samples = 0
@@ -112,8 +117,11 @@ class OnePlusOneES:
         self.steps += 1
         self.window_p95 = percentile_sorted(sorted(self.window), self.quantile)
         if self.searching:
-            hop = list(self.window)[-self.hop:]  # first tokens served under the current weights
-            self._step(percentile_sorted(sorted(hop), self.quantile))
+            if self.judge == "window":  # the paper's rolling-window fitness
+                self._step(self.window_p95)
+            else:  # first tokens served under the current weights only
+                hop = list(self.window)[-self.hop:]
+                self._step(percentile_sorted(sorted(hop), self.quantile))
 
     def _step(self, p95: float) -> None:
         if self.parent_p95 is None:  # the first full window scores the starting weights

@@ -40,7 +40,8 @@ class TunedCost(Scorer, TunerPlugin):
     ``terms`` maps each weight's name to the scorer it multiplies (GORGO: ``w_rtt: rtt_ms,
     t_p: uncached_tokens, w_queue: inflight_tokens``); ``start`` gives every weight's value;
     ``ranges`` the ``[lo, hi]`` of the ones the ES tunes (the others stay fixed: only ratios
-    matter). Every measured TTFT is one fitness sample; ``frozen`` serves ``start`` unchanged
+    matter). Every measured TTFT is one fitness sample; ``judge`` scores a step on the rolling
+    window (the paper) or on the last hop; ``frozen`` serves ``start`` unchanged
     (held-out evaluation with learned weights). Seeded from the policy's seed.
     """
 
@@ -48,7 +49,8 @@ class TunedCost(Scorer, TunerPlugin):
 
     def __init__(self, terms: Mapping[str, str], start: Mapping[str, float],
                  ranges: Mapping[str, Sequence[float]], window: int = 128, hop: int = 32,
-                 sigma0: float = 0.5, sigma_min: float = 0.05, frozen: bool = False, seed: int = 0):
+                 sigma0: float = 0.5, sigma_min: float = 0.05, frozen: bool = False, seed: int = 0,
+                 judge: str = "window"):
         scorers = PLUGINS["scorer"]
         unknown = sorted(set(terms.values()) - set(scorers))
         if unknown:
@@ -63,7 +65,7 @@ class TunedCost(Scorer, TunerPlugin):
                  else GORGO_RANGES.get(w, WeightRange(float(start[w]), float(lo), float(hi)))
                  for w, (lo, hi) in ranges.items()}
         es = OnePlusOneES(tuned, window=window, hop=hop, sigma0=sigma0, sigma_min=sigma_min, seed=seed,
-                          frozen={w: float(start[w]) for w in ranges} if frozen else None)
+                          frozen={w: float(start[w]) for w in ranges} if frozen else None, judge=judge)
         TunerPlugin.__init__(self, es)
         self.inputs = frozenset().union(*(s.inputs for _, s in self.terms))
 

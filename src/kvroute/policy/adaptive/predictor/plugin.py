@@ -64,6 +64,9 @@ class PredictionErrorPlugin(Lifecycle):
                 "share_over_20pct": self.over_20 / n if n else 0.0}
 
 
+FALLBACK_PROFILE = "h20-qwen3-30b-a3b"  # LMetric's testbed (§6.1: H20s), for replicas of unknown hardware
+
+
 @register_plugin
 class PredictedTTFT(Scorer, PredictionErrorPlugin):
     """Each replica's TTFT for this request predicted on a hardware profile's step-time model
@@ -72,15 +75,41 @@ class PredictedTTFT(Scorer, PredictionErrorPlugin):
     name = "predictor"
     inputs = frozenset({"prefix", "prefill_backlog", "load", "rtt"})
 
-    def __init__(self, profile: str | HardwareProfile = "h20-qwen3-30b-a3b"):
+    def __init__(self, profile: str | HardwareProfile | None = None):
         PredictionErrorPlugin.__init__(self)
-        self.predictor = TTFTPredictor(resolve_profile(profile))  # a name: the runtime's profile source
+        # a name: the runtime's profile source; None: each replica's own profile (Endpoint.profile)
+        self.predictor = TTFTPredictor(resolve_profile(profile)) if profile is not None else None
+        self._own: dict[int, TTFTPredictor] = {}  # id(profile object or name) → its predictor
+        self._keep: list[object] = []  # the profiles keyed above, kept alive so their ids stay unique
+
+    def _own_profiles(self, eps: list[Endpoint], prompt_tokens: int, block_tokens: int,
+                      matches: dict[str, int]) -> list[float]:
+        """Predictions on each endpoint's own profile: one batch when they share it (the usual fleet)."""
+        first = self._predictor_of(eps[0]) if eps else None
+        if all(self._predictor_of(e) is first for e in eps[1:]):
+            return first.predict_many(eps, prompt_tokens, block_tokens, matches) if first else []
+        return [self._predictor_of(e).predict_many([e], prompt_tokens, block_tokens, matches)[0] for e in eps]
+
+    def _predictor_of(self, ep: Endpoint) -> TTFTPredictor:
+        """The replica's own profile's predictor; LMetric's H20 testbed profile when the runtime
+        does not know the replica's hardware (a gateway replica with no profile)."""
+        ref = ep.profile if ep.profile is not None else FALLBACK_PROFILE
+        got = self._own.get(id(ref))
+        if got is None:
+            if not isinstance(ref, (str, HardwareProfile)):
+                raise ValueError(f"endpoint {ep.id}: profile must be a name or a HardwareProfile, got {ref!r}")
+            got = self._own[id(ref)] = TTFTPredictor(resolve_profile(ref))
+            self._keep.append(ref)
+        return got
 
     def values(self, st: DecisionState, eps: list[Endpoint]) -> list[float]:
         """The predicted TTFT per endpoint (seconds), remembered so the error can be scored once the first
         token arrives."""
         req = st.req
-        preds = self.predictor.predict_many(eps, req.prompt_tokens, req.block_tokens, st.matches)
+        if self.predictor is not None:
+            preds = self.predictor.predict_many(eps, req.prompt_tokens, req.block_tokens, st.matches)
+        else:
+            preds = self._own_profiles(eps, req.prompt_tokens, req.block_tokens, st.matches)
         last = (req.id, eps, preds)  # scored when it is dispatched
         st.defer(lambda: setattr(self, "last", last))
         return preds
