@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import json
 
+from kvroute.bench.fleet import Outcome, Workload, plan, summarize
 from kvroute.cli import main
-from kvroute.fleet.bench import Outcome, Workload, plan, summarize
 from tests.fleet_harness import needs_haproxy, needs_nats
 
 

@@ -186,6 +186,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     from kvroute.commands import fidelity
 
     fidelity.add_parser(bench)
-    from kvroute.fleet import command as fleet_command  # several instances per region (kvroute/fleet)
+    from kvroute.commands import bench_fleet  # several instances per region (kvroute/fleet)
 
-    fleet_command.register(bench)
+    bench_fleet.register(bench)

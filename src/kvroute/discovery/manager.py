@@ -5,27 +5,60 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
 
-from kvroute.discovery.config import DNSSource, FileSource, KubernetesSource, source_label
+from kvroute.discovery.config import DNSSource, FileSource, KubernetesSource, Source, source_label
 from kvroute.discovery.dns import DNSWatcher
 from kvroute.discovery.files import FileWatcher
 from kvroute.discovery.kube import EndpointSliceWatcher
 from kvroute.discovery.model import Engine
 from kvroute.discovery.reconcile import Reconciler
-
-if TYPE_CHECKING:
-    from kvroute.gateway.runtime import Runtime
+from kvroute.replicas import ReplicaConfig
 
 log = logging.getLogger("kvroute.discovery")
 
 Watcher = EndpointSliceWatcher | DNSWatcher | FileWatcher
 
 
+class _Settings(Protocol):
+    @property
+    def discovery(self) -> Sequence[Source]:
+        """The configured sources."""
+
+    @property
+    def pd(self) -> object | None:
+        """The P/D section: discovered prefill/decode roles are passed on only when it is set."""
+
+    def placed(self, replica: ReplicaConfig) -> ReplicaConfig:
+        """``replica`` in the gateway's region when it names none."""
+
+
+class DiscoveryHost(Protocol):
+    """What discovery asks of the gateway runtime it feeds (the admin API's replica calls)."""
+
+    @property
+    def config(self) -> _Settings:
+        """The gateway's config."""
+
+    @property
+    def upstreams(self) -> Mapping[str, object]:
+        """The replicas by name (a discovered id already in use is skipped)."""
+
+    def add_replica(self, rc: ReplicaConfig) -> None:
+        """Add a replica; it is probed from the next round on."""
+
+    def remove_replica(self, name: str) -> None:
+        """Remove a replica; its in-flight requests finish where they are."""
+
+    def drain_queue(self) -> None:
+        """A new engine may take what the queue holds."""
+
+
 class Discovery:
     """The gateway's discovery: a Reconciler over the runtime and a watcher per source."""
 
-    def __init__(self, runtime: Runtime):
+    def __init__(self, runtime: DiscoveryHost):
         self.rt = runtime
         self.reconciler = Reconciler(runtime.add_replica, runtime.remove_replica,
                                      lambda name: name in runtime.upstreams,
@@ -40,7 +73,7 @@ class Discovery:
 
     def _watcher(self, src: KubernetesSource | DNSSource | FileSource, label: str) -> Watcher:
         def publish(engines: list[Engine]) -> None:
-            self.reconciler.roles = getattr(self.rt.config, "pd", None) is not None
+            self.reconciler.roles = self.rt.config.pd is not None
             self.reconciler.apply(label, engines, src.defaults)
             self.rt.drain_queue()  # a new engine may take what the queue holds
 

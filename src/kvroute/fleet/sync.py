@@ -27,10 +27,11 @@ import time
 import uuid
 from array import array
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Protocol
 
 import xxhash
-from prometheus_client import Counter
+from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import GaugeMetricFamily
 
 from kvroute.errors import ServiceError
@@ -48,10 +49,66 @@ from kvroute.fleet.ledger import (
 
 if TYPE_CHECKING:
     from kvroute.fleet.config import FleetConfig
-    from kvroute.gateway.runtime import Runtime
     from kvroute.model import Request
+    from kvroute.policy import Router
 
 log = logging.getLogger("kvroute.fleet")
+
+
+class _Registry(Protocol):
+    @property
+    def registry(self) -> CollectorRegistry:
+        """Where the fleet's counters and gauges join the gateway's."""
+
+
+class _Region(Protocol):
+    @property
+    def region(self) -> str:
+        """The gateway's region (the fleet subject's last part)."""
+
+
+class _PeerTable(Protocol):
+    @property
+    def router(self) -> Router:
+        """The peer Router (forwards are mirrored into it)."""
+
+    @property
+    def links(self) -> Mapping[str, object]:
+        """The peer gateways by name."""
+
+
+class FleetHost(Protocol):
+    """What a fleet instance reads of, and tells, the gateway runtime it belongs to."""
+
+    @property
+    def config(self) -> _Region:
+        """The gateway's config (its region)."""
+
+    @property
+    def router(self) -> Router:
+        """The local replicas' Router (siblings' dispatches are mirrored into it)."""
+
+    @property
+    def peering(self) -> _PeerTable:
+        """The peer layer's Router and links."""
+
+    @property
+    def upstreams(self) -> Mapping[str, object]:
+        """The replicas by name."""
+
+    @property
+    def events(self) -> Any:
+        """The KV-event consumer (kvroute.kvevents), or None."""
+
+    @property
+    def metrics(self) -> _Registry:
+        """The gateway's metrics."""
+
+    def held_requests(self) -> list[Request]:
+        """The requests waiting in this instance's hold queue."""
+
+    def drain_queue(self) -> None:
+        """Capacity a sibling freed may let held requests go."""
 
 
 class FleetUnavailable(ServiceError, RuntimeError):
@@ -67,7 +124,7 @@ def instance_name(configured: str | None) -> str:
 class FleetSync:
     """One gateway's membership in its region's fleet: publishes its dispatches, mirrors the others'."""
 
-    def __init__(self, runtime: Runtime, config: FleetConfig):
+    def __init__(self, runtime: FleetHost, config: FleetConfig):
         try:
             import nats  # noqa: F401 - checked at construction, so a missing extra fails at start-up
         except ImportError:
@@ -233,8 +290,7 @@ class FleetSync:
         self._wake.set()
 
     def _send_snapshot(self) -> None:
-        rt = self.rt
-        waiting = [w.request for w in rt.queue if not w.future.done()]
+        waiting = self.rt.held_requests()
         self._send(snapshot_message(self.name, next(self.seq), self.ledger.routers, list(self.own.items()),
                                     len(waiting), sum(r.prompt_tokens for r in waiting)))
 
@@ -263,8 +319,7 @@ class FleetSync:
                     if beat % cfg.snapshot_every == 0:
                         self._send_snapshot()
                     else:
-                        rt = self.rt
-                        waiting = [w.request for w in rt.queue if not w.future.done()]
+                        waiting = self.rt.held_requests()
                         self._send(simple_message("hb", self.name, next(self.seq), q=len(waiting),
                                                   qt=sum(r.prompt_tokens for r in waiting)))
                 gone = self.ledger.expire(time.monotonic())
@@ -301,16 +356,15 @@ class FleetSync:
                         "(are the instances' replica lists the same?)", data["o"], applied.skipped)
         if applied.added is not None and self.rt.events is not None:
             ep, hashes = applied.added  # as for our own dispatches: cached there until its BlockStored comes
-            up = self.rt.upstreams.get(ep)
-            if up is not None:
-                self.rt.events.speculate(up.config.name, hashes)
+            if ep in self.rt.upstreams:
+                self.rt.events.speculate(ep, hashes)
         if applied.wants_snapshot:
             self._send_snapshot()
-        if applied.freed and self.rt.queue:
+        if applied.freed:
             self.rt.drain_queue()
 
 
-def index_fingerprints(rt: Runtime) -> dict[str, dict[str, Any]]:
+def index_fingerprints(rt: FleetHost) -> dict[str, dict[str, Any]]:
     """Per replica fed by KV events, the number of blocks its events confirmed and a digest of their
     keys: equal on every instance that consumed the same events (speculative entries are left out:
     they differ by design), so comparing instances' answers checks that their indexes agree."""
@@ -318,8 +372,8 @@ def index_fingerprints(rt: Runtime) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     if events is None:
         return out
-    for name, up in rt.upstreams.items():
-        table = events.table(up.config.name)
+    for name in rt.upstreams:  # keyed by the replica's name
+        table = events.table(name)
         if table is not None:
             confirmed = sorted(k for k, n in table.items() if n > 0)
             out[name] = {"blocks": len(confirmed), "digest": xxhash.xxh64(array("Q", confirmed).tobytes()).hexdigest()}

@@ -22,24 +22,47 @@ import contextlib
 import json
 import logging
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Collection, Mapping
+from typing import Protocol
 
+from kvroute.gateway.config import GatewayConfig
+from kvroute.gateway.metrics import GatewayMetrics
 from kvroute.gateway.outlier import ReplicaWatch, StallDetector
+from kvroute.gateway.replica import Upstream
 from kvroute.gateway.upstream import UpstreamError, UpstreamTimeout
-
-if TYPE_CHECKING:
-    from kvroute.gateway.replica import Upstream
-    from kvroute.gateway.runtime import Runtime
 
 log = logging.getLogger("kvroute.gateway")
 SWEEP_S = 0.25
 CANARY_PROMPT = "kvroute canary"
 
 
+class EjectionHost(Protocol):
+    """What ejection reads of the runtime: its settings, replicas, drained set and metrics."""
+
+    @property
+    def config(self) -> GatewayConfig:
+        """``stall`` and ``timeouts`` (read anew each sweep: a reload may change them)."""
+
+    @property
+    def upstreams(self) -> Mapping[str, Upstream]:
+        """The replicas by name."""
+
+    @property
+    def drained(self) -> Collection[str]:
+        """Replicas taking no new requests."""
+
+    @property
+    def metrics(self) -> GatewayMetrics:
+        """Where ejections are counted."""
+
+    def drain_queue(self) -> None:
+        """A re-admitted replica may take held requests."""
+
+
 class Ejector:
     """The runtime's stall detector and the task that acts on it."""
 
-    def __init__(self, rt: Runtime):
+    def __init__(self, rt: EjectionHost):
         self.rt = rt
         sc = rt.config.stall
         self.detector = StallDetector(sc.factor, sc.min_s, sc.max_s)

@@ -32,7 +32,7 @@ import random
 import time
 import uuid
 from ipaddress import IPv6Address
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import urlsplit
 
 from kvroute.errors import ServiceError
@@ -40,12 +40,12 @@ from kvroute.gateway.http import Request as HTTPRequest
 from kvroute.gateway.openai import Kind
 from kvroute.gateway.replica import Outcome
 from kvroute.gateway.retry import Failure, RetryReason
+from kvroute.gateway.runtime import Runtime
 from kvroute.gateway.upstream import UpstreamError, UpstreamTimeout
 
 if TYPE_CHECKING:
     from kvroute.gateway.continuation import Break, LegResponder, Splice
     from kvroute.gateway.http import Responder
-    from kvroute.gateway.proxy import Proxy  # it runs the split attempt, which calls back into it
     from kvroute.model import Decision, Request
 
 log = logging.getLogger("kvroute.gateway")
@@ -53,6 +53,19 @@ PREFILL_HEADER = "x-kvroute-prefill"
 SPLITTABLE = ("chat", "completions")  # what a prefill leg can compute (the OpenAI generation endpoints)
 NULL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                "remote_block_ids": None, "remote_host": None, "remote_port": None}
+
+
+class Proxy(Protocol):
+    """What a split attempt needs of the proxy that runs it (``gateway/proxy.py``): the runtime, the
+    proxy's RNG, and one ordinary attempt for the decode leg."""
+
+    rt: Runtime
+    rng: random.Random
+
+    async def _forward(self, request: HTTPRequest, resp: Responder | LegResponder, kind: Kind,
+                       headers: list[tuple[str, str]], req: Request, target: str, stream: bool, t0: float,
+                       deadline: float, splice: Splice | None = None) -> Failure | Break | None:
+        """Proxy one attempt (None: answered; a Failure: nothing sent; a Break: continue elsewhere)."""
 
 
 def vllm_prefill_body(body: dict[str, Any]) -> dict[str, Any]:

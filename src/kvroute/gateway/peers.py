@@ -44,8 +44,9 @@ import json
 import logging
 import math
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import aiohttp
 from prometheus_client import Counter
@@ -54,10 +55,12 @@ from prometheus_client.core import GaugeMetricFamily
 from kvroute.errors import ServiceError
 from kvroute.gateway.breaker import CircuitBreaker
 from kvroute.gateway.config import GatewayConfig, PeerConfig
+from kvroute.gateway.metrics import GatewayMetrics
 from kvroute.gateway.probes import ProbeStreak, probe_forever, tick_breakers
 from kvroute.gateway.residency import REGION_HEADER, RESIDENCY_HEADER, request_zone
 from kvroute.gateway.upstream import UpstreamPool
 from kvroute.model import Decision, Endpoint, EndpointKind, Request
+from kvroute.policy import Router
 from kvroute.policy.admission import replica_available
 from kvroute.policy.peering import GorgoWeights, gorgo_peer_choice, peer_router, skywalker_peer_choice
 
@@ -65,7 +68,6 @@ if TYPE_CHECKING:
     from kvroute.gateway.auth import KeyState
     from kvroute.gateway.http import Request as HTTPRequest
     from kvroute.gateway.http import Responder
-    from kvroute.gateway.runtime import Runtime
 
 log = logging.getLogger("kvroute.gateway")
 
@@ -116,10 +118,40 @@ class PeerLink:
     status: dict[str, Any] | None = None  # its last status answer
 
 
-class Peering:
-    """This gateway's peers and its forwarding decisions; one per :class:`Runtime`."""
+class PeeringHost(Protocol):
+    """What the peer layer reads of the gateway runtime that owns it."""
 
-    def __init__(self, runtime: Runtime):
+    @property
+    def config(self) -> GatewayConfig:
+        """The gateway's config (peers, mode, probe settings)."""
+
+    @property
+    def router(self) -> Router:
+        """The local replicas' Router (their load and prefix index go into the status and GORGO's choice)."""
+
+    @property
+    def drained(self) -> Collection[str]:
+        """Replicas taking no new requests."""
+
+    @property
+    def metrics(self) -> GatewayMetrics:
+        """The registry the peer counters join."""
+
+    @property
+    def session(self) -> aiohttp.ClientSession | None:
+        """The HTTP session peer status probes use (None before start)."""
+
+    def region_queue(self) -> tuple[int, int]:
+        """Requests held in this region (this instance and its fleet siblings) and their prompt tokens."""
+
+    def drain_queue(self) -> None:
+        """A peer's new status may let held requests go."""
+
+
+class Peering:
+    """This gateway's peers and its forwarding decisions; one per gateway runtime."""
+
+    def __init__(self, runtime: PeeringHost):
         self.rt = runtime
         r = runtime.metrics.registry
         self.forwards = Counter("kvroute_peer_forwards", "Requests forwarded to a peer gateway, by reason",
@@ -212,9 +244,7 @@ class Peering:
         if self.mode != "gorgo_distributed" or req.hops >= self.config.max_hops or not self.links:
             return None
         rt = self.rt
-        backlog = sum(w.request.prompt_tokens for w in rt.queue if not w.future.done())
-        if rt.fleet is not None:  # the region's other instances queue too
-            backlog += rt.fleet.sibling_queued_tokens()
+        backlog = rt.region_queue()[1]  # the region's other instances queue too
         peers = self.router.endpoints
         target = gorgo_peer_choice(req, rt.router.endpoints, rt.router.prefix.match(req.block_hashes), backlog,
                                    peers, self.router.prefix.match(req.block_hashes),
@@ -255,12 +285,7 @@ class Peering:
         """What peers read every probe (see the module docstring)."""
         rt = self.rt
         eps = [e for e in rt.router.endpoints if e.routable and e.id not in rt.drained]
-        waiting = [w.request for w in rt.queue if not w.future.done()]
-        queued_tokens = sum(r.prompt_tokens for r in waiting)
-        queue = len(waiting)
-        if rt.fleet is not None:  # several instances in this region: the region's queue is all of theirs
-            queue += rt.fleet.sibling_queue()
-            queued_tokens += rt.fleet.sibling_queued_tokens()
+        queue, queued_tokens = rt.region_queue()  # several instances in a region: the queue is all of theirs
         w = self.weights
         best = min((w.base(e.rtt_s, w.queued(e)) for e in eps), default=None)
         return {"region": self.config.region, "zone": self.config.home_zone, "mode": self.mode,
@@ -301,8 +326,7 @@ class Peering:
         links = list(self.links.values())
         await asyncio.gather(*(self._probe(link) for link in links))
         tick_breakers(links, time.monotonic())
-        if self.rt.queue:
-            self.rt.drain_queue()
+        self.rt.drain_queue()
 
     async def _probe(self, link: PeerLink) -> None:
         pc = self.config.probe

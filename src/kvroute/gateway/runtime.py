@@ -343,6 +343,19 @@ class Runtime:
         self.metrics.policy_errors.inc()
         return PolicyError(f"policy {self.policy_name} failed")
 
+    def held_requests(self) -> list[Request]:
+        """The requests waiting in the hold queue, oldest first."""
+        return [w.request for w in self.queue if not w.future.done()]
+
+    def region_queue(self) -> tuple[int, int]:
+        """Requests held in this region — here and at this instance's fleet siblings — and their prompt tokens."""
+        waiting = self.held_requests()
+        n, tokens = len(waiting), sum(r.prompt_tokens for r in waiting)
+        if self.fleet is not None:
+            n += self.fleet.sibling_queue()
+            tokens += self.fleet.sibling_queued_tokens()
+        return n, tokens
+
     def drain_queue(self) -> None:
         """Dispatch held requests while the policy admits them (:meth:`HoldQueue.drain`)."""
         self.hold.drain()

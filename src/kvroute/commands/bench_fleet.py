@@ -1,4 +1,4 @@
-"""``kvroute bench fleet``: its arguments and its table (the work is in ``fleet/bench.py``)."""
+"""``kvroute bench fleet``: its arguments and its table (the work is in ``bench/fleet.py``)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from rich.table import Table
 
 def register(bench: argparse._SubParsersAction) -> None:
     """Add ``fleet`` to the ``kvroute bench`` subcommands."""
-    from kvroute.fleet.bench import Workload
+    from kvroute.bench.fleet import Workload
 
     d = Workload()
     p = bench.add_parser("fleet", help="1 vs 3 gateway instances behind HAProxy sharing load over NATS")
@@ -37,7 +37,7 @@ def register(bench: argparse._SubParsersAction) -> None:
 
 def cmd_bench_fleet(args: argparse.Namespace) -> int:
     """Run the fleet benchmark and print its table, criteria and fault lines."""
-    from kvroute.fleet.bench import Workload, criteria_line, fault_lines, run, table_rows
+    from kvroute.bench.fleet import Workload, criteria_line, fault_lines, run, table_rows
     from kvroute.fleet.services import ServiceError, find_binary
 
     err = Console(stderr=True)
