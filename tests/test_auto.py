@@ -7,7 +7,7 @@ import httpx
 from kvroute.cli import main
 from kvroute.gateway.config import GatewayConfig
 from kvroute.model import DecisionKind
-from kvroute.policy.presets.auto import ADDITIVE, PREFIX_LOAD, RTT_AWARE
+from kvroute.policy.presets.auto import ADDITIVE, HOTSPOT, PREFIX_LOAD, RTT_AWARE
 from kvroute.sim.runner import run_scenario
 from kvroute.sim.scenario import Scenario, parse_scenario
 from tests.conftest import make_request
@@ -39,7 +39,7 @@ def test_the_simulation_report_says_which_mechanism_was_in_charge():
               "limits": {"max_requests": 200}, "seed": 2}
     regional = run_scenario(parse_scenario(common))[0].result  # no policy named: auto, one LB per region
     central = run_scenario(parse_scenario({**common, "topology": {"kind": "global", "region": "us"}}))[0].result
-    assert set(regional["branches"]) <= {PREFIX_LOAD, ADDITIVE, "auto:hotspot"}
+    assert set(regional["branches"]) <= {PREFIX_LOAD, ADDITIVE, HOTSPOT}
     assert regional["branches"][PREFIX_LOAD] > 0 and regional["branches"][ADDITIVE] > 0  # both measured
     assert central["branches"].get(RTT_AWARE, 0) > 0  # one LB seeing both regions weighs the 90 ms
 

@@ -9,7 +9,7 @@ from collections import Counter
 
 import pytest
 
-from kvroute.bench.auto_cells import capacity_knee, judge_cell, preset_capacity, worst_cell
+from kvroute.bench.auto_cells import capacity_knee, judge_cell, pooled_p99, preset_capacity, worst_cell
 from kvroute.sim.scenario import ScenarioError, load_scenario, parse_scenario
 from kvroute.sim.tracefiles import DATA_DIR
 from kvroute.workload.arrivals import ArrivalClock, Bursts
@@ -157,3 +157,33 @@ def test_bench_auto_skips_a_bundled_trace_scenario_whose_trace_is_missing_and_sa
     assert auto.verdict_lines(result)[0].startswith("skipped code-azure: ")
     with pytest.raises(ScenarioError, match="no such trace file"):  # named on the command line: an error
         auto.run(("code-azure",), ("lmetric",), 1, 50)
+
+
+def _tail_row(ttfts):
+    s = sorted(ttfts, reverse=True)
+    return {"served": len(s), "ttft_tail": s[:len(s) // 50 + 1], "ttft_p99_s": -1.0}
+
+
+@pytest.mark.parametrize("runs", [
+    [list(range(1, 101))],  # one run: its own p99
+    [list(range(1, 101)), [x + 0.5 for x in range(1, 301)]],  # two runs of different sizes
+    [[1.0] * 200, [1.0] * 190 + [50.0] * 10]])  # one run's slow tail decides the pooled p99
+def test_the_pooled_p99_is_the_p99_of_every_request_together(runs):
+    from kvroute.stats import percentile
+
+    assert pooled_p99([_tail_row(r) for r in runs]) == percentile([x for r in runs for x in r], 0.99)
+
+
+def test_the_pooled_p99_falls_back_to_the_mean_of_p99s_without_tails():
+    assert pooled_p99([{"ttft_p99_s": 2.0}, {"ttft_p99_s": 4.0}]) == 3.0
+
+
+def test_a_comparison_row_carries_the_window_goodput_and_the_ttft_tail():
+    from kvroute.sim.sweep import compare_task
+
+    data = {"replicas": [{"count": 2}], "workload": {"kind": "chat", "clients": {"local": 6}},
+            "limits": {"max_requests": 120}, "policies": ["lmetric"]}
+    row = compare_task((data, "lmetric", 1.0))
+    assert row["served"] == 120 and len(row["ttft_tail"]) == 4 and row["ttft_tail"] == sorted(row["ttft_tail"],
+                                                                                              reverse=True)
+    assert 0 < row["window_goodput_rps"] and row["ttft_tail"][0] >= row["ttft_p99_s"]

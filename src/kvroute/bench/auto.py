@@ -3,10 +3,11 @@
 Cells are setup × load level: every bundled scenario (the stress workloads among them) at 50 /
 70 / 90 % of its capacity knee — the highest load at which a reference preset both meets the SLO
 and stays stable (bench/auto_cells.py says how). In every cell each preset runs on 3 seeds; a
-preset's value is its mean over the seeds. The table prints auto ÷ best for goodput at the SLO
-(higher is better: ≥ 0.97 is within 3 %) and best ÷ auto for TTFT p99 (likewise ≥ 0.97), with the
-per-seed range; cells where a compared run was unstable are marked saturated and left out of the
-worst-cell verdict. Every run goes to the executor (a local pool on every core by default).
+preset's goodput is its mean over the seeds of the goodput at the SLO over the arrival window, its
+TTFT p99 that of the seeds' requests pooled. The table prints auto ÷ best for goodput (higher is
+better: ≥ 0.97 is within 3 %) and best ÷ auto for TTFT p99 (likewise ≥ 0.97), with the per-seed
+range; cells where a compared run was unstable are marked saturated and left out of the worst-cell
+verdict. Every run goes to the executor (a local pool on every core by default).
 """
 
 from __future__ import annotations
@@ -125,7 +126,8 @@ def table(result: dict):
     from rich.table import Table
 
     t = Table(title=f"auto ÷ best preset per cell ({result['seeds']} seeds, {result['requests_per_run']} requests "
-                    "per run; ≥ 0.97 is within 3 %; per-seed range in brackets)")
+                    "per run; goodput over the arrival window, TTFT p99 of the seeds pooled; ≥ 0.97 is within 3 %; "
+                    "per-seed range in brackets)")
     for col in ("scenario", "load (of the knee)", "goodput auto÷best", "best goodput", "TTFT p99 best÷auto",
                 "best TTFT p99", "unstable runs"):
         t.add_column(col, justify="right" if "÷" in col else "left")

@@ -9,7 +9,7 @@ never a step-time model:
 
 1. **hot prefix** (LMetric §5.2): the two-phase KV-hotspot detector watches which request classes
    outgrow the instances caching their prefix; while it fires, the class is routed among the
-   others (branch ``auto:hotspot``);
+   others (branch ``hotspot-filtered``, the hotspot route's own, as in ``lmetric``);
 2. **the incumbent, LMetric's score**: (queued prefill + this request's uncached tokens) ×
    (batch + 1) — it follows the cache while that saves prefill and spreads load when it does not;
    on traffic without prefix reuse it reduces to least prefill work (branch ``auto:prefix-load``);
@@ -32,11 +32,14 @@ from __future__ import annotations
 
 from pydantic import Field
 
+from kvroute.model import Branch
 from kvroute.policy.adaptive import selector  # noqa: F401  (registers ttft_selector)
 from kvroute.policy.catalog import register_preset
 from kvroute.policy.params import PolicyParams
 
-HOTSPOT, RTT_AWARE, ADDITIVE, PREFIX_LOAD = "auto:hotspot", "auto:rtt-aware", "auto:additive", "auto:prefix-load"
+# the hotspot route names its decisions itself (Branch.HOTSPOT_FILTERED), whatever the rule says
+HOTSPOT = Branch.HOTSPOT_FILTERED.value
+RTT_AWARE, ADDITIVE, PREFIX_LOAD = "auto:rtt-aware", "auto:additive", "auto:prefix-load"
 TRUST = {"near_best": {"scorer": "lmetric", "factor": "$trust"}}  # the challenger's trust region
 
 
@@ -59,7 +62,7 @@ class AutoParams(PolicyParams):
     """The default: LMetric's score, GORGO's cost trialled against it online, hotspot detection.
 
     Which mechanism decided is each decision's branch (``auto:prefix-load``, ``auto:additive``,
-    ``auto:rtt-aware``, ``auto:hotspot``); see the module docstring for when each takes charge and why.
+    ``auto:rtt-aware``, ``hotspot-filtered``); see the module docstring for when each takes charge and why.
     """
 
     hotspot: bool = Field(True, description="LMetric §5.2's KV-hotspot detector takes a hot class's "
