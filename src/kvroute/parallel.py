@@ -23,6 +23,7 @@ task (:func:`add_prelude`).
 
 from __future__ import annotations
 
+import gc
 import importlib
 import logging
 import multiprocessing
@@ -163,9 +164,19 @@ class PoolExecutor(Executor):
             ctx: Any = multiprocessing.get_context("fork" if threading.active_count() == 1 else "forkserver")
             if ctx.get_start_method() == "forkserver":
                 ctx.set_forkserver_preload(["kvroute.sim.simulation", "kvroute.sim.scenario"])
-            self._pool = ProcessPoolExecutor(self.workers, mp_context=ctx)
-            for f in [self._pool.submit(_ready) for _ in range(self.workers)]:
-                f.result()  # every worker is up before the first real task
+            # forked workers share this process's memory until they write to it; the cyclic
+            # collector writes to every object it walks, so objects that exist now are frozen
+            # (never walked) while the workers fork, else each worker copies most of the heap
+            freeze = ctx.get_start_method() == "fork" and gc.get_freeze_count() == 0
+            if freeze:
+                gc.freeze()
+            try:
+                self._pool = ProcessPoolExecutor(self.workers, mp_context=ctx)
+                for f in [self._pool.submit(_ready) for _ in range(self.workers)]:
+                    f.result()  # every worker is up before the first real task
+            finally:
+                if freeze:
+                    gc.unfreeze()  # here only: the workers keep theirs frozen
         return self._pool
 
     def submit(self, fn: Callable[[Any], Any], item: Any) -> Task:

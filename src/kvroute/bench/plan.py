@@ -3,7 +3,9 @@
 The plan is the bundled ``skywalker-cost`` (SkyWalker's Fig. 10 setup, cross-region vs region-local
 load balancing) with both layouts: four candidates searched side by side. Each executor is timed
 once, without a progress bar, from making the executor (the pool's start-up counts) to the answer,
-after one untimed simulation that loads what every run needs.
+after one untimed simulation that loads what every run needs. Before them the machine's own
+ceiling is measured: copies of one simulation run one after another, then on a warm pool (equal
+independent tasks): what two processes on this machine give at best, whatever the search does.
 
 A speedup means something only on a machine the benchmark has to itself: before it starts, the
 CPU time other processes take over a second is sampled from /proc/stat and a busy machine is
@@ -19,7 +21,9 @@ import json
 import os
 import resource
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 BUSY_CORES = 0.25  # others' CPU, in cores, above which a timing is not valid
 
@@ -50,6 +54,25 @@ def others_cores(seconds: float = 1.0) -> float | None:
     return max(0.0, (m1 - m0) - (o1 - o0)) / seconds
 
 
+def ceiling(fn: Callable[[Any], Any], task: Any, workers: int) -> dict:
+    """What the machine gives: ``4 × workers`` copies of one simulation, one after another in this
+    process, then on a warm pool of ``workers`` (equal tasks, no search to wait on). Its speedup
+    bounds any scheduler's on this machine."""
+    from kvroute.parallel import make_executor
+
+    items = [task] * (4 * workers)
+    t0 = time.perf_counter()
+    for x in items:
+        fn(x)
+    serial = time.perf_counter() - t0
+    with make_executor(workers=workers) as ex:
+        t0 = time.perf_counter()
+        ex.map(fn, items)
+        pooled = time.perf_counter() - t0
+    return {"tasks": len(items), "workers": workers, "serial_s": round(serial, 3), "pool_s": round(pooled, 3),
+            "speedup": round(serial / pooled, 2)}
+
+
 def run(workers: tuple[int, ...] = (1, 2), requests: int = 800, ray: str | None = None) -> dict:
     """Plan once per worker count (and on ``ray`` if given); wall times, speedups over 1 worker, answers equal."""
     # imported here: the simulator needs the [sim] extra, and parsing the command line must not
@@ -66,6 +89,9 @@ def run(workers: tuple[int, ...] = (1, 2), requests: int = 800, ray: str | None 
     # otherwise count against whichever executor is timed first (forked workers inherit them)
     warm = Planner(spec)
     run_task((warm.deployment(warm.candidates[0], warm.kmin), spec.residency))
+    if max(workers) > 1:
+        out["ceiling"] = ceiling(run_task, (warm.deployment(warm.candidates[0], 2 * warm.kmin), spec.residency),
+                                 max(workers))
     answers = {}
     for label, kw in [(f"{n} worker{'s' if n > 1 else ''}", {"workers": n}) for n in workers] + (
             [(f"ray {ray}", {"ray": ray})] if ray else []):
@@ -138,6 +164,11 @@ def cmd(args: argparse.Namespace) -> int:
         t.add_row(r["executor"], str(r["simulations"]), str(r["speculative_unused"]), f"{r['wall_s']:.2f}",
                   f"{r['speedup']:.2f}×", "?" if r["others_cores"] is None else f"{r['others_cores']:.2f}")
     console.print(t)
+    if "ceiling" in result:
+        c = result["ceiling"]
+        console.print(f"the machine's ceiling: {c['tasks']} copies of one simulation took {c['serial_s']:.2f} s "
+                      f"in one process and {c['pool_s']:.2f} s on a warm pool of {c['workers']}: "
+                      f"{c['speedup']:.2f}× (no scheduler does better here)")
     if not result["valid"]:
         console.print("[red]NOT VALID: other processes took CPU during "
                       f"{', '.join(result['busy_runs']) or 'the runs (not measurable here)'}; "
