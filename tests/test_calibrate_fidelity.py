@@ -64,6 +64,20 @@ def _fidelity_cli(tmp_path, capsys) -> tuple[dict, str]:
 def test_live_and_simulated_runs_replay_the_same_requests(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "250")  # the table on one line per row
     out, table = _fidelity_cli(tmp_path, capsys)
+    assert out["repeats"] == 2 and set(out["policies"]) == {"round_robin", "sglang_cache_aware"}
+    assert out["engine_noise"] is True  # the profile's measured noise (the known profile has none)
+    for row in out["policies"].values():
+        assert row["errors"] == {"live": 0, "sim": 0}
+        for rep in row["repeats"]:
+            live, sim = rep["live"], rep["sim"]
+            assert live["requests"] == sim["requests"] == len(live["per_request"]) == len(sim["per_request"])
+            # every live request knows its conversation, turn and replica (for pairing with the sim)
+            users = {r[5] for r in live["per_request"]}
+            assert users == set(range(6)) and all(r[7].startswith("engine-") for r in live["per_request"])
+            turns = sorted(r[6] for r in live["per_request"] if r[5] == 0)
+            assert turns == list(range(len(turns))) and 2 <= len(turns) <= 3
+    assert 0 <= out["within_10pct"] <= out["within_20pct"] <= out["compared"] == 10
+    assert "round_robin" in table and f"{out['within_20pct']} of 10 sim/live ratios" in table
 
 
 def _admitted_cached(reuse: str) -> dict[str, int]:

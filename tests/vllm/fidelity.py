@@ -18,6 +18,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from kvroute.ports import free_ports
@@ -57,11 +58,38 @@ def main(argv: list[str] | None = None) -> int:
         cmd = [sys.executable, "-m", "kvroute.cli", "bench", "fidelity", *urls, "--system-tokens", SYSTEM_TOKENS,
                *(["--json", args.json] if args.json else []), *args.rest]
         print(f"load average {os.getloadavg()[0]:.2f}; {' '.join(cmd[2:])}", file=sys.stderr)
-        return subprocess.call(cmd)
+        before, t0 = [_cpu(e) for e in engines], time.monotonic()
+        code = subprocess.call(cmd)
+        wall = time.monotonic() - t0
+        # where the engines' CPU went: the API server (HTTP, tokenizing, streaming) against the
+        # engine core and its workers (the steps); both share this machine's cores
+        for e, (api0, core0) in zip(engines, before, strict=True):
+            api, core = _cpu(e)
+            print(f"{e.url}: API server {(api - api0) / wall:.0%} of a core, engine core + workers "
+                  f"{(core - core0) / wall:.0%} over {wall:.0f} s (calibration included)", file=sys.stderr)
+        return code
     finally:
         for e in engines:
             e.stop()
         shutil.rmtree(root, ignore_errors=True)
+
+
+def _cpu(e: vllm.VLLMEngine) -> tuple[float, float]:
+    """CPU seconds (user + system) of the engine's API server and of its other processes."""
+    assert e.proc is not None
+    e.pids |= set(vllm.descendants(e.proc.pid))
+    api = core = 0.0
+    for pid in e.pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        s = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        if pid == e.proc.pid:
+            api += s
+        else:
+            core += s
+    return api, core
 
 
 if __name__ == "__main__":

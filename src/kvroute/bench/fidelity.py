@@ -387,6 +387,7 @@ async def run_fidelity(urls: list[str], profile: str, policies: tuple[str, ...] 
                                       for side in ("live", "sim")}
     ratios = [abs(r - 1) for p in rows.values() for r in p["sim_over_live"].values() if r is not None]
     out["within_20pct"] = sum(x <= 0.2 for x in ratios)
+    out["within_10pct"] = sum(x <= 0.1 for x in ratios)
     out["compared"] = len(ratios)
     pooled = [abs(p["ttft_p99_pooled"]["sim_over_live"] - 1) for p in rows.values()
               if p["ttft_p99_pooled"]["sim_over_live"] is not None]
