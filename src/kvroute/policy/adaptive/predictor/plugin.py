@@ -82,6 +82,13 @@ class PredictedTTFT(Scorer, PredictionErrorPlugin):
         self._own: dict[int, TTFTPredictor] = {}  # id(profile object or name) → its predictor
         self._keep: list[object] = []  # the profiles keyed above, kept alive so their ids stay unique
 
+    def __getstate__(self) -> dict[str, object]:
+        # the per-profile predictors are a memo filled while deciding, not routing state: a copy
+        # (the decide-purity test's pickle, a worker's task) starts without them
+        state = self.__dict__.copy()
+        state["_own"], state["_keep"] = {}, []
+        return state
+
     def _own_profiles(self, eps: list[Endpoint], prompt_tokens: int, block_tokens: int,
                       matches: dict[str, int]) -> list[float]:
         """Predictions on each endpoint's own profile: one batch when they share it (the usual fleet)."""
