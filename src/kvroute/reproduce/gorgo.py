@@ -72,6 +72,9 @@ def tuner_state(result: dict) -> dict[str, float]:
 
 
 LEARNED = "gorgo(w_queue=0.5,w_rtt=0.276)"
+# GORGO v2 §4's other baselines, by their kvroute presets
+BASELINES_V2 = (("least-load", "least_load"), ("least-request", "least_request"),
+                ("prefix-cache", "aibrix_prefix_cache"))
 HACKED = "gorgo(w_queue=0.0)"
 
 
@@ -157,19 +160,20 @@ def rows_v2(lab: Lab) -> list[Row]:
                "has no profile for), another trace (Mooncake conversation for the ART-Chat windows) and assumed "
                "RTTs (Fig. 2 plots them without values)", "gorgo-v2")]
     tuned_p95 = r["gorgo_tuned"]["ttft_s"]["p95"]
-    worse = tuned_p95 > sa["ttft_s"]["p95"]
+    bases = {"session affinity": sa, **{name: r[label] for name, label in BASELINES_V2 if label in r}}
+    beaten = [name for name, b in bases.items() if tuned_p95 > b["ttft_s"]["p95"]]
+    worse = bool(beaten)
     out.append(Row("tuning window: GORGO, exploring, slightly underperforms the baselines (p95 TTFT)",
                    "slightly worse than the baselines",
-                   f"{tuned_p95:.2f} s tuning online vs {sa['ttft_s']['p95']:.2f} s session affinity "
-                   f"({start['ttft_s']['p95']:.2f} s with the starting weights fixed)" + note,
+                   f"{tuned_p95:.2f} s tuning online vs "
+                   + ", ".join(f"{name} {b['ttft_s']['p95']:.2f} s" for name, b in bases.items())
+                   + f" ({start['ttft_s']['p95']:.2f} s with the starting weights fixed)" + note,
                    YES if worse else NO,
                    "" if worse else "checked: §5 says GORGO \"slightly underperforms baseline policies on the "
                    "tuning window because the evolutionary strategy actively explores the space of parameters and "
-                   "tests worse weights than the learned solution\"; here session affinity's p95 is worse than "
-                   "GORGO's with any weights the search served (even the starting weights, fixed, beat it), so "
-                   "exploring costs GORGO its lead over no baseline. The paper's Table 2 baselines (least load, "
-                   "least request, prefix cache) are not all in this scenario; session affinity is the one the "
-                   "paper's percentages are against", "gorgo-v2"))
+                   "tests worse weights than the learned solution\"; here every baseline's p95 (the paper's four, "
+                   "§4) is worse than GORGO's with the weights the search served: on this trace and deployment "
+                   "the cost's prefix and queue terms win more than exploring loses", "gorgo-v2"))
     frozen = {"w_rtt": round(w_rtt, 4), "w_queue": round(w_queue, 4)}
     n = lab.scenario("gorgo-v2").limits.max_requests or 3000
     for window in (1, 2):
