@@ -97,6 +97,11 @@ def _envelope(lab: Lab) -> MigrationSettings:
     return MigrationSettings(**(lab.scenario("cascadeinfer").simulator or {}))
 
 
+def _bounds(res: dict, label: str) -> list[int]:
+    """A run's stage bounds when it ended."""
+    return list(res[label].get("migration", {}).get("bounds") or [])
+
+
 def _shapes(res: dict, label: str) -> str:
     """The plans a run made: start-up, then each period's."""
     plans = res[label].get("migration", {}).get("plans") or []
@@ -182,7 +187,9 @@ def bidask_row(lab: Lab) -> Row:
                f"round robin {rr:.3f}, inter-stage only {inter:.3f}, full {full:.3f} "
                f"(full vs round robin {(full / rr - 1) * 100:+.0f} %, "
                f"vs inter-stage {(full / inter - 1) * 100:+.0f} %)",
-               agree, "" if agree == YES else "model: within a stage least load (or round robin) over identical "
+               agree, "" if agree == YES else "checked: Fig. 16's text has full bid-ask mitigate \"the variability "
+               "from unpredictable output\" beyond inter-stage-only; here the round-robin ordering holds but "
+               "within a stage least load (or round robin) over identical "
                "instances already spreads output tokens evenly at this load; the overload trigger (25 % above "
                "the stage mean in KV) then moves sequences that are long in context, not in output, so "
                "the output-token CV is not what it evens out" + unstable_note(lab, "cascadeinfer-bidask"),
@@ -195,16 +202,21 @@ def rows(lab: Lab) -> list[Row]:
     runs = _runs(lab)
     out.append(_layout_row(lab, runs, CHAIN, "vs chain layout (one instance per stage)",
                            "30 % lower latency, 7.1 % higher throughput", 0.70, 1.071,
-                           "model: in kvroute a hand-over costs only its transfer time (live migration "
+                           "checked: §6.5 blames the chain's \"overly long pipeline, which incurs higher migration "
+                           "overhead and complicates load balancing across stages\"; in kvroute a hand-over costs "
+                           "only its transfer time (live migration "
                            "overlaps decoding, the last round is free) and the chain's one-instance stages "
                            "are the most homogeneous, so the chain loses less than in the paper; both layouts "
                            "share the long stages' queueing (see the end-to-end rows)"))
     out.append(_layout_row(lab, runs, EQUAL_MEMORY, "vs memory-based range refinement",
                            "21 % lower latency, 12 % higher throughput", 0.79, 1.12,
-                           "model: refinement only moves boundaries between stages whose instance counts the "
-                           "plan fixed, and both refinements push the upper boundaries up (the QoE split "
-                           "isolates the heaviest sequences; equal memory balances KV across stages of "
-                           "unequal size), so they end close together"))
+                           "checked: §6.5 says the memory-based scheme \"fails to account for request "
+                           "heterogeneity as in §4.3\"; in kvroute both refinements only move boundaries between "
+                           "stages whose instance counts the plan fixed (and the periodic plans reset them), and "
+                           "both push the upper boundaries up (the QoE split isolates the heaviest sequences; "
+                           "equal memory balances KV across stages of unequal size), so they end close together "
+                           f"(final bounds at 40 req/s: adaptive {_bounds(runs['moderate'], CASCADE)}, memory "
+                           f"{_bounds(runs['moderate'], EQUAL_MEMORY)})"))
     layouts = (CASCADE, CHAIN, NO_PIPELINE)
     refinements = (CASCADE, EQUAL_MEMORY, EQUAL_COUNT)
 
@@ -230,12 +242,15 @@ def rows(lab: Lab) -> list[Row]:
                        f"mean E2E {(mean[0] - 1) * 100:+.0f} % / {(mean[1] - 1) * 100:+.0f} %, P99 E2E "
                        f"{(tail[0] - 1) * 100:+.0f} % / {(tail[1] - 1) * 100:+.0f} % (40 / 60 req/s); throughput "
                        f"at saturation {thr:.2f}×", agree,
-                       "" if agree == YES else "model: short requests gain (homogeneous stages run them at "
-                       "about half the TPOT) but the rare prompts over 32K land on stages of one or two "
-                       "instances, where their multi-second prefills queue: the QoE model of Eq. (1) has no "
-                       "queueing term, so a stage holding one or two long sequences looks cheap to the "
-                       "partition, and the tail is theirs; throughput at saturation is bounded by those "
-                       "stages too. The workload's lengths are assumed (the paper gives no quantiles)"
+                       "" if agree == YES else "checked: the paper's gains are \"under heavy load\" (§6.2: mean "
+                       "TTFT −67–78 % vs vLLM, −36–66 % vs Llumnix; \"under light load ... comparable to "
+                       "Llumnix\"). Short requests gain here (homogeneous stages run them at about half the "
+                       "TPOT), but the rare prompts over 32K land on stages of one or two instances (plans "
+                       f"{_shapes(runs['moderate'], CASCADE)}, all inside §6.1's 1-4 instances per stage), where "
+                       "their multi-second prefills queue: the QoE model of Eq. (1) has no queueing term, so a "
+                       "stage holding one or two long sequences looks cheap to the partition, and the tail is "
+                       "theirs; throughput at saturation is bounded by those stages too. The lengths are "
+                       "assumed: §6.1 builds the workload from ShareGPT histories and gives no quantiles"
                        + _saturation(lab), "cascadeinfer"))
     out.append(bidask_row(lab))
     return out
