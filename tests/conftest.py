@@ -1,3 +1,5 @@
+import asyncio
+
 import pytest
 
 from kvroute.model import Endpoint, Request
@@ -18,6 +20,15 @@ def make_request(rid: str, text: str = "", *, key: str | None = None, tokens: in
     hashes, est = BlockHasher(block_tokens)(chat_key([{"role": "user", "content": text or rid}]))
     return Request(id=rid, block_hashes=hashes, block_tokens=block_tokens,
                    prompt_tokens=tokens if tokens is not None else est, routing_key=key, **kw)
+
+
+async def until(cond, timeout: float = 10.0, what: str = "condition"):
+    """Poll ``cond()`` on the running loop every 20 ms; an AssertionError naming ``what`` after ``timeout``."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not cond():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)
 
 
 @pytest.fixture(autouse=True, scope="session")

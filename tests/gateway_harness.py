@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
+from collections.abc import Iterator
 
 import aiohttp
 
@@ -58,5 +60,41 @@ class LiveDeployment:
 
     def close(self) -> None:
         self.call(self.dep.stop())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+@contextlib.contextmanager
+def settled(**kw) -> Iterator[LiveDeployment]:
+    """A LiveDeployment (``kw`` as its arguments) that must end with nothing left in flight, queued
+    or ticketed: checked once the block is done, after the deployment is closed."""
+    dep = LiveDeployment(**kw)
+    yield dep
+    counters = dep.settle()
+    dep.close()
+    assert counters == (0, 0, 0), f"in-flight / queue / tickets not back to zero: {counters}"
+
+
+class BackgroundGateway:
+    """A kvroute gateway built from a GatewayConfig, serving on an event loop of its own thread."""
+
+    def __init__(self, config) -> None:
+        from kvroute.gateway.server import Gateway
+
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.gw = Gateway(config)
+        self.call(self.gw.start())
+        self.rt = self.gw.runtime
+        self.url = f"http://127.0.0.1:{self.gw.port}"
+
+    def call(self, coro, timeout: float = 60):
+        """Run ``coro`` on the gateway's loop; its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self) -> None:
+        """Stop the gateway and its loop."""
+        self.call(self.gw.stop())
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(5)

@@ -26,7 +26,7 @@ from kvroute.policy.base import Policy, View
 from kvroute.ports import free_ports, wait_for_http
 from kvroute.prefix import chat_key, estimate_tokens
 from kvroute.replicas import ReplicaConfig
-from tests.gateway_harness import LiveDeployment
+from tests.gateway_harness import LiveDeployment, settled
 
 CHAT = [{"role": "system", "content": "You summarise incident reports."},
         {"role": "user", "content": "Summarise the outage of the storage cluster on Tuesday."}]
@@ -56,11 +56,8 @@ class TwoStages(Policy):
 
 @pytest.fixture
 def live():
-    dep = LiveDeployment(replicas=2, policy="round_robin")
-    yield dep
-    counters = dep.settle()
-    dep.close()
-    assert counters == (0, 0, 0), f"in-flight / queue / tickets not back to zero: {counters}"
+    with settled(replicas=2, policy="round_robin") as dep:
+        yield dep
 
 
 def client(url: str) -> openai.OpenAI:

@@ -18,6 +18,7 @@ from kvroute.discovery.config import DNSSource
 from kvroute.discovery.dns import A, build_query, resolve
 from kvroute.gateway.config import GatewayConfig
 from kvroute.gateway.server import Gateway
+from tests.conftest import until
 from tests.k8s_api import engines_on
 
 DNSMASQ = shutil.which("dnsmasq") or ("/usr/sbin/dnsmasq" if os.path.exists("/usr/sbin/dnsmasq") else None)
@@ -67,14 +68,6 @@ class Dnsmasq:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
             self.proc.wait(5)
-
-
-async def until(cond, timeout: float = 10.0, what: str = "condition"):
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not cond():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
 
 
 def test_headless_service_re_resolved(tmp_path, caplog):

@@ -10,6 +10,7 @@ import httpx
 from kvroute.emulator.server import Faults, start_emulator
 from kvroute.gateway.config import GatewayConfig
 from kvroute.gateway.server import Gateway
+from tests.conftest import until
 
 
 def swap(mount, text: str, version: int) -> None:
@@ -22,14 +23,6 @@ def swap(mount, text: str, version: int) -> None:
     os.replace(tmp, mount / "..data")
     if not (mount / "engines.yaml").is_symlink():
         (mount / "engines.yaml").symlink_to("..data/engines.yaml")
-
-
-async def until(cond, timeout: float = 10.0, what: str = "condition"):
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not cond():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
 
 
 def test_configmap_file_re_read(tmp_path, caplog):

@@ -13,6 +13,7 @@ from kvroute.discovery.config import KubernetesSource
 from kvroute.discovery.kube import ready_endpoints
 from kvroute.gateway.config import GatewayConfig
 from kvroute.gateway.server import Gateway
+from tests.conftest import until
 from tests.k8s_api import FakeAPIServer, Step, engines_on, pods_json, recorded
 
 IPS = {"IP_A": "127.0.0.2", "IP_B": "127.0.0.3", "IP_C": "127.0.0.4"}
@@ -25,14 +26,6 @@ def cert(tmp_path_factory):
                     "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(d / "key.pem"),
                     "-out", str(d / "cert.pem")], check=True, capture_output=True)
     return d / "cert.pem", d / "key.pem"
-
-
-async def until(cond, timeout: float = 10.0, what: str = "condition"):
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not cond():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
 
 
 async def complete(gw: Gateway) -> httpx.Response:

@@ -14,19 +14,16 @@ from kvroute.emulator.server import Faults, start_emulator
 from kvroute.emulator.text import emulated_text
 from kvroute.gateway.probes import parse_prometheus, read_indicators
 from kvroute.prefix import chat_key
-from tests.gateway_harness import LiveDeployment
+from tests.gateway_harness import LiveDeployment, settled
 
 SYSTEM = "You answer questions about the storage cluster. " * 40
 
 
 @pytest.fixture
 def live():
-    dep = LiveDeployment(replicas=2, policy="sglang_cache_aware",
-                         probe={"interval_s": 0.05, "timeout_s": 0.5})
-    yield dep
-    counters = dep.settle()
-    dep.close()
-    assert counters == (0, 0, 0)
+    with settled(replicas=2, policy="sglang_cache_aware",
+                 probe={"interval_s": 0.05, "timeout_s": 0.5}) as dep:
+        yield dep
 
 
 def chat(dep, turn: int, **kw):

@@ -14,22 +14,19 @@ import pytest
 from kvroute.emulator.text import emulated_text
 from kvroute.ports import free_ports, wait_for_http
 from kvroute.prefix import chat_key
-from tests.gateway_harness import LiveDeployment
+from tests.gateway_harness import LiveDeployment, settled
 
 LONG = "You are the on-call assistant for the storage team. " * 60
 
 
 @pytest.fixture
 def live():
-    dep = LiveDeployment(replicas=3, policy="skywalker",
-                         timeouts={"connect_s": 1.0, "first_byte_s": 2.0, "idle_s": 2.0, "non_stream_s": 2.0,
-                                   "non_stream_total_s": 20.0},
-                         probe={"interval_s": 0.05, "timeout_s": 0.3, "unhealthy_after": 2},
-                         breaker={"failures": 2, "cooldown_s": 30.0})
-    yield dep
-    counters = dep.settle()
-    dep.close()
-    assert counters == (0, 0, 0), f"in-flight / queue / tickets not back to zero: {counters}"
+    with settled(replicas=3, policy="skywalker",
+                 timeouts={"connect_s": 1.0, "first_byte_s": 2.0, "idle_s": 2.0, "non_stream_s": 2.0,
+                           "non_stream_total_s": 20.0},
+                 probe={"interval_s": 0.05, "timeout_s": 0.3, "unhealthy_after": 2},
+                 breaker={"failures": 2, "cooldown_s": 30.0}) as dep:
+        yield dep
 
 
 def client(dep, **kw):

@@ -13,11 +13,7 @@ spawn are stopped by PID.
 from __future__ import annotations
 
 import asyncio
-import os
 import random
-import shutil
-import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -25,7 +21,7 @@ import msgspec
 import pytest
 
 from kvroute.kvevents.wire import BlockStored, decode_batch
-from kvroute.ports import free_ports
+from tests.gateway_harness import BackgroundGateway
 from tests.vllm import engine as vllm
 
 pytestmark = pytest.mark.skipif(not vllm.available(), reason="no .venv-vllm: `make vllm-env` installs vLLM")
@@ -39,32 +35,28 @@ def cached_by_vllm(predicted: int, prompt_tokens: int) -> int:
     return min(predicted, (prompt_tokens - 1) // vllm.BLOCK * vllm.BLOCK)
 
 
-class Gateway:
-    """A kvroute gateway on a background loop, in front of the engines with their KV events."""
+class Gateway(BackgroundGateway):
+    """A kvroute gateway on a background loop, in front of the engines: with their KV events and the
+    model's tokenizer when ``model`` is given, else on its approximate index (bytes / 4)."""
 
-    def __init__(self, engines: list[vllm.VLLMEngine], model: Path, policy: str = "sglang_cache_aware"):
+    def __init__(self, engines: list[vllm.VLLMEngine], model: Path | None, policy: str = "sglang_cache_aware"):
         from kvroute.gateway.config import GatewayConfig
-        from kvroute.gateway.server import Gateway as GW
         from kvroute.replicas import ReplicaConfig
 
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        config = GatewayConfig(
-            port=0, policy=policy, block_tokens=vllm.BLOCK, tokenizer_path=str(model),
-            kv_events={"speculative_ttl_s": 0.5},
-            replicas=[ReplicaConfig(url=e.url, id=f"v{i}", engine="vllm",
-                                    kv_events={"endpoint": f"tcp://127.0.0.1:{e.events_port}",
-                                               "replay_endpoint": f"tcp://127.0.0.1:{e.replay_port}",
-                                               "topic": "kv"})
-                      for i, e in enumerate(engines)])
-        self.gw = GW(config)
-        self.call(self.gw.start())
-        self.rt = self.gw.runtime
+        if model is None:
+            config = GatewayConfig(port=0, policy=policy, replicas=[ReplicaConfig(url=e.url, id=f"v{i}", engine="vllm")
+                                                                    for i, e in enumerate(engines)])
+        else:
+            config = GatewayConfig(
+                port=0, policy=policy, block_tokens=vllm.BLOCK, tokenizer_path=str(model),
+                kv_events={"speculative_ttl_s": 0.5},
+                replicas=[ReplicaConfig(url=e.url, id=f"v{i}", engine="vllm",
+                                        kv_events={"endpoint": f"tcp://127.0.0.1:{e.events_port}",
+                                                   "replay_endpoint": f"tcp://127.0.0.1:{e.replay_port}",
+                                                   "topic": "kv"})
+                          for i, e in enumerate(engines)])
+        super().__init__(config)
         self.names = [r.name for r in config.replicas]
-
-    def call(self, coro, timeout=60):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     def read(self, fn):
         async def run():
@@ -83,38 +75,18 @@ class Gateway:
     def client(self):
         import openai
 
-        return openai.OpenAI(base_url=f"http://127.0.0.1:{self.gw.port}/v1", api_key="x", max_retries=0,
-                             timeout=120)
-
-    def close(self):
-        self.call(self.gw.stop())
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="x", max_retries=0, timeout=120)
 
 
 @pytest.fixture(scope="module")
 def fleet():
-    # a folder of its own: pytest's shared basetemp is pruned by other pytest runs on the machine
-    root = Path(tempfile.mkdtemp(prefix="kvroute-vllm-"))
-    model = vllm.write_model(vllm.MODEL_DIR)
-    ports = free_ports(6)
-    engines = [vllm.VLLMEngine(model, ports[3 * i], ports[3 * i + 1], ports[3 * i + 2], core=i % (os.cpu_count() or 1),
-                               blocks=BLOCKS, workdir=root / f"e{i}") for i in range(2)]
-    try:
-        for e in engines:
-            e.start()
-        for e in engines:
-            e.wait_ready()
+    with vllm.running_engines(2, BLOCKS, "kvroute-vllm-") as (model, engines):
         gw = Gateway(engines, model)
         try:
             gw.wait(lambda: all(gw.rt.kv_source(n)["source"] == "events" for n in gw.names), what="events source")
             yield engines, gw, model
         finally:
             gw.close()
-    finally:
-        for e in engines:
-            e.stop()
-        shutil.rmtree(root, ignore_errors=True)
 
 
 def converse(gw: Gateway, tenants: int, turns: int, tag: str) -> list[tuple[int, int, int]]:

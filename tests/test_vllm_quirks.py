@@ -18,17 +18,14 @@ from kvroute.gateway.continuation import Splice
 from kvroute.gateway.outlier import StallDetector
 from kvroute.gateway.probes import next_probe_interval
 from kvroute.gateway.tokens import token_events
-from tests.gateway_harness import LiveDeployment
+from tests.gateway_harness import LiveDeployment, settled
 from tests.test_continuation import CHAT, PROMPT, TwoStages, continuations
 
 
 @pytest.fixture
 def live():
-    dep = LiveDeployment(replicas=2, policy="round_robin")
-    yield dep
-    counters = dep.settle()
-    dep.close()
-    assert counters == (0, 0, 0), f"in-flight / queue / tickets not back to zero: {counters}"
+    with settled(replicas=2, policy="round_robin") as dep:
+        yield dep
 
 
 def sse(url: str, path: str, body: dict) -> list[dict]:

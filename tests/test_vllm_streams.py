@@ -9,21 +9,17 @@ engines and every process they spawn are stopped by PID.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
-import shutil
 import signal
-import tempfile
 import threading
 import time
 import urllib.request
-from pathlib import Path
 
 import httpx
 import pytest
 
-from kvroute.ports import free_ports
+from tests.test_vllm import Gateway
 from tests.vllm import engine as vllm
 
 pytestmark = pytest.mark.skipif(not vllm.available(), reason="no .venv-vllm: `make vllm-env` installs vLLM")
@@ -32,52 +28,15 @@ BLOCKS = 48  # 1,504 tokens of context: room for a 900-token answer
 PROMPT = "The storage cluster went down on Tuesday because"
 
 
-class Gateway:
-    """A plain kvroute gateway (round robin, stall detection on) on a background loop."""
-
-    def __init__(self, engines: list[vllm.VLLMEngine]):
-        from kvroute.gateway.config import GatewayConfig
-        from kvroute.gateway.server import Gateway as GW
-        from kvroute.replicas import ReplicaConfig
-
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        config = GatewayConfig(port=0, policy="round_robin",
-                               replicas=[ReplicaConfig(url=e.url, id=f"v{i}", engine="vllm")
-                                         for i, e in enumerate(engines)])
-        self.gw = GW(config)
-        asyncio.run_coroutine_threadsafe(self.gw.start(), self.loop).result(60)
-        self.rt = self.gw.runtime
-        self.url = f"http://127.0.0.1:{self.gw.port}"
-
-    def close(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.gw.stop(), self.loop).result(60)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
-
-
 @pytest.fixture(scope="module")
 def pair():
-    root = Path(tempfile.mkdtemp(prefix="kvroute-vllm26-"))
-    model = vllm.write_model(vllm.MODEL_DIR)
-    ports = free_ports(6)
-    engines = [vllm.VLLMEngine(model, ports[3 * i], ports[3 * i + 1], ports[3 * i + 2], core=i % (os.cpu_count() or 1),
-                               blocks=BLOCKS, workdir=root / f"e{i}") for i in range(2)]
-    try:
-        for e in engines:
-            e.start()
-        for e in engines:
-            e.wait_ready()
-        gw = Gateway(engines)
+    """Two engines behind a plain kvroute gateway (round robin, stall detection on)."""
+    with vllm.running_engines(2, BLOCKS, "kvroute-vllm26-") as (_, engines):
+        gw = Gateway(engines, None, policy="round_robin")
         try:
             yield engines, gw
         finally:
             gw.close()
-    finally:
-        for e in engines:
-            e.stop()
-        shutil.rmtree(root, ignore_errors=True)
 
 
 def generated(engine: vllm.VLLMEngine) -> float:

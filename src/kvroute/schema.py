@@ -3,7 +3,14 @@ deployment, policy parameters). No I/O here, so the pure policy layer can build 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TypeVar
+
 from pydantic import BaseModel, ConfigDict
+
+from kvroute.errors import ConfigError
+
+T = TypeVar("T")
 
 
 class StrictModel(BaseModel):
@@ -11,3 +18,13 @@ class StrictModel(BaseModel):
     so a misspelt option fails at load time with its file:line."""
 
     model_config = ConfigDict(extra="forbid")
+
+
+def checked(check: Callable[[T], object], v: T) -> T:
+    """``v`` once ``check(v)`` accepted it (a field validator's body): a ConfigError it raises becomes
+    the ValueError pydantic reports at the field, with the file:line of the value."""
+    try:
+        check(v)
+    except ConfigError as exc:
+        raise ValueError(str(exc)) from None
+    return v

@@ -5,13 +5,19 @@ when only the server is killed: shared/design/real-vllm-cpu.md).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
+import tempfile
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
+
+from kvroute.ports import free_ports
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
@@ -149,6 +155,28 @@ class VLLMEngine:
                                      {"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=120) as r:
             return json.loads(r.read())
+
+
+@contextlib.contextmanager
+def running_engines(n: int, blocks: int, prefix: str) -> Iterator[tuple[Path, list[VLLMEngine]]]:
+    """``n`` engines of the test model (``blocks`` KV blocks each, one core each), started and ready;
+    stopped, and their folder removed, when the block ends. The folder is one of their own:
+    pytest's shared basetemp is pruned by other pytest runs on the machine."""
+    root = Path(tempfile.mkdtemp(prefix=prefix))
+    model = write_model(MODEL_DIR)
+    ports = free_ports(3 * n)
+    engines = [VLLMEngine(model, ports[3 * i], ports[3 * i + 1], ports[3 * i + 2], core=i % (os.cpu_count() or 1),
+                          blocks=blocks, workdir=root / f"e{i}") for i in range(n)]
+    try:
+        for e in engines:
+            e.start()
+        for e in engines:
+            e.wait_ready()
+        yield model, engines
+    finally:
+        for e in engines:
+            e.stop()
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def _alive(pid: int) -> bool:

@@ -85,23 +85,7 @@ def _approximate_gateway(engines, policy: str):
     """The same in-process gateway without events and without a tokenizer."""
     from tests.test_vllm import Gateway
 
-    gw = Gateway.__new__(Gateway)
-    import asyncio
-
-    from kvroute.gateway.config import GatewayConfig
-    from kvroute.gateway.server import Gateway as GW
-    from kvroute.replicas import ReplicaConfig
-
-    gw.loop = asyncio.new_event_loop()
-    gw.thread = threading.Thread(target=gw.loop.run_forever, daemon=True)
-    gw.thread.start()
-    config = GatewayConfig(port=0, policy=policy, replicas=[ReplicaConfig(url=e.url, id=f"v{i}", engine="vllm")
-                                                            for i, e in enumerate(engines)])
-    gw.gw = GW(config)
-    gw.call(gw.gw.start())
-    gw.rt = gw.gw.runtime
-    gw.names = [r.name for r in config.replicas]
-    return gw
+    return Gateway(engines, None, policy=policy)
 
 
 def main() -> None:

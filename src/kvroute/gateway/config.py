@@ -43,7 +43,7 @@ from kvroute.policy import policy_from_config
 from kvroute.policy.pd import PDPolicySpec, role_check
 from kvroute.policyfiles import load_entry_points
 from kvroute.replicas import ReplicaConfig, base_url, events_extra_installed
-from kvroute.schema import StrictModel
+from kvroute.schema import StrictModel, checked
 
 
 class KeyConfig(StrictModel):
@@ -224,11 +224,7 @@ class GatewayConfig(StrictModel):
     @field_validator("policy")
     @classmethod
     def _policy(cls, v):
-        try:
-            policy_from_config(v)
-        except ConfigError as exc:
-            raise ValueError(str(exc)) from None
-        return v
+        return checked(policy_from_config, v)
 
     @field_validator("replicas")
     @classmethod

@@ -40,7 +40,7 @@ from kvroute.policy.params import PolicyParams
 from kvroute.policy.plugins import Condition
 from kvroute.policy.registry import policy_from_config
 from kvroute.policy.router import Router
-from kvroute.schema import StrictModel
+from kvroute.schema import StrictModel, checked
 
 __all__ = ["LOCAL", "ROLES", "SPLIT", "PDPolicySpec", "PDRouter", "PDState", "compile_decider", "kv_transfer_s",
            "pd_listeners", "role_check"]
@@ -93,20 +93,12 @@ class PDPolicySpec(StrictModel):
     @field_validator("prefill_policy", "decode_policy")
     @classmethod
     def _policy(cls, v: Any) -> Any:
-        try:
-            policy_from_config(v)
-        except ConfigError as exc:
-            raise ValueError(str(exc)) from None
-        return v
+        return checked(policy_from_config, v)
 
     @field_validator("disaggregate")
     @classmethod
     def _decider(cls, v: Any) -> Any:
-        try:
-            compile_decider(v)
-        except ConfigError as exc:
-            raise ValueError(str(exc)) from None
-        return v
+        return checked(compile_decider, v)
 
 
 class PDRouter(Router):

@@ -223,13 +223,7 @@ class Simulation:
     def dispatch(self, flight: Flight, lb: SimBalancer, replica_id: str, branch: str) -> None:
         """A balancer sends ``flight`` to ``replica_id`` (branch counted); it reaches the replica after the
         network delay plus the profile's TTFT overhead."""
-        rep = self.replicas[replica_id]
-        rec = self.recorder
-        rec.branches[branch] = rec.branches.get(branch, 0) + 1
-        flight.replica = replica_id
-        flight.dispatched = self.loop.now
-        reached = flight.at_peer if flight.at_peer >= 0 else flight.reached_lb
-        flight.notify.append((lb.router, lb, self.network.one_way(rep.region, lb.region), reached))
+        rep = self._dispatched(flight, lb, replica_id, branch)
         overhead = rep.engine.p.ttft_overhead_s
         if self.api_delay is not None:  # a noisy API server: requests may overtake (sim/noise.py)
             overhead = self.api_delay.delay(replica_id, overhead)
@@ -240,6 +234,12 @@ class Simulation:
         """A balancer splits ``flight``: prefilled on ``prefill_id``, decoded on ``replica_id``
         (sim/disagg.py); the decode leg starts when the prefill leg is done."""
         assert self.pd is not None
+        self._dispatched(flight, lb, replica_id, branch)
+        self.pd.split(flight, lb, prefill_id)
+
+    def _dispatched(self, flight: Flight, lb: SimBalancer, replica_id: str, branch: str) -> Replica:
+        """Count the branch and record the dispatch on ``flight``: its replica, when, and the balancer
+        whose Router hears of its first token and finish (after the way back); the replica."""
         rep = self.replicas[replica_id]
         rec = self.recorder
         rec.branches[branch] = rec.branches.get(branch, 0) + 1
@@ -247,7 +247,7 @@ class Simulation:
         flight.dispatched = self.loop.now
         reached = flight.at_peer if flight.at_peer >= 0 else flight.reached_lb
         flight.notify.append((lb.router, lb, self.network.one_way(rep.region, lb.region), reached))
-        self.pd.split(flight, lb, prefill_id)
+        return rep
 
     def forward(self, flight: Flight, src: SimBalancer, via: Router, dst: SimBalancer) -> None:
         """``src`` sends ``flight`` on to its peer ``dst``, chosen by ``via`` (``src.peers``)."""
