@@ -41,7 +41,7 @@ def test_a_profile_name_needs_the_runtime_source():
     """Without start-up the policy layer cannot turn a profile name into a profile: a clear error,
     not a file read from inside the pure layer."""
     code = ("from kvroute.policy import build_policy\n"
-            "try:\n    build_policy('llm_d')\nexcept Exception as e:\n    print(e)\n")
+            "try:\n    build_policy('llm_d', {'profile': 'h20-qwen3-30b-a3b'})\nexcept Exception as e:\n    print(e)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert "no profile source is installed" in out
 
