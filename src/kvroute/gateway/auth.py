@@ -88,6 +88,14 @@ class KeyRing:
         """Whether any key is configured: with none the gateway is open."""
         return bool(self.keys)
 
+    def keeping_usage_of(self, old: KeyRing) -> KeyRing:
+        """This ring (a reload's), each key that was in ``old`` keeping its usage and limit state."""
+        for d, state in self.keys.items():
+            if d in old.keys:
+                was = old.keys[d]
+                state.used_requests, state.used_tokens, state.limited = was.used_requests, was.used_tokens, was.limited
+        return self
+
     def lookup(self, presented: str | None) -> KeyState | None:
         """The key a request presented (``Authorization: Bearer …``), or None."""
         if not presented:

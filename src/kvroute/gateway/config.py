@@ -332,6 +332,15 @@ class GatewayConfig(StrictModel):
         return self
 
     @property
+    def policy_label(self) -> str:
+        """The policy's name in metrics and logs: the preset's, or ``composed`` for a composition
+        that names itself nothing."""
+        policy = self.policy
+        if isinstance(policy, str):
+            return policy
+        return str(policy.get("preset") or policy.get("name") or "composed")
+
+    @property
     def home_zone(self) -> str:
         """The gateway's residency zone (its region unless set)."""
         return self.zone or self.region

@@ -40,7 +40,7 @@ class Runtime:
 
     def __init__(self, config: GatewayConfig):
         self.config = config
-        self.policy_name = self._policy_label(config)
+        self.policy_name = config.policy_label
         self.router = config.build_router(index_block_tokens=config.block_tokens,
                                           max_prefix_blocks=config.max_prefix_blocks)
         self.upstreams: dict[str, Upstream] = {}
@@ -82,13 +82,6 @@ class Runtime:
         """Pace the queue only for policies that can hold requests in it (selective pushing)."""
         tick = config.queue.dispatch_tick_s
         return DispatchPacer(tick) if tick > 0 and self.router.policy.admission.holds else None
-
-    @staticmethod
-    def _policy_label(config: GatewayConfig) -> str:
-        policy = config.policy
-        if isinstance(policy, str):
-            return policy
-        return str(policy.get("preset") or policy.get("name") or "composed")  # a composition names itself
 
     # -- replicas -------------------------------------------------------------------------------
     def replicas_changed(self) -> None:
@@ -224,7 +217,7 @@ class Runtime:
             self.router.policy = policy
             if policy.uses_ring:
                 self.router.ring.add_many(e.id for e in self.router.endpoints)
-            self.policy_name = self._policy_label(new)
+            self.policy_name = new.policy_label
             changes.append(f"policy {self.policy_name}")
         if (new.block_tokens, new.max_prefix_blocks) != (self.config.block_tokens, self.config.max_prefix_blocks):
             self.router.reset_index(new.block_tokens, new.max_prefix_blocks)
@@ -245,13 +238,7 @@ class Runtime:
             detector.factor, detector.min_s, detector.max_s = new.stall.factor, new.stall.min_s, new.stall.max_s
             changes.append("stall detection")
         if new.auth != self.config.auth:
-            fresh_keys = new.auth.key_ring(time.monotonic())
-            for d, state in fresh_keys.keys.items():  # a key that stays keeps its usage
-                if d in self.keys.keys:
-                    old_state = self.keys.keys[d]
-                    state.used_requests, state.used_tokens, state.limited = (
-                        old_state.used_requests, old_state.used_tokens, old_state.limited)
-            self.keys = fresh_keys
+            self.keys = new.auth.key_ring(time.monotonic()).keeping_usage_of(self.keys)
             changes.append("api keys")
         if self.peering.reconfigure(new):
             changes.append("peers")
