@@ -187,3 +187,17 @@ def test_a_comparison_row_carries_the_window_goodput_and_the_ttft_tail():
     assert row["served"] == 120 and len(row["ttft_tail"]) == 4 and row["ttft_tail"] == sorted(row["ttft_tail"],
                                                                                               reverse=True)
     assert 0 < row["window_goodput_rps"] and row["ttft_tail"][0] >= row["ttft_p99_s"]
+
+
+def test_the_markdown_table_marks_cells_below_the_target_and_saturated_ones():
+    from kvroute.bench.auto import markdown
+
+    cells = {"50%": judge_cell({"auto": _rows([9], [1]), "x": _rows([10], [1])}),
+             "90%": judge_cell({"auto": _rows([10], [1]), "x": _rows([10], [1], stable=False)})}
+    worst, judged, met, sat = worst_cell({"s": cells})
+    result = {"scenarios": {"s": {"knee": {"factor": 1.5, "basis": "slo"}, "cells": cells}}, "worst": worst,
+              "cells_judged": judged, "cells_within_3pct": met, "cells_saturated": sat, "wall_s": 1.0}
+    md = markdown(result).splitlines()
+    assert md[2].startswith("| s | 50% of x1.5 (slo) | **0.900** [0.90–0.90] | x | 1.000")
+    assert "**saturated**: x" in md[3]
+    assert "0 of 1 cells within 3 %" in md[5] and "worst cell: s at 50% — 0.900 of the best (goodput)" in md[6]

@@ -95,6 +95,7 @@ def add_parser(bench: argparse._SubParsersAction) -> None:
     p.add_argument("--workers", type=worker_count, help="parallel runs (default: every core)")
     p.add_argument("--ray", metavar="ADDRESS", help="run on a Ray cluster")
     p.add_argument("--json", metavar="FILE")
+    p.add_argument("--markdown", metavar="FILE", help="also write the table as Markdown (docs/auto.md's)")
     p.set_defaults(func=cmd)
 
 
@@ -118,7 +119,33 @@ def cmd(args: argparse.Namespace) -> int:
     for line in verdict_lines(result):
         console.print(line)
     write_json(args.json, result)
+    if args.markdown:
+        from pathlib import Path
+
+        Path(args.markdown).write_text(markdown(result), encoding="utf-8")
     return 0
+
+
+def markdown(result: dict) -> str:
+    """The per-cell table and the verdict lines as Markdown."""
+    rows = ["| scenario | load (of the knee) | goodput auto÷best [seeds] | best goodput | TTFT p99 best÷auto [seeds] "
+            "| best TTFT p99 | unstable runs |", "|---|---|---|---|---|---|---|"]
+    for name, s in result["scenarios"].items():
+        if not s["knee"]:
+            rows.append(f"| {name} | – | no knee found | | | | |")
+            continue
+        k = s["knee"]
+        for level, c in s["cells"].items():
+            g, t = c["goodput_ratio_seeds"], c["ttft_p99_ratio_seeds"]
+            sat = ("**saturated**: " if c["saturated"] else "") + (", ".join(c["unstable"]) or "none")
+            rows.append(f"| {name} | {level} of x{k['factor']:.3g} ({k['basis']}) | {_md(c['goodput_ratio'])} "
+                        f"[{g[0]:.2f}–{g[1]:.2f}] | {c['best_goodput']} | {_md(c['ttft_p99_ratio'])} "
+                        f"[{t[0]:.2f}–{t[1]:.2f}] | {c['best_ttft_p99']} | {sat} |")
+    return "\n".join(rows + [""] + [f"{line}  " for line in verdict_lines(result)]) + "\n"
+
+
+def _md(x: float) -> str:
+    return f"{x:.3f}" if x >= 0.97 else f"**{x:.3f}**"
 
 
 def table(result: dict):
