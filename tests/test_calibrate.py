@@ -63,6 +63,16 @@ def test_fit_recovers_the_emulators_known_profile(tmp_path):
     assert out.read_text().startswith("# Calibrated ")
 
 
+def test_a_stream_delivered_in_one_burst_gives_no_step_time():
+    from kvroute.calibrate.measure import _step_time
+
+    steady = [0.0, 0.01, 0.02, 0.03, 0.04]
+    assert _step_time([steady, [x + 0.001 for x in steady]]) == pytest.approx(0.01)
+    burst = [0.02] * 5  # every token in one write: no step time in it (was 0.0 s)
+    assert _step_time([burst]) is None
+    assert _step_time([[0.0, *burst[1:]], steady]) == pytest.approx((0.02 / 4 + 0.01) / 2)  # a real span counts
+
+
 def test_nonnegative_fit_drops_a_term_that_would_fit_noise():
     rows = [[1.0, x] for x in (1, 2, 3, 4)]
     assert nonneg_lstsq(rows, [3.0, 5.0, 7.0, 9.0]) == pytest.approx([1.0, 2.0])
