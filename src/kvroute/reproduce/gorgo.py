@@ -214,7 +214,7 @@ def rows_v2(lab: Lab) -> list[Row]:
     stable = "stable" if h["load"]["stable"] else "UNSTABLE"
     out.append(Row("load sweep: p95 TTFT improves > 3× from time_scale 1.0 to ≥ 3.0", "> 3×",
                    f"{gain:.2f}× (time_scale 1.0 run {stable}, {h['load']['offered_rps']:.2f} req/s offered)",
-                   agree, "" if agree == YES else "checked: §5 \"Load Sweep\": \"the policies experience a 3x "
+                   agree, "" if agree == YES else "checked: §5 \"Load Sweep\": \"the policies experience a 3× "
                    "improvement in p95 TTFT and p95 E2E latency after time_scale=3.0 is reached\", its L40S engines "
                    "saturating at 1.0; " + ("kvroute's three simulated H20s serve the capped (128-token) trace at "
                                    "that rate without a growing queue, so there is less to recover"
