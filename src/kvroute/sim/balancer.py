@@ -33,6 +33,7 @@ from kvroute.policy.admission import replica_available
 from kvroute.policy.pd import PDRouter, compile_decider
 from kvroute.policy.peering import GorgoWeights, gorgo_peer_choice, peer_router
 from kvroute.sim.events import Scheduler
+from kvroute.sim.queue_gauge import SGLangQueueGauge
 from kvroute.workload.base import SimRequest
 
 
@@ -54,6 +55,10 @@ class EngineState(Protocol):
     @property
     def queued(self) -> int:
         """Sequences waiting for admission."""
+
+    @property
+    def gauge(self) -> SGLangQueueGauge | None:
+        """The waiting count as the engine exports it when that is not live (SGLang), else None."""
 
     def kv_usage(self, now: float) -> float:
         """Share of KV capacity held by requests."""
@@ -233,6 +238,9 @@ class SimBalancer:
                 item[2] = eng.changes
                 ep.running = eng.running
                 ep.waiting = eng.queued
+            gauge = eng.gauge
+            if gauge is not None:  # SGLang exports its queue only at some passes (sim/queue_gauge.py)
+                ep.waiting = gauge.read(now)
             if kv:
                 ep.kv_usage = eng.kv_usage(now)
             ep.dispatched_since_probe = 0

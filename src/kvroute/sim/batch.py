@@ -12,7 +12,8 @@ Extension point: ``admission`` (None by default, one test per admission) may hol
 even when memory allows, e.g. SGLang's scheduler, which also reserves KV for the running
 sequences' future output; it is asked ``admission(engine, seq, need)`` with the KV tokens the
 sequence would take now and returns whether it may be admitted (False: it stays at the head of
-the queue, as when memory is short).
+the queue, as when memory is short). ``gauge`` (None by default: probes read the live queue)
+holds the waiting count as an SGLang engine exports it (sim/queue_gauge.py).
 
 The step loop (sim/engine.py) implements ``_plan`` and ``_interrupt``.
 """
@@ -27,6 +28,7 @@ from collections.abc import Callable
 from kvroute.perf.profile import HardwareProfile
 from kvroute.sim.events import Scheduler
 from kvroute.sim.kvcache import KVCache
+from kvroute.sim.queue_gauge import SGLangQueueGauge
 from kvroute.sim.seq import DECODE, DONE, PREFILL, WAITING, Jump, Seq
 
 Admission = Callable[["Batch", Seq, int], bool]  # (engine, seq, KV tokens it takes) → may admit
@@ -43,6 +45,7 @@ class Batch(KVCache):
         self.on_first_token = on_first_token
         self.on_finish = on_finish
         self.admission: Admission | None = None
+        self.gauge: SGLangQueueGauge | None = None  # what a probe reads as waiting (None: the live queue)
         self.waiting: deque[Seq] = deque()
         self.prefilling: list[Seq] = []
         self.decoding: dict[int, Seq] = {}  # admission order → seq (newest last)

@@ -22,7 +22,8 @@ accounting and prefix cache), batch.py (queue, admission, transitions), handover
 host.py (shared cores), this file (step planning and the event loop's callbacks). Extension
 points, None by default (one test each): ``admission`` (batch.py) may hold a sequence back;
 ``step_noise`` (here) returns a factor for each planned step or decode jump's time, given its
-number of steps (sim/noise.py).
+number of steps (sim/noise.py); ``gauge`` (batch.py) is the waiting count a probe reads
+(sim/queue_gauge.py).
 """
 
 from __future__ import annotations
@@ -90,6 +91,8 @@ class Engine(Handover):
         # vLLM v1 admits nothing in a step that had to preempt (unless the engine went idle)
         if self.waiting and (not self._preempted or not (self.prefilling or decoding)):
             self._admit()
+        if self.gauge is not None:  # SGLang's num_queue_reqs moves only at some passes (sim/queue_gauge.py)
+            self.gauge.passed()
         n_dec = len(decoding)
         prefilling = self.prefilling
         host = self.host

@@ -35,6 +35,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from kvroute.sim.queue_gauge import SGLangQueueGauge
+
 if TYPE_CHECKING:  # the engine imports this module; no import back at run time
     from kvroute.sim.batch import Batch
     from kvroute.sim.seq import Seq
@@ -111,6 +113,8 @@ class SGLangReserve:
 
 
 def install(engine: Batch) -> None:
-    """Give ``engine`` SGLang's admission when its profile asks for it (``admission: sglang``)."""
+    """Give ``engine`` SGLang's admission when its profile asks for it (``admission: sglang``),
+    and SGLang's waiting-queue gauge for probes to read (sim/queue_gauge.py)."""
     if engine.p.admission == "sglang":
         engine.admission = SGLangReserve(engine.p.kv_tokens)
+        engine.gauge = SGLangQueueGauge(engine)

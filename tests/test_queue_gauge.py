@@ -1,0 +1,65 @@
+"""SGLang's waiting gauge (sim/queue_gauge.py): a probe sees arrivals only once a scheduling pass
+forms a prefill batch or a decode step logs (every 40th), never at the instant they arrive."""
+
+import pytest
+from test_sim_engine import Harness, small_profile
+
+from kvroute.sim.engine import Seq
+from kvroute.sim.queue_gauge import DECODE_LOG_INTERVAL, SGLangQueueGauge
+from kvroute.sim.seq import steps_done
+
+SMALL, BIG = 200, 4000  # max_new: fits SGLang's budget beside the running request / is held by it
+
+# (what arrives, live queue at arrival, gauge at arrival, live queue / gauge after the next pass,
+#  gauge once the next decode log has run)
+CASES = [
+    ("one request the budget admits", [SMALL], 1, 0, (0, 0), 0),
+    ("one request the budget holds back", [BIG], 1, 0, (1, 0), 1),
+    ("one admitted, one held behind it", [SMALL, BIG], 2, 0, (1, 1), 1),
+]
+
+
+def decoded(h: Harness) -> int:
+    """Decode steps run so far, counting those of a jump in progress."""
+    jump = h.eng._jump
+    return h.eng.steps + (steps_done(jump, h.loop.now - jump[0]) if jump is not None else 0)
+
+
+@pytest.mark.parametrize(("arrivals", "live0", "gauge0", "after_pass", "after_log"),
+                         [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_the_gauge_lags_arrivals_until_a_scheduling_pass_sets_it(arrivals, live0, gauge0, after_pass, after_log):
+    # 300 blocks = 4,800 tokens: a running request of up to 4,000 new tokens reserves ~2,800 of them
+    h = Harness(small_profile(kv_blocks=300, admission="sglang"))
+    gauge = h.eng.gauge
+    assert isinstance(gauge, SGLangQueueGauge)
+    h.eng.submit(Seq("long", 100, 3000, (), 16, max_new=BIG))
+    start: list[int] = []  # decode steps run when the arrivals came
+    trace = []  # (decode steps run incl. a jump's, steps the engine has booked, live queue, gauge)
+
+    def probe(_):  # a /metrics read every 2 ms; the arrivals come 45 steps in, inside a decode jump
+        d = decoded(h)
+        if not start and d >= 45:
+            start.append(d)
+            for i, max_new in enumerate(arrivals):
+                h.eng.submit(Seq(f"r{i}", 100, 50, (), 16, max_new=max_new))
+            assert (h.eng.queued, gauge.read(h.loop.now)) == (live0, gauge0)  # a live read's transient
+        elif start:
+            trace.append((d, h.eng.steps, h.eng.queued, gauge.read(h.loop.now)))
+
+    for i in range(1, 3000):
+        h.loop.at(i * 0.002, probe, None)
+    h.loop.run()
+    s0 = start[0]
+    log = (s0 // DECODE_LOG_INTERVAL + 1) * DECODE_LOG_INTERVAL  # the next decode log's step
+    assert s0 + 1 < log  # the step in progress is not the one that logs
+    passed = [t for t in trace if t[1] > s0]  # the jump was cut at its next step; the pass ran
+    assert passed[0][2:] == after_pass
+    before_log = [t[3] for t in passed if t[0] < log]
+    assert before_log and set(before_log) == {after_pass[1]}  # unchanged until the decode log
+    assert next(t[3] for t in passed if t[0] >= log) == after_log
+
+
+def test_vllm_engines_are_probed_live():
+    """vLLM's num_requests_waiting is rebuilt every engine step (make_stats): no gauge."""
+    h = Harness(small_profile())
+    assert h.eng.gauge is None
