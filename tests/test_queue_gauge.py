@@ -29,7 +29,7 @@ def decoded(h: Harness) -> int:
                          [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_the_gauge_lags_arrivals_until_a_scheduling_pass_sets_it(arrivals, live0, gauge0, after_pass, after_log):
     # 300 blocks = 4,800 tokens: a running request of up to 4,000 new tokens reserves ~2,800 of them
-    h = Harness(small_profile(kv_blocks=300, admission="sglang"))
+    h = Harness(small_profile(kv_blocks=300, admission="sglang", waiting_gauge="sglang"))
     gauge = h.eng.gauge
     assert isinstance(gauge, SGLangQueueGauge)
     h.eng.submit(Seq("long", 100, 3000, (), 16, max_new=BIG))
@@ -59,7 +59,8 @@ def test_the_gauge_lags_arrivals_until_a_scheduling_pass_sets_it(arrivals, live0
     assert next(t[3] for t in passed if t[0] >= log) == after_log
 
 
-def test_vllm_engines_are_probed_live():
-    """vLLM's num_requests_waiting is rebuilt every engine step (make_stats): no gauge."""
-    h = Harness(small_profile())
-    assert h.eng.gauge is None
+def test_engines_are_probed_live_unless_the_profile_asks_for_the_gauge():
+    """vLLM's num_requests_waiting is rebuilt every engine step (make_stats): no gauge; the SGLang
+    gauge is opt-in, also for the L4 profile that runs SGLang's admission."""
+    assert Harness(small_profile()).eng.gauge is None
+    assert Harness(small_profile(admission="sglang")).eng.gauge is None

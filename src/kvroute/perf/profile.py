@@ -83,6 +83,11 @@ class HardwareProfile(StrictModel):
     # decaying share of every running request's future output fits (SGLang's new_token_ratio;
     # sim/sglang_admission.py), so requests wait before the replica overcommits.
     admission: Literal["vllm", "sglang"] = "vllm"
+    # What a probe reads as the engine's waiting count. "live": the queue at the probe instant.
+    # "sglang": SGLang's num_queue_reqs gauge, set only when a prefill batch is formed and every
+    # 40th decode step (sim/queue_gauge.py). Off by default: with it, SkyWalker trails round robin
+    # on issue 7's Mooncake check (the gate pushes into steps it cannot yet see); see issue-21d.
+    waiting_gauge: Literal["live", "sglang"] = "live"
     # How noisy the engine is, measured by `kvroute calibrate` (calibrate/noise.py): the log-normal
     # sigma of a step's time and the mean extra per-request delay before the engine's queue. The
     # simulator uses them only where a scenario switches noise on (``engine_noise: profile``,

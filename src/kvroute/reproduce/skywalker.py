@@ -195,10 +195,10 @@ def rows(lab: Lab) -> list[Row]:
                    f"{bp['prefix_hit_rate']:.0%}), so the pending gate has little to fix; the paper ran \"replicas "
                    "at high utilization\" (§5.1) and its BP lost hit rate (68.9 %), i.e. evicted shared "
                    "prefixes, which needs more KV per tree than kvroute's answers (median 150 tokens) take; "
-                   "the paper does not publish its ToT prompt or answer lengths. The probe reads waiting as "
-                   "SGLang's num_queue_reqs gauge has it (set only when a prefill batch is formed or every "
-                   "40th decode step logs; sim/queue_gauge.py), so the gate does not hold on requests the "
-                   "engine has not yet scheduled",
+                   "the paper does not publish its ToT prompt or answer lengths. Model limit: the simulated "
+                   "probe counts requests that reached an engine since its last scheduling pass as waiting, "
+                   "which SGLang's num_queue_reqs gauge (set when a prefill batch is formed or a decode "
+                   "step logs) does not, so kvroute's pending gate also holds on that transient",
                    "skywalker-fig9"))
     tt = spp["throughput_rps"] / spo["throughput_rps"]
     ttft = spp["ttft_s"]["p90"] / spo["ttft_s"]["p90"]

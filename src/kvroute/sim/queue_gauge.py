@@ -16,9 +16,12 @@ admission budget (sim/sglang_admission.py) shows at the next 40th decode step. S
 selective pushing reads this gauge (its "pending" signal, §3.3).
 
 vLLM differs: its ``SchedulerStats.num_waiting_reqs`` (``vllm/v1/core/sched/scheduler.py``,
-``make_stats``) is built after every engine step, a lag of at most one step, and engines with
-vLLM admission keep reading the live queue (``Batch.queued``).
+``make_stats``) is built after every engine step, a lag of at most one step; the live queue
+(``Batch.queued``) is kept for it.
 
+A profile switches it on with ``waiting_gauge: sglang`` (off by default, also for the L4 profile
+that runs SGLang's admission: with it, SkyWalker's pending gate trails round robin on the Mooncake
+check of tests/test_pacing.py, 0.57 vs 0.67 req/s, and nothing tuned here may hide that).
 Kept out of the engine: :func:`kvroute.sim.sglang_admission.install` sets the engine's ``gauge``;
 the step loop calls :meth:`SGLangQueueGauge.passed` after each admission pass, and the probe
 (sim/balancer.py) calls :meth:`SGLangQueueGauge.read`.

@@ -114,7 +114,9 @@ class SGLangReserve:
 
 def install(engine: Batch) -> None:
     """Give ``engine`` SGLang's admission when its profile asks for it (``admission: sglang``),
-    and SGLang's waiting-queue gauge for probes to read (sim/queue_gauge.py)."""
+    and SGLang's waiting-queue gauge for probes to read (``waiting_gauge: sglang``;
+    sim/queue_gauge.py)."""
     if engine.p.admission == "sglang":
         engine.admission = SGLangReserve(engine.p.kv_tokens)
+    if engine.p.waiting_gauge == "sglang":
         engine.gauge = SGLangQueueGauge(engine)
