@@ -36,11 +36,13 @@ def test_fit_recovers_the_emulators_known_profile(tmp_path):
     # The emulator steps in real time, so on a loaded machine its steps run late and single
     # coefficients trade off against each other (linear vs quadratic prefill, c0 vs c_decode);
     # what the simulator uses is the times they predict, checked over the swept range. On an
-    # idle machine these agree within 2-4 %; the bound allows a shared, busy one.
+    # idle machine these agree within 2-4 %; the bound allows a shared, busy one, where each
+    # emulated step's sleep also wakes a millisecond or two late whatever its length (7.9 vs
+    # 5.8 ms seen at load average ~6): an absolute slack of 3 ms beside the relative one.
     for b in (1, 2, 4):
         for ctx in (150, 600, 1000):
             assert fitted.step_time(decode=b, decode_ctx=b * ctx) == pytest.approx(
-                KNOWN.step_time(decode=b, decode_ctx=b * ctx), rel=0.25), (b, ctx)
+                KNOWN.step_time(decode=b, decode_ctx=b * ctx), rel=0.25, abs=0.003), (b, ctx)
     # a request's real-time emulation runs late by a few ms on a loaded machine, whatever its
     # size: an absolute slack of 10 ms beside the relative one
     for n in (300, 1000, 2000):
