@@ -236,7 +236,7 @@ class Planner:
                     self._launch(key)
             if self.ex.workers > 1:
                 for key in self._guesses(need, states, best_cost):
-                    if len(self._flight) >= self.ex.workers:
+                    if len(self._flight) > self.ex.workers:  # one queued beside the busy workers: no idle round trip
                         break
                     self._launch(key, speculative=True)
             for t in self.ex.wait(list(self._flight.values())):
