@@ -184,6 +184,11 @@ class Batch(KVCache):
         if not seq.first_token_done:
             seq.first_token_done = True
             self.on_first_token(seq, now)
+        self._schedule_finish(seq, now)
+
+    def _schedule_finish(self, seq: Seq, now: float) -> None:
+        """A sequence that just joined the decode batch: finished if its output is complete, else
+        due at the step where its last token comes."""
         remaining = seq.output - seq.generated - 1
         if remaining <= 0:
             self._finish(seq, now)

@@ -10,7 +10,6 @@ check after each step is the step loop's (sim/engine.py, ``on_limit``).
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Callable
 
 from kvroute.perf.profile import HardwareProfile
@@ -88,9 +87,4 @@ class Handover(Batch):
             self.ctx_a += seq.a
             self.ctx_a2 += seq.a * seq.a
             self.decoding[seq.order] = seq
-            remaining = seq.output - seq.generated - 1
-            if remaining <= 0:
-                self._finish(seq, now)
-            else:
-                seq.finish_at = self.steps + remaining
-                heapq.heappush(self.finishes, (seq.finish_at, seq.order, seq))
+            self._schedule_finish(seq, now)
