@@ -89,7 +89,8 @@ def test_skywalker_across_regions_of_several_instances(mesh, services, tmp_path)
 
 def test_gorgo_distributed_weighs_the_siblings_load(mesh, services, tmp_path):
     release = mesh.call(_make_event())
-    gorgo = {"policy": {"preset": "gorgo"}}
+    # one request per replica (§7's per-instance cap): a request the sibling's in-flight one keeps out is held
+    gorgo = {"policy": {"preset": "gorgo", "params": {"admission": "outstanding", "max_outstanding": 1}}}
     home = mesh.scripted(hanging_until(release))
     # eu is 60+ ms away from us (loopback jitter cannot make it look cheaper than home)
     eu_port = mesh.port("eu-front")

@@ -97,6 +97,7 @@ def test_prompts_share_text_exactly_where_the_workload_shares_blocks():
 def test_topologies_map_to_gateway_routing_modes():
     two = Topology({"a": ["a"], "b": ["b"]}, "two-layer", True)
     assert routing_mode(two, "skywalker") == "skywalker"
+    assert routing_mode(two, "gorgo") == "gorgo_distributed"  # GORGO v1 §3.3, the simulator's GorgoPeering
     assert routing_mode(Topology({"a": ["a", "b"]}, "global", False), "gorgo") == "gorgo_proxy"
     assert routing_mode(Topology({"a": ["a", "b"]}, "global", False), "round_robin") == "local"
     assert routing_mode(Topology({"a": ["a"], "b": ["b"]}, "regional", False), "skywalker") == "local"

@@ -335,28 +335,74 @@ def hanging_until(release: asyncio.Event):
     return script
 
 
-def test_gorgo_distributed_forwards_when_a_peer_is_cheaper(mesh):
-    release = mesh.call(_make_event())
-    gorgo = {"policy": {"preset": "gorgo"}}
+def gated(gate: dict):
+    """A script that holds a request whose body says HOLD until ``gate["open"]`` (an Event the test may
+    swap between phases) is set."""
+    async def script(head, body, w) -> bool:
+        if b"HOLD" in body:
+            await gate["open"].wait()
+        w.write(STREAM)
+        await w.drain()
+        return True
+    return script
+
+
+def test_gorgo_distributed_forwards_only_what_the_region_cannot_admit(mesh):
+    """GORGO v1 §3.3: local first; only a request the local region "cannot immediately admit" (held by
+    §7's per-instance cap) goes to a peer, and only to a cheaper one; otherwise it waits at home."""
+    gate = {"open": mesh.call(_make_event())}
+    gorgo = {"policy": {"preset": "gorgo", "params": {"admission": "outstanding", "max_outstanding": 2}}}
     server, far_port = mesh.call(_delay_proxy(mesh.port("eu"), 0.03))  # eu is 60+ ms away: loopback jitter
     mesh.servers.append(server)  # cannot make it look cheaper than home
-    mesh.gateway("us", [mesh.scripted(hanging_until(release))], ["eu"], mode="gorgo_distributed",
-                 peer_urls={"eu": f"http://127.0.0.1:{far_port}"}, **gorgo)
+    us = mesh.gateway("us", [mesh.scripted(gated(gate))], ["eu"], mode="gorgo_distributed",
+                      peer_urls={"eu": f"http://127.0.0.1:{far_port}"}, **gorgo)
     mesh.gateway("eu", [mesh.scripted()], ["us"], mode="gorgo_distributed", **gorgo)
     peer_ready(mesh, "us", "eu")
-    assert mesh.gateways["us"].runtime.peering.links["eu"].endpoint.rtt_s > 0.05
-    assert post(mesh.url("us")).headers["x-kvroute-replica"] == "us-0"  # both idle: home is cheaper
-    # a long prompt in flight at home: its queued tokens outweigh the peer's RTT
-    held = threading.Thread(target=post, args=(mesh.url("us"), dict(CHAT, messages=[
-        {"role": "user", "content": "HOLD " + "x" * 40_000}])))
-    held.start()
-    assert mesh.wait_until(lambda: mesh.gateways["us"].runtime.router.endpoint("us-0").inflight_tokens > 5000)
+    assert us.runtime.peering.links["eu"].endpoint.rtt_s > 0.05
+    home = us.runtime.router.endpoint("us-0")
+    assert post(mesh.url("us")).headers["x-kvroute-replica"] == "us-0"  # both idle: home
+
+    def hold(content: str) -> threading.Thread:
+        t = threading.Thread(target=post, args=(mesh.url("us"), dict(CHAT, messages=[
+            {"role": "user", "content": content}])))
+        t.start()
+        return t
+
+    # the cap is full with two short requests: the held one is not cheaper abroad (60 ms RTT vs a few
+    # queued tokens), so it waits at home and is served there once a slot frees
+    held = [hold("HOLD a"), hold("HOLD b")]
+    assert mesh.wait_until(lambda: home.inflight == 2)
+    served: list[str] = []
+    waiting = threading.Thread(target=lambda: served.append(post(mesh.url("us")).headers["x-kvroute-replica"]))
+    waiting.start()
+    assert mesh.wait_until(lambda: len(us.runtime.held_requests()) == 1)
+    time.sleep(0.3)  # several peer probes: still held, not forwarded
+    assert len(us.runtime.held_requests()) == 1 and mesh.forwards("us", "eu", "peer-cheaper") == 0
+    mesh.loop.call_soon_threadsafe(gate["open"].set)
+    waiting.join(5)
+    for t in held:
+        t.join(5)
+    assert served == ["us-0"] and mesh.forwards("us", "eu", "peer-cheaper") == 0
+    assert mesh.wait_until(lambda: home.inflight == 0)
+
+    # a long prompt in flight at home makes the peer cheaper by GORGO's cost, but a local slot is
+    # free: served at home all the same (the local region admits it)
+    gate["open"] = mesh.call(_make_event())
+    held = [hold("HOLD " + "x" * 40_000)]
+    assert mesh.wait_until(lambda: home.inflight_tokens > 5000)
+    r = post(mesh.url("us"))
+    assert r.status_code == 200 and r.headers["x-kvroute-replica"] == "us-0"
+    assert mesh.forwards("us", "eu", "peer-cheaper") == 0
+    # now the cap is full too: the region cannot admit it, and the cheaper peer takes it
+    held.append(hold("HOLD c"))
+    assert mesh.wait_until(lambda: home.inflight == 2)
     r = post(mesh.url("us"))
     assert r.status_code == 200 and r.headers["x-kvroute-replica"] == "eu-0"
     assert mesh.forwards("us", "eu", "peer-cheaper") == 1
     assert mesh.forwards("eu", "us", "peer-cheaper") == 0  # at eu, one hop: served there
-    mesh.loop.call_soon_threadsafe(release.set)
-    held.join(5)
+    mesh.loop.call_soon_threadsafe(gate["open"].set)
+    for t in held:
+        t.join(5)
 
 
 async def _make_event() -> asyncio.Event:
@@ -428,7 +474,7 @@ def test_forward_path_hops_and_no_way_back(mesh):
     out = dict(peering.outbound([("content-type", "application/json"), (TOKEN_HEADER, "stale")], req, inbound))
     assert out[FORWARDED_HEADER] == "eu,us" and out[TOKEN_HEADER] == TOKEN
     req.hops = 2
-    assert peering.before_local(req) is None  # max_hops reached: served here
+    assert peering.on_hold(req, 0) is None  # max_hops reached: waits here
 
 
 def test_reload_rebuilds_the_peer_table(mesh):

@@ -182,8 +182,9 @@ class GatewayConfig(StrictModel):
     peer_auth: PeerAuthConfig | None = Field(None, description="the shared peer token; without it forwarded "
                                              "requests and peer status probes are refused (401)")
     routing_mode: RoutingMode = Field("local", description="local: own replicas only; skywalker: forward to a "
-                                      "peer when no local replica admits; gorgo_distributed: forward when a "
-                                      "peer's advertised cost plus RTT is lower; gorgo_proxy: one gateway over "
+                                      "peer when no local replica admits; gorgo_distributed: forward a held "
+                                      "request (no local replica admits it) when a peer's advertised cost plus "
+                                      "RTT is lower; gorgo_proxy: one gateway over "
                                       "every region's replicas, RTT in the cost, no peers")
     max_hops: int = Field(1, ge=1, description="how many gateways a request may be forwarded through")
     probe: ProbeConfig = Field(default_factory=ProbeConfig, description="how the engines' metrics are read")

@@ -22,17 +22,19 @@ each forward; no index is exchanged). A peer is admitted iff its queue ≤ the l
 the head, ≤ τ = 10, and it has an available replica (``policy.admission.peer_available``). A
 forwarded request is never forwarded again. This is ``sim/balancer.py``'s rule, step for step.
 
-**GORGO distributed** (GORGO v1 §3.3-3.4): before routing locally, the gateway compares its best
-local cost with each peer's cost and forwards when a peer is cheaper — also when local replicas
-are free. Costs are GORGO's additive TTFT estimate with the gorgo preset's weights (or its
-defaults): ``w_rtt·RTT_ms + t_p·uncached tokens + w_queue·queued tokens``. Choice (the paper
-leaves the peer summary open): a peer advertises ``gorgo_base_cost``, the cheapest
-``w_rtt·RTT_ms + w_queue·in-flight tokens`` over its routable replicas plus ``w_queue`` times the
-prompt tokens in its LB queue; the requester adds its measured RTT to the peer and ``t_p`` times
-the tokens not covered by the snapshot index. Local cost is the same terms over local replicas
-(local RTT and the local index) plus the local LB queue's tokens. A peer with no available
-replica is not a candidate. At most ``max_hops`` forwards, never back through a region already
-on the path.
+**GORGO distributed** (GORGO v1 §3.3-3.4): a request is served locally while a local replica
+admits it; only the head of the LB queue — a request the local region "cannot immediately
+admit" (§3.3), held by the policy's admission gate (§7's per-instance caps: ``admission:
+outstanding``) — is offered to the peers, and goes to one whose cost beats staying (best local
+replica plus the local queue's tokens), else it keeps waiting. This is ``sim/balancer.py``'s
+``GorgoPeering`` step for step. Costs are GORGO's additive TTFT estimate with the gorgo preset's
+weights (or its defaults): ``w_rtt·RTT_ms + t_p·uncached tokens + w_queue·queued tokens``.
+Choice (the paper leaves the peer summary open): a peer advertises ``gorgo_base_cost``, the
+cheapest ``w_rtt·RTT_ms + w_queue·queued tokens`` over its routable replicas plus ``w_queue``
+times the prompt tokens in its LB queue; the requester adds its measured RTT to the peer and
+``t_p`` times the tokens not covered by the snapshot index. A peer with no available replica is
+not a candidate. At most ``max_hops`` forwards, never back through a region already on the path.
+A policy that never holds (no admission gate) never forwards.
 """
 
 from __future__ import annotations
@@ -232,19 +234,23 @@ class Peering:
 
     # -- decisions ---------------------------------------------------------------------------------
     def on_hold(self, req: Request, behind: int) -> Decision | None:
-        """SkyWalker: the queue's head found no local replica; a peer that admits it, or None.
-        ``behind``: requests in the local queue after it (the peer condition compares)."""
-        if self.mode != "skywalker":
-            return None
-        target = skywalker_peer_choice(self.router, req, behind)
-        return None if target is None else self._forwarding(req, target, "no-local-replica")
+        """The queue's head found no local replica that admits it: a peer to forward it to, or None
+        to keep it queued. ``behind``: requests in the local queue after it. SkyWalker: a peer that
+        admits it (the peer condition compares the queues); GORGO distributed: a peer cheaper than
+        waiting here."""
+        if self.mode == "skywalker":
+            target = skywalker_peer_choice(self.router, req, behind)
+            return None if target is None else self._forwarding(req, target, "no-local-replica")
+        if self.mode == "gorgo_distributed":
+            return self._gorgo_forward(req)
+        return None
 
-    def before_local(self, req: Request) -> Decision | None:
-        """GORGO distributed: a peer cheaper than every local replica, or None to route locally."""
-        if self.mode != "gorgo_distributed" or req.hops >= self.config.max_hops or not self.links:
+    def _gorgo_forward(self, req: Request) -> Decision | None:
+        """GORGO v1 §3.3 for a held request: the cheaper peer, or None (stay queued)."""
+        if req.hops >= self.config.max_hops or not self.links:
             return None
         rt = self.rt
-        backlog = rt.region_queue()[1]  # the region's other instances queue too
+        backlog = max(0, rt.region_queue()[1] - req.prompt_tokens)  # the region's queue, without the head
         peers = self.router.endpoints
         target = gorgo_peer_choice(req, rt.router.endpoints, rt.router.prefix.match(req.block_hashes), backlog,
                                    peers, self.router.prefix.match(req.block_hashes),

@@ -272,23 +272,19 @@ class Runtime:
 
     # -- admission and accounting ----------------------------------------------------------------
     async def admit(self, req: Request) -> Decision:
-        """Route now, or wait in FIFO order while the policy holds (selective pushing); a cheaper
-        peer may take the request first (GORGO distributed)."""
-        forward = self.peering.before_local(req)
-        if forward is not None:
-            return forward
+        """Route now, or wait in FIFO order while the policy holds (selective pushing); a held
+        request may go to a peer (:meth:`Peering.on_hold`)."""
         return await self.hold.admit(req)
 
     def route_now(self, req: Request) -> Decision | None:
-        """:meth:`admit` without a coroutine when it need not wait (the proxy's hot path): a
-        cheaper peer's forward, or the decision made at once; None when the request must wait in
-        the hold queue (then ``await hold.wait(req)``)."""
-        forward = self.peering.before_local(req)
-        return forward if forward is not None else self.hold.try_now(req)
+        """:meth:`admit` without a coroutine when it need not wait (the proxy's hot path): the
+        decision made at once; None when the request must wait in the hold queue (then
+        ``await hold.wait(req)``, where a held head may go to a peer)."""
+        return self.hold.try_now(req)
 
     def _forward_held(self, req: Request, behind: int) -> Decision | None:
-        """A held request with ``behind`` others queued after it here: a peer that admits it (SkyWalker),
-        counting the queues of this region's sibling instances too."""
+        """A held request with ``behind`` others queued after it here: a peer that admits it (SkyWalker,
+        counting the queues of this region's sibling instances too) or a cheaper one (GORGO distributed)."""
         if self.fleet is not None:
             behind += self.fleet.sibling_queue()
         return self.peering.on_hold(req, behind)

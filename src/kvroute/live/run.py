@@ -140,13 +140,13 @@ def topology_of(sc: Scenario, entry: PolicyEntry) -> Topology:
 
 
 def routing_mode(topo: Topology, preset: str) -> str:
-    """The gateway's mode for a simulator topology. ``two-layer`` with forwarding: SkyWalker's
-    peer forwarding. ``global`` and ``distributed`` gateways manage every region's replicas
-    themselves; with a GORGO preset they weigh the measured RTT (``gorgo_proxy``). The gateway's
-    ``gorgo_distributed`` mode (regional gateways forwarding on advertised cost) has no simulator
-    topology to mirror, so a scenario cannot ask for it here."""
+    """The gateway's mode for a simulator topology. ``two-layer`` with forwarding: peer forwarding,
+    GORGO v1's distributed mode with the ``gorgo`` preset (``gorgo_distributed``, as
+    ``sim/balancer.py``'s ``GorgoPeering``), SkyWalker's otherwise. ``global`` and ``distributed``
+    gateways manage every region's replicas themselves; with a GORGO preset they weigh the
+    measured RTT (``gorgo_proxy``)."""
     if topo.kind == "two-layer" and topo.forward and len(topo.gateways) > 1:
-        return "skywalker"
+        return "gorgo_distributed" if preset == "gorgo" else "skywalker"
     if topo.kind in ("global", "distributed") and preset.startswith("gorgo"):
         return "gorgo_proxy"
     return "local"
@@ -173,7 +173,7 @@ def gateway_config(run: LiveRun, entry: PolicyEntry, topo: Topology, region: str
     fields = GatewayConfig.model_fields
     if "routing_mode" in fields:
         cfg["routing_mode"] = routing_mode(topo, entry.preset)
-    if cfg.get("routing_mode") == "skywalker" and "peers" in fields:
+    if cfg.get("routing_mode") in ("skywalker", "gorgo_distributed") and "peers" in fields:
         cfg["peers"] = peers
         cfg["peer_auth"] = {"token_env": PEER_ENV}
     return cfg
@@ -316,9 +316,9 @@ async def run_policy(run: LiveRun, entry: PolicyEntry, *, max_requests: int | No
     for f in faults:
         fault_child(run, pol, f)  # unknown names fail before any load
     recorder = Recorder(list(run.replicas), [run.replica_region[r] for r in run.replicas])
-    # Only SkyWalker gateways forward; elsewhere an answer from another region is "remote".
+    # Only peering gateways forward; elsewhere an answer from another region is "remote".
     manages = ({f"gw-{r}": set(m) for r, m in topo.gateways.items()}
-               if routing_mode(topo, entry.preset) == "skywalker" else {})
+               if routing_mode(topo, entry.preset) in ("skywalker", "gorgo_distributed") else {})
     driver = Driver(sc.make_workload(), recorder, dict(run.replica_region), pol.controller.url, manages,
                     client_key, max_requests, duration_s, on_done=on_progress)
     stop = asyncio.Event()
