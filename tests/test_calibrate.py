@@ -61,6 +61,8 @@ def test_fit_recovers_the_emulators_known_profile(tmp_path):
     write_profile(out, fitted, report)
     loaded = load_profile(str(out))  # a profile `simulate --profile PATH` takes as it is
     assert loaded.c_prefill_s == fitted.c_prefill_s and loaded.model == "emulated"
+    # the emulator has no /props and no vLLM cache_config_info: its cache unit is not known
+    assert [f.cache_block for f in m.engines] == [None, None] and loaded.block_size == 16
     assert all("error" in pt and "fit_s" in pt and pt["source"] for pt in loaded.points)
     assert out.read_text().startswith("# Calibrated ")
 
@@ -112,6 +114,7 @@ def test_calibrate_reads_the_context_limit_and_hits_its_targets():
     assert max(m.sweep.contexts) + 16 <= 1024
     assert any("max_model_len is 1024" in n for n in notes)
     assert [f.max_model_len for f in m.engines] == [1024, 1024]
+    assert [f.cache_block for f in m.engines] == [16, 16]  # vLLM's cache_config_info block_size
     for target, tokens, _ in m.prefill:
         assert abs(tokens - target) <= max(2, 0.02 * target), (target, tokens)
     assert len(m.decode) == 2 * len(m.sweep.contexts) * len(m.sweep.batch_sizes)

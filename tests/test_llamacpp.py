@@ -565,6 +565,8 @@ def test_calibrate_fits_real_llama_servers_loaded_together(engines, tmp_path):
     profile, report = fit_profile(m, "llama-tiny", "this machine", sweep=sweep)
     assert profile.max_running == 4 and profile.max_batched_tokens == 2048  # slots; n_batch
     assert profile.prefix_reuse == "idle_slots"
+    # its slots reuse any common prefix (cached counts like 1,762): the cache unit is one token
+    assert {f.cache_block for f in m.engines} == {1} and profile.block_size == 1
     assert profile.c_prefill_s + profile.c_prefill_attn_s > 0 and profile.c_decode_s + profile.c_attn_s > 0
     assert profile.prefill_time(1024) > profile.prefill_time(128)
     # a noisy shared machine: the model still describes what it measured

@@ -101,3 +101,17 @@ def test_local_tokenizer_json_gives_exact_token_blocks(tmp_path):
     longer, _ = hasher("the cache router keeps the prefix warm the cache router keeps warm")
     assert longer[:2] == hashes
     assert hashes == hash_token_ids(tok.encode("the cache router keeps the prefix warm the cache").ids, 4)
+
+
+def test_text_spans_cut_blocks_of_a_fractional_byte_length():
+    """An engine's cache block of whole engine tokens is a fractional number of bytes (here 2.5):
+    the spans alternate 2 and 3 bytes, equal prefixes give equal hashes, and only full blocks
+    count."""
+    from kvroute.prefix.blocks import hash_text_spans
+
+    a = hash_text_spans("abcdefghij", 2.5)
+    assert len(a) == 4 and len(hash_text_spans("abcdefghi", 2.5)) == 3
+    assert hash_text_spans("abcdefghijXYZ", 2.5)[:4] == a and hash_text_spans("abcdeXghij", 2.5)[:2] == a[:2]
+    assert hash_text_spans("abcdeXghij", 2.5)[2] != a[2]
+    with pytest.raises(ValueError):
+        hash_text_spans("abc", 0.5)

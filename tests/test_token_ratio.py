@@ -126,10 +126,48 @@ def test_openai_trace_counts_engine_tokens_with_the_ratio(tmp_path):
     trace.write_text(json.dumps(conv) + "\n")
     plain = OpenAIConversations(trace, {"local": 1}).queues["local"][0].turns
     scaled = OpenAIConversations(trace, {"local": 1}, token_ratio=1.25).queues["local"][0].turns
-    for (a, out_a), (b, out_b) in zip(plain, scaled, strict=True):
+    for (a, out_a, _), (b, out_b, engine_blocks) in zip(plain, scaled, strict=True):
         assert b.prompt_tokens == round(a.prompt_tokens * 1.25) and b.block_tokens == 80
         assert b.block_hashes == a.block_hashes  # blocks stay byte spans: the same hashes
         assert out_a == out_b == 16  # the line's max_tokens caps the scripted answer (an engine stops there)
+        assert engine_blocks is None  # without engine_block_tokens the engine caches the index's blocks
     bad = {"replicas": [{"region": "local", "count": 1}], "workload": {"kind": "chat", "token_ratio": 1.2}}
     with pytest.raises(ScenarioError, match="token_ratio"):
+        parse_scenario(bad).make_workload()
+
+
+def test_engines_cache_prefixes_in_their_own_block_size(tmp_path):
+    """Issue 21: a real engine reuses a cached prefix in its own unit (vLLM: its 32-token blocks;
+    llama-server: any common prefix), not in the router's 64-token index blocks; with
+    ``engine_block_tokens`` the simulated engine does too, and a second turn finds the whole first
+    prompt cached instead of the first prompt cut to a 64-token block."""
+    from kvroute.sim.runner import run_scenario
+    from kvroute.sim.scenario import ScenarioError, parse_scenario
+    from kvroute.workload.traces import OpenAIConversations
+
+    conv = {"messages": [{"role": "system", "content": "shared words " * 300}, {"role": "user", "content": "q " * 50},
+                         {"role": "assistant", "content": "an answer " * 20}, {"role": "user", "content": "more " * 9}],
+            "max_tokens": 4}
+    trace = tmp_path / "c.jsonl"
+    trace.write_text(json.dumps(conv) + "\n")
+    (r1, _, e1), (r2, _, e2) = OpenAIConversations(trace, {"local": 1}, token_ratio=1.25,
+                                                   engine_block_tokens=1).queues["local"][0].turns
+    assert e1 is not None and e2 is not None and e1[1] == e2[1] == 1
+    assert e2[0][:len(e1[0])] == e1[0]  # the second prompt extends the first, block for block
+    assert abs(len(e1[0]) - r1.prompt_tokens) <= 1 and abs(len(e2[0]) - r2.prompt_tokens) <= 1
+    assert r2.block_hashes[:len(r1.block_hashes)] == r1.block_hashes and r1.block_tokens == 80  # index unchanged
+
+    def cached(block: int | None) -> list[int]:
+        sc = parse_scenario({"replicas": [{"region": "local", "count": 1, "profile": "l4-llama3.1-8b"}],
+                             "workload": {"kind": "openai", "path": str(trace), "clients": {"local": 1},
+                                          "token_ratio": 1.25, "engine_block_tokens": block},
+                             "policies": ["round_robin"]})
+        return list(run_scenario(sc)[0].recorder.cached_tokens)
+
+    index_blocks, own = cached(None), cached(1)
+    assert own[1] >= r1.prompt_tokens - 1  # the whole first prompt
+    assert index_blocks[1] % 80 == 0 and index_blocks[1] < own[1] - 10  # whole 80-token index blocks only
+    assert cached(32)[1] % 32 == 0 and cached(32)[1] > r1.prompt_tokens - 32  # vLLM: whole 32-token blocks
+    bad = {"replicas": [{"region": "local", "count": 1}], "workload": {"kind": "chat", "engine_block_tokens": 1}}
+    with pytest.raises(ScenarioError, match="engine_block_tokens"):
         parse_scenario(bad).make_workload()

@@ -272,6 +272,7 @@ def simulate(convs: list[list[dict]], policy: str, profile: str, replicas: int, 
     """The same conversations through `kvroute simulate` (an OpenAI-messages trace); ``host_cores``:
     the replicas share one machine with that many cores (scenario ``host_cores``); ``noise``: the
     engines get the profile's measured timing noise and reordering (``engine_noise: profile``)."""
+    from kvroute.perf.loader import load_profile
     from kvroute.sim.runner import run_scenario
     from kvroute.sim.scenario import parse_scenario
 
@@ -282,8 +283,11 @@ def simulate(convs: list[list[dict]], policy: str, profile: str, replicas: int, 
     if host_cores:
         group["host_cores"] = host_cores
     sc = parse_scenario({"replicas": [group],
+                         # the engines cache prefixes in their own unit (calibrate reads it into the
+                         # profile's block_size: vLLM's block size, llama-server 1), not the router's
                          "workload": {"kind": "openai", "path": str(trace), "clients": {"local": len(convs)},
-                                      "token_ratio": token_ratio},
+                                      "token_ratio": token_ratio,
+                                      "engine_block_tokens": load_profile(profile).block_size},
                          "policies": [policy], "seed": seed, **({"engine_noise": "profile"} if noise else {})})
     run = run_scenario(sc)[0]
     r, rec = run.result, run.recorder

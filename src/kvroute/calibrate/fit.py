@@ -100,6 +100,11 @@ def fit_profile(m: Measurements, name: str, hardware: str, max_batched_tokens: i
     facts = m.engines
     sigma, sigma_points = step_sigma(m.prefill)
     delay = api_delay(m.probes)
+    # the engines' own prefix-cache unit where they all say the same (vLLM: its block size;
+    # llama-server: 1, token by token), else the argument
+    blocks = {f.cache_block for f in facts}
+    if len(blocks) == 1 and None not in blocks:
+        block_size = blocks.pop() or block_size
     kv = kv_tokens or min((f.kv_tokens for f in facts if f.kv_tokens), default=None) or 65536
     running = max_running or min((f.slots for f in facts if f.slots), default=None) or 256
     batch = max_batched_tokens or min((f.batch_tokens for f in facts if f.batch_tokens), default=None) or 8192
@@ -163,7 +168,8 @@ def write_profile(path: str | Path, profile: HardwareProfile, report: dict) -> N
         f"max {report['max_error']:.1%} (per point below: fit_s, error = fit/measured - 1).",
         "# kv_blocks, max_running: from the engines (/props, /metrics) or the command line; "
         "max_batched_tokens: llama-server's n_batch (2048, assumed) or the command line;",
-        "# prefix_reuse: idle_slots for llama-server (a prefix is reused only from an idle slot), else shared.",
+        "# prefix_reuse: idle_slots for llama-server (a prefix is reused only from an idle slot), else shared;",
+        "# block_size: the engines' prefix-cache unit (vLLM's cache_config_info block_size; llama-server: 1).",
     ]
     noise = report.get("noise")
     if noise:

@@ -80,6 +80,9 @@ class EngineFacts:
     slots: int | None = None
     batch_tokens: int | None = None  # prompt tokens one engine step takes at most
     max_model_len: int | None = None  # context limit (prompt + output tokens), where it says
+    # tokens per block of its prefix cache: a cached prefix is reused in whole blocks (vLLM's
+    # block size; llama-server reuses any common prefix: 1)
+    cache_block: int | None = None
 
 
 @dataclass
@@ -220,15 +223,19 @@ class _Engine:
                 # llama-server evaluates at most n_batch (default 2048) prompt tokens per step;
                 # /props does not say, so the default is assumed (override: --max-batched-tokens)
                 facts.batch_tokens = LLAMA_SERVER_N_BATCH
+                # its slots reuse the longest common prefix token by token (cached counts such
+                # as 1,762 and 1,796 in the fidelity runs, not whole blocks)
+                facts.cache_block = 1
                 if isinstance(n_ctx, int) and n_ctx > 0:
                     facts.kv_tokens = slots * n_ctx
         if facts.kv_tokens is None:
-            from kvroute.gateway.probes import kv_capacity
+            from kvroute.gateway.probes import kv_block_size, kv_capacity
 
             # vLLM's cache_config_info, SGLang's max_total_num_tokens (unreadable: capacity unknown)
             with contextlib.suppress(aiohttp.ClientError, TimeoutError, UnicodeDecodeError):
                 async with self.session.get(f"{self.url}/metrics", timeout=aiohttp.ClientTimeout(total=5)) as r:
-                    facts.kv_tokens = kv_capacity(await r.text()) if r.status == 200 else None
+                    text = await r.text() if r.status == 200 else ""
+                    facts.kv_tokens, facts.cache_block = kv_capacity(text), kv_block_size(text)
         return facts
 
 

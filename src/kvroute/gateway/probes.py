@@ -109,16 +109,28 @@ class Reading:
     kv_tokens: int | None = None  # KV capacity, where the engine exports it
 
 
-def kv_capacity(text: str) -> int | None:
-    """KV capacity in tokens from vLLM's ``cache_config_info`` labels (a value-less info metric)."""
+def _cache_info(text: str) -> dict[str, str]:
+    """The labels of vLLM's ``cache_config_info`` (a value-less info metric); {} without it."""
     at = text.find(VLLM_CACHE_INFO + "{")
-    if at < 0:
-        return None
-    labels = dict(_LABEL.findall(text[at:text.find("}", at)]))
+    return dict(_LABEL.findall(text[at:text.find("}", at)])) if at >= 0 else {}
+
+
+def kv_capacity(text: str) -> int | None:
+    """KV capacity in tokens from vLLM's ``cache_config_info`` labels."""
+    labels = _cache_info(text)
     try:
         return int(labels["num_gpu_blocks"]) * int(labels["block_size"])
     except (KeyError, ValueError):
         return None
+
+
+def kv_block_size(text: str) -> int | None:
+    """Tokens per KV block (the prefix cache's unit) from vLLM's ``cache_config_info`` labels."""
+    try:
+        size = int(_cache_info(text)["block_size"])
+    except (KeyError, ValueError):
+        return None
+    return size if size > 0 else None
 
 
 def read_indicators(samples: dict[str, list[float]], engine: str = "auto") -> Reading:

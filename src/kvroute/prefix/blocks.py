@@ -5,13 +5,15 @@ equal hashes mean equal prefixes (vLLM's and llm-d's scheme). Only full blocks a
 partial tail block is never reused by an engine either.
 
 Without a tokenizer a block is ``block_tokens * 4`` UTF-8 bytes of the key (4 bytes ≈ 1 token);
-with a tokenizer, ``block_tokens`` token ids packed as uint32.
+with a tokenizer, ``block_tokens`` token ids packed as uint32. ``hash_text_spans`` cuts blocks of
+a fractional byte length (an engine's own cache block, in its tokens: the simulator's engines).
 """
 
 from __future__ import annotations
 
 from array import array
 from pathlib import Path
+from typing import Any
 
 import xxhash
 
@@ -33,6 +35,24 @@ def _chain(data: bytes, block_bytes: int) -> tuple[int, ...]:
 def hash_text(text: str, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> tuple[int, ...]:
     """Chained block hashes of text, a block being ``block_tokens`` × 4 bytes (the token estimate)."""
     return _chain(text.encode("utf-8", "surrogatepass"), block_tokens * CHARS_PER_TOKEN)
+
+
+def hash_text_spans(text: str, block_bytes: float) -> tuple[int, ...]:
+    """Chained hashes of text cut into blocks of ``block_bytes`` ≥ 1 bytes on average (block *i*
+    ends at byte ``floor((i + 1) * block_bytes)``): an engine's cache block of a whole number of
+    *its* tokens, which are a fractional number of bytes each. Only full blocks are hashed."""
+    if block_bytes < 1:
+        raise ValueError(f"block_bytes must be at least 1, got {block_bytes}")
+    data = text.encode("utf-8", "surrogatepass")
+    out = []
+    h, start, i = 0, 0, 1
+    end = int(block_bytes)
+    while end <= len(data):
+        h = _xxh3(data[start:end], h)
+        out.append(h)
+        start, i = end, i + 1
+        end = int(i * block_bytes)
+    return tuple(out)
 
 
 def hash_token_ids(ids: list[int], block_tokens: int = DEFAULT_BLOCK_TOKENS) -> tuple[int, ...]:
@@ -63,6 +83,11 @@ class BlockHasher:
                 raise ValueError("tokenizer_path needs the optional 'tokenizers' package: "
                                  "pip install 'kvroute[tokenizers]'") from exc
             self._tokenizer = Tokenizer.from_file(str(path))
+
+    @property
+    def tokenizer(self) -> Any:
+        """The local tokenizer (a ``tokenizers.Tokenizer``), None without ``tokenizer_path``."""
+        return self._tokenizer
 
     def __call__(self, key: str | list[int]) -> tuple[tuple[int, ...], int]:
         if isinstance(key, list):

@@ -112,7 +112,7 @@ class Disaggregation:
             back = self.sim.network.one_way(rep.region, leg.lb.region)
             self.sim.loop.at(self.sim.loop.now + back, self._reject, flight)
             return
-        eng.submit(Seq(req.id, req.prompt_tokens, 1, req.block_hashes, req.block_tokens, leg))
+        eng.submit(Seq(req.id, req.prompt_tokens, 1, *flight.sreq.cache_blocks(), leg))
 
     def _reject(self, flight: Flight) -> None:
         self.sim.fail(flight, "rejected: the prompt exceeds the prefill engine's KV capacity")

@@ -139,6 +139,10 @@ class WorkloadSpec(StrictModel):
                                       "simulator counts the engine's tokens")
     tokenizer_path: str | None = Field(None, description="`openai` traces: a local HF tokenizer.json to count "
                                        "prompt tokens exactly (instead of token_ratio)")
+    engine_block_tokens: int | None = Field(None, gt=0, description="`openai` traces: the engines' prefix cache "
+                                            "keeps blocks of this many engine tokens (vLLM: its block size; "
+                                            "llama-server: 1, any prefix), finer than the router's index blocks; "
+                                            "unset: the engines cache the index's blocks")
 
 
 class LimitSpec(StrictModel):
@@ -364,8 +368,9 @@ class Scenario(StrictModel):
         w = self.workload
         clients = self.clients()
         try:
-            if (w.token_ratio or w.tokenizer_path) and w.kind != "openai":
-                raise ScenarioError(f"workload.token_ratio / tokenizer_path apply to openai traces (text), not "
+            if (w.token_ratio or w.tokenizer_path or w.engine_block_tokens) and w.kind != "openai":
+                raise ScenarioError(f"workload.token_ratio / tokenizer_path / engine_block_tokens apply to openai "
+                                    f"traces (text), not "
                                     f"{w.kind!r}, whose requests are counted in tokens already")
             if w.shapes and w.kind not in ("chat", "tot", "mixed"):
                 raise ScenarioError(f"workload.shapes: per-region shapes apply to chat, tot and mixed "
@@ -396,7 +401,8 @@ class Scenario(StrictModel):
                                   self.limits.max_requests, w.max_prompt_tokens, w.max_output_tokens)
             try:
                 return OpenAIConversations(path, clients, self.seed, w.skip_bad, token_ratio=w.token_ratio,
-                                           tokenizer_path=w.tokenizer_path)
+                                           tokenizer_path=w.tokenizer_path,
+                                           engine_block_tokens=w.engine_block_tokens)
             except ValueError as exc:
                 if isinstance(exc, TraceError):
                     raise

@@ -294,8 +294,8 @@ class Simulation:
         if not eng.fits(req.prompt_tokens, flight.sreq.output_tokens):
             self.loop.at(self.loop.now + flight.back_s, self._reject, flight)
             return
-        seq = Seq(req.id, req.prompt_tokens, flight.sreq.output_tokens, req.block_hashes, req.block_tokens, flight,
-                  req.max_output_tokens)
+        hashes, bt = flight.sreq.cache_blocks()
+        seq = Seq(req.id, req.prompt_tokens, flight.sreq.output_tokens, hashes, bt, flight, req.max_output_tokens)
         if flight.prefill is not None and self.pd is not None:  # its KV comes from the prefill engine
             seq.remote = self.pd.transfer(flight)
         eng.submit(seq)

@@ -23,6 +23,15 @@ class SimRequest:
     req: Request
     output_tokens: int  # what the engine will generate; the router never sees it
     program: Program | None = None
+    # the engine's own prefix-cache blocks (hashes, tokens per block) where they are finer than
+    # the router's index blocks (``req.block_hashes``): an OpenAI trace with
+    # ``workload.engine_block_tokens`` (a real engine caches whole blocks of its block size, or
+    # any prefix at all); None: the engine caches the router's blocks
+    engine_blocks: tuple[tuple[int, ...], int] | None = None
+
+    def cache_blocks(self) -> tuple[tuple[int, ...], int]:
+        """The blocks the engine's prefix cache keys this prompt by: (hashes, tokens per block)."""
+        return self.engine_blocks or (self.req.block_hashes, self.req.block_tokens)
 
 
 class Program(ABC):
