@@ -17,7 +17,8 @@ ADAPTIVE = Path(__file__).resolve().parent.parent / "src/kvroute/policy/adaptive
 
 # folder → the plugin it documents (kind, registered name); the seed (from the policy's) is not listed
 MECHANISMS = [("es_tuner", "scorer", "es"), ("ttft_fit", "scorer", "calibration"), ("hotspot", "route", "hotspot"),
-              ("predictor", "scorer", "predictor"), ("selector", "condition", "ttft_selector")]
+              ("predictor", "scorer", "predictor"), ("selector", "condition", "ttft_selector"),
+              ("replica_speed", "scorer", "lmetric_speed")]
 
 
 def test_every_mechanism_folder_is_listed():

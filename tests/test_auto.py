@@ -68,7 +68,9 @@ def test_the_gateway_explains_auto_in_the_admin_api_and_metrics(monkeypatch):
         # the first request of the first trial went by GORGO's additive cost; LMetric's score routes the next
         assert info["state"]["ttft_selector.region.trialling"] == 1.0
         assert info["state"]["ttft_selector.region.serving_guarded"] == 0.0
+        assert info["state"]["lmetric_speed.mixed"] == 0.0  # replica speed: one observation, no factor yet
         text = httpx.get(f"{dep.url}/metrics").text
+        assert 'kvroute_policy_state{key="lmetric_speed.mixed"} 0.0' in text
         assert f'kvroute_policy_branch_total{{branch="{ADDITIVE}",policy="auto"}} 1.0' in text
         assert dep.settle() == (0, 0, 0)
     finally:

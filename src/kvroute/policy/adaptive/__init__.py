@@ -8,10 +8,12 @@ table-driven test (``tests/test_adaptive_<name>.py``).
 * :mod:`.hotspot` — LMetric's two-phase KV-hotspot detector (§5.2) and its fallback (``hotspot``);
 * :mod:`.predictor` — llm-d's predicted TTFT on the simulator's step-time model (``predictor``);
 * :mod:`.selector` — ``auto``'s online choice between two rules by measured TTFT
-  (``ttft_selector``).
+  (``ttft_selector``);
+* :mod:`.replica_speed` — each replica's prefill and decode time learned from measured TTFTs and
+  TPOTs, scaling LMetric's score on mixed hardware (``lmetric_speed``).
 
 None of them reads a clock or performs I/O: observations arrive as arguments (the Router's
 lifecycle hooks), so the simulator and the gateway drive them identically. Importing a package
-registers its plugins (:mod:`kvroute.policy.builtin` imports the first four, ``auto`` the
+registers its plugins (:mod:`kvroute.policy.builtin` imports all but the selector, ``auto`` the
 selector).
 """

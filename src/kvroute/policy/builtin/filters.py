@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import statistics
 
-from kvroute.model import Endpoint
+from kvroute.model import Endpoint, Request
 from kvroute.policy.catalog import register_plugin
+from kvroute.policy.hooks import Lifecycle
 from kvroute.policy.plugins import DecisionState, Filter
 
 
@@ -81,11 +82,14 @@ class CachedWithinSpread(Filter):
 
 
 @register_plugin
-class NearBest(Filter):
+class NearBest(Filter, Lifecycle):
     """Endpoints whose ``scorer`` value is within ``factor`` × the best one's: a trust region around
     another rule's choice. ``auto`` lets GORGO's cost choose only among the replicas LMetric's score
     ranks near its best, so trialling the challenger can never send a request where the incumbent
-    judges it far worse (a hot prefix's cached replica with a long queue) — safe exploration."""
+    judges it far worse (a hot prefix's cached replica with a long queue) — safe exploration.
+
+    A scorer that learns (``lmetric_speed``) hears the lifecycle events through this filter, so it
+    learns what the rule's own copy learns; its state is exported by that copy, not repeated here."""
 
     name = "near_best"
     inputs = frozenset({"prefix", "prefill_backlog", "load"})
@@ -98,6 +102,27 @@ class NearBest(Filter):
         self.scorer, self.factor = new_scorer(scorer), factor
         if not self.scorer.lower_is_better:
             raise ValueError(f"near_best: scorer {scorer!r} is higher-is-better; it needs a cost")
+        self._hears = self.scorer if isinstance(self.scorer, Lifecycle) else None
+
+    def on_dispatched(self, req: Request, endpoint: Endpoint, new_prefill_tokens: int) -> None:
+        """Forwarded to a scorer that learns."""
+        if self._hears is not None:
+            self._hears.on_dispatched(req, endpoint, new_prefill_tokens)
+
+    def on_first_token(self, req_id: str, endpoint_id: str, ttft_s: float) -> None:
+        """Forwarded to a scorer that learns."""
+        if self._hears is not None:
+            self._hears.on_first_token(req_id, endpoint_id, ttft_s)
+
+    def on_finished(self, req_id: str, endpoint_id: str, e2e_s: float, output_tokens: int) -> None:
+        """Forwarded to a scorer that learns."""
+        if self._hears is not None:
+            self._hears.on_finished(req_id, endpoint_id, e2e_s, output_tokens)
+
+    def on_failed(self, req_id: str, endpoint_id: str) -> None:
+        """Forwarded to a scorer that learns."""
+        if self._hears is not None:
+            self._hears.on_failed(req_id, endpoint_id)
 
     def filter(self, st: DecisionState, eps: list[Endpoint]) -> list[Endpoint]:
         """``eps`` scoring at most ``factor`` × the lowest score (all of them when every score is 0)."""

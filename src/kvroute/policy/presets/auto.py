@@ -12,13 +12,17 @@ never a step-time model:
    others (branch ``hotspot-filtered``, the hotspot route's own, as in ``lmetric``);
 2. **the incumbent, LMetric's score**: (queued prefill + this request's uncached tokens) ×
    (batch + 1) — it follows the cache while that saves prefill and spreads load when it does not;
-   on traffic without prefix reuse it reduces to least prefill work (branch ``auto:prefix-load``);
+   on traffic without prefix reuse it reduces to least prefill work (branch ``auto:prefix-load``).
+   On mixed hardware each factor is scaled by the replica's prefill / decode time learned online
+   from the TTFTs and TPOTs it reports (``lmetric_speed``, :mod:`kvroute.policy.adaptive.replica_speed`),
+   so a replica k× faster carries about k× the load; times within ``speed_spread`` of each other
+   count as equal (a homogeneous fleet routes exactly by LMetric's score);
 3. **the challenger, GORGO's cost**, trialled online against it (``ttft_selector``, interleaved
    trials, switching only on evidence of a better mean TTFT, guarded by end-to-end latency):
    across regions — the candidates' probe RTTs spread by more than ``rtt_spread_ms`` — w_rtt·RTT
    + t_p·uncached + w_queue·queued tokens (GORGO v1 §3, v2's weights; branch ``auto:rtt-aware``),
    within one region the same without the RTT (branch ``auto:additive``). It chooses only among
-   the replicas LMetric's score ranks within ``trust`` × its best (the ``near_best`` trust
+   the replicas the incumbent's score ranks within ``trust`` × its best (the ``near_best`` trust
    region), so a trial can never send a request where the incumbent judges it far worse.
 
 The branch of every decision says which mechanism was in charge: ``kvroute_policy_branch`` in the
@@ -40,7 +44,7 @@ from kvroute.policy.params import PolicyParams
 # the hotspot route names its decisions itself (Branch.HOTSPOT_FILTERED), whatever the rule says
 HOTSPOT = Branch.HOTSPOT_FILTERED.value
 RTT_AWARE, ADDITIVE, PREFIX_LOAD = "auto:rtt-aware", "auto:additive", "auto:prefix-load"
-TRUST = {"near_best": {"scorer": "lmetric", "factor": "$trust"}}  # the challenger's trust region
+TRUST = {"near_best": {"scorer": "lmetric_speed", "factor": "$trust"}}  # the challenger's trust region
 
 
 def _select(scope: str) -> dict[str, dict[str, str]]:
@@ -56,7 +60,8 @@ def _select(scope: str) -> dict[str, dict[str, str]]:
             "branch": RTT_AWARE, "among": TRUST,
             "cost": {"rtt_ms": "$w_rtt", "uncached_tokens": "$t_p", "inflight_tokens": "$w_queue"}},
            {"enabled": "$select", "when": [{"rtt_spread_at_most": "$rtt_spread_ms"}, _select("region")],
-            "branch": ADDITIVE, "among": TRUST, "cost": {"uncached_tokens": "$t_p", "inflight_tokens": "$w_queue"}}],
+            "branch": ADDITIVE, "among": TRUST, "cost": {"uncached_tokens": "$t_p", "inflight_tokens": "$w_queue"}},
+           {"enabled": "$speed", "cost": {"lmetric_speed": {"spread": "$speed_spread"}}, "branch": PREFIX_LOAD}],
     cost={"lmetric": 1}, branch=PREFIX_LOAD)
 class AutoParams(PolicyParams):
     """The default: LMetric's score, GORGO's cost trialled against it online, hotspot detection.
@@ -82,3 +87,7 @@ class AutoParams(PolicyParams):
     trust: float = Field(2.0, ge=1, description="GORGO's cost chooses only among replicas LMetric's score ranks "
                          "within this factor of its best (safe exploration)")
     select_z: float = Field(2.0, ge=0, description="standard errors by which GORGO's mean TTFT must lead to take over")
+    speed: bool = Field(True, description="the incumbent scales LMetric's score by each replica's prefill and decode "
+                        "time learned from measured TTFTs and TPOTs (mixed hardware); false: LMetric's score as is")
+    speed_spread: float = Field(1.5, ge=1, description="learned replica times differing by less than this factor "
+                                "(max / min) are noise: the fleet routes as one of a single hardware kind")

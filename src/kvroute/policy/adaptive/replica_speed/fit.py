@@ -1,0 +1,175 @@
+"""Each replica's speed, learned online from the TTFTs and TPOTs the load balancer measures.
+
+A fleet of mixed hardware (two A100s beside six L4s) serves the same request 3× faster on some
+replicas than on others. llm-d's predictor reads each replica's hardware profile; a live gateway
+may not (issue 22: only its own accounting, engine metrics and measured latencies, a profile
+calibrated online). This module calibrates that profile online, per replica:
+
+* **prefill** — at every first token, the TTFT beyond the probed RTT against the prefill work the
+  router had queued on the replica when it dispatched the request, this request's uncached
+  tokens included (``Endpoint.queued_prefill_tokens`` at dispatch). Exponentially weighted least
+  squares ``TTFT − RTT ≈ a_r + b_r · work`` (half-life ``halflife`` observations). The replica's
+  prefill *time* is that line evaluated at the fleet's mean work: where an ordinary least squares
+  line is most precise, and the same work for every replica, so the intercept (a step's fixed
+  cost, scheduling) and the slope (time per token) both count, whatever load each replica had.
+* **decode** — at every completion, (E2E − TTFT) / (output tokens − 1): the mean time per output
+  token, weighted by tokens, with the same half-life.
+
+Relative speeds are what routing needs: each replica's time over the median of the replicas that
+have ``min_samples`` observations (a replica without them counts as the median). Differences
+inside ``spread`` (max ÷ min, 1.5) are read as noise — the load imbalance and prefix-cache luck of
+a homogeneous fleet — and every factor is 1 then, so a fleet of one hardware kind routes exactly
+as without this module; past it the hardware is judged mixed and every replica gets its factor.
+
+The estimate feeds back on itself, stabilisingly: a replica given more load queues more, its
+measured times grow, its factor grows, and it is given less. Pure: times arrive as arguments.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from statistics import median
+
+DEFAULT_HALFLIFE = 128  # observations per replica over which an old one's weight halves
+
+
+@dataclass(slots=True)
+class _Line:
+    """Exponentially weighted least squares of y on x (sums of weights, x, x², y, x·y)."""
+
+    n: int = 0
+    w: float = 0.0
+    sx: float = 0.0
+    sxx: float = 0.0
+    sy: float = 0.0
+    sxy: float = 0.0
+
+    def add(self, x: float, y: float, decay: float) -> None:
+        self.n += 1
+        self.w = self.w * decay + 1.0
+        self.sx = self.sx * decay + x
+        self.sxx = self.sxx * decay + x * x
+        self.sy = self.sy * decay + y
+        self.sxy = self.sxy * decay + x * y
+
+    def at(self, x: float) -> float:
+        """The fitted line at ``x`` (the mean of y when x did not vary); never below 0."""
+        mx, my = self.sx / self.w, self.sy / self.w
+        var = self.sxx / self.w - mx * mx
+        slope = (self.sxy / self.w - mx * my) / var if var > 1e-9 * max(1.0, mx * mx) else 0.0
+        return max(0.0, my + max(0.0, slope) * (x - mx))
+
+
+@dataclass(slots=True)
+class _Ratio:
+    """Exponentially weighted ratio of sums (decode seconds over output tokens)."""
+
+    n: int = 0
+    num: float = 0.0
+    den: float = 0.0
+
+    def add(self, num: float, den: float, decay: float) -> None:
+        self.n += 1
+        self.num = self.num * decay + num
+        self.den = self.den * decay + den
+
+
+class SpeedFit:
+    """Per-replica prefill and decode times from measured TTFTs and completions, and the relative
+    factors routing multiplies a replica's load by (1 = the fleet's median speed)."""
+
+    def __init__(self, min_samples: int = 16, halflife: int = DEFAULT_HALFLIFE, spread: float = 1.5):
+        if min_samples < 1:
+            raise ValueError(f"min_samples must be >= 1, got {min_samples}")
+        if halflife < 1:
+            raise ValueError(f"halflife must be >= 1, got {halflife}")
+        if spread < 1:
+            raise ValueError(f"spread must be >= 1, got {spread}")
+        self.min_samples, self.spread = min_samples, spread
+        self.decay = 0.5 ** (1.0 / halflife)
+        self._prefill: dict[str, _Line] = {}
+        self._decode: dict[str, _Ratio] = {}
+        self._work = _Ratio()  # the fleet's mean prefill work per request (num: tokens, den: requests)
+        self._pending: dict[str, tuple[str, float, float]] = {}  # req → (replica, work, rtt)
+        self._ttft: dict[str, float] = {}  # req → measured TTFT, until it finishes
+        # recomputed at each observation, never while deciding (Router.decide stays a dry run)
+        self._factors: tuple[dict[str, float], dict[str, float]] = ({}, {})
+
+    # ---- observations -------------------------------------------------------------------------
+    def dispatched(self, req_id: str, endpoint_id: str, work_tokens: int, rtt_s: float) -> None:
+        """``req_id`` went to ``endpoint_id`` with ``work_tokens`` of prefill queued there (its own included)."""
+        self._pending[req_id] = (endpoint_id, float(work_tokens), rtt_s)
+
+    def first_token(self, req_id: str, ttft_s: float) -> None:
+        """The measured TTFT: one prefill observation for the request's replica."""
+        p = self._pending.pop(req_id, None)
+        if p is None:
+            return
+        ep, work, rtt = p
+        self._ttft[req_id] = ttft_s
+        line = self._prefill.get(ep)
+        if line is None:
+            line = self._prefill[ep] = _Line()
+        line.add(work, max(0.0, ttft_s - rtt), self.decay)
+        self._work.add(work, 1.0, self.decay)
+        self._refresh()
+
+    def finished(self, req_id: str, endpoint_id: str, e2e_s: float, output_tokens: int) -> None:
+        """A completion: one decode observation when its TTFT was seen and it decoded past one token."""
+        self._pending.pop(req_id, None)
+        ttft = self._ttft.pop(req_id, None)
+        if ttft is None or output_tokens < 2 or e2e_s <= ttft:
+            return
+        r = self._decode.get(endpoint_id)
+        if r is None:
+            r = self._decode[endpoint_id] = _Ratio()
+        r.add(e2e_s - ttft, float(output_tokens - 1), self.decay)
+        self._refresh()
+
+    def forget(self, req_id: str) -> None:
+        """The request failed or was re-routed: no observation."""
+        self._pending.pop(req_id, None)
+        self._ttft.pop(req_id, None)
+
+    # ---- estimates ----------------------------------------------------------------------------
+    def prefill_s(self) -> dict[str, float]:
+        """Per replica with ``min_samples`` first tokens: its fitted TTFT − RTT at the fleet's mean work."""
+        if self._work.den <= 0:
+            return {}
+        ref = self._work.num / self._work.den
+        return {ep: line.at(ref) for ep, line in self._prefill.items() if line.n >= self.min_samples}
+
+    def decode_s(self) -> dict[str, float]:
+        """Per replica with ``min_samples`` completions: its mean time per output token."""
+        return {ep: r.num / r.den for ep, r in self._decode.items() if r.n >= self.min_samples and r.den > 0}
+
+    def _relative(self, times: dict[str, float]) -> dict[str, float]:
+        """Each time over the median; empty (all 1) while the spread is within ``spread``."""
+        positive = [t for t in times.values() if t > 0]
+        if len(positive) < 2 or max(positive) <= self.spread * min(positive):
+            return {}
+        mid = median(positive)
+        return {ep: t / mid for ep, t in times.items() if t > 0}
+
+    def _refresh(self) -> None:
+        self._factors = (self._relative(self.prefill_s()), self._relative(self.decode_s()))
+
+    def factors(self) -> tuple[dict[str, float], dict[str, float]]:
+        """(prefill, decode) factors per replica; a replica not listed counts as 1."""
+        return self._factors
+
+    def state(self) -> dict[str, float]:
+        """Per replica: learned prefill time (ms at the fleet's mean work), decode ms per token, their
+        factors and observations; ``mixed`` 1 while some factor is in use."""
+        pf, df = self.factors()
+        pre, dec = self.prefill_s(), self.decode_s()
+        out: dict[str, float] = {"mixed": 1.0 if pf or df else 0.0}
+        for ep in sorted(set(self._prefill) | set(self._decode)):
+            out[f"{ep}.samples"] = float(self._prefill[ep].n if ep in self._prefill else 0)
+            if ep in pre:
+                out[f"{ep}.prefill_ms"] = 1000.0 * pre[ep]
+            if ep in dec:
+                out[f"{ep}.decode_ms_per_token"] = 1000.0 * dec[ep]
+            out[f"{ep}.prefill_factor"] = pf.get(ep, 1.0)
+            out[f"{ep}.decode_factor"] = df.get(ep, 1.0)
+        return out

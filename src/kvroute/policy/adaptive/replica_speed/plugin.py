@@ -1,0 +1,69 @@
+"""Replica speed as plugins: ``SpeedPlugin`` feeds the per-replica fit (:mod:`.fit`: prefill work at
+dispatch, TTFT at first token, decode time at completion); ``SpeedLMetric`` (scorer
+``lmetric_speed``) is LMetric's score with each factor scaled by the replica's learned slowness.
+``state()`` is exported under ``lmetric_speed.``.
+"""
+
+from __future__ import annotations
+
+from kvroute.model import Endpoint, Request
+from kvroute.policy.adaptive.replica_speed.fit import DEFAULT_HALFLIFE, SpeedFit
+from kvroute.policy.catalog import register_plugin
+from kvroute.policy.hooks import Lifecycle
+from kvroute.policy.plugins import DecisionState, Scorer
+
+
+class SpeedPlugin(Lifecycle):
+    """Feeds the replica-speed fit from the Router's lifecycle events."""
+
+    name = "lmetric_speed"
+
+    def __init__(self, fit: SpeedFit):
+        self.fit = fit
+
+    def on_dispatched(self, req: Request, endpoint: Endpoint, new_prefill_tokens: int) -> None:
+        """Remember the prefill work queued on the replica (this request's included) and the RTT."""
+        self.fit.dispatched(req.id, endpoint.id, endpoint.queued_prefill_tokens, endpoint.rtt_s)
+
+    def on_first_token(self, req_id: str, endpoint_id: str, ttft_s: float) -> None:
+        """One prefill observation."""
+        self.fit.first_token(req_id, ttft_s)
+
+    def on_finished(self, req_id: str, endpoint_id: str, e2e_s: float, output_tokens: int) -> None:
+        """One decode observation."""
+        self.fit.finished(req_id, endpoint_id, e2e_s, output_tokens)
+
+    def on_failed(self, req_id: str, endpoint_id: str) -> None:
+        """No observation."""
+        self.fit.forget(req_id)
+
+    def state(self) -> dict[str, float]:
+        """Per replica: learned times, factors, observations; ``mixed``."""
+        return self.fit.state()
+
+
+@register_plugin
+class SpeedLMetric(Scorer, SpeedPlugin):
+    """LMetric §4's P-tokens × BS on hardware learned online: (queued prefill + new prefill) ×
+    prefill factor × (batch + 1) × decode factor, the factors being each replica's measured prefill
+    and decode time over the fleet's median (:class:`~.fit.SpeedFit`; all 1 on a fleet whose
+    measured speeds differ by less than ``spread``, where it equals ``lmetric``).
+
+    On equal load the score scales with both times, so at balance a replica k× faster at both
+    carries k× the load (the score grows as load², LMetric's two factors each growing with it)."""
+
+    name = "lmetric_speed"
+    inputs = frozenset({"prefix", "prefill_backlog", "load"})
+
+    def __init__(self, min_samples: int = 16, halflife: int = DEFAULT_HALFLIFE, spread: float = 1.5):
+        SpeedPlugin.__init__(self, SpeedFit(min_samples=min_samples, halflife=halflife, spread=spread))
+
+    def values(self, st: DecisionState, eps: list[Endpoint]) -> list[float]:
+        """LMetric's score per endpoint, times its prefill and decode factors; lower is better."""
+        pf, df = self.fit.factors()
+        base: list[float] = [(e.queued_prefill_tokens + n) * (e.running + e.waiting + e.dispatched_since_probe + 1)
+                for n, e in zip(st.new_prefill(eps), eps)]
+        if not pf and not df:
+            return base
+        return [b * pf.get(e.id, 1.0) * df.get(e.id, 1.0) for b, e in zip(base, eps)]
+

@@ -1,0 +1,142 @@
+"""Replica speed learned online (policy/adaptive/replica_speed): factors from measured TTFTs and
+TPOTs, the spread below which they are noise, the score, the trust region hearing the events, and
+``auto`` on the bundled mixed-hardware scenario."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvroute.model import Endpoint, Request
+from kvroute.policy.adaptive.replica_speed import SpeedFit, SpeedLMetric
+from kvroute.policy.builtin.filters import NearBest
+
+
+def _feed(fit: SpeedFit, laws: dict[str, tuple[float, float, float]], n: int, seed: int = 0) -> None:
+    """``n`` requests per replica; law = (intercept s, s per prefill token of work, s per output token)."""
+    rng = random.Random(seed)
+    for i in range(n):
+        for ep, (a, b, d) in laws.items():
+            work, out, rtt = rng.randrange(200, 8000), rng.randrange(2, 400), 0.02
+            rid = f"{ep}-{i}"
+            fit.dispatched(rid, ep, work, rtt)
+            ttft = rtt + a + b * work
+            fit.first_token(rid, ttft)
+            fit.finished(rid, ep, ttft + d * (out - 1), out)
+
+
+# replica laws → expected (prefill factor, decode factor) per replica; {} = all 1 (noise or one kind)
+CASES = [
+    pytest.param({"a": (0.02, 1e-4, 0.03), "b": (0.02, 1e-4, 0.03)}, {}, {}, id="one-kind"),
+    pytest.param({"a": (0.02, 1.2e-4, 0.033), "b": (0.02, 1e-4, 0.03), "c": (0.02, 0.9e-4, 0.03)}, {}, {},
+                 id="within-spread-is-noise"),
+    pytest.param({"fast": (0.01, 1e-4, 0.02), "slow1": (0.03, 3e-4, 0.06), "slow2": (0.03, 3e-4, 0.06)},
+                 {"fast": 1 / 3, "slow1": 1.0, "slow2": 1.0}, {"fast": 1 / 3, "slow1": 1.0, "slow2": 1.0},
+                 id="a100-beside-l4s"),
+    pytest.param({"a": (0.02, 1e-4, 0.03), "b": (0.02, 1e-4, 0.03), "c": (0.02, 1e-4, 0.09)},
+                 {}, {"a": 1.0, "b": 1.0, "c": 3.0}, id="decode-only-differs"),
+]
+
+
+@pytest.mark.parametrize(("laws", "prefill", "decode"), CASES)
+def test_factors_follow_the_measured_speeds(laws, prefill, decode):
+    fit = SpeedFit(min_samples=16, spread=1.5)
+    _feed(fit, laws, 200)
+    pf, df = fit.factors()
+    assert pf.keys() == prefill.keys() and df.keys() == decode.keys()
+    for ep, f in prefill.items():
+        assert pf[ep] == pytest.approx(f, rel=0.02)
+    for ep, f in decode.items():
+        assert df[ep] == pytest.approx(f, rel=0.02)
+    state = fit.state()
+    assert state["mixed"] == (1.0 if prefill or decode else 0.0)
+    assert state[f"{next(iter(laws))}.samples"] == 200.0
+
+
+# observations per replica, min_samples → is the replica's own time used?
+THRESHOLDS = [(15, 16, False), (16, 16, True), (3, 2, True)]
+
+
+@pytest.mark.parametrize(("observed", "min_samples", "used"), THRESHOLDS)
+def test_a_replica_counts_as_the_median_until_min_samples(observed, min_samples, used):
+    fit = SpeedFit(min_samples=min_samples)
+    _feed(fit, {"fast": (0.0, 1e-4, 0.02), "slow": (0.0, 3e-4, 0.06)}, observed)
+    assert ("fast" in fit.factors()[0]) == used
+
+
+def test_failed_and_single_token_requests_leave_no_decode_observation():
+    fit = SpeedFit(min_samples=1)
+    fit.dispatched("x", "a", 1000, 0.0)
+    fit.first_token("x", 0.5)
+    fit.finished("x", "a", 0.9, 1)  # one output token: no time per token
+    fit.dispatched("y", "a", 1000, 0.0)
+    fit.forget("y")
+    fit.first_token("y", 0.5)  # forgotten: no observation
+    assert fit.state()["a.samples"] == 1.0 and fit.decode_s() == {}
+
+
+@pytest.mark.parametrize("bad", [{"min_samples": 0}, {"halflife": 0}, {"spread": 0.9}])
+def test_bad_settings_are_refused(bad):
+    with pytest.raises(ValueError):
+        SpeedFit(**bad)
+
+
+class _St:
+    def new_prefill(self, eps):
+        return [1000 for _ in eps]
+
+
+def _learn(plugin, laws: dict[str, tuple[float, float]], n: int = 40) -> None:
+    """Lifecycle events as the Router delivers them; law = (s per work token, s per output token)."""
+    for i in range(n):
+        for ep, (b, d) in laws.items():
+            req = Request(id=f"{ep}-{i}", prompt_tokens=1000)
+            work = 500 + 100 * (i % 20)
+            plugin.on_dispatched(req, Endpoint(ep, queued_prefill_tokens=work, rtt_s=0.0), new_prefill_tokens=1000)
+            plugin.on_first_token(req.id, ep, b * work)
+            plugin.on_finished(req.id, ep, b * work + d * 100, 101)
+
+
+def test_the_score_is_lmetric_until_the_fleet_is_mixed_then_scaled_by_speed():
+    scorer = SpeedLMetric(min_samples=8)
+    eps = [Endpoint("fast", queued_prefill_tokens=3000, running=5), Endpoint("slow", queued_prefill_tokens=0)]
+    lmetric = [(3000 + 1000) * 6, (0 + 1000) * 1]
+    assert scorer.values(_St(), eps) == lmetric
+    _learn(scorer, {"fast": (1e-4, 0.02), "slow": (1e-4, 0.02)})
+    assert scorer.values(_St(), eps) == lmetric  # one kind: unchanged
+    scorer = SpeedLMetric(min_samples=8)
+    _learn(scorer, {"fast": (1e-4, 0.01), "slow": (6e-4, 0.06), "slow2": (6e-4, 0.06)})
+    fast, slow = scorer.values(_St(), eps)
+    assert fast == pytest.approx(lmetric[0] / 36, rel=0.02) and slow == pytest.approx(lmetric[1], rel=0.02)
+    assert fast < slow  # 6x faster at both: the loaded fast replica is preferred over the idle slow one
+
+
+def test_the_trust_region_hears_the_events_of_a_learning_scorer():
+    region = NearBest(scorer="lmetric_speed", factor=2.0)
+    _learn(region, {"fast": (1e-4, 0.01), "slow": (6e-4, 0.06), "slow2": (6e-4, 0.06)})
+    assert region.scorer.fit.state()["mixed"] == 1.0
+    assert region.state() == {}  # exported by the rule's own copy, not twice
+
+
+def test_auto_learns_the_mixed_fleet_and_loads_the_fast_replicas_more():
+    """The bundled mixed-hardware scenario (2 A100 + 6 L4): auto's learned factors find the A100s
+    about 3x faster at prefill, and they carry more of the load than with ``speed: false``."""
+    from kvroute.sim.scenario import load_scenario, parse_scenario
+    from kvroute.sim.simulation import Simulation
+
+    data = load_scenario("mixed-hardware").model_dump(exclude_none=True)
+    data["limits"]["max_requests"] = 400
+    sc = parse_scenario(data, "mixed-hardware")
+    share = {}
+    for speed in (True, False):
+        sim = Simulation(sc.setup(None), "auto", {"speed": speed}, sc.make_workload())
+        result = sim.run()
+        rec = sim.recorder
+        a100 = sum(1 for i in rec.replica if rec.replica_ids[i] in ("us-0", "us-1"))
+        share[speed] = a100 / len(rec.replica)
+        if speed:
+            state = result["policy_state"]
+            assert state["lmetric_speed.mixed"] == 1.0
+            assert 2.0 < state["lmetric_speed.us-2.prefill_factor"] / state["lmetric_speed.us-0.prefill_factor"] < 4.5
+    assert share[True] > share[False] + 0.05
