@@ -228,7 +228,8 @@ def heuristic(costs: StageCosts, instances: int, max_k: int | None = None,
     the merged stage's cost) until no merge gains; with E ≤ a few dozen a scan per merge is as
     fast as a heap. ``max_k`` forbids merges past that many instances; ``stages`` = (fewest,
     most): merging stops at the fewest, and continues past the last gaining merge, least loss
-    first, while there are more than the most.
+    first, while there are more than the most; where merges stall above the most (every
+    adjacent pair over ``max_k``), the DP's plan inside the envelope is returned instead.
     """
     top = max_k or instances
     stages_n = min(instances, len(costs.cuts) - 1)
@@ -254,6 +255,13 @@ def heuristic(costs: StageCosts, instances: int, max_k: int | None = None,
             break
         (k1, a1, _), (k2, _, b2) = pieces[at], pieces[at + 1]
         pieces[at:at + 2] = [(k1 + k2, a1, b2)]
+    if stages and len(pieces) > most:
+        # Greedy merges can stall outside the envelope (every adjacent pair would exceed max_k,
+        # e.g. sizes [1, 2, 1] with max_k 2 and at most 2 stages); *choice*: the DP answers then.
+        try:
+            return exact(costs, instances, max_k, stages)
+        except ValueError:
+            pass  # nothing fits the envelope: keep the greedy plan, as without bounds
     return _plan(costs, pieces)
 
 
