@@ -68,6 +68,10 @@ def test_an_unreachable_ray_address_is_one_line_and_exit_2(capsys):
         rc = main(["simulate", "--workload", "chat-poisson", "--max-requests", "50", "--sweep", "--ray", addr])
         err = capsys.readouterr().err.strip()
         assert rc == 2 and len(err.splitlines()) == 1 and "--ray" in err, err
+    for cmd in (["plan", "skywalker-cost", "--no-progress"], ["bench", "auto", "--scenarios", "rag"]):
+        rc = main([*cmd, "--ray", "127.0.0.1:1"])  # issue 22: plan and bench auto answer alike
+        err = capsys.readouterr().err.strip()
+        assert rc == 2 and len(err.splitlines()) == 1 and "no Ray cluster answers" in err, err
     try:
         make_executor(ray="127.0.0.1:1")
     except ExecutorError as exc:
