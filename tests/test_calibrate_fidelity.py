@@ -7,6 +7,7 @@ import json
 import threading
 from dataclasses import replace
 
+import pytest
 from test_calibrate import KNOWN
 
 from kvroute.bench.fidelity import Workload, conversations
@@ -125,3 +126,26 @@ def test_one_idle_slot_serves_two_concurrent_requests_then_its_prefix_is_gone():
         engine.submit(Seq(rid, 600, 2, (*prefix, 200 + i), 16))
     loop.run()
     assert sorted(first[r] for r in "bcd") == [0, 512, 512]
+
+
+def test_engine_side_means_come_from_vllm_histogram_differences():
+    """vLLM's stage histograms (queue, prefill, decode, API-server TTFT, steps) between two
+    scrapes give the run's means; an engine without them (llama-server) gives nothing."""
+    from kvroute.bench.fidelity_engines import WANTED, engine_side
+    from kvroute.gateway.probes import parse_prometheus
+
+    def exposition(n: int, queue: float, prefill: float, ttft: float, steps: int, tokens: int) -> dict[str, float]:
+        text = "\n".join([
+            f'vllm:request_queue_time_seconds_sum{{engine="0"}} {queue}', f"vllm:request_queue_time_seconds_count {n}",
+            f"vllm:request_prefill_time_seconds_sum {prefill}", f"vllm:request_prefill_time_seconds_count {n}",
+            f"vllm:time_to_first_token_seconds_sum {ttft}", f"vllm:time_to_first_token_seconds_count {n}",
+            "vllm:time_to_first_token_seconds_created 17.0",  # not a sample of the histogram
+            f"vllm:iteration_tokens_total_sum {tokens}", f"vllm:iteration_tokens_total_count {steps}"])
+        return {k: sum(v) for k, v in parse_prometheus(text, WANTED).items()}
+
+    before, after = exposition(10, 0.1, 0.5, 2.0, 100, 4000), exposition(30, 0.5, 1.5, 6.0, 300, 9000)
+    side = engine_side(before, after)
+    assert side["requests"] == 20 and side["queue_s"] == pytest.approx(0.02)
+    assert side["prefill_s"] == pytest.approx(0.05) and side["ttft_s"] == pytest.approx(0.2)
+    assert side["steps"] == 200 and side["tokens_per_step"] == pytest.approx(25)
+    assert "decode_s" not in side and engine_side({}, {}) == {}

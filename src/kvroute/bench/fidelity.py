@@ -41,6 +41,8 @@ from pathlib import Path
 import aiohttp
 import yaml
 
+from kvroute.bench.fidelity_engines import describe, engine_side
+from kvroute.bench.fidelity_engines import scrape as engine_metrics
 from kvroute.calibrate.measure import WORDS
 from kvroute.ports import free_port
 from kvroute.prefix import chat_key, estimate_tokens
@@ -201,6 +203,8 @@ def live_summary(run: LiveRun) -> dict:
                              x.cached_tokens, x.user, x.turn, x.replica] for x in r],
             "ttft_p50": percentile([x.ttft for x in r], 0.5), "ttft_p99": percentile([x.ttft for x in r], 0.99),
             "e2e_p50": percentile([x.e2e for x in r], 0.5), "throughput": len(r) / span if span else 0.0,
+            "ttft_mean": statistics.fmean(x.ttft for x in r) if r else 0.0,
+            "e2e_mean": statistics.fmean(x.e2e for x in r) if r else 0.0,
             "cached_share": sum(x.cached_tokens for x in r) / prompt if prompt else 0.0,
             "token_ratio": prompt / sum(x.estimated_tokens for x in r) if r else 1.0,
             **breakdown([x.ttft for x in r], [x.e2e for x in r], [x.prompt_tokens for x in r],
@@ -296,6 +300,8 @@ def simulate(convs: list[list[dict]], policy: str, profile: str, replicas: int, 
             "per_request": [[round(s, 4), round(t, 4), round(e, 4), p, c, i] for s, t, e, p, c, i in zip(
                 rec.sent_at, rec.ttft, rec.e2e, rec.prompt_tokens, rec.cached_tokens, rec.replica, strict=True)],
             "ttft_p50": r["ttft_s"]["p50"], "ttft_p99": r["ttft_s"]["p99"], "e2e_p50": r["e2e_s"]["p50"],
+            "ttft_mean": statistics.fmean(rec.ttft) if rec.ttft else 0.0,
+            "e2e_mean": statistics.fmean(rec.e2e) if rec.e2e else 0.0,
             "throughput": r["throughput_rps"], "cached_share": r["prefix_hit_rate"],
             **breakdown(list(rec.ttft), list(rec.e2e), list(rec.prompt_tokens), list(rec.cached_tokens))}
 
@@ -369,10 +375,13 @@ async def run_fidelity(urls: list[str], profile: str, policies: tuple[str, ...] 
                 gw = GatewayProcess(urls, policy, folder)
                 await gw.start()
                 try:
+                    metrics0 = await engine_metrics(urls)
                     cpu0, gw_cpu0, t0 = time.process_time(), gw.cpu_s(), time.perf_counter()
                     run = await live_run(gw.url, convs, w.max_tokens, seed=wi.seed, model=model)
                     wall = time.perf_counter() - t0
                     live = live_summary(run)
+                    # the engines' own stage times over the run (vLLM's histograms; none from llama-server)
+                    live["engine_side"] = engine_side(metrics0, await engine_metrics(urls))
                     # what the balancer and the clients cost the cores the engines share
                     live["gateway_cpu_share"] = (gw.cpu_s() - gw_cpu0) / wall
                     live["client_cpu_share"] = (time.process_time() - cpu0) / wall
@@ -385,6 +394,8 @@ async def run_fidelity(urls: list[str], profile: str, policies: tuple[str, ...] 
                 runs[policy].append({"seed": wi.seed, "live": live, "sim": sim, "sim_over_live": ratio})
                 say(f"repeat {i + 1}/{repeats} {policy}: TTFT p99 live {live['ttft_p99'] * 1000:.0f} ms, "
                     f"sim {sim['ttft_p99'] * 1000:.0f} ms")
+                if live["engine_side"]:
+                    say(f"  {describe(live['engine_side'], live['ttft_mean'], live['e2e_mean'])}")
     rows = out["policies"] = {p: combine_repeats(runs[p]) for p in policies}
     out["ranking_ttft_p99"] = {side: sorted(rows, key=lambda p: rows[p][side]["ttft_p99"]) for side in ("live", "sim")}
     out["ranking_ttft_p99_pooled"] = {side: sorted(rows, key=lambda p: rows[p]["ttft_p99_pooled"][side])
