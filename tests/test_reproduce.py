@@ -68,7 +68,10 @@ def test_lmetric_beats_vllm_jsq_mean_ttft_at_half_capacity():
 @needs_trace
 def test_gorgo_without_queue_weight_sends_everything_to_the_nearest_replica():
     lab = Lab()
-    r = lab.run("gorgo-v2", requests=400)
+    r = lab.run("gorgo-v2", requests=400, overrides={  # App. D's setting, at the unsaturated rate
+        "workload": {"time_scale": 3.0},
+        "policies": [{"preset": "gorgo", "params": {"w_rtt": 0.276, "w_queue": 0.5}},
+                     {"preset": "gorgo", "params": {"w_queue": 0.0}}]})
     hacked = r["gorgo(w_queue=0.0)"]
     assert hacked["by_path"]["local"]["requests"] == hacked["requests"]
     assert hacked["e2e_s"]["p95"] > r["gorgo(w_queue=0.5,w_rtt=0.276)"]["e2e_s"]["p95"]

@@ -5,8 +5,9 @@ generator keeping 10 chat requests in flight; distributed GORGO local-first with
 baselines choosing among every region's server, vs one central proxy) and ``gorgo-v2.yaml`` (one proxy in Ashburn,
 three single-engine regions, a Mooncake-format trace; GORGO with the paper's learned weights vs
 session affinity). GORGO v2's protocol: ``gorgo_tuned`` tunes online on the scenario's requests
-(the tuning window); its learned weights are then frozen and compared with session affinity on
-held-out windows (the trace's next two stretches of as many requests, each replayed from time 0).
+(the tuning window, at the trace's own rate); its learned weights are then frozen and compared with
+session affinity on held-out windows (the trace's next two stretches of as many requests, each
+replayed from time 0, at time_scale 2.0 and 3.0 as §4 runs Apr 6 and Apr 7).
 """
 
 from __future__ import annotations
@@ -47,12 +48,21 @@ class TraceWindow(Workload):
             yield sreq
 
 
+# GORGO v2 §4: "Due to the greater number of requests in Apr 6-7, we increase time_scale to 2.0 and
+# 3.0, respectively" (held-out windows 1 and 2; the tuning window runs at the scenario's 1.0)
+HELD_OUT_SCALE = {1: 2.0, 2: 3.0}
+UNSATURATED_SCALE = 3.0  # §5 "Load Sweep": "after time_scale=3.0 is reached" the policies recover
+
+
 def held_out(lab: Lab, window: int, policies: list[tuple[str, dict]]) -> dict[str, dict]:
-    """Run ``policies`` on the ``window``-th held-out stretch (1, 2, …) of the gorgo-v2 trace."""
+    """Run ``policies`` on the ``window``-th held-out stretch (1, 2, …) of the gorgo-v2 trace, at that
+    window's time_scale (:data:`HELD_OUT_SCALE`)."""
     key = f"gorgo-v2-heldout{window}-{policies!r}"
     if key in lab.runs:
         return lab.runs[key]
-    sc = lab.scenario("gorgo-v2")  # as many requests per window as the tuning run (fewer with --quick)
+    scale = HELD_OUT_SCALE.get(window, UNSATURATED_SCALE)
+    # as many requests per window as the tuning run (fewer with --quick)
+    sc = lab.scenario("gorgo-v2", overrides={"workload": {"time_scale": scale}})
     n = sc.limits.max_requests or 3000
     sc = sc.model_copy(update={"limits": sc.limits.model_copy(update={"max_requests": n * (window + 1)})})
     out = {}
@@ -60,7 +70,8 @@ def held_out(lab: Lab, window: int, policies: list[tuple[str, dict]]) -> dict[st
         wl = TraceWindow(sc.make_workload(), n * window, n)
         out[preset if not params else f"{preset}{params}"] = Simulation(sc.setup(None), preset, params, wl).run()
     lab.runs[key] = out
-    lab.meta[key] = {"scenario": "reproduce/gorgo-v2", "overrides": {"held_out_window": window},
+    lab.meta[key] = {"scenario": "reproduce/gorgo-v2", "overrides": {"held_out_window": window,
+                                                                     "time_scale": scale},
                      "requests": n, "wall_s": 0.0,
                      "unstable": [lbl for lbl, r in out.items() if not r["load"]["stable"]]}
     return out
@@ -135,13 +146,24 @@ def rows_v1(lab: Lab) -> list[Row]:
     return out
 
 
+def _unstable_count(results: dict) -> int:
+    """How many of a scenario's runs had an unstable load verdict."""
+    return sum(1 for x in results.values() if not x["load"]["stable"])
+
+
 def rows_v2(lab: Lab) -> list[Row]:
     """GORGO v2's claims: the weights the online (1+1)-ES learns, the tuning window, held-out windows with the
     learned weights frozen vs session affinity, the paper's learned weights, the load sweep and reward
     hacking at w_queue = 0."""
-    r = lab.run("gorgo-v2")
-    sa, learned, start, hacked = r["consistent_hash"], r[LEARNED], r["gorgo"], r[HACKED]
+    r = lab.run("gorgo-v2")  # the tuning window, at the trace's own rate (time_scale 1.0)
+    sa, learned, start = r["consistent_hash"], r[LEARNED], r["gorgo"]
     note = unstable_note(lab, "gorgo-v2")
+    # the unsaturated profile (§5 "Load Sweep"): the load sweep's other end and the reward-hacking run
+    light = lab.run("gorgo-v2", key="gorgo-v2-ts3", overrides={
+        "workload": {"time_scale": UNSATURATED_SCALE},
+        "policies": ["gorgo", {"preset": "gorgo", "params": {"w_rtt": 0.276, "w_queue": 0.5}},
+                     {"preset": "gorgo", "params": {"w_queue": 0.0}}]})
+    light_note = unstable_note(lab, "gorgo-v2-ts3")
     st = tuner_state(r["gorgo_tuned"])
     w_rtt, w_queue = st["parent_w_rtt"], st["parent_w_queue"]
     conv = (f"converged after {st['converged_at']:.0f} samples" if st["converged"]
@@ -153,9 +175,16 @@ def rows_v2(lab: Lab) -> list[Row]:
                f"w_rtt {w_rtt:.3f}, w_queue {w_queue:.3f}, {conv}; {st['accepted']:.0f} of "
                f"{st['proposed']:.0f} offspring accepted", agree,
                "" if agree == YES else "checked: the tuner follows §4 (\"the p95 TTFT of a rolling 128-request "
-               "window with hop size 32\", ranges [0.05, 2.0] and [0.05, 0.5], starts 0.5 / 0.1; the 1/5 rule). "
-               f"w_queue ends at {w_queue:.3f} (the paper: 0.5), w_rtt at {w_rtt:.3f} (the paper: 0.276): the point "
-               "the ES reaches is the optimum of this deployment's TTFT landscape, and kvroute's stands in for the "
+               "window with hop size 32\", ranges [0.05, 2.0] and [0.05, 0.5], starts 0.5 / 0.1; the 1/5 rule, "
+               "the 0.5 % acceptance margin and 0.817 step factor of GORGO's tuner.py) on the tuning window at the "
+               "trace's own rate (time_scale 1.0; §4 raises it to 2.0 and 3.0 only for the held-out days). "
+               f"w_queue ends at {w_queue:.3f} (the paper: 0.5), w_rtt at {w_rtt:.3f} (the paper: 0.276). The "
+               "landscape it climbs is flat here: p95 TTFT over the window is "
+               f"{start['ttft_s']['p95']:.2f} s with the starting weights fixed, {learned['ttft_s']['p95']:.2f} s "
+               f"with the paper's learned ones, {r['gorgo_tuned']['ttft_s']['p95']:.2f} s tuning; no baseline "
+               f"saturates at this rate ({_unstable_count(r)} of {len(r)} runs unstable), where §5 has \"most "
+               "policies other than GORGO ... over saturating replicas\", so the queue term buys little. The "
+               "point the ES reaches is the optimum of this deployment's TTFT landscape, and kvroute's stands in for the "
                "paper's with another engine (an H20/Qwen3-30B-A3B profile for 2xL40S/Qwen3.5-35B-A3B, which kvroute "
                "has no profile for), another trace (Mooncake conversation for the ART-Chat windows) and assumed "
                "RTTs (Fig. 2 plots them without values)", "gorgo-v2")]
@@ -167,7 +196,9 @@ def rows_v2(lab: Lab) -> list[Row]:
                    "slightly worse than the baselines",
                    f"{tuned_p95:.2f} s tuning online vs "
                    + ", ".join(f"{name} {b['ttft_s']['p95']:.2f} s" for name, b in bases.items())
-                   + f" ({start['ttft_s']['p95']:.2f} s with the starting weights fixed)" + note,
+                   + f" ({start['ttft_s']['p95']:.2f} s with the starting weights fixed"
+                   + ("; behind " + ", ".join(f"{name} by {(tuned_p95 / bases[name]['ttft_s']['p95'] - 1) * 100:.1f} %"
+                                              for name in beaten) if beaten else "") + ")" + note,
                    YES if worse else NO,
                    "" if worse else "checked: §5 says GORGO \"slightly underperforms baseline policies on the "
                    "tuning window because the evolutionary strategy actively explores the space of parameters and "
@@ -205,11 +236,8 @@ def rows_v2(lab: Lab) -> list[Row]:
                    f"{d_e2e * 100:+.1f} %" + note, agree,
                    "" if agree == YES else "setup: as above; output capped at 128 tokens makes E2E mostly "
                    "TTFT plus a short decode", "gorgo-v2"))
-    heavy = lab.run("gorgo-v2", key="gorgo-v2-ts1", overrides={"workload": {"time_scale": 1.0},
-                                                               "policies": [{"preset": "gorgo", "params":
-                                                                             {"w_rtt": 0.276, "w_queue": 0.5}}]})
-    h = heavy[LEARNED]
-    gain = h["ttft_s"]["p95"] / learned["ttft_s"]["p95"]
+    h = learned  # the tuning run is the sweep's time_scale 1.0 end
+    gain = h["ttft_s"]["p95"] / light[LEARNED]["ttft_s"]["p95"]
     agree = YES if gain > 3 else DIRECTION if gain > 1 else NO
     stable = "stable" if h["load"]["stable"] else "UNSTABLE"
     out.append(Row("load sweep: p95 TTFT improves > 3× from time_scale 1.0 to ≥ 3.0", "> 3×",
@@ -220,6 +248,7 @@ def rows_v2(lab: Lab) -> list[Row]:
                                    "that rate without a growing queue, so there is less to recover"
                                    if h["load"]["stable"] else "kvroute's run saturates too, but its queue "
                                    "grows more slowly than the paper's"), "gorgo-v2"))
+    hacked, learned, start = light[HACKED], light[LEARNED], light["gorgo"]  # App. D at the unsaturated rate
     near = hacked.get("by_path", {}).get("local", {}).get("requests", 0) / max(1, hacked["requests"])
     worse_e2e = hacked["e2e_s"]["p95"] > learned["e2e_s"]["p95"]
     best_ttft = hacked["ttft_s"]["p50"] <= min(learned["ttft_s"]["p50"], start["ttft_s"]["p50"])
@@ -229,7 +258,7 @@ def rows_v2(lab: Lab) -> list[Row]:
                    f"{near * 100:.0f} % nearest; TTFT p50 {hacked['ttft_s']['p50']:.2f} vs "
                    f"{learned['ttft_s']['p50']:.2f} s (learned); E2E p95 {hacked['e2e_s']['p95']:.2f} vs "
                    f"{learned['e2e_s']['p95']:.2f} s; the tuner itself ended at w_queue {w_queue:.3f} "
-                   f"(its range's floor is 0.05: the guard)" + note, agree,
+                   f"(its range's floor is 0.05: the guard); time_scale {UNSATURATED_SCALE:g}" + light_note, agree,
                    "" if agree == YES else "checked (App. D: \"GORGO chose to send 100% of requests to the "
                    "closest replica\"): traffic does all go to the nearest replica and E2E "
                    "is worst, as in the paper, but TTFT is worst too: one simulated H20 serving the whole "
