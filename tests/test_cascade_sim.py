@@ -186,6 +186,19 @@ def test_cascadeinfer_run_plans_migrates_and_completes_every_request():
     assert "migration" not in rr
 
 
+def test_llumnix_in_its_default_configuration_dispatches_only():
+    """Llumnix's own default configuration has migration off (llumnix/config/default.py,
+    ENABLE_MIGRATION = False), as CascadeInfer §6.1 runs it: simulator.migrate false builds no migrator."""
+    sc = scenario([{"preset": "llumnix", "simulator": {"migrate": False}}, "llumnix"], rate=40.0, requests=300)
+    runs = {r.label: r.result for r in run_scenario(sc)}
+    plain, migrating = runs["llumnix(migrate=False)"], runs["llumnix"]
+    assert plain["requests"] == migrating["requests"] == 300 and not plain["failed"]
+    assert "migration" not in plain
+    assert migrating["migration"]["rebalances"] > 0  # kvroute's memory balancing, when asked for
+    sim = Simulation(sc.setup(), "llumnix", {"migrate": False}, sc.make_workload())
+    assert sim.migrator is None
+
+
 def test_fixed_seed_runs_are_identical_and_other_presets_build_no_migrator():
     sc = scenario([{"preset": "cascadeinfer", "params": {"layout": "dp", "refinement": "equal_memory"}}],
                   requests=150)

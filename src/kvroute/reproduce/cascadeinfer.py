@@ -30,6 +30,7 @@ EXACT = "cascadeinfer(layout=dp)"
 NO_PIPELINE = "cascadeinfer(layout=no_pipeline)"
 EQUAL_MEMORY = "cascadeinfer(refinement=equal_memory)"
 EQUAL_COUNT = "cascadeinfer(refinement=equal_count)"
+LLUMNIX = "llumnix(migrate=False)"  # Llumnix's default configuration: no migration (see the scenario)
 
 
 def _runs(lab: Lab) -> dict[str, dict]:
@@ -211,7 +212,9 @@ def rows(lab: Lab) -> list[Row]:
     out.append(_layout_row(lab, runs, EQUAL_MEMORY, "vs memory-based range refinement",
                            "21 % lower latency, 12 % higher throughput", 0.79, 1.12,
                            "checked: §6.5 says the memory-based scheme \"fails to account for request "
-                           "heterogeneity as in §4.3\"; in kvroute both refinements only move boundaries between "
+                           "heterogeneity as in §4.3\"; kvroute's memory split equalises summed sequence lengths "
+                           "on the same merged list the QoE split reads (one average instance of the stage beside "
+                           "one of its successors, §4.3's set division). Both refinements only move boundaries between "
                            "stages whose instance counts the plan fixed (and the periodic plans reset them), and "
                            "both push the upper boundaries up (the QoE split isolates the heaviest sequences; "
                            "equal memory balances KV across stages of unequal size), so they end close together "
@@ -232,7 +235,7 @@ def rows(lab: Lab) -> list[Row]:
                    f"worst layout: {worst_layout[0]} / {worst_layout[1]}; worst refinement: {worst_refine[0]} / "
                    f"{worst_refine[1]} (40 / 60 req/s)", a,
                    "" if a == YES else "model: see the layout and refinement rows" + _saturation(lab), "cascadeinfer"))
-    for base, name in (("round_robin", "round robin (vLLM)"), ("llumnix", "Llumnix-like")):
+    for base, name in (("round_robin", "round robin (vLLM)"), (LLUMNIX, "Llumnix-like")):
         mean = [_e2e(runs[load], CASCADE) / _e2e(runs[load], base) for load in ("moderate", "heavy")]
         tail = [_e2e(runs[load], CASCADE, "p99") / _e2e(runs[load], base, "p99") for load in ("moderate", "heavy")]
         thr = _served(runs["saturated"], CASCADE) / _served(runs["saturated"], base)
@@ -249,8 +252,14 @@ def rows(lab: Lab) -> list[Row]:
                        f"{_shapes(runs['moderate'], CASCADE)}, all inside §6.1's 1-4 instances per stage), where "
                        "their multi-second prefills queue: the QoE model of Eq. (1) has no queueing term, so a "
                        "stage holding one or two long sequences looks cheap to the partition, and the tail is "
-                       "theirs; throughput at saturation is bounded by those stages too. The lengths are "
-                       "assumed: §6.1 builds the workload from ShareGPT histories and gives no quantiles"
+                       "theirs; throughput at saturation is bounded by those stages too. The baselines are "
+                       "§6.1's: round robin over plain vLLM instances (batch cap 1024) and Llumnix \"using its "
+                       "default configuration\" (its llumnix/config/default.py: dispatch by 'load' on remaining "
+                       "steps, i.e. free KV per request, and ENABLE_MIGRATION = False). The lengths are assumed: "
+                       "§6.1 builds the workload from ShareGPT \"conversation histories\" and gives no quantiles, "
+                       "and the ShareGPT lengths published elsewhere are of single turns (vLLM's SOSP '23 artifact, "
+                       "sosp-ae-39/sosp-ae-astra datasets/: \"extracting the first round of each conversation\"), "
+                       "not of the histories up to 128K that the paper replays (Fig. 1)"
                        + _saturation(lab), "cascadeinfer"))
     out.append(bidask_row(lab))
     return out

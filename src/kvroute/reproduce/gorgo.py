@@ -183,11 +183,11 @@ def rows_v2(lab: Lab) -> list[Row]:
                f"{start['ttft_s']['p95']:.2f} s with the starting weights fixed, {learned['ttft_s']['p95']:.2f} s "
                f"with the paper's learned ones, {r['gorgo_tuned']['ttft_s']['p95']:.2f} s tuning; no baseline "
                f"saturates at this rate ({_unstable_count(r)} of {len(r)} runs unstable), where §5 has \"most "
-               "policies other than GORGO ... over saturating replicas\", so the queue term buys little. The "
-               "point the ES reaches is the optimum of this deployment's TTFT landscape, and kvroute's stands in for the "
-               "paper's with another engine (an H20/Qwen3-30B-A3B profile for 2xL40S/Qwen3.5-35B-A3B, which kvroute "
-               "has no profile for), another trace (Mooncake conversation for the ART-Chat windows) and assumed "
-               "RTTs (Fig. 2 plots them without values)", "gorgo-v2")]
+               "policies other than GORGO ... over saturating replicas\", so the queue term buys little. "
+               "The point the ES reaches is the optimum of this deployment's TTFT landscape, and kvroute's stands "
+               "in for the paper's with another engine (an H20/Qwen3-30B-A3B profile for 2xL40S/Qwen3.5-35B-A3B, "
+               "which kvroute has no profile for), another trace (Mooncake conversation for the ART-Chat "
+               "windows) and assumed RTTs (Fig. 2 plots them without values)", "gorgo-v2")]
     tuned_p95 = r["gorgo_tuned"]["ttft_s"]["p95"]
     bases = {"session affinity": sa, **{name: r[label] for name, label in BASELINES_V2 if label in r}}
     beaten = [name for name, b in bases.items() if tuned_p95 > b["ttft_s"]["p95"]]

@@ -199,13 +199,21 @@ def _why_llm_d(d: dict) -> str:
     """Why llm_d still wins: what its predictor did, beside the paper's words on its errors."""
     st = {k.rsplit(".", 1)[-1]: v for k, v in d.get("policy_state", {}).items()}
     err, off = st.get("mean_abs_rel_error", 0.0), st.get("share_over_20pct", 0.0)
-    return ("checked: llm_d predicts on the replicas' own profile with the engines' timing noise and request "
-            "reordering on, the error sources §4.6 names (\"request reordering at the vLLM API server, and "
-            f"inaccuracies in latency prediction\"): mean error {err:.0%}, {off:.0%} of requests off by > 20 % "
-            "(Fig. 16, well-tuned: \"about 10% of requests with more than 20% prediction error\"). Even so its "
-            "ranking of replicas beats LMetric's product on this trace: the predictor is the simulator's own "
-            "step-time model (its errors are noise around the truth, not a model of other hardware), which the "
-            "paper's retrofitted VIDUR was not")
+    return ("checked: the paper's llm-d is \"a simulation-based implementation similar to llm-d but with a "
+            "retrofitted simulator from VIDUR\" that routes \"to the instance with the lowest estimated TTFT\" "
+            "(§4.6, Fig. 14); kvroute's llm_d is that method, on the replicas' own profile (the paper's "
+            "well-tuned simulator is \"implemented specifically for Qwen3-30B\"), with the engines' timing noise "
+            "and request reordering on, the error sources §4.6 names (\"request reordering at the vLLM API "
+            f"server, and inaccuracies in latency prediction\"): mean error {err:.0%}, {off:.0%} of requests off "
+            "by > 20 %, less accurate than the paper's well-tuned one (Fig. 16: \"about 10% of requests with more "
+            "than 20% prediction error\"); the engines are §4.1's vLLM v1 with chunked prefill (its defaults: "
+            "8,192-token budget, 256 sequences). Even so its ranking of replicas beats LMetric's product on "
+            "this trace. What stays different: the Mooncake conversation trace stands in for ChatBot (Qwen), "
+            "and the paper's one llm-d win is on its other Mooncake trace (ToolAgent, Fig. 25: \"LMetric "
+            "exhibits a slightly higher (10%) mean TTFT than llm-d ... a simulator-based approach can better "
+            "estimate the prefill workload than our simple P-token indicator\"); and the predictor is the "
+            "simulator's own step-time model (its errors are noise around the truth, not a model of other "
+            "hardware), which the paper's retrofitted VIDUR was not")
 
 
 def rows(lab: Lab) -> list[Row]:

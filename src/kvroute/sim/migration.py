@@ -22,9 +22,9 @@ every other run pays nothing. For CascadeInfer (004_131677394a4b07f8.txt):
 * **Refine** (§4.3): every ``refine_interval_s`` each stage boundary moves by the QoE split of
   the two stages' sequences (or a naive split), EMA-smoothed, frozen under five sequences.
 
-For the Llumnix-like baseline every ``rebalance_interval_s`` the most loaded instances (KV
-demand) each send their newest sequence to the least loaded ones while the gap exceeds
-``imbalance`` of capacity.
+For the Llumnix-like baseline (``migrate`` on) every ``rebalance_interval_s`` the most loaded
+instances (KV demand) each send their newest sequence to the least loaded ones while the gap
+exceeds ``imbalance`` of capacity; with ``migrate`` off it only dispatches.
 """
 
 from __future__ import annotations
@@ -92,11 +92,12 @@ DEFAULT_KV_BYTES_PER_TOKEN = 131_072  # assumed when a profile does not say (128
 
 
 def make_migrator(sim: MigrationHost) -> Migrator | None:
-    """A migrator when the first balancer's policy has length stages or is ``llumnix``, else None."""
+    """A migrator when the first balancer's policy has length stages or is ``llumnix`` with
+    ``migrate`` on, else None."""
     policy = sim.lbs[0].router.policy if sim.lbs else None
     if policy is None:
         return None
-    if stage_filter(policy) is not None or policy.name == "llumnix":
+    if stage_filter(policy) is not None or (policy.name == "llumnix" and sim.migration_settings.migrate):
         return Migrator(sim)
     return None
 

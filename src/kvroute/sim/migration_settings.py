@@ -47,6 +47,9 @@ class MigrationSettings(StrictModel):
         "hand-over to the least loaded successor and no rebalancing")
     rebalance_interval_s: float = Field(1.0, gt=0, description="seconds between overload checks (and Llumnix-like "
                                         "rebalancing rounds)")
+    migrate: bool = Field(True, description="llumnix: migrate running sequences between instances (Llumnix's "
+                          "ENABLE_MIGRATION; its project's default configuration has it off, "
+                          "llumnix/config/default.py); false: dispatch only")
     imbalance: float = Field(0.1, ge=0, le=1, description="llumnix: migrate while the KV demand gap between the "
                              "most and least loaded instance exceeds this share of capacity")
     transfer_gb_s: float = Field(25.0, gt=0, description="KV transfer bandwidth per migration, GB/s")

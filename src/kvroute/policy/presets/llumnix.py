@@ -4,7 +4,9 @@ Llumnix (OSDI '24, the inter-instance scheduler CascadeInfer compares against) d
 request to the instance with the most free memory per running request ("freeness") and migrates
 running requests from the most to the least loaded instances. kvroute's dispatch: free KV tokens
 (probed usage, minus the prefill tokens dispatched since) divided by batch size + 1, largest
-wins. The migration half runs in the simulator (``sim/migration.py``): periodically the most
+wins (Llumnix's 'load' dispatch on its 'remaining_steps' metric: free KV blocks per request). The
+migration half runs in the simulator (``sim/migration.py``, on unless the policy's ``simulator:``
+sets ``migrate: false``, the Llumnix project's default configuration): periodically the most
 loaded instances hand their newest sequence to the least loaded ones. *Choices*: Llumnix's exact
 freeness formula and thresholds are not restated by the CascadeInfer paper; these are kvroute's
 reading of "memory balancing with migration".
