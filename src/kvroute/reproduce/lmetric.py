@@ -252,13 +252,15 @@ def rows(lab: Lab) -> list[Row]:
         res = half if level == 0.5 else lab.run(
             "lmetric", key=key, overrides={"workload": {"time_scale": trace_rate / (level * cap)}})
         means = {lbl: r["ttft_s"]["mean"] for lbl, r in res.items()}
-        best_at.append((level, min(means, key=lambda lbl: means[lbl])))
-    wins = sum(1 for _, b in best_at if b == "lmetric")
+        best = min(means, key=lambda lbl: means[lbl])
+        best_at.append((level, best, means["lmetric"] / means[best] - 1))
+    wins = sum(1 for _, b, _ in best_at if b == "lmetric")
     agree = YES if wins == len(SWEEP) else DIRECTION if wins >= len(SWEEP) / 2 else NO
     out.append(Row("best mean TTFT of all baselines at every rate", "yes (one exception: ToolAgent vs llm-d)",
-                   ", ".join(f"{lvl:.0%}: {b}" for lvl, b in best_at), agree,
+                   ", ".join(f"{lvl:.0%}: {b}" + (f" (lmetric {gap * 100:+.1f} %)" if b != "lmetric" else "")
+                             for lvl, b, gap in best_at), agree,
                    "" if agree == YES else (
-                       _why_llm_d(d) if any(b == "llm_d" for _, b in best_at)
+                       _why_llm_d(d) if any(b == "llm_d" for _, b, _ in best_at)
                        else WHY_TRACE + "; at low load every policy finds an idle replica"),
                    "lmetric"))
     out.extend(hotspot_rows(lab, cap, trace_rate, half))
