@@ -54,6 +54,9 @@ def test_fit_recovers_the_emulators_known_profile(tmp_path):
         assert fitted.ttft_overhead_s + fitted.step_time(n, prefill_attn=n * (ctx + n / 2)) == pytest.approx(
             KNOWN.step_time(n, prefill_attn=n * (ctx + n / 2)), rel=0.25, abs=0.01), (n, ctx)
     assert report["max_error"] < 0.25 and len(report["points"]) == 14  # 4 cold, 4 warm, 6 decode
+    # the overhead beside a decoding batch: the emulator's is the same as when idle
+    assert len(m.busy) == 2 * len(SWEEP.contexts) and fitted.ttft_overhead_busy_s is not None
+    assert fitted.ttft_overhead_busy_s == pytest.approx(KNOWN.ttft_overhead_s, abs=0.01)
     # the noise measurement: a spread of step times and a per-request delay, both measured
     assert report["noise"]["probes"] == 2 * SWEEP.noise_probes and fitted.noise_api_delay_s >= 0
     assert report["noise"]["step_points"] > 0 and fitted.noise_step_sigma >= 0

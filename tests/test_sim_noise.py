@@ -101,3 +101,27 @@ def test_calibration_estimates_the_spread_it_was_given():
     got = api_delay(probes)
     assert got["api_delay_s"] == pytest.approx(0.002, rel=0.15) and got["probes"] == 600
     assert api_delay([]) == {"api_delay_s": 0.0, "probes": 0}
+
+
+def test_a_busy_engine_adds_its_measured_overhead(tmp_path):
+    """``ttft_overhead_busy_s`` (calibrate: a tiny prompt beside a decoding batch) replaces the
+    idle overhead for requests dispatched to an engine that is stepping; equal to it, nothing
+    changes."""
+    import yaml
+
+    from kvroute.perf.loader import load_profile
+
+    base = load_profile("l4-llama3.1-8b")
+
+    def run(busy):
+        path = tmp_path / f"p-{busy}.yaml"
+        path.write_text(yaml.safe_dump(base.model_copy(update={"ttft_overhead_busy_s": busy}).model_dump()))
+        sc = parse_scenario({"replicas": [{"region": "local", "count": 2, "profile": str(path)}],
+                             "workload": {"kind": "chat", "clients": {"local": 8}}, "policies": ["round_robin"],
+                             "limits": {"max_requests": 120}, "seed": 3})
+        return run_scenario(sc)[0].result
+
+    plain = run(None)
+    assert run(base.ttft_overhead_s) == plain
+    slow = run(base.ttft_overhead_s + 0.5)
+    assert slow["ttft_s"]["p50"] > plain["ttft_s"]["p50"] + 0.2  # most requests find their engine busy

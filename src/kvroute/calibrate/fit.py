@@ -108,13 +108,14 @@ def fit_profile(m: Measurements, name: str, hardware: str, max_batched_tokens: i
     kv = kv_tokens or min((f.kv_tokens for f in facts if f.kv_tokens), default=None) or 65536
     running = max_running or min((f.slots for f in facts if f.slots), default=None) or 256
     batch = max_batched_tokens or min((f.batch_tokens for f in facts if f.batch_tokens), default=None) or 8192
+    busy = _busy_overhead(m, sharing, c0, c_decode, c_attn, c_prefill, c_pattn)
     profile = HardwareProfile(
         name=name, hardware=hardware, model=m.model, c0_s=c0, c_prefill_s=c_prefill, c_decode_s=c_decode,
         c_attn_s=c_attn, c_prefill_attn_s=c_pattn, ttft_overhead_s=overhead, kv_blocks=max(1, kv // block_size),
         block_size=block_size, max_running=running, max_batched_tokens=batch,
         # llama-server (it has slots) lends a cached prefix only from a slot serving no request
         prefix_reuse="idle_slots" if any(f.slots for f in facts) else "shared",
-        noise_step_sigma=sigma, noise_api_delay_s=delay["api_delay_s"])
+        noise_step_sigma=sigma, noise_api_delay_s=delay["api_delay_s"], ttft_overhead_busy_s=busy)
     source = f"measured by kvroute calibrate, {len(facts)} engine(s) loaded together"
     if sharing > 1:
         source += f", divided by {sharing:g} for {host_cores} shared cores"
@@ -144,9 +145,23 @@ def fit_profile(m: Measurements, name: str, hardware: str, max_batched_tokens: i
               "engines": [f.__dict__ for f in facts], "wall_s": m.wall_s, "host_cores": host_cores,
               "sharing": sharing,
               "sweep": (sweep or Sweep()).__dict__, "raw_prefill": len(m.prefill), "raw_decode": len(m.decode),
-              "raw_warm": len(m.warm),
+              "raw_warm": len(m.warm), "busy_probes": len(m.busy),
               "noise": {"step_sigma": sigma, "step_points": sigma_points, **delay}}
     return profile, report
+
+
+def _busy_overhead(m: Measurements, sharing: float, c0: float, c_decode: float, c_attn: float, c_prefill: float,
+                   c_pattn: float) -> float | None:
+    """The per-request overhead while the engine steps (None: not measured): each tiny prompt sent
+    beside a decoding batch, less what the fitted step model says it spent in the engine — half a
+    step waiting for the running one to end, then the step it joins (its prefill beside the batch's
+    decodes) — the median over engines and contexts, at least 0."""
+    left = []
+    for b, ctx, tokens, s in m.busy:
+        step = c0 + c_decode * b + c_attn * b * ctx
+        joined = step + c_prefill * tokens + c_pattn * tokens * tokens / 2
+        left.append(s / sharing - step / 2 - joined)
+    return max(0.0, statistics.median(left)) if left else None
 
 
 def write_profile(path: str | Path, profile: HardwareProfile, report: dict) -> None:
@@ -172,6 +187,10 @@ def write_profile(path: str | Path, profile: HardwareProfile, report: dict) -> N
         "# block_size: the engines' prefix-cache unit (vLLM's cache_config_info block_size; llama-server: 1).",
     ]
     noise = report.get("noise")
+    if profile.ttft_overhead_busy_s is not None:
+        header.append(f"# ttft_overhead_busy_s: per-request overhead while the engine steps, from "
+                      f"{report['busy_probes']} tiny prompts sent beside a decoding batch (less the steps they "
+                      "waited for and joined); ttft_overhead_s (the prefill fit's intercept) holds for an idle engine")
     if noise:
         header.append(f"# engine noise (used only where a scenario says `engine_noise: profile`): step time "
                       f"log-sigma {noise['step_sigma']:.3f} from {noise['step_points']} prefill repeats; extra "

@@ -25,11 +25,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import random
 import statistics
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import aiohttp
@@ -97,6 +99,8 @@ class Measurements:
     # (target context, target new tokens, cached tokens, new tokens, seconds) per warm prefill
     warm: list[tuple[int, int, int, int, float]] = field(default_factory=list)
     probes: list[tuple[int, float]] = field(default_factory=list)  # (engine index, seconds) tiny prompts
+    # (batch, mean context, prompt tokens, seconds): a tiny prompt beside a decoding batch
+    busy: list[tuple[int, float, int, float]] = field(default_factory=list)
     wall_s: float = 0.0
     sweep: Sweep | None = None  # what was swept: the asked sweep as the context limit let it run
 
@@ -185,8 +189,9 @@ class _Engine:
                 tokens = int(tokens * 0.9)
         return await self.complete(self.prompt(tokens), max_tokens)
 
-    async def stream_times(self, prompt: str, max_tokens: int) -> list[float]:
-        """Streamed: the arrival time of every token event."""
+    async def stream_times(self, prompt: str, max_tokens: int,
+                           on_first: Callable[[], None] | None = None) -> list[float]:
+        """Streamed: the arrival time of every token event; ``on_first()`` at the first."""
         body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                 "stream": True}
         times = []
@@ -198,6 +203,8 @@ class _Engine:
                 async for line in r.content:
                     if line.startswith(b"data:") and b"[DONE]" not in line and b'"text"' in line:
                         times.append(time.perf_counter())
+                        if on_first is not None and len(times) == 1:
+                            on_first()
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise CalibrationError(f"{self.url}: {exc.__class__.__name__}: {exc}") from None
         return times
@@ -379,5 +386,34 @@ async def measure(urls: list[str], model: str | None = None, sweep: Sweep | None
                 m.decode.extend((batch, ctx, mean_ctx, s) for s in steps if s is not None)
                 say(f"decode batch {batch} at ~{ctx} tokens: " + ", ".join(
                     "-" if s is None else f"{s * 1000:.2f} ms" for s in steps))
+            await _busy_points(engines, ctx, m, say)
     m.wall_s = time.perf_counter() - t0
     return m
+
+
+async def _busy_points(engines: list[_Engine], ctx: int, m: Measurements, say) -> None:
+    """A tiny prompt sent to each engine while it decodes the sweep's largest batch at ``ctx``
+    (once every stream has its first token): its latency is the per-request overhead of an engine
+    that is busy, plus the step it waits for and the step it joins (fit.py takes those out).
+    Its own round, so the decode points' step times stay clean."""
+    batch, n = max(m.sweep.batch_sizes if m.sweep else (1,)), m.sweep.decode_tokens if m.sweep else 24
+    prompts = [[e.prompt(ctx) for _ in range(batch)] for e in engines]
+    await asyncio.gather(*(e.complete(p, 1) for e, ps in zip(engines, prompts, strict=True) for p in ps))
+    ready = [asyncio.Event() for _ in engines]
+    started = [0] * len(engines)
+
+    def first(i: int) -> None:
+        started[i] += 1
+        if started[i] == batch:
+            ready[i].set()
+
+    async def probe(i: int, e: _Engine) -> tuple[float, int]:
+        await asyncio.wait_for(ready[i].wait(), m.sweep.timeout_s if m.sweep else 120.0)
+        return await e.complete(e.prompt(16), 1)
+
+    streams = asyncio.gather(*(e.stream_times(p, n, on_first=functools.partial(first, i))
+                               for i, (e, ps) in enumerate(zip(engines, prompts, strict=True)) for p in ps))
+    got, _ = await asyncio.gather(asyncio.gather(*(probe(i, e) for i, e in enumerate(engines))), streams)
+    m.busy.extend((batch, float(ctx), tokens, s) for s, tokens in got)
+    say(f"tiny prompt beside a decoding batch of {batch} at ~{ctx} tokens: "
+        + ", ".join(f"{s * 1000:.1f} ms" for s, _ in got))

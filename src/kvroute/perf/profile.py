@@ -62,6 +62,11 @@ class HardwareProfile(StrictModel):
     h_cv: float = Field(0.8, ge=0)
     h_max: float = Field(2.1, ge=1)
     ttft_overhead_s: float = Field(0.0, ge=0)
+    # The per-request overhead (HTTP, tokenizing, the hop to the engine's scheduler, streaming the
+    # first token back) while the engine is stepping, where it differs from an idle engine's
+    # ttft_overhead_s: the API server and the engine's busy threads share the cores. Measured by
+    # `kvroute calibrate` (a tiny prompt beside a decoding batch); None: ttft_overhead_s always.
+    ttft_overhead_busy_s: float | None = Field(None, ge=0)
     kv_bytes_per_token: int | None = Field(None, gt=0)  # KV cache bytes per token (migration transfers)
     kv_blocks: int = Field(gt=0)
     block_size: int = Field(16, gt=0)

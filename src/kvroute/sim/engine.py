@@ -73,6 +73,11 @@ class Engine(Handover):
 
     _steps_done = staticmethod(steps_done)
 
+    @property
+    def stepping(self) -> bool:
+        """Whether a step is in progress (the engine has work)."""
+        return self._busy
+
     def kv_usage(self, now: float) -> float:
         """Share of KV capacity held by requests, as vLLM v1 reports it: cached blocks that no
         request references are free (evictable), not used."""

@@ -224,7 +224,10 @@ class Simulation:
         """A balancer sends ``flight`` to ``replica_id`` (branch counted); it reaches the replica after the
         network delay plus the profile's TTFT overhead."""
         rep = self._dispatched(flight, lb, replica_id, branch)
-        overhead = rep.engine.p.ttft_overhead_s
+        eng = rep.engine
+        busy = eng.p.ttft_overhead_busy_s
+        # the overhead of an engine that is stepping where the profile measured one (perf/profile.py)
+        overhead = busy if busy is not None and eng.stepping else eng.p.ttft_overhead_s
         if self.api_delay is not None:  # a noisy API server: requests may overtake (sim/noise.py)
             overhead = self.api_delay.delay(replica_id, overhead)
         self.loop.at(self.loop.now + self.network.one_way(lb.region, rep.region) + overhead, self._arrive_replica,
