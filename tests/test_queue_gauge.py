@@ -4,8 +4,10 @@ forms a prefill batch or a decode step logs (every 40th), never at the instant t
 import pytest
 from test_sim_engine import Harness, small_profile
 
+from kvroute.perf.loader import load_profile
 from kvroute.sim.engine import Seq
 from kvroute.sim.queue_gauge import DECODE_LOG_INTERVAL, SGLangQueueGauge
+from kvroute.sim.scenario import parse_scenario
 from kvroute.sim.seq import steps_done
 
 SMALL, BIG = 200, 4000  # max_new: fits SGLang's budget beside the running request / is held by it
@@ -60,7 +62,33 @@ def test_the_gauge_lags_arrivals_until_a_scheduling_pass_sets_it(arrivals, live0
 
 
 def test_engines_are_probed_live_unless_the_profile_asks_for_the_gauge():
-    """vLLM's num_requests_waiting is rebuilt every engine step (make_stats): no gauge; the SGLang
-    gauge is opt-in, also for the L4 profile that runs SGLang's admission."""
+    """vLLM's num_requests_waiting is rebuilt every engine step (make_stats): no gauge; the L4
+    profile runs SGLang (SkyWalker §5.1) and exports SGLang's gauge; a scenario may override it."""
     assert Harness(small_profile()).eng.gauge is None
     assert Harness(small_profile(admission="sglang")).eng.gauge is None
+    assert isinstance(Harness(load_profile("l4-llama3.1-8b")).eng.gauge, SGLangQueueGauge)
+    group = {"region": "us", "count": 1, "profile": "l4-llama3.1-8b"}
+    for override, want in ((None, "sglang"), ("live", "live")):
+        sc = parse_scenario({"replicas": [{**group, "waiting_gauge": override} if override else group],
+                             "workload": {"kind": "chat", "clients": {"us": 1}}, "policies": ["skywalker"]})
+        assert sc.setup().replicas[0].profile.waiting_gauge == want
+
+
+def test_a_probe_reads_the_running_count_the_gauge_last_wrote():
+    """num_running_reqs is written with num_queue_reqs: requests admitted after the last log do not
+    show as running either."""
+    h = Harness(small_profile(kv_blocks=300, admission="sglang", waiting_gauge="sglang"))
+    gauge = h.eng.gauge
+    assert isinstance(gauge, SGLangQueueGauge)
+    h.eng.submit(Seq("long", 100, 3000, (), 16, max_new=BIG))
+    seen = []
+
+    def probe(_):
+        gauge.read(h.loop.now)
+        seen.append((len(h.eng.decoding), gauge.running))
+
+    for i in range(1, 3000):  # 6 s: past the 40th decode step (~50 ms a step)
+        h.loop.at(i * 0.002, probe, None)
+    h.loop.run()
+    assert (1, 0) in seen  # decoding, and no log has written the batch yet
+    assert (1, 1) in seen  # the 40th decode step logged it

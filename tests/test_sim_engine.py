@@ -12,10 +12,11 @@ from kvroute.sim.events import EventLoop
 
 
 def small_profile(**kw):
-    """The L4 profile's step times with vLLM's admission (these tests are about vLLM's scheduler;
-    SGLang's, which the L4 profile runs, is tested in test_sglang_admission.py) and ``kw``."""
+    """The L4 profile's step times with vLLM's admission and live waiting count (these tests are
+    about vLLM's scheduler; SGLang's, which the L4 profile runs, is tested in
+    test_sglang_admission.py and test_queue_gauge.py) and ``kw``."""
     base = load_profile("l4-llama3.1-8b").model_dump()
-    base["admission"] = "vllm"
+    base["admission"], base["waiting_gauge"] = "vllm", "live"
     base.update(kw)
     return type(load_profile("l4-llama3.1-8b"))(**base)
 

@@ -141,7 +141,7 @@ def run_demo(out: str, decisions: int, sim_requests: int, live_policies: list[st
 # which some policy still serves ≥ 90 % of requests within the default SLO (TTFT ≤ 5 s, TPOT ≤
 # 100 ms), as `kvroute simulate chat-3region-skewed --sweep --max-requests 2000` finds it: x0.707
 # of the file's 120/40/40 clients (sglang_cache_aware@global and gorgo@global, 6.88 req/s; round
-# robin x0.403, skywalker x0.439), measured 2026-11-25 with SGLang admission on the L4 replicas.
+# robin x0.403, skywalker x0.42), measured 2026-11-25 with SGLang admission and waiting gauge on the L4s.
 # The demo runs at 70 % of it: loaded, below saturation for the best policy — where the papers
 # compare (reproduction.md) — so the table shows who degrades first. Rerun the sweep after a
 # model change and update KNEE_FACTOR (tests/test_demo_load.py checks both sides of the knee).

@@ -239,8 +239,9 @@ class SimBalancer:
                 ep.running = eng.running
                 ep.waiting = eng.queued
             gauge = eng.gauge
-            if gauge is not None:  # SGLang exports its queue only at some passes (sim/queue_gauge.py)
+            if gauge is not None:  # SGLang exports its queue and batch only at some passes (sim/queue_gauge.py)
                 ep.waiting = gauge.read(now)
+                ep.running = gauge.running
             if kv:
                 ep.kv_usage = eng.kv_usage(now)
             ep.dispatched_since_probe = 0

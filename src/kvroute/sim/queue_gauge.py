@@ -12,19 +12,30 @@ SGLang does not export its queue length live. Its scheduler writes ``num_queue_r
   decode_log_interval == 0``; ``decode_log_interval`` defaults to 40 (``server_args.py``).
 
 So requests that arrived after the last such pass do not show, and a queue held back by the
-admission budget (sim/sglang_admission.py) shows at the next 40th decode step. SkyWalker's
-selective pushing reads this gauge (its "pending" signal, §3.3).
+admission budget (sim/sglang_admission.py) shows at the next 40th decode step. ``num_running_reqs``
+is written by the same two calls (``running_bs``: the decode batch, ``len(running_batch.reqs)``),
+so a probe's running count is as old as its queue count.
+
+SkyWalker's selective pushing reads this gauge and nothing else (its "pending" signal, §3.3):
+skypilot ``serve-multi-region-lb`` ``sky/serve/load_balancer.py``, ``_probe_ie_queue`` marks a
+replica available iff the ``sglang:num_queue_reqs`` (or ``vllm:num_requests_waiting``) it scraped
+every 0.1 s is 0, and with that indicator on ``ClientPool.pre_execute_hook`` returns before its
+``max_concurrent_requests`` check, so requests sent since the last probe are not counted; the one
+limit between probes is the 10 ms queue processor (policy/pacing.py).
 
 vLLM differs: its ``SchedulerStats.num_waiting_reqs`` (``vllm/v1/core/sched/scheduler.py``,
 ``make_stats``) is built after every engine step, a lag of at most one step; the live queue
 (``Batch.queued``) is kept for it.
 
-A profile switches it on with ``waiting_gauge: sglang`` (off by default, also for the L4 profile
-that runs SGLang's admission: with it, SkyWalker's pending gate trails round robin on the Mooncake
-check of tests/test_pacing.py, 0.57 vs 0.67 req/s, and nothing tuned here may hide that).
+A profile switches it on with ``waiting_gauge: sglang``; the L4 profile, which runs SGLang's
+admission, does (issue 21). What it costs SkyWalker where replicas run out of memory: on the
+deeply overloaded Mooncake replay of tests/test_pacing.py (8 L4s, TTFT p90 ~1,200 s for every
+policy) its pending gate sends the paced stream into a replica whose held queue the gauge hides
+for up to 40 decode steps, and it reaches 0.57 req/s against round robin's 0.67 (0.72 with a live
+queue); that test pins a live queue, the signal issue 7's pacing criterion was written for.
 Kept out of the engine: :func:`kvroute.sim.sglang_admission.install` sets the engine's ``gauge``;
 the step loop calls :meth:`SGLangQueueGauge.passed` after each admission pass, and the probe
-(sim/balancer.py) calls :meth:`SGLangQueueGauge.read`.
+(sim/balancer.py) calls :meth:`SGLangQueueGauge.read` and reads :attr:`SGLangQueueGauge.running`.
 """
 
 from __future__ import annotations
@@ -47,17 +58,21 @@ class Stepping(Protocol):
     def queued(self) -> int:
         """Sequences waiting for admission."""
 
+    decoding: dict  # the decode batch (SGLang's running_batch)
+
 
 class SGLangQueueGauge:
     """``num_queue_reqs`` of one simulated SGLang engine: the waiting count as of the last
     prefill-batch formation or decode log (see the module docstring)."""
 
-    __slots__ = ("engine", "value", "settled", "logged", "interval")
+    __slots__ = ("engine", "value", "running", "settled", "settled_running", "logged", "interval")
 
     def __init__(self, engine: Stepping, interval: int = DECODE_LOG_INTERVAL):
         self.engine = engine
         self.value = 0
+        self.running = 0  # num_running_reqs, written by the same two calls: the decode batch's size
         self.settled = 0  # the queue left by the last admission pass: what it is until an arrival
+        self.settled_running = 0  # the batch that pass left
         self.logged = 0  # the engine's decode step count when the gauge was last brought up to date
         self.interval = interval
 
@@ -73,10 +88,10 @@ class SGLangQueueGauge:
         engine = self.engine
         steps = engine.steps
         if self._decode_log_due(steps):
-            self.value = self.settled
-        self.settled = engine.queued
+            self.value, self.running = self.settled, self.settled_running
+        self.settled, self.settled_running = engine.queued, len(engine.decoding)
         if engine.prefilling:
-            self.value = self.settled
+            self.value, self.running = self.settled, self.settled_running
         self.logged = steps
 
     def read(self, now: float) -> int:
@@ -88,6 +103,6 @@ class SGLangQueueGauge:
         if jump is not None:
             steps = engine.steps + steps_done(jump, now - jump[0])
             if self._decode_log_due(steps):
-                self.value = self.settled
+                self.value, self.running = self.settled, self.settled_running
                 self.logged = steps
         return self.value

@@ -53,6 +53,9 @@ class ReplicaGroup(StrictModel):
         "the KV cache to decode engines (sim/disagg.py); mixed engines do both")
     max_running: int | None = Field(None, ge=1, description="the engines' limit on sequences in a batch, in place of "
                                     "the profile's (e.g. SGLang --max-running-requests, vLLM --max-num-seqs)")
+    waiting_gauge: Literal["live", "sglang"] | None = Field(
+        None, description="what a probe reads as the engines' waiting/running counts, in place of the profile's: "
+        "`live`, or `sglang` (num_queue_reqs as of the last prefill batch or 40th decode step, sim/queue_gauge.py)")
     host_cores: int | None = Field(None, ge=1, description="the group's replicas share one machine with this many "
                                    "cores: while n of them step at once, each step takes max(1, n / cores) times "
                                    "its profile time (unset: every replica has a machine of its own)")
@@ -317,6 +320,8 @@ class Scenario(StrictModel):
                 raise ScenarioError(f"replicas: {exc}") from None
             if g.max_running is not None:  # the engine's own batch limit (a setup fact, not the hardware's)
                 prof = prof.model_copy(update={"max_running": g.max_running})
+            if g.waiting_gauge is not None:  # an engine setting (the exported metrics), not the hardware's
+                prof = prof.model_copy(update={"waiting_gauge": g.waiting_gauge})
             n0 = sum(1 for r in replicas if r.region == g.region and r.role == g.role)
             host = (f"group-{len(replicas)}", g.host_cores) if g.host_cores else None
             role = "" if g.role == "mixed" else f"{g.role[0]}-"  # p-us-0, d-us-0: the role in the id
