@@ -15,8 +15,8 @@ never a step-time model:
    on traffic without prefix reuse it reduces to least prefill work (branch ``auto:prefix-load``).
    On mixed hardware each factor is scaled by the replica's prefill / decode time learned online
    from the TTFTs and TPOTs it reports (``lmetric_speed``, :mod:`kvroute.policy.adaptive.replica_speed`),
-   so a replica k× faster carries about k× the load; times within ``speed_spread`` of each other
-   count as equal (a homogeneous fleet routes exactly by LMetric's score);
+   so a replica k× faster carries about k× the load; unless prefill and decode times both spread
+   past ``speed_spread``, every factor is 1 (a homogeneous fleet routes exactly by LMetric's score);
 3. **the challenger, GORGO's cost**, trialled online against it (``ttft_selector``, interleaved
    trials, switching only on evidence of a better mean TTFT, guarded by end-to-end latency):
    across regions — the candidates' probe RTTs spread by more than ``rtt_spread_ms`` — w_rtt·RTT
@@ -89,5 +89,5 @@ class AutoParams(PolicyParams):
     select_z: float = Field(2.0, ge=0, description="standard errors by which GORGO's mean TTFT must lead to take over")
     speed: bool = Field(True, description="the incumbent scales LMetric's score by each replica's prefill and decode "
                         "time learned from measured TTFTs and TPOTs (mixed hardware); false: LMetric's score as is")
-    speed_spread: float = Field(1.5, ge=1, description="learned replica times differing by less than this factor "
-                                "(max / min) are noise: the fleet routes as one of a single hardware kind")
+    speed_spread: float = Field(1.5, ge=1, description="the fleet counts as mixed hardware when learned prefill and "
+                                "decode times both spread past this factor (max / min); else it routes as one kind")

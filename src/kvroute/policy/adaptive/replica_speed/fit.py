@@ -16,10 +16,12 @@ calibrated online). This module calibrates that profile online, per replica:
   token, weighted by tokens, with the same half-life.
 
 Relative speeds are what routing needs: each replica's time over the median of the replicas that
-have ``min_samples`` observations (a replica without them counts as the median). Differences
-inside ``spread`` (max ÷ min, 1.5) are read as noise — the load imbalance and prefix-cache luck of
-a homogeneous fleet — and every factor is 1 then, so a fleet of one hardware kind routes exactly
-as without this module; past it the hardware is judged mixed and every replica gets its factor.
+have ``min_samples`` observations (a replica without them counts as the median). The fleet is
+judged mixed only when both the prefill times and the decode times spread by more than ``spread``
+(max ÷ min, 1.5): another GPU generation differs in compute and in memory bandwidth alike, while
+the load imbalance and prefix-cache luck of a homogeneous fleet move one measure at a time (with
+prefill alone, tree-of-thought runs flipped to "mixed" early on a handful of samples). Otherwise
+every factor is 1 and a fleet of one hardware kind routes exactly as without this module.
 
 The estimate feeds back on itself, stabilisingly: a replica given more load queues more, its
 measured times grow, its factor grows, and it is given less. Pure: times arrive as arguments.
@@ -152,7 +154,9 @@ class SpeedFit:
         return {ep: t / mid for ep, t in times.items() if t > 0}
 
     def _refresh(self) -> None:
-        self._factors = (self._relative(self.prefill_s()), self._relative(self.decode_s()))
+        pf, df = self._relative(self.prefill_s()), self._relative(self.decode_s())
+        # hardware apart shows in both (compute and memory bandwidth); one measure alone apart is noise
+        self._factors = (pf, df) if pf and df else ({}, {})
 
     def factors(self) -> tuple[dict[str, float], dict[str, float]]:
         """(prefill, decode) factors per replica; a replica not listed counts as 1."""

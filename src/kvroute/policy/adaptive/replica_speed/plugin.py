@@ -46,8 +46,8 @@ class SpeedPlugin(Lifecycle):
 class SpeedLMetric(Scorer, SpeedPlugin):
     """LMetric §4's P-tokens × BS on hardware learned online: (queued prefill + new prefill) ×
     prefill factor × (batch + 1) × decode factor, the factors being each replica's measured prefill
-    and decode time over the fleet's median (:class:`~.fit.SpeedFit`; all 1 on a fleet whose
-    measured speeds differ by less than ``spread``, where it equals ``lmetric``).
+    and decode time over the fleet's median (:class:`~.fit.SpeedFit`; all 1 unless the measured
+    prefill and decode times both spread past ``spread``, and then it equals ``lmetric``).
 
     On equal load the score scales with both times, so at balance a replica k× faster at both
     carries k× the load (the score grows as load², LMetric's two factors each growing with it)."""
