@@ -1,9 +1,15 @@
 """SGLang's waiting gauge (sim/queue_gauge.py): a probe sees arrivals only once a scheduling pass
 forms a prefill batch or a decode step logs (every 40th), never at the instant they arrive."""
 
+import asyncio
+import time
+
+import aiohttp
 import pytest
 from test_sim_engine import Harness, small_profile
 
+from kvroute.emulator.server import start_emulator
+from kvroute.gateway.probes import parse_prometheus, read_indicators
 from kvroute.perf.loader import load_profile
 from kvroute.sim.engine import Seq
 from kvroute.sim.queue_gauge import DECODE_LOG_INTERVAL, SGLangQueueGauge
@@ -92,3 +98,43 @@ def test_a_probe_reads_the_running_count_the_gauge_last_wrote():
     h.loop.run()
     assert (1, 0) in seen  # decoding, and no log has written the batch yet
     assert (1, 1) in seen  # the 40th decode step logged it
+
+
+def test_an_emulated_sglang_engine_exports_the_gauge_not_the_live_queue():
+    """The emulator's sglang:num_queue_reqs is the gauge too: a request the budget holds back is not
+    in it at once, only after the next 40th decode step (~2 s of real time on the L4 profile)."""
+    profile = load_profile("l4-llama3.1-8b").model_copy(update={"kv_blocks": 300})
+
+    async def scenario():
+        runner, emu, port = await start_emulator("127.0.0.1", 0, profile, "sglang")
+        url = f"http://127.0.0.1:{port}"
+        try:
+            async with aiohttp.ClientSession() as s:
+                async def ask(name: str):
+                    body = {"model": "emulated", "prompt": name, "max_tokens": BIG, "stream": True}
+                    async with s.post(f"{url}/v1/completions", json=body) as r:
+                        async for _ in r.content:
+                            pass
+
+                async def queue_gauge() -> float:
+                    async with s.get(f"{url}/metrics") as r:
+                        return read_indicators(parse_prometheus(await r.text())).waiting
+
+                first = asyncio.create_task(ask("long"))
+                while not emu.engine.decoding:
+                    await asyncio.sleep(0.01)
+                second = asyncio.create_task(ask("held"))
+                while emu.engine.queued == 0:
+                    await asyncio.sleep(0.005)
+                at_once = await queue_gauge()
+                deadline = time.monotonic() + 10
+                while await queue_gauge() == 0 and time.monotonic() < deadline:
+                    await asyncio.sleep(0.05)
+                later = await queue_gauge()
+                first.cancel(), second.cancel()
+                return at_once, later, emu.engine.queued
+        finally:
+            await runner.cleanup()
+
+    at_once, later, live = asyncio.run(scenario())
+    assert (at_once, later, live) == (0, 1, 1)

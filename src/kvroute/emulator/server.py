@@ -202,6 +202,8 @@ class Emulator:
                           f'vllm:cache_config_info{{block_size="16",num_gpu_blocks="{e.capacity // 16}"}} 1.0'])
             counter("process_start_time_seconds", self.started_at, "Start time of the process.")
         elif self.engine_type == "sglang":
+            if e.gauge is not None:  # SGLang writes both at prefill batches and every 40th decode step
+                waiting, running = e.gauge.read(self.clock.now), e.gauge.running  # (sim/queue_gauge.py)
             gauge("sglang:num_running_reqs", running, "Running requests.")
             gauge("sglang:num_queue_reqs", waiting, "Queued requests.")
             gauge("sglang:token_usage", usage, "KV token usage, 0..1.")

@@ -35,7 +35,8 @@ for up to 40 decode steps, and it reaches 0.57 req/s against round robin's 0.67 
 queue); that test pins a live queue, the signal issue 7's pacing criterion was written for.
 Kept out of the engine: :func:`kvroute.sim.sglang_admission.install` sets the engine's ``gauge``;
 the step loop calls :meth:`SGLangQueueGauge.passed` after each admission pass, and the probe
-(sim/balancer.py) calls :meth:`SGLangQueueGauge.read` and reads :attr:`SGLangQueueGauge.running`.
+(sim/balancer.py) calls :meth:`SGLangQueueGauge.read` and reads :attr:`SGLangQueueGauge.running`, as
+does an emulated SGLang engine's /metrics (emulator/server.py).
 """
 
 from __future__ import annotations
