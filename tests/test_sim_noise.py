@@ -125,3 +125,22 @@ def test_a_busy_engine_adds_its_measured_overhead(tmp_path):
     assert run(base.ttft_overhead_s) == plain
     slow = run(base.ttft_overhead_s + 0.5)
     assert slow["ttft_s"]["p50"] > plain["ttft_s"]["p50"] + 0.2  # most requests find their engine busy
+
+
+def test_a_new_sequence_stalls_the_step_it_joins_by_c_admit():
+    """``c_admit_s`` (calibrate: the decoding batch's longest token gap while a tiny prompt joined
+    it; llama-server stalls its slots) lengthens the step that starts a new sequence's prefill,
+    for the sequences already decoding too; 0 changes nothing."""
+    def run(admit: float) -> dict[str, float]:
+        loop = EventLoop()
+        done: dict[str, float] = {}
+        prof = UNIT.model_copy(update={"c_admit_s": admit, "max_running": 4})
+        e = Engine("e", prof, loop, lambda s, t: None, lambda s, t: done.__setitem__(s.rid, t))
+        e.submit(Seq("a", 1000, 101, (), 16))  # 1 s prefill, then 100 decode steps of 10 ms
+        loop.at(1.5, lambda _: e.submit(Seq("b", 100, 1, (), 16)), None)  # joins while a decodes
+        loop.run()
+        return done
+
+    plain, stalled = run(0.0), run(0.25)
+    assert stalled["b"] == pytest.approx(plain["b"] + 0.25, abs=0.021)  # up to a decode step of phase
+    assert stalled["a"] == pytest.approx(plain["a"] + 0.5, abs=0.021)  # a's own first step, then b's

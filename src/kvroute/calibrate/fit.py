@@ -108,14 +108,15 @@ def fit_profile(m: Measurements, name: str, hardware: str, max_batched_tokens: i
     kv = kv_tokens or min((f.kv_tokens for f in facts if f.kv_tokens), default=None) or 65536
     running = max_running or min((f.slots for f in facts if f.slots), default=None) or 256
     batch = max_batched_tokens or min((f.batch_tokens for f in facts if f.batch_tokens), default=None) or 8192
-    busy = _busy_overhead(m, sharing, c0, c_decode, c_attn, c_prefill, c_pattn)
+    busy, admit = _busy_overhead(m, sharing, c0, c_decode, c_attn, c_prefill, c_pattn)
     profile = HardwareProfile(
         name=name, hardware=hardware, model=m.model, c0_s=c0, c_prefill_s=c_prefill, c_decode_s=c_decode,
         c_attn_s=c_attn, c_prefill_attn_s=c_pattn, ttft_overhead_s=overhead, kv_blocks=max(1, kv // block_size),
         block_size=block_size, max_running=running, max_batched_tokens=batch,
         # llama-server (it has slots) lends a cached prefix only from a slot serving no request
         prefix_reuse="idle_slots" if any(f.slots for f in facts) else "shared",
-        noise_step_sigma=sigma, noise_api_delay_s=delay["api_delay_s"], ttft_overhead_busy_s=busy)
+        noise_step_sigma=sigma, noise_api_delay_s=delay["api_delay_s"], ttft_overhead_busy_s=busy,
+        c_admit_s=admit)
     source = f"measured by kvroute calibrate, {len(facts)} engine(s) loaded together"
     if sharing > 1:
         source += f", divided by {sharing:g} for {host_cores} shared cores"
@@ -151,17 +152,24 @@ def fit_profile(m: Measurements, name: str, hardware: str, max_batched_tokens: i
 
 
 def _busy_overhead(m: Measurements, sharing: float, c0: float, c_decode: float, c_attn: float, c_prefill: float,
-                   c_pattn: float) -> float | None:
-    """The per-request overhead while the engine steps (None: not measured): each tiny prompt sent
-    beside a decoding batch, less what the fitted step model says it spent in the engine — half a
-    step waiting for the running one to end, then the step it joins (its prefill beside the batch's
-    decodes) — the median over engines and contexts, at least 0."""
-    left = []
-    for b, ctx, tokens, s in m.busy:
+                   c_pattn: float) -> tuple[float | None, float]:
+    """What a request costs an engine that is stepping, beyond the step model (None, 0: not
+    measured), from each tiny prompt sent beside a decoding batch: ``c_admit_s``, the extra time of
+    the step it joined (the batch's longest token gap meanwhile, less that step as the model has
+    it: time the engine's loop spends on a new request, which every running sequence waits for),
+    and ``ttft_overhead_busy_s``, the rest of its latency past half a step waiting for the running
+    one and the step it joined (time outside the loop: HTTP, an API server). Medians over engines
+    and contexts, at least 0."""
+    admit, outside = [], []
+    for b, ctx, tokens, s, gap in m.busy:
         step = c0 + c_decode * b + c_attn * b * ctx
         joined = step + c_prefill * tokens + c_pattn * tokens * tokens / 2
-        left.append(s / sharing - step / 2 - joined)
-    return max(0.0, statistics.median(left)) if left else None
+        stall = max(0.0, gap / sharing - joined)
+        admit.append(stall)
+        outside.append(s / sharing - step / 2 - joined - stall)
+    if not admit:
+        return None, 0.0
+    return max(0.0, statistics.median(outside)), max(0.0, statistics.median(admit))
 
 
 def write_profile(path: str | Path, profile: HardwareProfile, report: dict) -> None:
@@ -188,9 +196,10 @@ def write_profile(path: str | Path, profile: HardwareProfile, report: dict) -> N
     ]
     noise = report.get("noise")
     if profile.ttft_overhead_busy_s is not None:
-        header.append(f"# ttft_overhead_busy_s: per-request overhead while the engine steps, from "
-                      f"{report['busy_probes']} tiny prompts sent beside a decoding batch (less the steps they "
-                      "waited for and joined); ttft_overhead_s (the prefill fit's intercept) holds for an idle engine")
+        header.append(f"# c_admit_s, ttft_overhead_busy_s: from {report['busy_probes']} tiny prompts sent beside a "
+                      "decoding batch: the step they joined beyond the model (the batch's longest token gap), and "
+                      "the rest of their latency past the steps they waited for and joined (fit.py);")
+        header.append("# ttft_overhead_s (the prefill fit's intercept) holds for an idle engine")
     if noise:
         header.append(f"# engine noise (used only where a scenario says `engine_noise: profile`): step time "
                       f"log-sigma {noise['step_sigma']:.3f} from {noise['step_points']} prefill repeats; extra "

@@ -99,8 +99,9 @@ class Measurements:
     # (target context, target new tokens, cached tokens, new tokens, seconds) per warm prefill
     warm: list[tuple[int, int, int, int, float]] = field(default_factory=list)
     probes: list[tuple[int, float]] = field(default_factory=list)  # (engine index, seconds) tiny prompts
-    # (batch, mean context, prompt tokens, seconds): a tiny prompt beside a decoding batch
-    busy: list[tuple[int, float, int, float]] = field(default_factory=list)
+    # (batch, context, prompt tokens, seconds, the batch's longest token gap meanwhile): a tiny
+    # prompt beside a decoding batch
+    busy: list[tuple[int, float, int, float, float]] = field(default_factory=list)
     wall_s: float = 0.0
     sweep: Sweep | None = None  # what was swept: the asked sweep as the context limit let it run
 
@@ -394,9 +395,14 @@ async def measure(urls: list[str], model: str | None = None, sweep: Sweep | None
 async def _busy_points(engines: list[_Engine], ctx: int, m: Measurements, say) -> None:
     """A tiny prompt sent to each engine while it decodes the sweep's largest batch at ``ctx``
     (once every stream has its first token): its latency is the per-request overhead of an engine
-    that is busy, plus the step it waits for and the step it joins (fit.py takes those out).
+    that is busy, plus the step it waits for and the step it joins (fit.py takes those out); the
+    longest gap between the batch's tokens while it ran is the step it joined, which shows how much
+    of that overhead stalls the engine's loop (llama-server) rather than its API server (vLLM).
     Its own round, so the decode points' step times stay clean."""
     batch, n = max(m.sweep.batch_sizes if m.sweep else (1,)), m.sweep.decode_tokens if m.sweep else 24
+    slots = [f.slots for f in m.engines if f.slots]
+    if slots:  # a slot left free: with every slot busy, llama-server defers the probe (a queue, not overhead)
+        batch = max(1, min(batch, min(slots) - 1))
     prompts = [[e.prompt(ctx) for _ in range(batch)] for e in engines]
     await asyncio.gather(*(e.complete(p, 1) for e, ps in zip(engines, prompts, strict=True) for p in ps))
     ready = [asyncio.Event() for _ in engines]
@@ -407,13 +413,23 @@ async def _busy_points(engines: list[_Engine], ctx: int, m: Measurements, say) -
         if started[i] == batch:
             ready[i].set()
 
-    async def probe(i: int, e: _Engine) -> tuple[float, int]:
+    async def probe(i: int, e: _Engine) -> tuple[float, float, int]:
         await asyncio.wait_for(ready[i].wait(), m.sweep.timeout_s if m.sweep else 120.0)
-        return await e.complete(e.prompt(16), 1)
+        t0 = time.perf_counter()
+        s, tokens = await e.complete(e.prompt(16), 1)
+        return t0, s, tokens
 
     streams = asyncio.gather(*(e.stream_times(p, n, on_first=functools.partial(first, i))
                                for i, (e, ps) in enumerate(zip(engines, prompts, strict=True)) for p in ps))
-    got, _ = await asyncio.gather(asyncio.gather(*(probe(i, e) for i, e in enumerate(engines))), streams)
-    m.busy.extend((batch, float(ctx), tokens, s) for s, tokens in got)
+    got, times = await asyncio.gather(asyncio.gather(*(probe(i, e) for i, e in enumerate(engines))), streams)
+    for i, (t0, s, tokens) in enumerate(got):
+        m.busy.append((batch, float(ctx), tokens, s, _stall(times[i * batch:(i + 1) * batch], t0, t0 + s)))
     say(f"tiny prompt beside a decoding batch of {batch} at ~{ctx} tokens: "
-        + ", ".join(f"{s * 1000:.1f} ms" for s, _ in got))
+        + ", ".join(f"{s * 1000:.1f} ms (batch's longest gap {g * 1000:.1f} ms)" for *_, s, g in m.busy[-len(got):]))
+
+
+def _stall(streams: list[list[float]], t0: float, t1: float) -> float:
+    """The longest gap between two tokens of one stream that ends while [t0, t1] runs (the step
+    the probe joined), the median over the streams; 0 when no token came meanwhile."""
+    gaps = [max((b - a for a, b in zip(t, t[1:]) if t0 <= b <= t1 + 0.001), default=0.0) for t in streams]
+    return statistics.median(gaps) if gaps else 0.0

@@ -67,6 +67,11 @@ class HardwareProfile(StrictModel):
     # ttft_overhead_s: the API server and the engine's busy threads share the cores. Measured by
     # `kvroute calibrate` (a tiny prompt beside a decoding batch); None: ttft_overhead_s always.
     ttft_overhead_busy_s: float | None = Field(None, ge=0)
+    # Extra time of a step in which a new sequence starts its prefill, which every sequence of the
+    # batch waits for. Measured by `kvroute calibrate` (the decoding batch's longest token gap while
+    # a tiny prompt joined it): llama-server 0.3.36 stalled three decoding slots for 13-24 ms where
+    # the step model gave ~3 ms (issue 21); 0: none.
+    c_admit_s: float = Field(0.0, ge=0)
     kv_bytes_per_token: int | None = Field(None, gt=0)  # KV cache bytes per token (migration transfers)
     kv_blocks: int = Field(gt=0)
     block_size: int = Field(16, gt=0)

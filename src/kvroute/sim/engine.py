@@ -146,6 +146,8 @@ class Engine(Handover):
             self._jump = None
             # one varlen attention pass over decodes and chunks (heterogeneity: perf/profile.py)
             dt = p.step_time(tokens, n_dec, ctx_sum, attn, p.heterogeneity(n_all, len_sum, len_sq))
+            if p.c_admit_s:  # a new sequence's first chunk stalls the step (perf/profile.py)
+                dt += p.c_admit_s * sum(1 for seq, _ in chunks if seq.prompt - seq.prefill_left <= max(seq.cached, 0))
             if noise is not None:
                 dt *= noise(1)
             if host is not None:  # cores shared with other engines (Host)
