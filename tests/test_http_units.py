@@ -240,3 +240,32 @@ def test_upstream_extra_response_bytes_poison_the_connection():
         assert await resp.read() == b"a"
         assert conn.transport.closed and not conn.keep_alive
     asyncio.run(run())
+
+
+def test_upstream_waits_share_one_coarse_clock_that_never_fires_early():
+    """An idle wait times out on the loop's shared clock (no timer per wait), not before its
+    time and at most a tick late; the clock's timer stops once nothing waits."""
+    from kvroute.gateway import upstream
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        conn, head = _client_conn()
+        conn.data_received(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nabc")
+        resp = UpstreamResponse(conn, (await head)[0], [], 0.2)
+        assert await resp.next_chunk() == b"abc"
+        t0 = loop.time()
+        with pytest.raises(upstream.UpstreamTimeout, match="upstream sent nothing for 0.2 s"):
+            await resp.next_chunk()
+        waited = loop.time() - t0
+        assert 0.2 <= waited < 0.2 + 2 * upstream._Deadlines.TICK
+        clock = upstream._deadlines()
+        assert not clock.waits
+        await asyncio.sleep(upstream._Deadlines.TICK * 1.5)
+        assert clock.handle is None  # idle: no tick runs
+        # a wait that ends in time leaves nothing behind
+        conn2, head2 = _client_conn()
+        conn2.data_received(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n")
+        resp2 = UpstreamResponse(conn2, (await head2)[0], [], 5.0)
+        loop.call_later(0.01, conn2.data_received, b"ok")
+        assert await resp2.read() == b"ok" and not clock.waits
+    asyncio.run(run())

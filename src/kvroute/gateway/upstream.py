@@ -35,7 +35,7 @@ import socket
 import ssl
 from collections import deque
 from collections.abc import Callable
-from typing import Any, TypeVar, cast
+from typing import Any, cast
 from urllib.parse import urlsplit
 
 import httptools
@@ -69,22 +69,53 @@ _EOF = object()
 _IDLE, _WAIT_HEAD, _BODY, _DONE, _BROKEN = range(5)
 
 
-T = TypeVar("T")
 Headers = list[tuple[str, str]]
 
 
-def _expire(fut: asyncio.Future[Any], message: str) -> None:
-    if not fut.done():
-        fut.set_exception(UpstreamTimeout(message))
+class _Deadlines:
+    """One coarse clock for every upstream wait on an event loop (first byte, idle between body
+    pieces), like the HTTP server's deadline sweep: a wait is an entry in a dict, checked every
+    ``TICK`` seconds by one timer that runs only while some wait is pending, instead of a timer
+    handle made and cancelled per wait — per streamed chunk, that was a TimerHandle, a libuv timer
+    start and stop, and a cancel (and the message formatted per wait: now only when one expires). A
+    deadline fires up to ``TICK`` late, never early; the timeouts it enforces are seconds long."""
+
+    TICK = 0.05
+
+    __slots__ = ("loop", "waits", "handle")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.waits: dict[asyncio.Future[Any], tuple[float, float, str]] = {}  # → (deadline, seconds, message)
+        self.handle: asyncio.TimerHandle | None = None
+
+    def add(self, fut: asyncio.Future[Any], seconds: float, message: str) -> None:
+        now = self.loop.time()
+        self.waits[fut] = (now + seconds, seconds, message)
+        if self.handle is None:
+            self.handle = self.loop.call_at(now + self.TICK, self._tick)
+
+    def _tick(self) -> None:
+        now = self.loop.time()
+        waits = self.waits
+        for fut, (_, seconds, message) in [item for item in waits.items() if item[1][0] <= now]:
+            del waits[fut]
+            if not fut.done():
+                fut.set_exception(UpstreamTimeout(message.format(seconds)))
+        self.handle = self.loop.call_at(now + self.TICK, self._tick) if waits else None
 
 
-async def _within(fut: asyncio.Future[T], seconds: float, message: str) -> T:
-    """``await fut`` with a deadline; a timer handle is far cheaper than ``asyncio.wait_for``."""
-    timer = asyncio.get_running_loop().call_later(seconds, _expire, fut, message)
-    try:
-        return await fut
-    finally:
-        timer.cancel()
+_clock: _Deadlines | None = None  # the running loop's (one loop per thread; a new loop gets a new one)
+
+
+def _deadlines() -> _Deadlines:
+    """The running loop's coarse clock. A wait registers ``fut`` with ``add`` and, however it
+    ends, pops it from ``waits``; on expiry ``fut`` gets ``UpstreamTimeout(message.format(seconds))``."""
+    global _clock
+    clock = _clock
+    if clock is None or clock.loop is not asyncio.get_running_loop():
+        clock = _clock = _Deadlines(asyncio.get_running_loop())
+    return clock
 
 
 class _Conn(asyncio.Protocol):
@@ -242,12 +273,14 @@ class UpstreamResponse:
         conn = self._conn
         assert conn is not None, "response already released"
         while not conn.chunks:
-            wait = self._idle_s if timeout_s is None else timeout_s
-            conn.wakeup = asyncio.get_running_loop().create_future()
+            clock = _deadlines()
+            conn.wakeup = fut = clock.loop.create_future()
+            clock.add(fut, self._idle_s if timeout_s is None else timeout_s, "upstream sent nothing for {:g} s")
             try:
-                await _within(conn.wakeup, wait, f"upstream sent nothing for {wait:g} s")
+                await fut
             finally:
                 conn.wakeup = None
+                clock.waits.pop(fut, None)
         chunks = conn.chunks
         item = chunks.popleft()
         if item is _EOF:
@@ -358,12 +391,16 @@ class UpstreamPool:
         conn.transport.writelines(request)
         if on_send is not None:
             on_send(conn.abort)
+        clock = _deadlines()
+        clock.add(head, first_byte_s, "no response within {:g} s")
         try:
-            status, headers = await _within(head, first_byte_s, f"no response within {first_byte_s:g} s")
+            status, headers = await head
         except BaseException:
             conn.state = _BROKEN
             conn.transport.close()
             raise
+        finally:
+            clock.waits.pop(head, None)
         return UpstreamResponse(conn, status, headers, idle_s)
 
     def close(self) -> None:
