@@ -32,13 +32,26 @@ def _events(rng: random.Random, n: int) -> list[bytes]:
     return [f"data: {line}\n\n".encode() for line in lines] + [b"data: [DONE]\n\n"]
 
 
+@pytest.mark.parametrize("split", ["random", "whole", "events", "odd"])
 @pytest.mark.parametrize("seed", range(5))
-def test_an_unparsed_first_leg_counts_and_continues_like_a_parsed_one(seed):
+def test_an_unparsed_first_leg_counts_and_continues_like_a_parsed_one(seed, split):
+    """Whatever the reads look like — cut anywhere, the whole stream in one read (a block that
+    starts with the first event and ends with [DONE]), one event per read, or a stream with a
+    comment and a [DONE] before its last event — the fast path forwards, counts and continues
+    exactly as parsing every event does."""
     rng = random.Random(seed)
     events = _events(rng, rng.randint(1, 60))
+    if split == "odd":
+        events.insert(2, b": keep-alive\n\n")
+        events.insert(len(events) - 2, b"data: [DONE]\n\n")
     stream = b"".join(events)
-    cuts = sorted(rng.sample(range(1, len(stream)), 5))
-    pieces = [stream[a:b] for a, b in zip([0, *cuts], [*cuts, len(stream)])]
+    if split == "whole":
+        pieces = [stream]
+    elif split == "events":
+        pieces = events
+    else:
+        cuts = sorted(rng.sample(range(1, len(stream)), 5))
+        pieces = [stream[a:b] for a, b in zip([0, *cuts], [*cuts, len(stream)])]
     lazy = Splice.open("chat", {"messages": CHAT, "stream": True, "max_tokens": 500}, 30)
     eager = Splice.open("chat", {"messages": CHAT, "stream": True, "max_tokens": 500}, 30)
     assert lazy is not None and eager is not None

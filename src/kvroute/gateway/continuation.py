@@ -81,7 +81,8 @@ class Splice:
         self.done = False  # [DONE] forwarded
         self._continuable = True  # false once the stream carries what a prefill cannot restore
         # first-leg events forwarded as they came and not parsed yet (``_event``'s fast path):
-        # their payloads, bytes, and the tokens ``token_events`` counted in them
+        # the events (whole ``data:`` events, one or several per entry), bytes, and the tokens
+        # ``token_events`` counted in them
         self._raw: list[bytes] = []
         self._raw_len = 0
         self._raw_tokens = 0
@@ -151,8 +152,9 @@ class Splice:
         self._raw = []
         self.count -= self._raw_tokens
         self._raw_len = self._raw_tokens = 0
-        for payload in raw:
-            self._parse(payload, b"")
+        for block in raw:
+            for event in block.split(b"\n\n"):
+                self._parse(event[5:].strip(), b"")
 
     def max_tokens(self) -> int | None:
         """The client's output limit, if it set one."""
@@ -184,8 +186,12 @@ class Splice:
             self.partial = data
             return b""
         self.partial = data[cut + 2:]
+        block = data[:cut]
+        if self.legs == 1 and self.limit is None and b'"error"' not in block and b'"usage"' not in block \
+                and block.startswith(b"data:") and block.count(b"\n\ndata:") == block.count(b"\n\n"):
+            return self._plain(block)
         out = []
-        for event in data[:cut].split(b"\n\n"):
+        for event in block.split(b"\n\n"):
             kept = self._event(event) if event.strip() else None
             if kept is not None:
                 out.append(kept + b"\n\n")
@@ -195,6 +201,41 @@ class Splice:
                 self.outgrown, self.partial = True, b""  # the rest is this leg's, not the client's
                 break
         return b"".join(out)
+
+    def _plain(self, block: bytes) -> bytes:
+        """The first leg's events when none carries an error or usage, each is ``data:`` and no
+        context limit is watched (``feed`` checked): ``_event``'s fast path for a whole read at
+        once — the block passes unchanged, its tokens counted by ``token_events`` in one call and
+        its events kept as bytes. The stream's first event is parsed (its id and model), and a
+        final ``[DONE]`` is noted; anything else unusual goes one event at a time."""
+        out = block + b"\n\n"
+        head = b""  # forwarded before the block that is kept
+        if self.ident is None:
+            first, _, block = block.partition(b"\n\n")
+            head = self._event(first) or b""  # legs == 1, no error: forwarded as it came
+            head += b"\n\n"
+            if self.ident is None:  # not a stream of JSON objects: one event at a time
+                return head + b"".join(e + b"\n\n" for e in self._each(block) if e is not None)
+            if not block:
+                return out
+        if b"[DONE]" in block:
+            body, _, last = block.rpartition(b"\n\n")
+            if last[5:].strip() != b"[DONE]" or b"[DONE]" in body:
+                return head + b"".join(e + b"\n\n" for e in self._each(block) if e is not None)
+            self.done = True
+            block = body
+        if block:
+            n = token_events(block)
+            self._raw.append(block)
+            self._raw_len += len(block)
+            self._raw_tokens += n
+            self.count += n
+            if self._raw_len > RAW_LIMIT:
+                self.settle()
+        return out
+
+    def _each(self, block: bytes) -> list[bytes | None]:
+        return [self._event(e) for e in block.split(b"\n\n")] if block else []
 
     def _event(self, event: bytes) -> bytes | None:
         if not event.startswith(b"data:"):
@@ -208,8 +249,8 @@ class Splice:
             # the first leg's plain token events pass unchanged: nothing to rewrite or check, so they are
             # kept as bytes and counted cheaply; their text is parsed only if the stream is continued
             n = token_events(payload)
-            self._raw.append(payload)
-            self._raw_len += len(payload)
+            self._raw.append(event)
+            self._raw_len += len(event)
             self._raw_tokens += n
             self.count += n
             if self._raw_len > RAW_LIMIT:
@@ -416,6 +457,14 @@ class LegResponder:
     async def write(self, data: bytes) -> None:
         """Pass a chunk to the client's stream."""
         await self.resp.write(data)
+
+    def push(self, data: bytes) -> bool:
+        """Pass a chunk on without waiting; True when the client's buffer is full."""
+        return bool(self.resp.push(data))
+
+    async def drain(self) -> None:
+        """Wait until the client has read enough to write on."""
+        await self.resp.drain()
 
     async def end(self) -> None:
         """End the client's stream."""

@@ -154,6 +154,19 @@ class Responder:
             if conn.paused:
                 await conn.drained()
 
+    def push(self, data: bytes) -> bool:
+        """One chunk of a started response, without waiting (a stream relayed from the upstream's
+        read callback); True when the client's socket buffer is full: then ``drain`` before more."""
+        conn = self._conn
+        if data and not self.head_only:
+            conn.write(b"%x\r\n%b\r\n" % (len(data), data))
+        return conn.paused
+
+    async def drain(self) -> None:
+        """Wait until the client has read enough to write on (at once if it has)."""
+        if self._conn.paused:
+            await self._conn.drained()
+
     async def end(self) -> None:
         """The last chunk."""
         if not self.finished:

@@ -350,7 +350,6 @@ class Proxy(RequestParsing):
         if splice is not None:  # a limit the sequence already reached (a fallback to an earlier
             limit = rt.router.policy.context_limit(target)  # stage) would re-route it every token
             splice.limit = limit if limit is not None and limit > splice.length() else None
-        chunk: bytes | None = first
         tail = b""  # the stream's last bytes: is it at an event boundary, did [DONE] arrive?
         pieces = 0  # token events seen (no splice: counted here)
 
@@ -360,26 +359,36 @@ class Proxy(RequestParsing):
                 return reported
             return splice.tokens - splice.leg_start if splice is not None else pieces
 
+        def step(chunk: bytes) -> bool:
+            """One piece of the stream to the client, from the loop below or straight from the
+            upstream's read callback (``next_chunk``'s relay); False when the loop must act: an
+            error event, the context limit reached, or a client not reading."""
+            nonlocal tail, pieces
+            if splice is None:
+                full = resp.push(chunk)
+                new = token_events(chunk)
+                pieces += new
+            else:
+                new = -splice.count
+                full = resp.push(splice.feed(chunk))
+                new += splice.count
+            if new and watch is not None:
+                watch.progressed(time.monotonic())
+            tail = (tail + chunk)[-STREAM_TAIL:]
+            return not full and (splice is None or (splice.error is None and not splice.outgrown))
+
         try:
+            chunk: bytes | None = first
             while chunk is not None:
-                if splice is None:
-                    await resp.write(chunk)
-                    new = token_events(chunk)
-                    pieces += new
-                else:
-                    new = -splice.count
-                    await resp.write(splice.feed(chunk))
-                    new += splice.count
-                if new and watch is not None:
-                    watch.progressed(time.monotonic())
-                tail = (tail + chunk)[-STREAM_TAIL:]
-                if splice is not None:
-                    if splice.error is not None:
-                        raise UpstreamError(f"error event: {splice.error}")
-                    if splice.outgrown:
-                        return Outcome.NEUTRAL, Break("migrate", f"the sequence reached {splice.limit} tokens, the "
-                                                 f"context limit of {target}"), generated()
-                chunk = await upstream.next_chunk()
+                if not step(chunk):
+                    if splice is not None:
+                        if splice.error is not None:
+                            raise UpstreamError(f"error event: {splice.error}")
+                        if splice.outgrown:
+                            return Outcome.NEUTRAL, Break("migrate", f"the sequence reached {splice.limit} tokens, "
+                                                     f"the context limit of {target}"), generated()
+                    await resp.drain()
+                chunk = await upstream.next_chunk(relay=step)
             if splice is not None and splice.partial.strip():  # a last event without its blank line
                 await resp.write(splice.feed(b"\n\n"))
             if end_marker is not None and end_marker not in tail[-32:]:

@@ -63,6 +63,7 @@ class _StaleConnection(UpstreamProtocolError):
     """A reused keep-alive connection was closed by the upstream before any response byte."""
 
 
+_IDLE_MESSAGE = "upstream sent nothing for {:g} s"
 MAX_HEAD_BYTES = 64 * 1024  # an upstream response's head, or its trailer section (nginx: 4-32 KiB)
 _EOF = object()
 # connection states
@@ -122,7 +123,8 @@ class _Conn(asyncio.Protocol):
     """One upstream connection; llhttp callbacks turn bytes into a head future and body pieces."""
 
     __slots__ = ("pool", "parser", "transport", "head", "chunks", "wakeup", "state", "closed", "reused",
-                 "got_bytes", "keep_alive", "until_close", "interim", "_headers", "_head_bytes", "_stall")
+                 "got_bytes", "keep_alive", "until_close", "interim", "_headers", "_head_bytes", "_stall",
+                 "relay", "relay_idle")
 
     transport: asyncio.Transport  # set by connection_made
     head: asyncio.Future[tuple[int, Headers]]  # set by begin
@@ -132,6 +134,10 @@ class _Conn(asyncio.Protocol):
         self.parser = httptools.HttpResponseParser(self)
         self.chunks: deque[bytes | object] = deque()
         self.wakeup: asyncio.Future[None] | None = None
+        # while a reader waits with a relay (UpstreamResponse.next_chunk), body pieces go to it from
+        # data_received instead of waking the reader; relay_idle: (clock, idle seconds) to refresh
+        self.relay: Callable[[bytes], bool] | None = None
+        self.relay_idle: tuple[_Deadlines, float] | None = None
         self.state = _IDLE
         self.closed = False
         self.reused = False
@@ -192,6 +198,35 @@ class _Conn(asyncio.Protocol):
         if (self._head_bytes if self.state == _WAIT_HEAD else self._stall) > MAX_HEAD_BYTES:
             self._fail(UpstreamProtocolError(f"upstream response head or trailer section larger than "
                                              f"{MAX_HEAD_BYTES} bytes"))
+        elif self.relay is not None and self.chunks:
+            self._pump()
+
+    def _pump(self) -> None:
+        """Hand the body bytes that arrived to the waiting reader's relay, in one piece, without
+        waking the reader; it wakes when the relay says stop, at the end, or on an error."""
+        w, chunks, relay = self.wakeup, self.chunks, self.relay
+        if w is None or w.done() or relay is None or chunks[0].__class__ is not bytes:
+            return  # the reader is already woken: it takes what is queued itself
+        data = chunks.popleft()
+        if chunks and chunks[0].__class__ is bytes:
+            parts = [data]
+            while chunks and chunks[0].__class__ is bytes:
+                parts.append(chunks.popleft())
+            data = b"".join(parts)  # type: ignore[arg-type]  # checked just above
+        idle = self.relay_idle
+        if idle is not None:  # progress: the idle deadline starts again
+            clock, seconds = idle
+            clock.waits[w] = (clock.loop.time() + seconds, seconds, _IDLE_MESSAGE)
+        try:
+            go = relay(data)  # type: ignore[arg-type]
+        except Exception as exc:  # raised in the reader, as if it had processed the piece itself
+            self.relay = None
+            w.set_exception(exc)
+            return
+        if not go:  # the reader must act (stop, wait for its client): wake it with nothing new
+            self.relay = None
+            chunks.appendleft(b"")
+            w.set_result(None)
 
     # -- llhttp callbacks ---------------------------------------------------------------------------
     def on_message_begin(self) -> None:
@@ -235,8 +270,8 @@ class _Conn(asyncio.Protocol):
     def _deliver(self, item: bytes | object) -> None:
         self.chunks.append(item)
         w = self.wakeup
-        if w is not None and not w.done():
-            w.set_result(None)
+        if w is not None and not w.done() and (self.relay is None or item.__class__ is not bytes):
+            w.set_result(None)  # body bytes for a relay are handed over after the read (_pump)
 
     def abort(self, err: UpstreamError) -> None:
         """Give up on the exchange in progress (the engine stopped making progress): close the
@@ -267,19 +302,28 @@ class UpstreamResponse:
         self._idle_s = idle_s
         self._done = False
 
-    async def next_chunk(self, timeout_s: float | None = None) -> bytes | None:
+    async def next_chunk(self, timeout_s: float | None = None,
+                         relay: Callable[[bytes], bool] | None = None) -> bytes | None:
         """The next piece of body as it arrives (all pieces already received, joined); None at
-        the end. Waits at most ``timeout_s`` (default: the idle timeout)."""
+        the end. Waits at most ``timeout_s`` (default: the idle timeout).
+
+        With a ``relay``, pieces that arrive while this waits are passed to it straight from the
+        connection's read callback (joined per read), each restarting the idle timeout, and this
+        returns only at the end, on an error (an exception the relay raised included), or with
+        ``b""`` once the relay returned False — a stream relayed with no task wake-up per chunk."""
         conn = self._conn
         assert conn is not None, "response already released"
         while not conn.chunks:
             clock = _deadlines()
             conn.wakeup = fut = clock.loop.create_future()
-            clock.add(fut, self._idle_s if timeout_s is None else timeout_s, "upstream sent nothing for {:g} s")
+            wait = self._idle_s if timeout_s is None else timeout_s
+            clock.add(fut, wait, _IDLE_MESSAGE)
+            if relay is not None:
+                conn.relay, conn.relay_idle = relay, (clock, self._idle_s)
             try:
                 await fut
             finally:
-                conn.wakeup = None
+                conn.wakeup = conn.relay = conn.relay_idle = None
                 clock.waits.pop(fut, None)
         chunks = conn.chunks
         item = chunks.popleft()
