@@ -258,7 +258,7 @@ def test_upstream_waits_share_one_coarse_clock_that_never_fires_early():
             await resp.next_chunk()
         waited = loop.time() - t0
         assert 0.2 <= waited < 0.2 + 2 * upstream._Deadlines.TICK
-        clock = upstream._deadlines()
+        clock = upstream._deadlines(loop)
         assert not clock.waits
         await asyncio.sleep(upstream._Deadlines.TICK * 1.5)
         assert clock.handle is None  # idle: no tick runs

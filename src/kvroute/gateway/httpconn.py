@@ -52,6 +52,7 @@ class _Connection(asyncio.Protocol):
     order (pipelining); deadlines are set per phase and enforced by ``HTTPServer._sweep`` (``gateway/http.py``)."""
 
     transport: asyncio.Transport  # set by connection_made
+    loop: asyncio.AbstractEventLoop  # set by connection_made
 
     def __init__(self, server: ServerState):
         self.server = server
@@ -85,6 +86,7 @@ class _Connection(asyncio.Protocol):
     # -- transport events ---------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport = cast(asyncio.Transport, transport)  # uvloop's are not subclasses
+        self.loop = asyncio.get_running_loop()  # once: asking for it costs a getpid system call
         server, limits = self.server, self.limits
         peer = transport.get_extra_info("peername")
         self.client = client = str(peer[0]) if isinstance(peer, tuple) and peer else ""
@@ -371,7 +373,7 @@ class _Connection(asyncio.Protocol):
             return
         req = self.pending.popleft()
         self.phase, self.deadline = _BUSY, math.inf
-        self.task = asyncio.get_running_loop().create_task(self._run(req))
+        self.task = self.loop.create_task(self._run(req))
 
     async def _run(self, req: Request) -> None:
         server = self.server

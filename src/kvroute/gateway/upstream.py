@@ -109,28 +109,31 @@ class _Deadlines:
 _clock: _Deadlines | None = None  # the running loop's (one loop per thread; a new loop gets a new one)
 
 
-def _deadlines() -> _Deadlines:
-    """The running loop's coarse clock. A wait registers ``fut`` with ``add`` and, however it
-    ends, pops it from ``waits``; on expiry ``fut`` gets ``UpstreamTimeout(message.format(seconds))``."""
+def _deadlines(loop: asyncio.AbstractEventLoop) -> _Deadlines:
+    """The coarse clock of ``loop`` (the running one: a connection keeps its loop, since asking
+    asyncio for the running loop costs a ``getpid`` system call). A wait registers ``fut`` with
+    ``add`` and, however it ends, pops it from ``waits``; on expiry ``fut`` gets
+    ``UpstreamTimeout(message.format(seconds))``."""
     global _clock
     clock = _clock
-    if clock is None or clock.loop is not asyncio.get_running_loop():
-        clock = _clock = _Deadlines(asyncio.get_running_loop())
+    if clock is None or clock.loop is not loop:
+        clock = _clock = _Deadlines(loop)
     return clock
 
 
 class _Conn(asyncio.Protocol):
     """One upstream connection; llhttp callbacks turn bytes into a head future and body pieces."""
 
-    __slots__ = ("pool", "parser", "transport", "head", "chunks", "wakeup", "state", "closed", "reused",
+    __slots__ = ("pool", "loop", "parser", "transport", "head", "chunks", "wakeup", "state", "closed", "reused",
                  "got_bytes", "keep_alive", "until_close", "interim", "_headers", "_head_bytes", "_stall",
                  "relay", "relay_idle")
 
     transport: asyncio.Transport  # set by connection_made
     head: asyncio.Future[tuple[int, Headers]]  # set by begin
 
-    def __init__(self, pool: UpstreamPool):
+    def __init__(self, pool: UpstreamPool, loop: asyncio.AbstractEventLoop | None = None):
         self.pool = pool
+        self.loop = loop or asyncio.get_running_loop()
         self.parser = httptools.HttpResponseParser(self)
         self.chunks: deque[bytes | object] = deque()
         self.wakeup: asyncio.Future[None] | None = None
@@ -154,7 +157,7 @@ class _Conn(asyncio.Protocol):
         self.state, self.reused, self.got_bytes, self.interim = _WAIT_HEAD, reused, False, False
         self._head_bytes = self._stall = 0
         self.chunks.clear()
-        self.head = asyncio.get_running_loop().create_future()
+        self.head = self.loop.create_future()
         return self.head
 
     # -- asyncio.Protocol -------------------------------------------------------------------------
@@ -314,7 +317,7 @@ class UpstreamResponse:
         conn = self._conn
         assert conn is not None, "response already released"
         while not conn.chunks:
-            clock = _deadlines()
+            clock = _deadlines(conn.loop)
             conn.wakeup = fut = clock.loop.create_future()
             wait = self._idle_s if timeout_s is None else timeout_s
             clock.add(fut, wait, _IDLE_MESSAGE)
@@ -398,7 +401,7 @@ class UpstreamPool:
     async def _connect(self, timeout: float) -> _Conn:
         loop = asyncio.get_running_loop()
         try:
-            _, conn = await asyncio.wait_for(loop.create_connection(lambda: _Conn(self), self.host, self.port,
+            _, conn = await asyncio.wait_for(loop.create_connection(lambda: _Conn(self, loop), self.host, self.port,
                                                                     ssl=self.tls),
                                              timeout)
         except TimeoutError:
@@ -435,7 +438,7 @@ class UpstreamPool:
         conn.transport.writelines(request)
         if on_send is not None:
             on_send(conn.abort)
-        clock = _deadlines()
+        clock = _deadlines(conn.loop)
         clock.add(head, first_byte_s, "no response within {:g} s")
         try:
             status, headers = await head
