@@ -244,7 +244,9 @@ class _Connection(asyncio.Protocol):
 
     def on_header(self, name: bytes, value: bytes) -> None:
         limits = self.limits
-        self._count_head(len(name) + len(value) + 4)
+        self._head_bytes += len(name) + len(value) + 4  # _count_head, written out: once per field
+        if self._head_bytes > limits.max_head_bytes:
+            raise BadRequest(431, f"request head larger than {limits.max_head_bytes} bytes", "head_too_large")
         self._n_headers += 1
         if self._n_headers > limits.max_headers:
             raise BadRequest(431, f"more than {limits.max_headers} header fields", "too_many_headers")

@@ -122,18 +122,26 @@ class RequestParsing:
             raise ClientError(f"request body has an unreadable value: {str(exc)[:120]}") from None
         if not isinstance(body, dict):
             raise ClientError("request body must be a JSON object")
-        field = next((f for f in kind.prompt_fields if f in body), None)
-        if field is None:
+        for field in kind.prompt_fields:
+            if field in body:
+                break
+        else:
             names = " or ".join(f"'{f}'" for f in kind.prompt_fields)
             raise ClientError(f"missing required field {names}", param=kind.prompt_fields[0])
-        for name, typ in (("model", str), ("stream", bool), ("user", str)):
-            if body.get(name) is not None and not isinstance(body[name], typ):
-                raise ClientError(f"field '{name}' must be a {typ.__name__}, got {type(body[name]).__name__}",
-                                  param=name)
-        for name, top in (("max_tokens", MAX_INT32), ("max_completion_tokens", MAX_INT32), ("n", MAX_N)):
-            v = body.get(name)
-            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= top):
-                raise ClientError(f"field '{name}' must be an integer from 1 to {top}", param=name)
+        get = body.get
+        model, stream, user = get("model"), get("stream"), get("user")
+        # the common case (a str model, a bool or no stream, no user) in one test; else field by field
+        if model.__class__ is not str or (stream is not None and stream.__class__ is not bool) or user is not None:
+            for name, typ in (("model", str), ("stream", bool), ("user", str)):
+                if body.get(name) is not None and not isinstance(body[name], typ):
+                    raise ClientError(f"field '{name}' must be a {typ.__name__}, got {type(body[name]).__name__}",
+                                      param=name)
+        max_tokens, max_completion, n = get("max_tokens"), get("max_completion_tokens"), get("n")
+        if max_tokens is not None or max_completion is not None or n is not None:
+            for name, top in (("max_tokens", MAX_INT32), ("max_completion_tokens", MAX_INT32), ("n", MAX_N)):
+                v = body.get(name)
+                if v is not None and (not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= top):
+                    raise ClientError(f"field '{name}' must be an integer from 1 to {top}", param=name)
         try:
             key = prompt_key(field, body[field])
         except PromptError as exc:
@@ -150,10 +158,14 @@ class RequestParsing:
         if isinstance(key, str) and not self.config.tokenizer_path:
             ratio = self.tokens  # corrected online from the engines' usage (gateway/tokens.py)
             estimated, tokens, block_tokens = tokens, ratio.tokens(tokens), ratio.block_tokens(block_tokens)
-        routing_key = next((headers[h] for h in self.session_headers if h in headers), None)
-        if routing_key is None and isinstance(body.get("user"), str):
-            routing_key = body["user"]
-        max_out = body.get("max_completion_tokens") or body.get("max_tokens") or 256
+        routing_key = None
+        for h in self.session_headers:
+            if h in headers:
+                routing_key = headers[h]
+                break
+        if routing_key is None and isinstance(user, str):
+            routing_key = user
+        max_out = max_completion or max_tokens or 256
         req = Request(id=f"{self.id_prefix}{next(self.ids)}", arrival_s=time.monotonic(),
                       routing_key=routing_key, block_hashes=hashes, block_tokens=block_tokens,
                       prompt_tokens=tokens, max_output_tokens=max_out,

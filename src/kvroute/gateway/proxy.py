@@ -278,14 +278,15 @@ class Proxy(RequestParsing):
                 replica.exchanges.add(fn)
         try:
             try:
-                attempt_deadline = min(deadline, time.monotonic() + (to.first_byte_s if stream else to.non_stream_s))
+                now = time.monotonic()
+                attempt_deadline = min(deadline, now + (to.first_byte_s if stream else to.non_stream_s))
                 sent = request.body
                 if splice is not None:  # vLLM's running usage counts a continuable stream's tokens exactly
                     splice.usage_added = False
                     if target in rt.upstreams and rt.upstreams[target].engine == "vllm":
                         sent = splice.exact_body(sent)
                 upstream = await up.pool.post(request.path, sent, headers, connect_s=to.connect_s,
-                                              first_byte_s=max(attempt_deadline - time.monotonic(), 0.001),
+                                              first_byte_s=max(attempt_deadline - now, 0.001),
                                               idle_s=to.idle_s, on_send=on_send)
                 status = upstream.status
                 budget = max(attempt_deadline - time.monotonic(), 0.001)  # the first body byte counts too

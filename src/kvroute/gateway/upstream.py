@@ -249,8 +249,12 @@ class _Conn(asyncio.Protocol):
             self.interim = True
             return
         self.keep_alive = parser.should_keep_alive()
-        delimited = status in (204, 304) or any(
-            n.lower() in ("content-length", "transfer-encoding") for n, _ in self._headers)
+        delimited = status in (204, 304)
+        if not delimited:
+            for name, _ in self._headers:
+                if name.lower() in ("content-length", "transfer-encoding"):
+                    delimited = True
+                    break
         self.until_close = not delimited
         if self.until_close:
             self.keep_alive = False
@@ -258,9 +262,12 @@ class _Conn(asyncio.Protocol):
         if not self.head.done():
             self.head.set_result((status, self._headers))
 
-    def on_body(self, data: bytes) -> None:
+    def on_body(self, data: bytes) -> None:  # once per piece of body: _deliver written out
         self._stall = 0
-        self._deliver(data)
+        self.chunks.append(data)
+        w = self.wakeup
+        if w is not None and self.relay is None and not w.done():
+            w.set_result(None)
 
     def on_message_complete(self) -> None:
         if self.interim:
