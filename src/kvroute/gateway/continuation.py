@@ -54,6 +54,7 @@ Reason = Literal["migrate", "recover"]
 RAW_LIMIT = 64 * 1024  # bytes of first-leg events kept unparsed; beyond, they are parsed and dropped
 GENERATED = ("content", "reasoning_content", "reasoning", "tool_calls", "function_call")  # a chat delta's output
 _STRUCTURED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "json_schema", "regex", "ebnf")
+_STRUCTURED_SET = frozenset(_STRUCTURED)
 
 
 @dataclass
@@ -106,7 +107,8 @@ class Splice:
         if route == "completions" and not isinstance(body.get("prompt"), str):
             return None  # token ids or a batch: nothing to append text to
         fmt = body.get("response_format")
-        if (isinstance(fmt, dict) and fmt.get("type") not in (None, "text")) or any(body.get(k) for k in _STRUCTURED):
+        if (isinstance(fmt, dict) and fmt.get("type") not in (None, "text")) or \
+                (not _STRUCTURED_SET.isdisjoint(body) and any(body.get(k) for k in _STRUCTURED)):
             return None
         return cls(route == "chat", body, prompt_tokens)
 

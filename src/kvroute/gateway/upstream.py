@@ -121,6 +121,23 @@ def _deadlines(loop: asyncio.AbstractEventLoop) -> _Deadlines:
     return clock
 
 
+def _take_bytes(chunks: deque[bytes | object]) -> bytes:
+    """The body pieces at the front of ``chunks`` (its first is one), joined: what already arrived
+    goes on in one write. Only the last entry can be something else (the end, or an error)."""
+    last = chunks[-1]
+    if last.__class__ is bytes:
+        if len(chunks) == 1:
+            return cast(bytes, chunks.pop())
+        data = b"".join(cast("deque[bytes]", chunks))
+        chunks.clear()
+        return data
+    chunks.pop()
+    data = b"".join(cast("deque[bytes]", chunks))
+    chunks.clear()
+    chunks.append(last)
+    return data
+
+
 class _Conn(asyncio.Protocol):
     """One upstream connection; llhttp callbacks turn bytes into a head future and body pieces."""
 
@@ -210,18 +227,13 @@ class _Conn(asyncio.Protocol):
         w, chunks, relay = self.wakeup, self.chunks, self.relay
         if w is None or w.done() or relay is None or chunks[0].__class__ is not bytes:
             return  # the reader is already woken: it takes what is queued itself
-        data = chunks.popleft()
-        if chunks and chunks[0].__class__ is bytes:
-            parts = [data]
-            while chunks and chunks[0].__class__ is bytes:
-                parts.append(chunks.popleft())
-            data = b"".join(parts)  # type: ignore[arg-type]  # checked just above
+        data = _take_bytes(chunks)
         idle = self.relay_idle
         if idle is not None:  # progress: the idle deadline starts again
             clock, seconds = idle
             clock.waits[w] = (clock.loop.time() + seconds, seconds, _IDLE_MESSAGE)
         try:
-            go = relay(data)  # type: ignore[arg-type]
+            go = relay(data)
         except Exception as exc:  # raised in the reader, as if it had processed the piece itself
             self.relay = None
             w.set_exception(exc)
@@ -336,19 +348,14 @@ class UpstreamResponse:
                 conn.wakeup = conn.relay = conn.relay_idle = None
                 clock.waits.pop(fut, None)
         chunks = conn.chunks
-        item = chunks.popleft()
-        if item is _EOF:
-            self._done = True
-            return None
-        if isinstance(item, Exception):
-            raise item
-        assert isinstance(item, bytes)
-        if chunks and chunks[0].__class__ is bytes:  # pass on, in one write, what already arrived
-            parts = [item]
-            while chunks and chunks[0].__class__ is bytes:
-                parts.append(chunks.popleft())  # type: ignore[arg-type]  # checked just above
-            item = b"".join(parts)
-        return item
+        item = chunks[0]
+        if item.__class__ is not bytes:
+            chunks.popleft()
+            if item is _EOF:
+                self._done = True
+                return None
+            raise cast(Exception, item)
+        return _take_bytes(chunks)
 
     async def read(self, timeout_s: float | None = None) -> bytes:
         """The whole body; ``timeout_s`` bounds the wait for its first piece."""
