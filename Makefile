@@ -17,7 +17,7 @@ VLLM_STAMP   := $(VLLM_VENV)/.installed-$(VLLM_VERSION)
 
 # held to mypy --strict: the pure layers and the gateway's protocols
 STRICT  := src/kvroute/model src/kvroute/prefix src/kvroute/perf src/kvroute/policy src/kvroute/gateway/breaker.py \
-           src/kvroute/gateway/http.py src/kvroute/gateway/httpmsg.py src/kvroute/gateway/httpconn.py src/kvroute/gateway/limits.py src/kvroute/gateway/upstream.py src/kvroute/fleet/ledger.py
+           src/kvroute/gateway/http.py src/kvroute/gateway/httpmsg.py src/kvroute/gateway/httpconn.py src/kvroute/gateway/limits.py src/kvroute/gateway/upstream.py src/kvroute/gateway/deadlines.py src/kvroute/fleet/ledger.py
 COV_MIN ?= 75
 
 $(BIN)/python:

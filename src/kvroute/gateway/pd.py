@@ -44,8 +44,9 @@ from kvroute.gateway.runtime import Runtime
 from kvroute.gateway.upstream import UpstreamError, UpstreamTimeout
 
 if TYPE_CHECKING:
-    from kvroute.gateway.continuation import Break, LegResponder, Splice
+    from kvroute.gateway.continuation import Break, Splice
     from kvroute.gateway.http import Responder
+    from kvroute.gateway.legs import LegResponder
     from kvroute.model import Decision, Request
 
 log = logging.getLogger("kvroute.gateway")

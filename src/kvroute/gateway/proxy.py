@@ -29,10 +29,11 @@ from typing import Any
 
 from kvroute.errors import ClientError
 from kvroute.gateway.auth import KeyState
-from kvroute.gateway.continuation import Break, LegResponder, Splice, error_event
+from kvroute.gateway.continuation import Break, Splice, error_event
 from kvroute.gateway.holdqueue import PolicyError, QueueFull, QueueTimeout
 from kvroute.gateway.http import Request as HTTPRequest
 from kvroute.gateway.http import Responder
+from kvroute.gateway.legs import LegResponder
 from kvroute.gateway.openai import Kind, RequestParsing, prompt_key
 from kvroute.gateway.outlier import Attempt
 from kvroute.gateway.pd import forward_split
@@ -42,17 +43,15 @@ from kvroute.gateway.residency import REGION_HEADER, RESIDENCY_HEADER, Residency
 from kvroute.gateway.retry import RETRY_STATUSES, Failure, RetryReason, backoff_s, failure_of
 from kvroute.gateway.runtime import Runtime
 from kvroute.gateway.tokens import reported_completion_tokens, reported_prompt_tokens, token_events
-from kvroute.gateway.tracing import Tracer
+from kvroute.gateway.tracing import Tracer, access, access_line
 from kvroute.gateway.upstream import (
     UpstreamError,
     UpstreamProtocolError,
     UpstreamResponse,
 )
 from kvroute.model import DecisionKind, Request
-from kvroute.prefix import chat_key
 
 log = logging.getLogger("kvroute.gateway")
-access = logging.getLogger("kvroute.access")
 # never forwarded in either direction (RFC 9110 §7.6.1), plus what the gateway sets itself and its own
 # routing headers (an engine has no use for them; a forward to a peer carries them again: Peering.outbound)
 HOP_HEADERS = frozenset({"host", "content-length", "transfer-encoding", "connection", "keep-alive", "expect",
@@ -139,34 +138,14 @@ class Proxy(RequestParsing):
             if served.get("replica") is not None and resp.started:  # proxied, even if the client left
                 rt.metrics.e2e.observe(time.monotonic() - t0)
             if rt.config.access_log and req is not None and access.isEnabledFor(logging.INFO):
-                self._access(resp, route, body, req, served, t0, request.headers.get("x-request-id"))
+                access_line(resp, route, body, req, served, t0, request.headers.get("x-request-id"),
+                            rt.config.log_prompts)
             if span is not None:
                 self.tracer.end(span, {
                     "request_id": req.id if req else None, "model": body.get("model"), "policy": rt.policy_name,
                     "branch": served.get("branch"), "replica": served.get("replica"),
                     "failed_on": ",".join(served["excluded"]) or None, "status": resp.status or 499,
                     "aborted": resp.started and not resp.finished, "stream": bool(body.get("stream"))})
-
-    def _access(self, resp: Responder, route: str, body: dict, req: Request, served: dict, t0: float,
-                client_rid: str | None) -> None:
-        """One JSON line per request: what happened, never the prompt unless asked."""
-        fields = {"rid": req.id, "client_rid": client_rid, "route": route,
-                  "status": resp.status or 499,  # 499: the client left
-                  "replica": served.get("replica"), "branch": served.get("branch"),
-                  "prompt_tokens": req.prompt_tokens, "stream": bool(body.get("stream")),
-                  "ms": round((time.monotonic() - t0) * 1000, 2)}
-        if served["excluded"]:
-            fields["failed_on"] = served["excluded"]
-        if served.get("legs"):
-            fields["legs"] = served["legs"]  # continued on other replicas; "replica" is the last
-        if resp.started and not resp.finished:
-            fields["aborted"] = True  # the client left mid-response
-        if self.rt.config.log_prompts:
-            prompt = body.get("messages")
-            fields["prompt"] = (chat_key(prompt) if isinstance(prompt, list) else
-                                str(next((body[f] for f in ("prompt", "input", "content", "tokens") if f in body),
-                                         "")))[:512]
-        access.info("request", extra={"fields": fields})
 
     async def _route_and_forward(self, request: HTTPRequest, resp: Responder | LegResponder, kind: Kind,
                                  stream: bool, req: Request, headers: list[tuple[str, str]], served: dict[str, Any],

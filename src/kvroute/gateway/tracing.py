@@ -1,4 +1,5 @@
-"""OpenTelemetry spans per request (optional: ``pip install 'kvroute[otel]'``; off by default).
+"""What the gateway records per request: OpenTelemetry spans (optional: ``pip install
+'kvroute[otel]'``; off by default) and the access log line (``access_log: true``).
 
 With ``tracing: {enabled: true}`` every proxied request becomes one ``kvroute.request`` span whose
 attributes carry the routing decision (policy, branch, replica, replicas that failed it, model)
@@ -9,7 +10,13 @@ does not pick an exporter for you. Disabled, this costs one attribute check per 
 
 from __future__ import annotations
 
+import logging
+import time
 from typing import Any
+
+from kvroute.prefix import chat_key
+
+access = logging.getLogger("kvroute.access")
 
 
 class Tracer:
@@ -40,3 +47,25 @@ class Tracer:
             return
         span.set_attributes({f"kvroute.{k}": v for k, v in attributes.items() if v is not None})
         span.end()
+
+
+def access_line(resp: Any, route: str, body: dict[str, Any], req: Any, served: dict[str, Any], t0: float,
+                client_rid: str | None, log_prompts: bool) -> None:
+    """One JSON line per request: what happened, never the prompt unless asked (``log_prompts``)."""
+    fields = {"rid": req.id, "client_rid": client_rid, "route": route,
+              "status": resp.status or 499,  # 499: the client left
+              "replica": served.get("replica"), "branch": served.get("branch"),
+              "prompt_tokens": req.prompt_tokens, "stream": bool(body.get("stream")),
+              "ms": round((time.monotonic() - t0) * 1000, 2)}
+    if served["excluded"]:
+        fields["failed_on"] = served["excluded"]
+    if served.get("legs"):
+        fields["legs"] = served["legs"]  # continued on other replicas; "replica" is the last
+    if resp.started and not resp.finished:
+        fields["aborted"] = True  # the client left mid-response
+    if log_prompts:
+        prompt = body.get("messages")
+        fields["prompt"] = (chat_key(prompt) if isinstance(prompt, list) else
+                            str(next((body[f] for f in ("prompt", "input", "content", "tokens") if f in body),
+                                     "")))[:512]
+    access.info("request", extra={"fields": fields})

@@ -35,12 +35,13 @@ import socket
 import ssl
 from collections import deque
 from collections.abc import Callable
-from typing import Any, cast
+from typing import cast
 from urllib.parse import urlsplit
 
 import httptools
 
 from kvroute.errors import ServiceError
+from kvroute.gateway.deadlines import Deadlines
 
 
 class UpstreamError(ServiceError):
@@ -73,51 +74,18 @@ _IDLE, _WAIT_HEAD, _BODY, _DONE, _BROKEN = range(5)
 Headers = list[tuple[str, str]]
 
 
-class _Deadlines:
-    """One coarse clock for every upstream wait on an event loop (first byte, idle between body
-    pieces), like the HTTP server's deadline sweep: a wait is an entry in a dict, checked every
-    ``TICK`` seconds by one timer that runs only while some wait is pending, instead of a timer
-    handle made and cancelled per wait — per streamed chunk, that was a TimerHandle, a libuv timer
-    start and stop, and a cancel (and the message formatted per wait: now only when one expires). A
-    deadline fires up to ``TICK`` late, never early; the timeouts it enforces are seconds long."""
-
-    TICK = 0.05
-
-    __slots__ = ("loop", "waits", "handle")
-
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop = loop
-        self.waits: dict[asyncio.Future[Any], tuple[float, float, str]] = {}  # → (deadline, seconds, message)
-        self.handle: asyncio.TimerHandle | None = None
-
-    def add(self, fut: asyncio.Future[Any], seconds: float, message: str) -> None:
-        now = self.loop.time()
-        self.waits[fut] = (now + seconds, seconds, message)
-        if self.handle is None:
-            self.handle = self.loop.call_at(now + self.TICK, self._tick)
-
-    def _tick(self) -> None:
-        now = self.loop.time()
-        waits = self.waits
-        for fut, (_, seconds, message) in [item for item in waits.items() if item[1][0] <= now]:
-            del waits[fut]
-            if not fut.done():
-                fut.set_exception(UpstreamTimeout(message.format(seconds)))
-        self.handle = self.loop.call_at(now + self.TICK, self._tick) if waits else None
+_clock: Deadlines | None = None  # the running loop's (one loop per thread; a new loop gets a new one)
 
 
-_clock: _Deadlines | None = None  # the running loop's (one loop per thread; a new loop gets a new one)
-
-
-def _deadlines(loop: asyncio.AbstractEventLoop) -> _Deadlines:
-    """The coarse clock of ``loop`` (the running one: a connection keeps its loop, since asking
-    asyncio for the running loop costs a ``getpid`` system call). A wait registers ``fut`` with
-    ``add`` and, however it ends, pops it from ``waits``; on expiry ``fut`` gets
-    ``UpstreamTimeout(message.format(seconds))``."""
+def _deadlines(loop: asyncio.AbstractEventLoop) -> Deadlines:
+    """The coarse clock (``gateway/deadlines.py``) of ``loop``, the running one: a connection
+    keeps its loop, since asking asyncio for the running loop costs a ``getpid`` system call. A
+    wait registers ``fut`` with ``add`` and, however it ends, pops it from ``waits``; on expiry
+    ``fut`` gets ``UpstreamTimeout(message.format(seconds))``."""
     global _clock
     clock = _clock
     if clock is None or clock.loop is not loop:
-        clock = _clock = _Deadlines(loop)
+        clock = _clock = Deadlines(loop, UpstreamTimeout)
     return clock
 
 
@@ -157,7 +125,7 @@ class _Conn(asyncio.Protocol):
         # while a reader waits with a relay (UpstreamResponse.next_chunk), body pieces go to it from
         # data_received instead of waking the reader; relay_idle: (clock, idle seconds) to refresh
         self.relay: Callable[[bytes], bool] | None = None
-        self.relay_idle: tuple[_Deadlines, float] | None = None
+        self.relay_idle: tuple[Deadlines, float] | None = None
         self.state = _IDLE
         self.closed = False
         self.reused = False
