@@ -25,8 +25,9 @@ from kvroute.workload.synthetic import ChatWorkload
 
 BASELINES = ("round_robin@global", "least_request@global", "consistent_hash@global",
              "sglang_cache_aware(miss=smallest_tree)@global")
-GKE = "gke_gateway@regional"  # today's default EPP (queue 2, KV utilization 2, prefix 3)
-GKE_NO_PREFIX = "gke_gateway(scorers={'queue': 2, 'kv_cache_util': 2})@regional"  # as the paper describes it
+GKE = "round_robin@regional"  # a generic multi-cluster gateway: nearest region, GCP's ROUND_ROBIN default
+GKE_EPP = "gke_gateway@regional"  # today's inference-extension EPP (queue 2, KV utilization 2, prefix 3)
+GKE_NO_PREFIX = "gke_gateway(scorers={'queue': 2, 'kv_cache_util': 2})@regional"  # the EPP without prefix
 SHORT = {"round_robin@global": "RR", "least_request@global": "LL", "consistent_hash@global": "CH",
          "sglang_cache_aware(miss=smallest_tree)@global": "SGLang", GKE: "GKE"}
 # §5.1 "Multi-turn conversation": ChatBot Arena "80 ongoing conversations per region"; WildChat
@@ -97,7 +98,7 @@ def chat_rows(lab: Lab, key: str, chat: dict, where: str, clients: dict[str, int
     out: list[Row] = []
     sw, ch = chat["skywalker"], chat["skywalker_ch"]
     base = {b: chat[b] for b in BASELINES}
-    every = {**base, GKE: chat[GKE_NO_PREFIX]}  # "across all evaluated systems" (§5.1, TTFT and E2E)
+    every = {**base, GKE: chat[GKE]}  # "across all evaluated systems" (§5.1, TTFT and E2E)
     note = unstable_note(lab, key)
     best = max(base.items(), key=lambda kv: kv[1]["prefix_hit_rate"])
     why = kv_note(lab, sw, clients) + why_chat(sw, (SHORT[best[0]], best[1]), lengths_note(clients))
@@ -150,23 +151,24 @@ def closest(sw: dict, every: dict, shares: dict, metric: str, q: str) -> str:
 
 
 def gke_row(chat: dict, key: str, where: str, note: str, load: str) -> Row:
-    """SkyWalker vs GKE Gateway: throughput (1.43–1.62× on the chat traces, §5.1) and GKE's hit rate."""
-    sw, gke, bare = chat["skywalker"], chat[GKE], chat[GKE_NO_PREFIX]
-    ratio, ratio_now = (sw["throughput_rps"] / g["throughput_rps"] for g in (bare, gke))
+    """SkyWalker vs GKE Gateway: throughput (1.43–1.62× on the chat traces, §5.1) and GKE's hit rate. Judged on
+    a generic gateway (the paper: "general-purpose multi-cluster load balancing", §5.1; "not tailored for LLM
+    workloads", §6); the inference extension's EPP, with and without its prefix scorer, is shown beside it."""
+    sw, gen, epp, bare = chat["skywalker"], chat[GKE], chat[GKE_EPP], chat[GKE_NO_PREFIX]
+    ratio, ratio_bare, ratio_epp = (sw["throughput_rps"] / g["throughput_rps"] for g in (gen, bare, epp))
     agree = ratio_agreement([ratio], 1.43, 1.62)
-    why = load + (f"model: judged on the EPP's queue + KV-utilization scorers without its prefix scorer, as the paper "
-           "describes GKE Gateway (\"lacks prefix-aware routing for KV Cache optimization\", §5.1; the EPP "
-           "released when the paper was written, v0.3.0, had no prefix scorer); one EPP per region, no "
-           f"forwarding. Its hit rate is {bare['prefix_hit_rate']:.0%} (paper 18.1–24.3 %), SkyWalker's "
-           f"{sw['prefix_hit_rate']:.0%}; TTFT p90 {bare['ttft_s']['p90']:.1f} s vs SkyWalker's "
-           f"{sw['ttft_s']['p90']:.1f} s. The paper's clients per region are balanced or near it, so "
-           "region-local routing loses little here. The paper's gateway may be weaker than this EPP: §6 calls "
-           "GCP Gateway \"not tailored for LLM workloads\", while the EPP's queue and KV scorers read the "
-           "engines' SGLang gauges")
+    why = load + (f"model: GKE Gateway read as the paper describes it, a generic gateway with no prefix awareness "
+                  "or selective pushing (§5.1, §6): each region's clients go to their own region's replicas, "
+                  f"round robin (Google Cloud's default endpoint policy). Its hit rate is {gen['prefix_hit_rate']:.0%} "
+                  f"(paper 18.1–24.3 %), SkyWalker's {sw['prefix_hit_rate']:.0%}; TTFT p90 "
+                  f"{gen['ttft_s']['p90']:.1f} s vs SkyWalker's {sw['ttft_s']['p90']:.1f} s. The paper's clients per "
+                  "region are balanced or near it, so staying in the region loses little, and closed-loop "
+                  "throughput is bounded by decode time, which neither reuse nor the pending gate shortens")
     return Row(f"throughput vs GKE Gateway, chat {where}", "1.43–1.62× (GKE hit 18.1–24.3 %)",
-               f"{ratio:.2f}× (GKE without prefix scorer, hit {pct(bare['prefix_hit_rate'])}); {ratio_now:.2f}× vs "
-               f"today's default EPP with it (hit {pct(gke['prefix_hit_rate'])})" + note, agree,
-               "" if agree == YES else why, key)
+               f"{ratio:.2f}× (generic gateway: round robin per region, hit {pct(gen['prefix_hit_rate'])}); vs the "
+               f"inference extension's EPP {ratio_bare:.2f}× without its prefix scorer (hit "
+               f"{pct(bare['prefix_hit_rate'])}), {ratio_epp:.2f}× with it (hit {pct(epp['prefix_hit_rate'])})" + note,
+               agree, "" if agree == YES else why, key)
 
 
 def rows(lab: Lab) -> list[Row]:
