@@ -45,6 +45,7 @@ from kvroute.sim.scenario import PolicyEntry, Scenario
 ADMIN_ENV = "KVROUTE_LIVE_ADMIN_KEY"
 CLIENT_ENV = "KVROUTE_LIVE_CLIENT_KEY"
 PEER_ENV = "KVROUTE_LIVE_PEER_TOKEN"
+PEERING_MODES = ("skywalker", "gorgo_distributed")  # gateways that forward to their peers
 
 
 @dataclass
@@ -173,7 +174,7 @@ def gateway_config(run: LiveRun, entry: PolicyEntry, topo: Topology, region: str
     fields = GatewayConfig.model_fields
     if "routing_mode" in fields:
         cfg["routing_mode"] = routing_mode(topo, entry.preset)
-    if cfg.get("routing_mode") in ("skywalker", "gorgo_distributed") and "peers" in fields:
+    if cfg.get("routing_mode") in PEERING_MODES and "peers" in fields:
         cfg["peers"] = peers
         cfg["peer_auth"] = {"token_env": PEER_ENV}
     return cfg
@@ -318,7 +319,7 @@ async def run_policy(run: LiveRun, entry: PolicyEntry, *, max_requests: int | No
     recorder = Recorder(list(run.replicas), [run.replica_region[r] for r in run.replicas])
     # Only peering gateways forward; elsewhere an answer from another region is "remote".
     manages = ({f"gw-{r}": set(m) for r, m in topo.gateways.items()}
-               if routing_mode(topo, entry.preset) in ("skywalker", "gorgo_distributed") else {})
+               if routing_mode(topo, entry.preset) in PEERING_MODES else {})
     driver = Driver(sc.make_workload(), recorder, dict(run.replica_region), pol.controller.url, manages,
                     client_key, max_requests, duration_s, on_done=on_progress)
     stop = asyncio.Event()
