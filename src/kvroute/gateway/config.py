@@ -151,6 +151,7 @@ class PeerAuthConfig(StrictModel):
 
 
 RoutingMode = Literal["local", "skywalker", "gorgo_distributed", "gorgo_proxy"]
+PEERING_MODES = ("skywalker", "gorgo_distributed")  # the routing modes that forward to peers
 SGLANG_BOOTSTRAP_PORT = 8998  # SGLang's default --disaggregation-bootstrap-port (srt/server_args.py)
 
 
@@ -289,7 +290,7 @@ class GatewayConfig(StrictModel):
         clash = sorted({p.name for p in self.peers} & {r.name for r in self.replicas})
         if clash:
             raise ValueError(f"peer names must differ from replica ids; both: {', '.join(clash)}")
-        if self.routing_mode in ("skywalker", "gorgo_distributed"):
+        if self.routing_mode in PEERING_MODES:
             if not self.peers:
                 raise ValueError(f"routing_mode {self.routing_mode} forwards to peers: list them under peers")
             if self.peer_auth is None:

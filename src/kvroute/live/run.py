@@ -31,7 +31,7 @@ from typing import Any
 import aiohttp
 import yaml
 
-from kvroute.gateway.config import GatewayConfig
+from kvroute.gateway.config import PEERING_MODES, GatewayConfig
 from kvroute.live.clients import Driver, sample_replicas
 from kvroute.live.delay import DelayProxy
 from kvroute.live.faults import Fault
@@ -45,7 +45,6 @@ from kvroute.sim.scenario import PolicyEntry, Scenario
 ADMIN_ENV = "KVROUTE_LIVE_ADMIN_KEY"
 CLIENT_ENV = "KVROUTE_LIVE_CLIENT_KEY"
 PEER_ENV = "KVROUTE_LIVE_PEER_TOKEN"
-PEERING_MODES = ("skywalker", "gorgo_distributed")  # gateways that forward to their peers
 
 
 @dataclass
