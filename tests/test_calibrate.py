@@ -67,6 +67,7 @@ def test_fit_recovers_the_emulators_known_profile(tmp_path):
     assert loaded.c_prefill_s == fitted.c_prefill_s and loaded.model == "emulated"
     # the emulator has no /props and no vLLM cache_config_info: its cache unit is not known
     assert [f.cache_block for f in m.engines] == [None, None] and loaded.block_size == 16
+    assert loaded.prefill_attn_tile == 1  # no slots: not llama-server, query rows as they are
     assert all("error" in pt and "fit_s" in pt and pt["source"] for pt in loaded.points)
     assert out.read_text().startswith("# Calibrated ")
 
@@ -131,3 +132,26 @@ def test_the_token_line_learns_a_fixed_cost_per_prompt():
     assert token_line([(1000, 800)]) is None  # one size: no line
     overhead, bpt = token_line([(1000, 240), (2000, 500)])  # a line below the origin: no negative cost
     assert overhead == 0.0 and bpt == pytest.approx(3000 / 740)
+
+
+def test_llama_server_fit_counts_attention_rows_in_64_row_tiles():
+    """Points made by a llama-server-like profile (tile 64): the fit, told the engines have slots,
+    recovers the attention cost and writes the tile; 100 new tokens cost 128 rows."""
+    from kvroute.calibrate.measure import EngineFacts, Measurements
+
+    true = KNOWN.model_copy(update={"prefill_attn_tile": 64, "c_prefill_attn_s": 2e-7, "c0_s": 0.0005})
+    m = Measurements(engines=[EngineFacts("http://a", 3.0, slots=4)])
+    for n in (128, 512, 1024, 2048):
+        m.prefill.append((n, n, true.ttft_overhead_s + true.prefill_time(n)))
+    for ctx in (512, 1536):
+        for n in (96, 256):
+            pairs = true.attn_rows(n) * (ctx + n / 2)
+            m.warm.append((ctx, n, ctx, n, true.ttft_overhead_s + true.step_time(n, prefill_attn=pairs)))
+    for b in (1, 2, 4):
+        for ctx in (128, 1024):
+            m.decode.append((b, ctx, ctx, true.step_time(decode=b, decode_ctx=b * ctx)))
+    fitted, report = fit_profile(m, "llama", "synthetic")
+    assert fitted.prefill_attn_tile == 64 and report["max_error"] < 1e-6
+    assert fitted.c_prefill_attn_s == pytest.approx(2e-7, rel=1e-6)
+    assert fitted.attn_rows(100) == 128 and fitted.attn_rows(62) == 62 and fitted.attn_rows(512) == 512
+    assert KNOWN.attn_rows(100) == 100  # tile 1: rows as they are

@@ -79,6 +79,20 @@ def test_live_and_simulated_runs_replay_the_same_requests(tmp_path, capsys, monk
             assert turns == list(range(len(turns))) and 2 <= len(turns) <= 3
     assert 0 <= out["within_10pct"] <= out["within_20pct"] <= out["compared"] == 10
     assert "round_robin" in table and f"{out['within_20pct']} of 10 sim/live ratios" in table
+    # the stored run re-simulated (`--replay`): its salts are stored, so the same profile gives the
+    # same simulated side, request by request, against the same live numbers
+    stored = tmp_path / "out.json"
+    code = main(["bench", "fidelity", "--replay", str(stored), "--profile", str(tmp_path / "known.yaml"),
+                 "--json", str(tmp_path / "again.json")])
+    assert code == 0
+    again = json.loads((tmp_path / "again.json").read_text())
+    for policy, row in out["policies"].items():
+        for rep, rep2 in zip(row["repeats"], again["policies"][policy]["repeats"], strict=True):
+            assert rep2["live"] == rep["live"] and rep2["sim"]["per_request"] == rep["sim"]["per_request"]
+    assert again["within_20pct"] == out["within_20pct"] and again["replayed_from"] == out["profile"]
+    assert main(["bench", "fidelity", "--replay", str(stored)]) == 2  # no --profile: a one-line error
+    assert main(["bench", "fidelity", "--replay", str(tmp_path / "known.yaml"), "--profile",
+                 str(tmp_path / "known.yaml")]) == 2  # not a fidelity JSON
 
 
 def _admitted_cached(reuse: str) -> dict[str, int]:

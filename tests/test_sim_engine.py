@@ -183,3 +183,22 @@ def test_mixed_length_batches_are_slower_than_uniform():
         step = p.step_time(decode=4, decode_ctx=s, h=p.heterogeneity(4, s, s2))
         return step - p.step_time(decode=4) + p.c_attn_fixed_s
     assert 1.1 <= attention(lengths_mixed) / attention(lengths_uniform) <= 2.1
+
+
+def test_a_prefill_chunk_pays_attention_for_whole_tiles_of_query_rows():
+    """llama.cpp's CPU attention pads a chunk of >= 64 query rows to whole 64-row tiles
+    (profile.prefill_attn_tile): a lone 100-token prompt costs 128 rows, one of 40 costs 40."""
+    base = load_profile("l4-llama3.1-8b").model_copy(update={"c_prefill_attn_s": 1e-6, "h_cv": 0.0})
+    tiled = base.model_copy(update={"prefill_attn_tile": 64})
+
+    def ttft(profile, prompt: int) -> float:
+        loop = EventLoop()
+        first: dict[str, float] = {}
+        engine = Engine("e", profile, loop, lambda s, t: first.setdefault(s.rid, t), lambda s, t: None)
+        engine.submit(Seq("a", prompt, 2, tuple(range(1, prompt // 16 + 1)), 16))
+        loop.run()
+        return first["a"]
+
+    assert ttft(tiled, 100) - ttft(base, 100) == pytest.approx(1e-6 * 28 * 50, rel=1e-6)
+    assert ttft(tiled, 40) == ttft(base, 40)
+    assert tiled.prefill_time(100) - base.prefill_time(100) == pytest.approx(1e-6 * 28 * 50, rel=1e-6)

@@ -371,7 +371,8 @@ async def run_fidelity(urls: list[str], profile: str, policies: tuple[str, ...] 
         for i in range(repeats):
             wi = replace(w, seed=w.seed + i)
             for policy in policies:
-                convs = conversations(wi, bpt, salt=f"{policy}-{time.time_ns()}")
+                salt = f"{policy}-{time.time_ns()}"
+                convs = conversations(wi, bpt, salt=salt)
                 gw = GatewayProcess(urls, policy, folder)
                 await gw.start()
                 try:
@@ -391,12 +392,18 @@ async def run_fidelity(urls: list[str], profile: str, policies: tuple[str, ...] 
                 sim = simulate(convs, policy, profile, len(urls), live["token_ratio"], w.max_tokens, folder,
                                wi.seed, host_cores, noise)
                 ratio = {k: _ratio(sim[k], live[k]) for k, _ in METRICS}
-                runs[policy].append({"seed": wi.seed, "live": live, "sim": sim, "sim_over_live": ratio})
+                runs[policy].append({"seed": wi.seed, "salt": salt, "live": live, "sim": sim, "sim_over_live": ratio})
                 say(f"repeat {i + 1}/{repeats} {policy}: TTFT p99 live {live['ttft_p99'] * 1000:.0f} ms, "
                     f"sim {sim['ttft_p99'] * 1000:.0f} ms")
                 if live["engine_side"]:
                     say(f"  {describe(live['engine_side'], live['ttft_mean'], live['e2e_mean'])}")
-    rows = out["policies"] = {p: combine_repeats(runs[p]) for p in policies}
+    return summarize(out, runs)
+
+
+def summarize(out: dict, runs: dict[str, list[dict]]) -> dict:
+    """``out`` with every policy's repeats combined (:func:`combine_repeats`), the rankings and the
+    counts of ratios within 20 % and 10 %."""
+    rows = out["policies"] = {p: combine_repeats(r) for p, r in runs.items()}
     out["ranking_ttft_p99"] = {side: sorted(rows, key=lambda p: rows[p][side]["ttft_p99"]) for side in ("live", "sim")}
     out["ranking_ttft_p99_pooled"] = {side: sorted(rows, key=lambda p: rows[p]["ttft_p99_pooled"][side])
                                       for side in ("live", "sim")}

@@ -17,6 +17,13 @@ and one least-squares fit takes cold and warm points together. Measured on three
 (2 cores, shared): ~100 new tokens after ~1,500 cached took 55-90 ms alone where a cold-only fit
 predicted ~30-45 ms, and four such prefills batched together 200-355 ms (issue 21).
 
+On llama-server the attention regressor counts query rows as its CPU kernel runs them: a chunk of
+64 or more tokens in whole 64-row tiles (``prefill_attn_tile``, perf/profile.py), so 100 new
+tokens cost 128 rows. Refitting the median points of issue 21's quiet calibration (20:11) so,
+the RMS error over its 7 prefills of 64+ tokens went from 9.8 % to 7.7 %, while the one of 62
+tokens (the row-by-row kernel, which the model lacks) went from -25 % to -35 %: hence the
+sweep's warm lengths 96 and 256.
+
 Each swept point is the median of its repeats on every engine; both fits are least squares on
 relative error over those medians (every point counts the same whatever its size),
 with coefficients kept ≥ 0 (a term whose best value is negative is dropped and the rest refitted:
@@ -76,14 +83,22 @@ def fit_profile(m: Measurements, name: str, hardware: str, max_batched_tokens: i
         raise ValueError(f"too few points to fit ({len(m.prefill)} prefill, {len(m.decode)} decode; "
                          "need 3 of each): widen the sweep")
     sharing = max(1.0, len(m.engines) / host_cores) if host_cores else 1.0
+    # llama-server's CPU attention pads a prefill's query rows to whole 64-row tiles (perf/profile.py
+    # prefill_attn_tile: ggml's source, an engine fact); the fit's attention regressor counts them so
+    facts = m.engines
+    tile = 64 if any(f.slots for f in facts) else 1
+
+    def rows(t: float) -> float:
+        return t if tile == 1 or t < tile else -(-int(t) // tile) * tile
+
     by_len: dict[tuple, list[tuple[float, ...]]] = defaultdict(list)
     for n, tokens, s in m.prefill:
-        by_len[(n,)].append((tokens, s / sharing))
-    prefill = [v for _, v in _medians(by_len)]  # (tokens, seconds) per swept length
+        by_len[(n,)].append((tokens, rows(tokens) * tokens / 2, s / sharing))
+    prefill = [v for _, v in _medians(by_len)]  # (tokens, attention pairs, seconds) per swept length
     by_warm: dict[tuple, list[tuple[float, ...]]] = defaultdict(list)
     for ctx, n, cached, new, s in m.warm:
-        by_warm[(ctx, n)].append((cached, new, s / sharing))
-    warm = [v for _, v in _medians(by_warm)]  # (cached, new tokens, seconds) per swept point
+        by_warm[(ctx, n)].append((cached, new, rows(new) * (cached + new / 2), s / sharing))
+    warm = [v for _, v in _medians(by_warm)]  # (cached, new tokens, attention pairs, seconds) per swept point
     by_step: dict[tuple, list[tuple[float, ...]]] = defaultdict(list)
     for b, ctx, mean_ctx, s in m.decode:
         by_step[(b, ctx)].append((mean_ctx, s / sharing))
@@ -91,13 +106,12 @@ def fit_profile(m: Measurements, name: str, hardware: str, max_batched_tokens: i
     # medians per point, then the fit: on a shared machine single requests stall now and then, and
     # a fit on relative error over raw points would chase those stalls
     c0, c_decode, c_attn = nonneg_lstsq([[1.0, b, b * ctx] for b, ctx, _ in decode], [s for *_, s in decode])
-    rest = [s - c0 for _, s in prefill] + [s - c0 for *_, s in warm]
+    rest = [s - c0 for *_, s in prefill] + [s - c0 for *_, s in warm]
     if min(rest) <= 0:
         raise ValueError("prefill took less than one decode step: the measurements are inconsistent "
                          "(is something else loading the engines?)")
     overhead, c_prefill, c_pattn = nonneg_lstsq(
-        [[1.0, t, t * t / 2] for t, _ in prefill] + [[1.0, n, n * (ctx + n / 2)] for ctx, n, _ in warm], rest)
-    facts = m.engines
+        [[1.0, t, a] for t, a, _ in prefill] + [[1.0, n, a] for _, n, a, _ in warm], rest)
     sigma, sigma_points = step_sigma(m.prefill)
     delay = api_delay(m.probes)
     # the engines' own prefix-cache unit where they all say the same (vLLM: its block size;
@@ -116,19 +130,18 @@ def fit_profile(m: Measurements, name: str, hardware: str, max_batched_tokens: i
         # llama-server (it has slots) lends a cached prefix only from a slot serving no request
         prefix_reuse="idle_slots" if any(f.slots for f in facts) else "shared",
         noise_step_sigma=sigma, noise_api_delay_s=delay["api_delay_s"], ttft_overhead_busy_s=busy,
-        c_admit_s=admit)
+        c_admit_s=admit, prefill_attn_tile=tile)
     source = f"measured by kvroute calibrate, {len(facts)} engine(s) loaded together"
     if sharing > 1:
         source += f", divided by {sharing:g} for {host_cores} shared cores"
     points, errors = [], []
-    for length, s in prefill:
-        got = profile.ttft_overhead_s + profile.prefill_time(round(length))
+    for length, pairs, s in prefill:
+        got = profile.ttft_overhead_s + profile.step_time(round(length), prefill_attn=pairs)
         errors.append(got / s - 1)
         points.append({"prefill": round(length), "ttft_s": round(s, 6), "fit_s": round(got, 6),
                        "error": round(got / s - 1, 4), "source": source})
-    for cached_mid, new_mid, s in warm:
-        got = profile.ttft_overhead_s + profile.step_time(round(new_mid),
-                                                          prefill_attn=new_mid * (cached_mid + new_mid / 2))
+    for cached_mid, new_mid, pairs, s in warm:
+        got = profile.ttft_overhead_s + profile.step_time(round(new_mid), prefill_attn=pairs)
         errors.append(got / s - 1)
         points.append({"prefill": round(new_mid), "cached": round(cached_mid), "ttft_s": round(s, 6),
                        "fit_s": round(got, 6),
@@ -192,6 +205,8 @@ def write_profile(path: str | Path, profile: HardwareProfile, report: dict) -> N
         "# kv_blocks, max_running: from the engines (/props, /metrics) or the command line; "
         "max_batched_tokens: llama-server's n_batch (2048, assumed) or the command line;",
         "# prefix_reuse: idle_slots for llama-server (a prefix is reused only from an idle slot), else shared;",
+        "# prefill_attn_tile: 64 for llama-server (ggml's CPU flash attention pads query rows to 64-row tiles), "
+        "else 1;",
         "# block_size: the engines' prefix-cache unit (vLLM's cache_config_info block_size; llama-server: 1).",
     ]
     noise = report.get("noise")

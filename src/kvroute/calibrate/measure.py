@@ -66,9 +66,11 @@ class Sweep:
     timeout_s: float = 120.0  # any one request
     # warm prefills: a prompt of ``ctx`` tokens, then the same prompt plus ``n`` new tokens (its
     # prefix cached): the attention of new tokens over a cached context, which a cold prefill
-    # alone cannot tell apart from the per-token cost (see fit.py)
+    # alone cannot tell apart from the per-token cost (see fit.py). 96 and 256 new tokens: both past
+    # llama.cpp's 64-row attention tile (below it a chunk runs another, row-by-row kernel that the
+    # step model does not have: perf/profile.py prefill_attn_tile), like a chat turn's new part
     warm_contexts: tuple[int, ...] = (512, 1536)
-    warm_lengths: tuple[int, ...] = (64, 256)
+    warm_lengths: tuple[int, ...] = (96, 256)
     noise_probes: int = 8  # rounds of a tiny prompt, for the per-request delay's spread (noise.py)
 
 

@@ -72,8 +72,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     ca.add_argument("--repeats", type=int, default=2, help="repeats of each prefill length (default 2)")
     ca.add_argument("--warm-contexts", type=int_list, default=(512, 1536), dest="warm_contexts", metavar="N,N,...",
                     help="warm prefills: cached prompt lengths in tokens (default 512,1536)")
-    ca.add_argument("--warm-lengths", type=int_list, default=(64, 256), dest="warm_lengths", metavar="N,N,...",
-                    help="warm prefills: new tokens after the cached prompt (default 64,256)")
+    ca.add_argument("--warm-lengths", type=int_list, default=(96, 256), dest="warm_lengths", metavar="N,N,...",
+                    help="warm prefills: new tokens after the cached prompt (default 96,256: past llama.cpp's 64-row "
+                         "attention tile)")
     ca.add_argument("--noise-probes", type=int, default=8, dest="noise_probes", metavar="N",
                     help="rounds of a tiny prompt on every engine, for the per-request delay's spread (default 8)")
     ca.add_argument("--max-batched-tokens", type=int, dest="max_batched_tokens",

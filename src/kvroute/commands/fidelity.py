@@ -30,10 +30,14 @@ def cmd_bench_fidelity(args: argparse.Namespace) -> int:
     """`kvroute bench fidelity`: the same workload on real engines and in the simulator, metric by metric."""
     import asyncio
 
-    from kvroute.bench.fidelity import METRICS, Workload, calibrate_engines, run_fidelity
+    from kvroute.bench.fidelity import Workload, calibrate_engines, run_fidelity
     from kvroute.calibrate import CalibrationError
     from kvroute.perf.loader import ProfileError, load_profile
 
+    if args.replay:
+        return _replay(args)
+    if not args.url:
+        return error("bench fidelity: give the engines (--url, one per engine) or a stored run (--replay FILE)")
     if args.profile is None:  # self-contained: calibrate these engines first, sharing counted
         args.host_cores = args.host_cores or os.cpu_count() or 1
         try:
@@ -54,6 +58,33 @@ def cmd_bench_fidelity(args: argparse.Namespace) -> int:
                                        noise=args.engine_noise == "profile"))
     except (RuntimeError, OSError) as exc:
         return error(f"bench fidelity: {exc}")
+    return _report(args, out)
+
+
+def _replay(args: argparse.Namespace) -> int:
+    """`--replay FILE`: a stored run's live side against a new simulation with ``--profile``."""
+    import json
+
+    from kvroute.bench.fidelity_replay import replay
+    from kvroute.perf.loader import ProfileError, load_profile
+
+    if args.profile is None:
+        return error("bench fidelity: --replay needs --profile (the profile to simulate with)")
+    try:
+        load_profile(args.profile)
+        stored = json.loads(open(args.replay).read())
+        out = replay(stored, args.profile, args.engine_noise == "profile")
+    except ProfileError as exc:
+        return error(str(exc))
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return error(f"bench fidelity: --replay {args.replay}: not a stored fidelity run ({exc!r})")
+    return _report(args, out)
+
+
+def _report(args: argparse.Namespace, out: dict) -> int:
+    """The comparison's table, rankings and counts; the JSON where asked."""
+    from kvroute.bench.fidelity import METRICS
+
     n = out["repeats"]
     table = Table(title=f"fidelity, live vs simulate ({args.profile}): median over {n} repeat(s) (min-max); "
                         "sim/live: of the medians; pooled: the p99 of all repeats' requests")
@@ -94,7 +125,9 @@ def cmd_bench_fidelity(args: argparse.Namespace) -> int:
 def add_parser(bench: argparse._SubParsersAction) -> None:
     """Register `bench fidelity`."""
     bf = bench.add_parser("fidelity", help="one workload live through the gateway and in simulate, side by side")
-    bf.add_argument("--url", action="append", required=True, help="an engine's base URL (repeat for each)")
+    bf.add_argument("--url", action="append", help="an engine's base URL (repeat for each)")
+    bf.add_argument("--replay", metavar="FILE", help="re-simulate a stored run (its --json) with --profile against "
+                    "its recorded live side; no engines needed (bench/fidelity_replay.py)")
     bf.add_argument("--profile", help="the simulator's profile (from `kvroute calibrate`; default: calibrate the "
                     "engines first with --host-cores)")
     bf.add_argument("--host-cores", type=positive_int, dest="host_cores", metavar="N",

@@ -3,7 +3,7 @@
 One engine step runs P prefill tokens (chunked) and D decode sequences. Its time is
 
     T = c0 + c_prefill·P + c_decode·D + [D > 0]·c_attn_fixed
-           + H·(c_attn·Σctx_decode + c_prefill_attn·Σ_chunks p·(ctx_before + p/2))
+           + H·(c_attn·Σctx_decode + c_prefill_attn·Σ_chunks rows(p)·(ctx_before + p/2))
 
 * c0: fixed per-step cost (weights read, launch, scheduling);
 * c_attn_fixed: the decode attention kernels' fixed cost per step (launches, split-KV
@@ -12,7 +12,8 @@ One engine step runs P prefill tokens (chunked) and D decode sequences. Its time
 * c_attn: decode attention per context token — each decode step reads every sequence's whole
   KV, so it is bandwidth-bound: KV bytes per token ÷ memory bandwidth;
 * c_prefill_attn: prefill attention per (query, key) pair — compute-bound, quadratic in a
-  chunk and linear in the context before it;
+  chunk and linear in the context before it; rows(p) = p, or p rounded up to whole tiles of
+  ``prefill_attn_tile`` query rows where the engine's kernel pads them (llama.cpp on CPU);
 * H ≥ 1: batch heterogeneity. Attention over a batch of mixed lengths is slower than over a
   uniform batch with the same total tokens (CascadeInfer §2.2: 1.1–2.1×). We use
   H = min(h_max, 1 + h_cv · CV) where CV is the coefficient of variation of the lengths the
@@ -72,6 +73,13 @@ class HardwareProfile(StrictModel):
     # a tiny prompt joined it): llama-server 0.3.36 stalled three decoding slots for 13-24 ms where
     # the step model gave ~3 ms (issue 21); 0: none.
     c_admit_s: float = Field(0.0, ge=0)
+    # Query rows per prefill attention tile. llama.cpp's CPU flash attention (ggml-cpu/ops.cpp,
+    # ggml_compute_forward_flash_attn_ext_tiled; GGML_FA_TILE_Q = 64 in ggml-cpu/common.h, the
+    # source llama-cpp-python 0.3.36 vendors) runs a chunk of >= 64 query tokens of one sequence in
+    # tiles of 64 rows, a part-filled tile padded to 64 and costing a full one; a shorter chunk goes
+    # row by row. So a warm 100-token prefill costs 128 rows' attention. Set by `kvroute calibrate`
+    # for llama-server (an engine fact, not a fitted number); 1: rows as they are (vLLM, GPUs).
+    prefill_attn_tile: int = Field(1, gt=0)
     kv_bytes_per_token: int | None = Field(None, gt=0)  # KV cache bytes per token (migration transfers)
     kv_blocks: int = Field(gt=0)
     block_size: int = Field(16, gt=0)
@@ -148,9 +156,17 @@ class HardwareProfile(StrictModel):
         ``decode_ctx`` times ``decode``)."""
         return h * self.c_attn_s * decode
 
+    def attn_rows(self, chunk: int) -> int:
+        """Query rows a prefill chunk of ``chunk`` tokens costs in attention: rounded up to whole
+        tiles of ``prefill_attn_tile`` once the chunk fills one (see the field)."""
+        tile = self.prefill_attn_tile
+        if tile == 1 or chunk < tile:
+            return chunk
+        return -(-chunk // tile) * tile
+
     def prefill_time(self, tokens: int) -> float:
         """One prompt prefilled alone in a single step (no decodes in the batch)."""
-        return self.step_time(tokens, prefill_attn=tokens * tokens / 2)
+        return self.step_time(tokens, prefill_attn=self.attn_rows(tokens) * tokens / 2)
 
     def attention_share(self, decode: int, ctx_each: int) -> float:
         """Share of one decode step spent in attention, for ``decode`` sequences of ``ctx_each`` tokens each."""

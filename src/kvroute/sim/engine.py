@@ -128,6 +128,7 @@ class Engine(Handover):
         if prefilling:
             budget = p.max_batched_tokens - n_dec
             chunks, tokens, attn = [], 0, 0.0
+            tile = p.prefill_attn_tile  # query rows padded to whole tiles (perf/profile.py)
             n_all, len_sum, len_sq = n_dec, ctx_sum, ctx_sq
             for seq in prefilling:
                 if budget <= 0:
@@ -136,7 +137,7 @@ class Engine(Handover):
                 c = left if left < budget else budget
                 chunks.append((seq, c))
                 tokens += c
-                attn += c * (seq.prompt - left + c / 2)
+                attn += (c if tile == 1 else p.attn_rows(c)) * (seq.prompt - left + c / 2)
                 budget -= c
                 end = seq.prompt - left + c  # the chunk attends over this many keys
                 n_all += 1

@@ -1,0 +1,45 @@
+"""Re-simulate a stored `kvroute bench fidelity` run against its recorded live side.
+
+A fidelity JSON keeps every repeat's live numbers, its seed and the token ratio the live run
+observed; the conversations are a function of the workload and the seed alone (the salt that
+makes each run's system prompts fresh only prefixes their text), so the simulated side can be
+rebuilt with another profile or simulator without running the engines again. The salt is not
+stored, so a rebuilt system prompt may differ from the live one by a few tokens.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+
+from kvroute.bench.fidelity import METRICS, Workload, conversations, simulate, summarize
+
+
+def replay(stored: dict, profile: str, noise: bool | None = None, salt: str = "") -> dict:
+    """``stored`` (a fidelity JSON) with its simulated side run again with ``profile``; ``noise``:
+    the profile's engine noise on or off (None: as the stored run had it); ``salt``: for runs
+    stored without their salts (older JSONs), what opens the rebuilt system prompts.
+    A different salt shifts the prompts by a few tokens, and a 60-request run's simulated
+    medians move with it (by up to ~30 % per repeat on issue 21's llama.cpp run): compare
+    profiles over several salts, not one."""
+    wd = dict(stored["workload"])
+    wd["turns"] = tuple(wd["turns"])
+    w = Workload(**wd)
+    noise = stored.get("engine_noise", True) if noise is None else noise
+    out = {k: v for k, v in stored.items() if k not in ("policies",)}
+    out.update(profile=profile, engine_noise=noise, replayed_from=stored.get("profile"))
+    runs: dict[str, list[dict]] = {}
+    with tempfile.TemporaryDirectory(prefix="kvroute-fidelity-replay-") as tmp:
+        for policy, row in stored["policies"].items():
+            runs[policy] = []
+            for rep in row["repeats"]:
+                live = rep["live"]
+                opening = rep.get("salt", f"{policy}{salt}")
+                convs = conversations(replace(w, seed=rep["seed"]), stored["bytes_per_token"], salt=opening)
+                sim = simulate(convs, policy, profile, len(stored["engines"]), live["token_ratio"],
+                               w.max_tokens, Path(tmp), rep["seed"], stored.get("host_cores"), noise)
+                ratio = {k: sim[k] / live[k] if live[k] else None for k, _ in METRICS}
+                runs[policy].append({"seed": rep["seed"], "salt": opening, "live": live, "sim": sim,
+                                     "sim_over_live": ratio})
+    return summarize(out, runs)
