@@ -11,6 +11,7 @@ import pytest
 from kvroute.model import Endpoint, Request
 from kvroute.policy.adaptive.replica_speed import SpeedFit, SpeedLMetric
 from kvroute.policy.builtin.filters import NearBest
+from kvroute.policy.plugins import DecisionState
 
 
 def _feed(fit: SpeedFit, laws: dict[str, tuple[float, float, float]], n: int, seed: int = 0) -> None:
@@ -89,6 +90,9 @@ def test_bad_settings_are_refused(bad):
 
 
 class _St:
+    _lmetric_of = None
+    lmetric = DecisionState.lmetric  # the scorer reads LMetric's score from the decision's state
+
     def new_prefill(self, eps):
         return [1000 for _ in eps]
 

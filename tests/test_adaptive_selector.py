@@ -9,6 +9,7 @@ from kvroute.model import Endpoint
 from kvroute.policy.adaptive.selector import A, B, TTFTSelector
 from kvroute.policy.adaptive.selector.plugin import welch
 from kvroute.policy.builtin.filters import NearBest
+from kvroute.policy.plugins import DecisionState
 
 
 class _Req:
@@ -120,6 +121,9 @@ def test_bad_settings_are_refused(window, exploit, z):
 
 class _Lm:
     """A DecisionState whose new prefill per endpoint is given."""
+
+    _lmetric_of = None
+    lmetric = DecisionState.lmetric  # LMetric's score, from the new prefill given
 
     def __init__(self, new):
         self._new = new

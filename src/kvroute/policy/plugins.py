@@ -56,7 +56,7 @@ class DecisionState:
     """
 
     __slots__ = ("req", "view", "rng", "dry_run", "effects", "_matches", "_best_of", "_best", "_prefill_of",
-                 "_prefill")
+                 "_prefill", "_lmetric_of", "_lmetric")
 
     def __init__(self, req: Request, view: View, rng: random.Random, dry_run: bool = False):
         self.req = req
@@ -69,6 +69,8 @@ class DecisionState:
         self._best = 0
         self._prefill_of: list[Endpoint] | None = None
         self._prefill: list[int] = []
+        self._lmetric_of: list[Endpoint] | None = None
+        self._lmetric: list[float] = []
 
     def defer(self, effect: Callable[[], None]) -> None:
         """Run ``effect`` (a state change this decision implies) when the dispatch is committed."""
@@ -113,6 +115,17 @@ class DecisionState:
             self._prefill = [p if (m := get(e.id)) is None else max(0, p - bt * m) for e in eps]
             self._prefill_of = eps
         return self._prefill
+
+    def lmetric(self, eps: list[Endpoint]) -> list[float]:
+        """LMetric §4's P-tokens × BS per endpoint: (queued prefill + new prefill) × (running +
+        waiting + dispatched since the probe + 1) — the one place this formula lives. Computed once
+        per decision and endpoint list: ``auto`` and ``lmetric`` read it up to three times (the
+        hotspot route, the trust region, the incumbent's score). Shared: do not modify it."""
+        if self._lmetric_of is not eps:
+            self._lmetric = [(e.queued_prefill_tokens + n) * (e.running + e.waiting + e.dispatched_since_probe + 1)
+                             for n, e in zip(self.new_prefill(eps), eps)]
+            self._lmetric_of = eps
+        return self._lmetric
 
 
 def copy_of(rng: random.Random) -> random.Random:

@@ -144,29 +144,34 @@ class PrefixIndex:
             table = self._tables[endpoint_id]
         if not hashes:
             return 0
-        limit = min(table.capacity, self.max_blocks or table.capacity)
+        cap = table.capacity
+        limit = self.max_blocks
+        if not limit or limit > cap:
+            limit = cap
         if len(hashes) > limit:
             hashes = hashes[:limit]  # keep the head: it is what others reuse
-        self._tick += 1
-        tick = self._tick
+        self._tick = tick = self._tick + 1
         blocks = table.blocks
         for h in hashes:  # no temporary dict (dict.fromkeys + update costs more)
             blocks[h] = tick
-        table.log.append((tick, hashes))
-        table.logged += len(hashes)
         log = table.log
-        while len(blocks) > table.capacity or table.logged > 2 * table.capacity:
-            old_tick, old = log.popleft()
-            table.logged -= len(old)
-            if old_tick == tick:  # only the chain just inserted is left
-                log.appendleft((old_tick, old))
-                table.logged += len(old)
-                break
-            # drop the record's blocks whose tick is still its own (a plain loop: fewer
-            # instructions than compress/map/deque for the few blocks of one record)
-            for h in old:
-                if blocks.get(h) == old_tick:
-                    del blocks[h]
+        log.append((tick, hashes))
+        logged = table.logged + len(hashes)
+        if len(blocks) > cap or logged > 2 * cap:  # over capacity: evict (attributes read once, in locals)
+            get = blocks.get
+            while len(blocks) > cap or logged > 2 * cap:
+                old_tick, old = log.popleft()
+                logged -= len(old)
+                if old_tick == tick:  # only the chain just inserted is left
+                    log.appendleft((old_tick, old))
+                    logged += len(old)
+                    break
+                # drop the record's blocks whose tick is still its own (a plain loop: fewer
+                # instructions than compress/map/deque for the few blocks of one record)
+                for h in old:
+                    if get(h) == old_tick:
+                        del blocks[h]
+        table.logged = logged
         return tick
 
     def forget(self, endpoint_id: str, hashes: Sequence[int], start: int, tick: int) -> None:

@@ -214,8 +214,7 @@ class LMetricScore(Scorer):
 
     def values(self, st: DecisionState, eps: list[Endpoint]) -> list[float]:
         """(queued prefill + new prefill) × (batch + 1) per endpoint; lower is better."""
-        return [(e.queued_prefill_tokens + n) * (e.running + e.waiting + e.dispatched_since_probe + 1)
-                for n, e in zip(st.new_prefill(eps), eps)]
+        return st.lmetric(eps)  # computed once per decision (DecisionState.lmetric)
 
 
 @register_plugin

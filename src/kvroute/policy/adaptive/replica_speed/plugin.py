@@ -61,8 +61,7 @@ class SpeedLMetric(Scorer, SpeedPlugin):
     def values(self, st: DecisionState, eps: list[Endpoint]) -> list[float]:
         """LMetric's score per endpoint, times its prefill and decode factors; lower is better."""
         pf, df = self.fit.factors()
-        base: list[float] = [(e.queued_prefill_tokens + n) * (e.running + e.waiting + e.dispatched_since_probe + 1)
-                for n, e in zip(st.new_prefill(eps), eps)]
+        base = st.lmetric(eps)  # LMetric's score, computed once per decision (shared: not modified)
         if not pf and not df:
             return base
         return [b * pf.get(e.id, 1.0) * df.get(e.id, 1.0) for b, e in zip(base, eps)]
