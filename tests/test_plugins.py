@@ -58,6 +58,24 @@ def test_decision_state_is_lazy_and_agrees_with_the_formula():
     assert st.best_match(eps) == st.matches["e1"] and st.hit_ratio(eps) == req.hit_ratio(st.matches["e1"])
 
 
+def test_lmetric_score_is_computed_once_per_decision_and_endpoint_list():
+    """LMetric's P-tokens x BS, shared by the lmetric scorer, lmetric_speed, the hotspot route and the
+    trust region: the formula, one list per endpoint list, recomputed for another list."""
+    router = warm_router("round_robin", n=4)
+    for e, (run, wait) in zip(router.endpoints, [(3, 1), (0, 0), (7, 4), (1, 0)]):
+        e.apply_probe(run, wait, 0.0)
+        e.queued_prefill_tokens = 100 * e.running
+    st = DecisionState(make_request("a", LONG), router.view, router.policy.rng)
+    eps = router.endpoints
+    want = [(e.queued_prefill_tokens + n) * (e.running + e.waiting + e.dispatched_since_probe + 1)
+            for n, e in zip(st.new_prefill(eps), eps)]
+    assert st.lmetric(eps) == want and st.lmetric(eps) is st.lmetric(eps)
+    assert PLUGINS["scorer"]["lmetric"]().values(st, eps) is st.lmetric(eps)
+    assert PLUGINS["scorer"]["lmetric_speed"]().values(st, eps) == want  # no speeds learned: LMetric's
+    fewer = eps[1:]
+    assert st.lmetric(fewer) == want[1:] and st.lmetric(eps) == want
+
+
 def test_every_scorer_normalises_into_the_unit_interval():
     router = warm_router("round_robin", n=5)
     for e, (run, wait, kv, rtt) in zip(router.endpoints, [(3, 1, .2, .01), (0, 0, .9, .2), (7, 4, 0, 0),
