@@ -7,9 +7,13 @@ and nothing else — its own accounting (in-flight requests and tokens, the pref
 dispatched), the prefix index, the RTTs its probes measure and the TTFTs its requests report —
 never a step-time model:
 
-1. **hot prefix** (LMetric §5.2): the two-phase KV-hotspot detector watches which request classes
-   outgrow the instances caching their prefix; while it fires, the class is routed among the
-   others (branch ``hotspot-filtered``, the hotspot route's own, as in ``lmetric``);
+1. **hot prefix** (LMetric §5.2, ``hotspot: true``; off by default): the two-phase KV-hotspot
+   detector watches which request classes outgrow the instances caching their prefix; while it
+   fires, the class is routed among the others (branch ``hotspot-filtered``, the hotspot route's
+   own, as in ``lmetric``). Measured with ``kvroute bench auto``'s cells (3 seeds each) it fired
+   only on the hot-prefix scenario and there it lengthened the TTFT p99 (2.35 → 2.45 s at 50 %,
+   2.24 → 2.44 s at 70 %, 2.44 → 2.52 s at 90 % of the knee), so ``auto`` leaves it off, as
+   ``lmetric`` does;
 2. **the incumbent, LMetric's score**: (queued prefill + this request's uncached tokens) ×
    (batch + 1) — it follows the cache while that saves prefill and spreads load when it does not;
    on traffic without prefix reuse it reduces to least prefill work (branch ``auto:prefix-load``).
@@ -64,13 +68,13 @@ def _select(scope: str) -> dict[str, dict[str, str]]:
            {"enabled": "$speed", "cost": {"lmetric_speed": {"spread": "$speed_spread"}}, "branch": PREFIX_LOAD}],
     cost={"lmetric": 1}, branch=PREFIX_LOAD)
 class AutoParams(PolicyParams):
-    """The default: LMetric's score, GORGO's cost trialled against it online, hotspot detection.
+    """The default: LMetric's score on learned replica speeds, GORGO's cost trialled against it online.
 
     Which mechanism decided is each decision's branch (``auto:prefix-load``, ``auto:additive``,
     ``auto:rtt-aware``, ``hotspot-filtered``); see the module docstring for when each takes charge and why.
     """
 
-    hotspot: bool = Field(True, description="LMetric §5.2's KV-hotspot detector takes a hot class's "
+    hotspot: bool = Field(False, description="LMetric §5.2's KV-hotspot detector takes a hot class's "
                           "instances out of its targets while it fires")
     hotspot_window: int = Field(256, ge=8, description="routed requests the detector measures class shares over")
     rtt_spread_ms: float = Field(10.0, ge=0, description="candidates whose probe RTTs differ by more than this "
