@@ -55,7 +55,7 @@ def test_fit_recovers_the_emulators_known_profile(tmp_path):
             KNOWN.step_time(n, prefill_attn=n * (ctx + n / 2)), rel=0.25, abs=0.01), (n, ctx)
     assert report["max_error"] < 0.25 and len(report["points"]) == 14  # 4 cold, 4 warm, 6 decode
     # the overhead beside a decoding batch: the emulator's is the same as when idle
-    assert len(m.busy) == 2 * len(SWEEP.contexts) and fitted.ttft_overhead_busy_s is not None
+    assert len(m.busy) == 2 * len(SWEEP.contexts) * SWEEP.busy_rounds and fitted.ttft_overhead_busy_s is not None
     assert fitted.ttft_overhead_busy_s == pytest.approx(KNOWN.ttft_overhead_s, abs=0.01)
     assert fitted.c_admit_s == pytest.approx(0.0, abs=0.005)  # the emulator's loop takes no extra time
     # the noise measurement: a spread of step times and a per-request delay, both measured

@@ -72,6 +72,11 @@ class Sweep:
     warm_contexts: tuple[int, ...] = (512, 1536)
     warm_lengths: tuple[int, ...] = (96, 256)
     noise_probes: int = 8  # rounds of a tiny prompt, for the per-request delay's spread (noise.py)
+    # rounds of a tiny prompt beside a decoding batch per decode context (fit.py's c_admit_s, the
+    # median): one round per context gave a llama-server stall of 2.4 ms in one quiet calibration
+    # and 0.05 ms in the next (issue 21), and re-simulating that next run's live side with the
+    # one or the other moved 4 of the 20 fidelity ratios across the 20 % line
+    busy_rounds: int = 3
 
 
 @dataclass
@@ -389,7 +394,8 @@ async def measure(urls: list[str], model: str | None = None, sweep: Sweep | None
                 m.decode.extend((batch, ctx, mean_ctx, s) for s in steps if s is not None)
                 say(f"decode batch {batch} at ~{ctx} tokens: " + ", ".join(
                     "-" if s is None else f"{s * 1000:.2f} ms" for s in steps))
-            await _busy_points(engines, ctx, m, say)
+            for _ in range(sweep.busy_rounds):
+                await _busy_points(engines, ctx, m, say)
     m.wall_s = time.perf_counter() - t0
     return m
 
