@@ -195,8 +195,9 @@ def synthetic_hotspot_row() -> Row:
                "" if agree == YES else "model: the multiplication already spread the class", "lmetric")
 
 
-def _why_llm_d(d: dict) -> str:
-    """Why llm_d still wins: what its predictor did, beside the paper's words on its errors."""
+def _why_llm_d(d: dict, lm: dict) -> str:
+    """Why llm_d still wins: what its predictor did, beside the paper's words on its errors and what
+    was checked against LMetric's released router (blitz-serving/blitz-router)."""
     st = {k.rsplit(".", 1)[-1]: v for k, v in d.get("policy_state", {}).items()}
     err, off = st.get("mean_abs_rel_error", 0.0), st.get("share_over_20pct", 0.0)
     return ("checked: the paper's llm-d is \"a simulation-based implementation similar to llm-d but with a "
@@ -208,11 +209,24 @@ def _why_llm_d(d: dict) -> str:
             "by > 20 %, less accurate than the paper's well-tuned one (Fig. 16: \"about 10% of requests with more "
             "than 20% prediction error\"); the engines are §4.1's vLLM v1 with chunked prefill (its defaults: "
             "8,192-token budget, 256 sequences). Even so its ranking of replicas beats LMetric's product on "
-            "this trace. What stays different: the Mooncake conversation trace stands in for ChatBot (Qwen), "
-            "and the paper's one llm-d win is on its other Mooncake trace (ToolAgent, Fig. 25: \"LMetric "
-            "exhibits a slightly higher (10%) mean TTFT than llm-d ... a simulator-based approach can better "
-            "estimate the prefill workload than our simple P-token indicator\"); and the predictor is the "
-            "simulator's own step-time model (its errors are noise around the truth, not a model of other "
+            "this trace. LMetric itself was checked against the paper's released router (blitz-router): "
+            "policies/lmetric.rs takes the minimum of prefill_tokens × (bs + 1), prefill_tokens = queued "
+            "prefill + prompt − hit blocks × block size (policies/dsl_runtime.rs), as kvroute's lmetric scorer "
+            "does; its bs is the router's count of dispatched, unfinished requests (scheduler/state.rs), where "
+            "kvroute reads the probed running + waiting plus dispatches since the probe — a run with the "
+            "router's own in-flight count instead moved LMetric's mean TTFT by under 1 % (issue 21r). LMetric "
+            "does balance better, as Fig. 27 says (time-averaged CV of running requests across replicas "
+            f"{lm.get('imbalance_cv', 0.0):.2f} vs llm_d {d.get('imbalance_cv', 0.0):.2f}), yet its tail TPOT is "
+            "worse (not isolated further; a likely reading: with chunked prefill a step's time follows the "
+            "prefill it carries, which llm_d's TTFT estimate spreads and a batch count does not). The paper's llm-d in that repository "
+            "(scheduler/policies/least_ttft.rs) rolls each replica's queue forward step by step over VIDUR "
+            "per-operator latency grids profiled offline (scheduler/simulator/vidur_rf.rs), synced to the "
+            "engine every step; kvroute's predicts in closed form from probes every 0.1 s, so it is not the "
+            "better-informed of the two. What stays different: the Mooncake conversation trace stands in for "
+            "ChatBot (Qwen), and the paper's one llm-d win is on its other Mooncake trace (ToolAgent, Fig. 25: "
+            "\"LMetric exhibits a slightly higher (10%) mean TTFT than llm-d ... a simulator-based approach can "
+            "better estimate the prefill workload than our simple P-token indicator\"); and the predictor is "
+            "the simulator's own step-time model (its errors are noise around the truth, not a model of other "
             "hardware), which the paper's retrofitted VIDUR was not")
 
 
@@ -244,7 +258,7 @@ def rows(lab: Lab) -> list[Row]:
     agree = (YES if -0.26 <= dp99 <= -0.065 and abs(dttft) <= 0.25 else DIRECTION if dp99 < 0 else NO)
     out.append(Row("P99 TPOT vs llm-d (simulator-based, second best), similar TTFT", "−13 %",
                    f"P99 TPOT {dp99 * 100:+.1f} %, mean TTFT {dttft * 100:+.1f} %" + note, agree,
-                   "" if agree == YES else _why_llm_d(d), "lmetric"))
+                   "" if agree == YES else _why_llm_d(d, lm), "lmetric"))
     out.append(mismatch_row(lab, trace_rate / (0.5 * cap), half))
     best_at = []
     for level in SWEEP:
@@ -260,7 +274,7 @@ def rows(lab: Lab) -> list[Row]:
                    ", ".join(f"{lvl:.0%}: {b}" + (f" (lmetric {gap * 100:+.1f} %)" if b != "lmetric" else "")
                              for lvl, b, gap in best_at), agree,
                    "" if agree == YES else (
-                       _why_llm_d(d) if any(b == "llm_d" for _, b, _ in best_at)
+                       _why_llm_d(d, lm) if any(b == "llm_d" for _, b, _ in best_at)
                        else WHY_TRACE + "; at low load every policy finds an idle replica"),
                    "lmetric"))
     out.extend(hotspot_rows(lab, cap, trace_rate, half))
