@@ -3,8 +3,9 @@
 A fidelity JSON keeps every repeat's live numbers, its seed and the token ratio the live run
 observed; the conversations are a function of the workload and the seed alone (the salt that
 makes each run's system prompts fresh only prefixes their text), so the simulated side can be
-rebuilt with another profile or simulator without running the engines again. The salt is not
-stored, so a rebuilt system prompt may differ from the live one by a few tokens.
+rebuilt with another profile or simulator without running the engines again. Each repeat's salt
+is stored with it; a JSON from before that lacks it, and then a rebuilt system prompt may differ
+from the live one by a few tokens.
 """
 
 from __future__ import annotations
