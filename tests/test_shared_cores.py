@@ -89,7 +89,9 @@ def test_scenario_host_cores_enough_for_every_replica_changes_nothing_and_fewer_
 def test_calibration_divides_the_sharing_it_measured_under():
     """Three engines on two cores, measured all at once, run 1.5x slower than one alone: with
     host_cores the fit recovers the engine's own profile."""
-    true = UNIT.model_copy(update={"c0_s": 2e-3, "c_attn_s": 1e-6, "c_prefill_attn_s": 1e-8})
+    # llama-servers (they have slots): their attention counts query rows in 64-row tiles
+    true = UNIT.model_copy(update={"c0_s": 2e-3, "c_attn_s": 1e-6, "c_prefill_attn_s": 1e-8,
+                                   "prefill_attn_tile": 64})
     facts = [EngineFacts(f"http://e{i}", 3.0, kv_tokens=16384, slots=4) for i in range(3)]
     m = Measurements(facts, "test")
     for n in (128, 512, 1024, 2048):
