@@ -227,14 +227,17 @@ class Splice:
             self.done = True
             block = body
         if block:
-            n = token_events(block)
-            self._raw.append(block)
-            self._raw_len += len(block)
-            self._raw_tokens += n
-            self.count += n
-            if self._raw_len > RAW_LIMIT:
-                self.settle()
+            self._keep(block, token_events(block))
         return out
+
+    def _keep(self, raw: bytes, n: int) -> None:
+        """Keep a first-leg piece of ``n`` plain token events unparsed (settled past RAW_LIMIT)."""
+        self._raw.append(raw)
+        self._raw_len += len(raw)
+        self._raw_tokens += n
+        self.count += n
+        if self._raw_len > RAW_LIMIT:
+            self.settle()
 
     def _each(self, block: bytes) -> list[bytes | None]:
         return [self._event(e) for e in block.split(b"\n\n")] if block else []
@@ -250,13 +253,7 @@ class Splice:
                 and b'"error"' not in payload and b'"usage"' not in payload:
             # the first leg's plain token events pass unchanged: nothing to rewrite or check, so they are
             # kept as bytes and counted cheaply; their text is parsed only if the stream is continued
-            n = token_events(payload)
-            self._raw.append(event)
-            self._raw_len += len(event)
-            self._raw_tokens += n
-            self.count += n
-            if self._raw_len > RAW_LIMIT:
-                self.settle()
+            self._keep(event, token_events(payload))
             return event
         self.settle()
         return self._parse(payload, event)

@@ -92,6 +92,7 @@ class AutoParams(PolicyParams):
                          "within this factor of its best (safe exploration)")
     select_z: float = Field(2.0, ge=0, description="standard errors by which GORGO's mean TTFT must lead to take over")
     speed: bool = Field(True, description="the incumbent scales LMetric's score by each replica's prefill and decode "
-                        "time learned from measured TTFTs and TPOTs (mixed hardware); false: LMetric's score as is")
+                        "time learned from measured TTFTs and TPOTs (mixed hardware); false: LMetric's score as is "
+                        "(the challenger's trust region keeps the learned speeds at the default spread)")
     speed_spread: float = Field(1.5, ge=1, description="the fleet counts as mixed hardware when learned prefill and "
                                 "decode times both spread past this factor (max / min); else it routes as one kind")
