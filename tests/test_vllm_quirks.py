@@ -346,8 +346,10 @@ def test_an_idle_replica_is_probed_rarely_and_a_busy_one_at_the_fast_rate():
         assert not done.is_set(), "the stream ended before the window: make it longer"
         assert max(busy) >= 12 and min(busy) <= 4, busy  # the busy one at ~20/s, the idle one still slow
         done.wait(20)
+        sent_before = sum(probes())
         metrics = httpx.get(f"{dep.url}/metrics").text
-        assert sum(_samples(metrics, "kvroute_replica_probes_total").values()) == sum(probes())
+        # the counter is read at scrape time: a probe may finish between the scrape and our reads
+        assert sent_before <= sum(_samples(metrics, "kvroute_replica_probes_total").values()) <= sum(probes())
         sizes = _samples(metrics, "kvroute_replica_probe_bytes_total")
         assert all(up.filtered for up in dep.runtime.upstreams.values())  # vLLM's filtered page
         assert all(0 < sizes[f'replica="{name}"'] / up.probes < 1000 for name, up in dep.runtime.upstreams.items())
