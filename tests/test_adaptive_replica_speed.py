@@ -150,3 +150,35 @@ def test_auto_learns_the_mixed_fleet_and_loads_the_fast_replicas_more():
             assert state["lmetric_speed.mixed"] == 1.0
             assert 2.0 < state["lmetric_speed.us-2.prefill_factor"] / state["lmetric_speed.us-0.prefill_factor"] < 4.5
     assert share[True] > share[False] + 0.05
+
+
+def _trust_regions(policy) -> list[NearBest]:
+    """The near_best filters of a compiled pipeline's rules."""
+    return [f for rule in policy.rules for f in rule.among if isinstance(f, NearBest)]
+
+
+@pytest.mark.parametrize(("params", "learns", "spread"), [({}, True, 1.5), ({"speed_spread": 3.0}, True, 3.0),
+                                                          ({"speed": False}, False, 1.5)])
+def test_auto_trust_region_follows_speed_and_speed_spread(params, learns, spread):
+    """The challenger's trust region judges with the incumbent's settings: ``speed: false`` leaves it
+    LMetric's score as is (it learns nothing, even from a clearly mixed fleet), ``speed_spread`` is its
+    spread too (the bug: it kept learning at the default 1.5 whatever auto was given)."""
+    from kvroute.policy import build_policy
+
+    regions = _trust_regions(build_policy("auto", params))
+    assert len(regions) == 2  # the additive and the RTT-aware rule
+    eps = [Endpoint("fast", queued_prefill_tokens=3000, running=5), Endpoint("slow", queued_prefill_tokens=0)]
+    for region in regions:
+        assert region.scorer.fit.spread == spread
+        _learn(region, {"fast": (1e-4, 0.01), "slow": (6e-4, 0.06), "slow2": (6e-4, 0.06)})
+        assert (region.scorer.fit.state().get("mixed") == 1.0) is learns
+        kept = [e.id for e in region.filter(_St(), eps)]
+        assert kept == (["fast", "slow"] if learns else ["slow"])  # lmetric: 24000 vs 1000, beyond 2x
+
+
+def test_near_best_takes_scorer_arguments_and_names_bad_ones():
+    assert NearBest(scorer={"lmetric_speed": {"spread": 2.5}}).scorer.fit.spread == 2.5
+    with pytest.raises(ValueError, match="valid scorers"):
+        NearBest(scorer="no_such_scorer")
+    with pytest.raises(ValueError, match="arguments: min_samples"):
+        NearBest(scorer={"lmetric_speed": {"bogus": 1}})

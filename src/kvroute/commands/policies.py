@@ -21,7 +21,7 @@ def cmd_policies(args: argparse.Namespace) -> int:
 
     try:
         if args.write is not None:
-            path = Path(args.write or Path(__file__).resolve().parents[2] / "docs" / "policies.md")
+            path = Path(args.write or Path(__file__).resolve().parents[3] / "docs" / "policies.md")
             if not path.parent.is_dir():
                 return error(f"{path.parent}: no such directory; name the file, e.g. --write docs/policies.md")
             path.write_text(presets_markdown())

@@ -42,9 +42,18 @@ def register_plugin(cls: P) -> P:
     return cls
 
 
-def new_scorer(name: str) -> Scorer:
-    """A registered scorer built without arguments (plugins that combine others' values)."""
-    scorer = PLUGINS["scorer"][name]()
+def new_scorer(name: str, args: dict[str, Any] | None = None) -> Scorer:
+    """A registered scorer, built with ``args`` (none: its defaults), for plugins that combine others'
+    values. An unknown name or a bad argument is a ``ValueError`` naming what is allowed."""
+    cls = PLUGINS["scorer"].get(name)
+    if cls is None:
+        raise ValueError(f"unknown scorer {name!r}; valid scorers: {', '.join(PLUGINS['scorer'])}")
+    try:
+        scorer = cls(**(args or {}))
+    except TypeError:
+        allowed = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
+        raise ValueError(f"scorer {name!r}: bad arguments {args!r}; arguments: {', '.join(allowed) or 'none'}") \
+            from None
     assert isinstance(scorer, Scorer)
     return scorer
 

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import statistics
+from collections.abc import Mapping
+from typing import Any
 
 from kvroute.model import Endpoint, Request
-from kvroute.policy.catalog import register_plugin
+from kvroute.policy.catalog import new_scorer, register_plugin
 from kvroute.policy.hooks import Lifecycle
 from kvroute.policy.plugins import DecisionState, Filter
 
@@ -88,20 +90,26 @@ class NearBest(Filter, Lifecycle):
     ranks near its best, so trialling the challenger can never send a request where the incumbent
     judges it far worse (a hot prefix's cached replica with a long queue) — safe exploration.
 
-    A scorer that learns (``lmetric_speed``) hears the lifecycle events through this filter, so it
+    ``scorer`` is a name or ``{name: {argument: value}}`` — the trust region must judge with the
+    same settings as the rule it guards (``auto`` passes its ``speed`` / ``speed_spread`` on). A
+    scorer that learns (``lmetric_speed``) hears the lifecycle events through this filter, so it
     learns what the rule's own copy learns; its state is exported by that copy, not repeated here."""
 
     name = "near_best"
     inputs = frozenset({"prefix", "prefill_backlog", "load"})
 
-    def __init__(self, scorer: str = "lmetric", factor: float = 2.0):
+    def __init__(self, scorer: str | Mapping[str, Mapping[str, Any] | None] = "lmetric", factor: float = 2.0):
         if factor < 1:
             raise ValueError(f"factor must be >= 1, got {factor}")
-        from kvroute.policy.catalog import new_scorer
-
-        self.scorer, self.factor = new_scorer(scorer), factor
+        if isinstance(scorer, Mapping):
+            if len(scorer) != 1:
+                raise ValueError(f"scorer: expected a name or {{name: {{argument: value}}}}, got {scorer!r}")
+            ((name, args),) = scorer.items()
+        else:
+            name, args = scorer, None
+        self.scorer, self.factor = new_scorer(name, dict(args) if args else None), factor
         if not self.scorer.lower_is_better:
-            raise ValueError(f"near_best: scorer {scorer!r} is higher-is-better; it needs a cost")
+            raise ValueError(f"near_best: scorer {name!r} is higher-is-better; it needs a cost")
         self._hears = self.scorer if isinstance(self.scorer, Lifecycle) else None
 
     def on_dispatched(self, req: Request, endpoint: Endpoint, new_prefill_tokens: int) -> None:

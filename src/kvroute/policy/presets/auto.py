@@ -48,7 +48,9 @@ from kvroute.policy.params import PolicyParams
 # the hotspot route names its decisions itself (Branch.HOTSPOT_FILTERED), whatever the rule says
 HOTSPOT = Branch.HOTSPOT_FILTERED.value
 RTT_AWARE, ADDITIVE, PREFIX_LOAD = "auto:rtt-aware", "auto:additive", "auto:prefix-load"
-TRUST = {"near_best": {"scorer": "lmetric_speed", "factor": "$trust"}}  # the challenger's trust region
+# the challenger's trust region: the incumbent's score with the incumbent's settings
+TRUST = {"near_best": {"scorer": {"lmetric_speed": {"spread": "$speed_spread", "learn": "$speed"}},
+                       "factor": "$trust"}}
 
 
 def _select(scope: str) -> dict[str, dict[str, str]]:
@@ -92,7 +94,7 @@ class AutoParams(PolicyParams):
                          "within this factor of its best (safe exploration)")
     select_z: float = Field(2.0, ge=0, description="standard errors by which GORGO's mean TTFT must lead to take over")
     speed: bool = Field(True, description="the incumbent scales LMetric's score by each replica's prefill and decode "
-                        "time learned from measured TTFTs and TPOTs (mixed hardware); false: LMetric's score as is "
-                        "(the challenger's trust region keeps the learned speeds at the default spread)")
+                        "time learned from measured TTFTs and TPOTs (mixed hardware); false: LMetric's score as is, "
+                        "in the challenger's trust region too")
     speed_spread: float = Field(1.5, ge=1, description="the fleet counts as mixed hardware when learned prefill and "
                                 "decode times both spread past this factor (max / min); else it routes as one kind")

@@ -50,13 +50,32 @@ class SpeedLMetric(Scorer, SpeedPlugin):
     prefill and decode times both spread past ``spread``, and then it equals ``lmetric``).
 
     On equal load the score scales with both times, so at balance a replica k× faster at both
-    carries k× the load (the score grows as load², LMetric's two factors each growing with it)."""
+    carries k× the load (the score grows as load², LMetric's two factors each growing with it).
+    ``learn: false`` learns nothing and is LMetric's score as is (``auto``'s ``speed: false``, for
+    its trust region as for its incumbent)."""
 
     name = "lmetric_speed"
     inputs = frozenset({"prefix", "prefill_backlog", "load"})
 
-    def __init__(self, min_samples: int = 16, halflife: int = DEFAULT_HALFLIFE, spread: float = 1.5):
+    def __init__(self, min_samples: int = 16, halflife: int = DEFAULT_HALFLIFE, spread: float = 1.5,
+                 learn: bool = True):
         SpeedPlugin.__init__(self, SpeedFit(min_samples=min_samples, halflife=halflife, spread=spread))
+        self.learn = learn
+
+    def on_dispatched(self, req: Request, endpoint: Endpoint, new_prefill_tokens: int) -> None:
+        """Learns only with ``learn``."""
+        if self.learn:
+            SpeedPlugin.on_dispatched(self, req, endpoint, new_prefill_tokens)
+
+    def on_first_token(self, req_id: str, endpoint_id: str, ttft_s: float) -> None:
+        """Learns only with ``learn``."""
+        if self.learn:
+            SpeedPlugin.on_first_token(self, req_id, endpoint_id, ttft_s)
+
+    def on_finished(self, req_id: str, endpoint_id: str, e2e_s: float, output_tokens: int) -> None:
+        """Learns only with ``learn``."""
+        if self.learn:
+            SpeedPlugin.on_finished(self, req_id, endpoint_id, e2e_s, output_tokens)
 
     def values(self, st: DecisionState, eps: list[Endpoint]) -> list[float]:
         """LMetric's score per endpoint, times its prefill and decode factors; lower is better."""
