@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 DEVSTAMP:= $(VENV)/.installed-dev
 OUT     ?= out
 
-.PHONY: install install-dev demo lint test bench fidelity fidelity-vllm clean system-deps vllm-env peers
+.PHONY: install install-dev demo lint test bench fidelity fidelity-vllm clean system-deps vllm-env peers compiled
 
 # issue 19: real vLLM engines for tests/test_vllm.py, in a venv of their own so that vLLM's pins
 # never touch the project's (shared/design/real-vllm-cpu.md: torch from the machine's CPU wheel,
@@ -44,6 +44,16 @@ $(VLLM_STAMP):
 	touch $@
 
 vllm-env: $(VLLM_STAMP)
+
+# the optional compiled build (issue 22): the modules listed in src/kvroute/buildinfo.py (COMPILED)
+# compiled by mypyc, installed with the rest of the package into build/compiled — never beside the
+# sources. Run it with PYTHONPATH=build/compiled $(BIN)/kvroute ... (`kvroute --version` says which
+# build runs); the editable .venv stays pure Python. setup.py has the details.
+COMPILED_DIR := build/compiled
+compiled: $(STAMP)
+	rm -rf $(COMPILED_DIR) build/mypyc
+	KVROUTE_COMPILE=1 $(BIN)/pip install -q --no-deps --target $(COMPILED_DIR) .
+	PYTHONPATH=$(COMPILED_DIR) $(BIN)/kvroute --version
 
 install: $(STAMP)
 
@@ -106,4 +116,5 @@ fidelity-vllm: $(DEVSTAMP) $(VLLM_STAMP)
 	$(BIN)/python -m tests.vllm.fidelity --json $(OUT)/bench-fidelity-vllm.json -- --repeats $(FIDELITY_REPEATS)
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(OUT) .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(OUT) .pytest_cache build
+	find src -name '*.so' -delete  # a compiled module left beside its .py would shadow it

@@ -5,4 +5,11 @@ simulator drive the same :class:`~kvroute.policy.router.Router` with endpoint vi
 produce themselves.
 """
 
+import os as _os
+
 __version__ = "0.1.0"
+
+if _os.environ.get("KVROUTE_PURE"):  # run the pure-Python modules of a compiled install (buildinfo.py)
+    from kvroute.buildinfo import force_pure as _force_pure
+
+    _force_pure()

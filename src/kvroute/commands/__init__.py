@@ -13,6 +13,21 @@ import argparse
 from kvroute import __version__
 
 
+class _Version(argparse.Action):
+    """``--version``: the version and the build that runs — pure Python or mypyc-compiled modules
+    (kvroute/buildinfo.py) — worked out only when asked (it imports the compiled modules' list)."""
+
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS, help: str | None = None):
+        super().__init__(option_strings, dest, default=argparse.SUPPRESS, nargs=0, help=help)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
+                 option_string: str | None = None) -> None:
+        from kvroute.buildinfo import describe
+
+        print(f"kvroute {__version__} ({describe()})")  # on stdout, like argparse's own version action
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argparse parser of every kvroute command and its options."""
     from kvroute.commands import (
@@ -32,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     from kvroute.plan.command import add_parser as add_plan
 
     p = argparse.ArgumentParser(prog="kvroute", description="KV-cache-aware load balancer for LLM inference")
-    p.add_argument("--version", action="version", version=f"kvroute {__version__}")
+    p.add_argument("--version", action=_Version, help="print the version and which build runs (pure or compiled)")
     sub = p.add_subparsers(dest="command", required=True)
     for module in (policies, bench, simulate, serve, epp, emulate, reproduce, calibrate, config_reference,
                    controller, live):

@@ -1,0 +1,82 @@
+"""The optional compiled build (issue 22, item 5): the modules listed in kvroute/buildinfo.py
+compiled by mypyc give the same simulation results, byte for byte, as the pure-Python source.
+
+One real compile per session (``KVROUTE_COMPILE=1 pip install --target``, as `make compiled`
+does, about a minute), shared by the tests here. The rest of the suite runs against the
+editable, pure-Python tree (README "Compiled build" says why).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import kvroute
+from kvroute import buildinfo
+
+ROOT = Path(__file__).resolve().parent.parent
+SRC = ROOT / "src" / "kvroute"
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory) -> Path:
+    """kvroute installed with its listed modules compiled, into a folder of its own."""
+    tmp = tmp_path_factory.mktemp("compiled")
+    env = dict(os.environ, KVROUTE_COMPILE="1", KVROUTE_COMPILE_BUILD=str(tmp / "build"))
+    proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target",
+                           str(tmp / "site"), str(ROOT)], env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return tmp / "site"
+
+
+def _kvroute(site: Path, *args: str, pure: bool = False) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != buildinfo.PURE_ENV}
+    env["PYTHONPATH"] = str(site)
+    if pure:
+        env[buildinfo.PURE_ENV] = "1"
+    return subprocess.run([sys.executable, "-m", "kvroute", *args], env=env, capture_output=True, text=True,
+                          timeout=600)
+
+
+def test_the_compiled_build_simulates_a_bundled_scenario_identically(compiled, tmp_path):
+    version = _kvroute(compiled, "--version")
+    assert f"all {len(buildinfo.COMPILED)} listed modules" in version.stdout, version.stdout + version.stderr
+    assert "pure Python (KVROUTE_PURE=1)" in _kvroute(compiled, "--version", pure=True).stdout
+    out = {}
+    for build, pure in (("compiled", False), ("pure", True)):
+        # seven presets, from round robin to the cache-aware ones: the sim core and the prefix index
+        proc = _kvroute(compiled, "simulate", "chat-1region", "--seed", "7", "--max-requests", "1500",
+                        "--json", str(tmp_path / f"{build}.json"), pure=pure)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        out[build] = (tmp_path / f"{build}.json").read_text()
+    assert json.loads(out["compiled"])["results"], "no results"
+    assert out["compiled"] == out["pure"]
+
+
+def test_the_compiled_modules_are_compiled_and_the_rest_stays_source(compiled):
+    listed = {compiled / "kvroute" / Path(*name.split(".")[1:]) for name in buildinfo.COMPILED}
+    for stem in listed:
+        assert list(stem.parent.glob(stem.name + ".*.so")), f"{stem} was not compiled"
+    others = [p for p in (compiled / "kvroute").rglob("*.so") if p.with_suffix("").with_suffix("") not in listed]
+    assert others == []
+
+
+def test_the_source_tree_holds_no_compiled_module():
+    """An editable checkout runs its .py files: a compiled module left beside one would be loaded
+    instead (setup.py refuses in-place builds; `make clean` removes strays)."""
+    assert sorted(SRC.rglob("*.so")) == []
+    if Path(kvroute.__file__).parent == SRC:  # this suite runs against the checkout's source
+        assert buildinfo.describe().startswith("pure Python")
+
+
+def test_kvroute_pure_loads_the_listed_modules_from_source(compiled):
+    code = ("import kvroute.sim.engine as e, kvroute.sim.simulation as s; "
+            "print(e.__file__.endswith('.py'), s.__file__.endswith('.py'))")
+    env = dict(os.environ, PYTHONPATH=str(compiled), **{buildinfo.PURE_ENV: "1"})
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert proc.stdout.split() == ["True", "True"], proc.stderr
