@@ -74,7 +74,7 @@ def skewed(n: int, seed: int = 1) -> list[tuple[int, int]]:
 
 def test_sixteen_instances_at_128k_partition_fast_and_split_skewed_lengths():
     t0 = time.perf_counter()
-    running = partition.snapshot(skewed(2000), 1000)
+    running = partition.period_set(skewed(2000))
     costs = partition.StageCosts(MODEL, running, partition.cut_points(131072, 64, per_octave=2), 114688 / 25e9)
     plan = partition.heuristic(costs, 16)
     took = time.perf_counter() - t0
@@ -123,17 +123,25 @@ def test_plans_within_an_envelope(running, instances, max_k, fewest):
 
 def test_sixteen_instances_in_the_papers_envelope():
     """§6.1: "pipelines of 4 to 6 stages ..., with each stage comprising 1 to 4 instances"."""
-    running = partition.snapshot(skewed(2000), 1000)
+    running = partition.period_set(skewed(2000))
     costs = partition.StageCosts(MODEL, running, partition.cut_points(131072, 64, per_octave=2), 114688 / 25e9)
     for solve in (partition.heuristic, partition.exact):
         plan = solve(costs, 16, 4, (4, 6))
         assert 4 <= len(plan.sizes) <= 6 and max(plan.sizes) <= 4 and sum(plan.sizes) == 16
 
 
-def test_snapshot_is_length_biased_and_inside_each_life():
-    snap = partition.snapshot([(100, 1), (100, 999)], 2000, seed=2)
-    assert all(i <= cur < fin for i, cur, fin in snap)
-    assert sum(1 for _, _, fin in snap if fin == 1099) > 0.99 * 2000 - 30  # 999:1 by output
+def test_period_set_has_every_request_once_inside_its_life():
+    """§4.2's set of requests: each of the period's requests once, at a moment of its life drawn
+    over its time in the system (prefill counted in decode steps)."""
+    reqs = [(100, 1), (100, 999)] * 1000
+    got = partition.period_set(reqs, seed=2)
+    assert [(i, fin) for i, _, fin in got] == [(i, i + o) for i, o in reqs]
+    assert all(i <= cur < fin for i, cur, fin in got)
+    long_life = [cur for _, cur, fin in got if fin == 1099]
+    assert 450 < sum(long_life) / len(long_life) - 100 < 550  # uniform over its 999 decode steps
+    prefilling = partition.period_set([(1000, 10)] * 2000, seed=3, prefill_tokens=lambda i: 30.0)
+    share = sum(1 for i, cur, _ in prefilling if cur == i) / 2000
+    assert 0.70 < share < 0.85  # 30 of 40 steps prefilling, plus the first decode step
 
 
 def test_concurrency_solves_littles_law():

@@ -3,16 +3,18 @@
 A plan splits E instances into consecutive stages; stage s serves sequence lengths [lo_s, hi_s)
 with k_s instances. Its quality is Σ_s k_s·Q^{n_s/k_s} + Σ_cuts c_cut (lower is better), where
 
-* n_s is what stage s batches: the running sequences whose current length lies in the range.
-  They come as a snapshot — (input length, current length, final length) of the sequences in
-  flight at one instant (``snapshot`` draws one from request statistics) — and count their input
-  length only where it lies in the range (their prefill ran there; a migrated sequence brings
-  its KV). *Choice*: the paper says only "requests whose sequence lengths lie in [l', l]"; a
-  snapshot makes the batch QoE of Eq. (1) see the concurrency a stage will have, not the size
-  of the statistics window.
+* n_s is the subset of the planning set whose sequence length lies in the range. The set is the
+  requests of one planning period — "CascadeInfer collects request statistics over the period
+  (input and output lengths)", the problem is posed "given E instances and a set of requests" and
+  the quality is "the total QoE of all instances processing all requests" (§4.2) — each request
+  once, as (input length, length at one moment of its life, final length) (``period_set``), with
+  its input length counted only where it lies in the range (its prefill ran there; a migrated
+  sequence brings its KV). *Choice*: a sequence grows across stages, and the paper says only
+  "requests whose sequence lengths lie in [l', l]"; one moment drawn uniformly over the request's
+  time in the system puts it in each stage with the share of its life it spends there.
 * n_s/k divides the set among k instances as the paper's footnote does: sort by length, start at
   the (k/2)-th element and take every k-th; Q^{…} is the batch QoE of Eq. (1).
-* c_cut is the delay of moving every snapshot sequence whose life straddles the cut: its KV at
+* c_cut is the delay of moving every request of the set whose life straddles the cut: its KV at
   the cut (cut·bytes per token ÷ bandwidth), divided by its output tokens so that it is in the
   unit of the QoE (normalized latency). *Choice*: the paper gives "volume of transferred tokens
   and system bandwidth", not the unit.
@@ -80,23 +82,18 @@ def cut_points(max_len: int, min_cut: int = 1, per_octave: int = 1) -> list[int]
 Running = tuple[int, int, int]  # (input length, current length, final length) of a running sequence
 
 
-def snapshot(requests: Sequence[tuple[int, int]], n: int, seed: int = 0,
-             prefill_tokens: Callable[[int], float] | None = None) -> list[Running]:
-    """``n`` sequences in flight at a random instant, from (input, output) request statistics.
-
-    A request is in flight for a time proportional to its output tokens plus its prefill (as
-    ``prefill_tokens(input)``, the prefill's time in decode steps; none when not given), so the
-    snapshot draws requests with probability ∝ that sum (length-biased), then a moment of its
-    life: prefilling (current length = input) or uniformly within its decode.
-    """
+def period_set(requests: Sequence[tuple[int, int]], seed: int = 0,
+               prefill_tokens: Callable[[int], float] | None = None) -> list[Running]:
+    """The planning set (§4.2): every (input, output) request of the period once, at one moment of
+    its life drawn uniformly over its time in the system — prefilling (current length = input) for
+    ``prefill_tokens(input)`` decode steps (the prefill's time in decode steps; none when not
+    given), then one step per output token."""
     rng = random.Random(seed)
-    pre = [prefill_tokens(i) if prefill_tokens else 0.0 for i, _ in requests]
-    weights = [max(1, o) + p for (_, o), p in zip(requests, pre)]
     out = []
-    for k in rng.choices(range(len(requests)), weights=weights, k=n):
-        i, o = requests[k]
+    for i, o in requests:
         o = max(1, o)
-        at = rng.random() * (o + pre[k]) - pre[k]
+        pre = prefill_tokens(i) if prefill_tokens else 0.0
+        at = rng.random() * (o + pre) - pre
         out.append((i, i + max(0, int(at)), i + o))
     return out
 
@@ -119,7 +116,7 @@ class StageCosts:
 
     def __init__(self, model: QoEModel, running: Sequence[Running], cuts: Sequence[int],
                  transfer_s_per_token: float):
-        """``running``: a snapshot of (input, current, final) lengths; ``cuts``: candidate cuts."""
+        """``running``: the planning set's (input, current, final) lengths; ``cuts``: candidate cuts."""
         self.model = model
         self.running = sorted(running, key=lambda r: r[1])
         self._lengths = [r[1] for r in self.running]

@@ -35,9 +35,10 @@ class MigrationSettings(StrictModel):
         None, description="[fewest, most] stages a plan may have (§6.1 reports pipelines of 4 to 6 stages); "
         "unset: any number")
     replan_interval_s: float | None = Field(
-        None, gt=0, description="re-plan every this many seconds from the lengths and concurrency observed "
-        "over the period (§4.2: planning \"runs at initialization and periodically thereafter\"); unset: "
-        "plan once at start-up")
+        None, gt=0, description="re-plan every this many seconds from the lengths of the requests that "
+        "finished in the period (§4.2: planning \"runs at initialization and periodically thereafter\"); "
+        "also the size of the start-up plan's set (rate × period requests); unset: plan once at start-up, "
+        "on 60 s of requests")
     refinement: Literal["adaptive", "equal_count", "equal_memory", "off"] = Field(
         "adaptive", description="range refinement (§4.3): the QoE split, the naive equal-count or equal-memory "
         "split, or fixed boundaries")

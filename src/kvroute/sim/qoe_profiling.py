@@ -129,7 +129,7 @@ class QoEFit:
     static_error: float  # the same for a predictor of the fitting runs' mean latency
 
 
-_FITS: dict[tuple[str, int, int, int | None], QoEFit] = {}
+_FITS: dict[tuple[str, int, int, int | None], QoEFit] = {}  # by (profile as JSON, seed, max_len, max_batch)
 
 
 def fit_profile(profile: HardwareProfile, seed: int = 0, max_len: int = 131_072,
@@ -138,7 +138,7 @@ def fit_profile(profile: HardwareProfile, seed: int = 0, max_len: int = 131_072,
 
     ``max_batch`` bounds the profiled batch sizes (default: what memory and the batch limit
     hold, as the paper does)."""
-    key = (profile.name, seed, max_len, max_batch)
+    key = (profile.model_dump_json(), seed, max_len, max_batch)  # the whole profile: a batch cap changes the fit
     got = _FITS.get(key)
     if got is not None:
         return got
