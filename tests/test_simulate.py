@@ -8,7 +8,7 @@ from conftest import MOONCAKE, needs_trace
 from kvroute.cli import main
 from kvroute.sim.runner import run_scenario
 from kvroute.sim.scenario import ScenarioError, load_scenario, parse_scenario
-from kvroute.workload.synthetic import ChatWorkload, ThoughtTree
+from kvroute.workload.synthetic import ChatWorkload, ConversationShape, ThoughtTree
 from kvroute.workload.traces import MooncakeTrace, TraceError
 
 
@@ -91,6 +91,52 @@ def test_conversation_turns_extend_the_previous_prompt():
     second = conv.on_complete(first)[0]
     assert second.req.block_hashes[: len(first.req.block_hashes)] == first.req.block_hashes
     assert second.req.prompt_tokens > first.req.prompt_tokens + first.output_tokens
+
+
+def _played(wl: ChatWorkload, programs: int) -> list:
+    """Every request of ``programs`` programs played to the end without an engine."""
+    out = []
+    for slot in range(programs):
+        todo = wl.new_program("us", slot).start()
+        while todo:
+            out += todo
+            todo = [n for s in todo for n in s.program.on_complete(s)]
+    return out
+
+
+def test_conversation_shape_of_skywalkers_replay_bare_multi_turn_and_capped():
+    # SkyWalker's released client: no system prompt, multi-turn conversations only, max_tokens 512.
+    shape = ConversationShape(context=False, min_turns=2, max_output_tokens=512)
+    default = ChatWorkload({"us": 2}, seed=3)
+    bare = ChatWorkload({"us": 2}, seed=3, conversation=shape)
+    first_bare = [bare.new_program("us", i).start()[0].req.prompt_tokens for i in range(200)]
+    first_default = [default.new_program("us", i).start()[0].req.prompt_tokens for i in range(200)]
+    # the same draws: the first turn is the question alone, without the system prompt (64+ tokens) before it
+    assert all(b + 64 <= d for b, d in zip(first_bare, first_default))
+    reqs = _played(ChatWorkload({"us": 2}, seed=4, conversation=shape), 300)
+    assert max(r.output_tokens for r in reqs) <= 512 and all(r.req.max_output_tokens == 512 for r in reqs)
+    assert max(r.output_tokens for r in _played(ChatWorkload({"us": 2}, seed=4), 300)) > 512
+    turns = [sum(1 for r in _played(ChatWorkload({"us": 1}, seed=s, conversation=shape), 1)) for s in range(60)]
+    assert min(turns) >= 2
+
+
+def test_tree_nodes_follow_the_shape_cap_and_bare_root():
+    shape = ConversationShape(context=False, max_output_tokens=256)
+    reqs = _played(ChatWorkload({"us": 1}, seed=5, tree_fraction=1.0, conversation=shape), 40)
+    assert len(reqs) == 40 * 15 and max(r.output_tokens for r in reqs) <= 256
+    bare = ChatWorkload({"us": 1}, seed=6, tree_fraction=1.0, conversation=shape)
+    default = ChatWorkload({"us": 1}, seed=6, tree_fraction=1.0)
+    for i in range(40):  # same draws: the root is the question and instruction, no system prompt (64+) first
+        assert bare.new_program("us", i).start()[0].req.prompt_tokens + 64 <= \
+            default.new_program("us", i).start()[0].req.prompt_tokens
+
+
+def test_conversation_key_in_a_scenario_reaches_the_workload():
+    sc = parse_scenario({"replicas": [{"count": 1}], "workload": {
+        "kind": "chat", "clients": {"local": 1},
+        "conversation": {"context": False, "min_turns": 2, "max_output_tokens": 512}}}, "inline")
+    wl = sc.make_workload()
+    assert isinstance(wl, ChatWorkload) and wl.conversation == ConversationShape(False, 2, 512)
 
 
 def test_skewed_regions_forward_to_peers_with_skywalker():

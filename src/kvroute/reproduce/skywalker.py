@@ -1,9 +1,12 @@
 """SkyWalker (EuroSys '26; 000_6f99922b2639b957.txt): the claims of §5 against kvroute's simulator.
 
 Setups: ``kvroute/scenarios/reproduce/skywalker-{chat,tot,mixed,fig9,fig10}.yaml``, each value
-cited from the paper or named as a choice in the file. Baselines run behind ONE load balancer in
-the US managing every replica (Fig. 8); SkyWalker and GKE Gateway run one LB per region. The
-replicas run SGLang's admission (profiles/l4-llama3.1-8b.yaml, sim/sglang_admission.py).
+cited from the paper or SkyWalker's released code (skypilot-org/skypilot serve-multi-region-lb: the
+replicas' launch flags, the benchmark client's conversation and tree shapes) or named as a choice in
+the file. Baselines run behind ONE load balancer in the US managing every replica (Fig. 8);
+SkyWalker and GKE Gateway run one LB per region. The replicas run SGLang's admission
+(profiles/l4-llama3.1-8b.yaml, sim/sglang_admission.py) with the 22,400-token KV pool derived from
+the released ``--mem-fraction-static 0.8``.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from kvroute.reproduce.common import (
     similar,
     unstable_note,
 )
-from kvroute.workload.synthetic import ChatWorkload
+from kvroute.workload.synthetic import ChatWorkload, ConversationShape
 
 BASELINES = ("round_robin@global", "least_request@global", "consistent_hash@global",
              "sglang_cache_aware(miss=smallest_tree)@global")
@@ -31,8 +34,12 @@ GKE_NO_PREFIX = "gke_gateway(scorers={'queue': 2, 'kv_cache_util': 2})@regional"
 SHORT = {"round_robin@global": "RR", "least_request@global": "LL", "consistent_hash@global": "CH",
          "sglang_cache_aware(miss=smallest_tree)@global": "SGLang", GKE: "GKE"}
 # §5.1 "Multi-turn conversation": ChatBot Arena "80 ongoing conversations per region"; WildChat
-# "40 in the US and 30 in both Europe and Asia"
-CHATS = (("arena", {"us": 80, "eu": 80, "asia": 80}), ("wildchat", {"us": 40, "eu": 30, "asia": 30}))
+# "40 in the US and 30 in both Europe and Asia". Conversation shapes from SkyWalker's released client
+# (sky/lbbench/workloads/arena_syn.py, wildchat.py: multi-turn only, max_tokens 512; the Arena replay
+# sends no system prompt); see scenarios/reproduce/skywalker-chat.yaml.
+ARENA = {"context": False, "min_turns": 2, "max_output_tokens": 512}
+WILDCHAT = {"context": False, "min_turns": 2, "max_output_tokens": 512}
+CHATS = (("arena", {"us": 80, "eu": 80, "asia": 80}, ARENA), ("wildchat", {"us": 40, "eu": 30, "asia": 30}, WILDCHAT))
 
 
 def why_chat(sw: dict, best: tuple[str, dict], lengths: str) -> str:
@@ -52,10 +59,10 @@ def why_chat(sw: dict, best: tuple[str, dict], lengths: str) -> str:
     return text + f". {lengths}"
 
 
-def chat_lengths(clients: dict[str, int], conversations: int = 2000) -> tuple[float, float]:
+def chat_lengths(clients: dict[str, int], shape: dict, conversations: int = 2000) -> tuple[float, float]:
     """Mean prompt tokens per request and mean turns per conversation of the synthetic chat with these
-    clients, played through without an engine (answer lengths are the workload's own draws)."""
-    wl = ChatWorkload(clients, seed=1)
+    clients and conversation ``shape``, played through without an engine (answers are the workload's draws)."""
+    wl = ChatWorkload(clients, seed=1, conversation=ConversationShape(**shape))
     regions = list(clients)
     prompts, turns = [], 0
     for slot in range(conversations):
@@ -67,33 +74,41 @@ def chat_lengths(clients: dict[str, int], conversations: int = 2000) -> tuple[fl
     return sum(prompts) / len(prompts), turns / conversations
 
 
-def kv_note(lab: Lab, sw: dict, clients: dict[str, int]) -> str:
+def kv_note(lab: Lab, sw: dict, clients: dict[str, int], shape: dict) -> str:
     """Whether the chat run is saturated, and what that does to prefix reuse: contexts a replica's KV
-    cache holds against the conversations each replica serves."""
+    cache holds against the conversations each replica serves, beside the paper's own §3.3 count."""
     if sw["ttft_s"]["p90"] <= 10.0:
         return ""
     groups = lab.scenario("skywalker-chat").replicas
     replicas = sum(g.count for g in groups)
-    kv = load_profile(groups[0].profile).kv_tokens
-    prompt, _ = chat_lengths(clients)
+    prof = load_profile(groups[0].profile)
+    kv = (groups[0].kv_blocks or prof.kv_blocks) * prof.block_size
+    prompt, _ = chat_lengths(clients, shape)
+    per = sum(clients.values()) / replicas
     return (f"Saturated: SkyWalker's TTFT p90 is {sw['ttft_s']['p90']:.1f} s where the paper's P90s \"can reach "
-            f"several seconds\" (§5.1); an L4's KV cache ({kv:,} tokens) holds ~{kv / prompt:.0f} contexts of "
-            f"{prompt:,.0f} tokens while each replica serves {sum(clients.values()) / replicas:.0f} conversations, "
-            "so a conversation's prefix is mostly evicted before its next turn, under every policy. ")
+            f"several seconds\" (§5.1); an L4's KV pool ({kv:,} tokens, from the released launch flags) holds "
+            f"~{kv / prompt:.0f} contexts of {prompt:,.0f} tokens while each replica serves {per:.0f} "
+            "conversations, so requests queue and a conversation's prefix is mostly evicted before its next turn, "
+            "under every policy. The paper saw an L4 hold \"20 to 50\" outstanding requests (§3.3), so at "
+            f"{per:.0f} conversations a replica its requests took at most ~{kv / per:,.0f} tokens each; kvroute's "
+            "questions (log-normal, median 120 tokens, over 2 + Geometric(0.35) turns) are a choice, ChatBot "
+            "Arena's token lengths unpublished. ")
 
 
-def lengths_note(clients: dict[str, int]) -> str:
+def lengths_note(clients: dict[str, int], shape: dict) -> str:
     """The synthetic chat's lengths beside the published ones (what the chat rows' setup rests on)."""
-    prompt, turns = chat_lengths(clients)
-    return (f"Setup: synthetic chat stands in for the traces; its requests average {prompt:,.0f} prompt tokens "
-            f"over {turns:.1f} turns a conversation, near the 2,925-token average request length GORGO v2 "
-            "measured on WildChat-4.8M (§3, Fig. 1) and ~2.5 turns (WildChat: \"1 million ... conversations\", "
-            "\"over 2.5 million interaction turns\"); the paper publishes no lengths or think time "
-            "(\"Each client issues one program at a time\", §5.1), and no ChatBot Arena length statistics were "
-            "found for this check, so the Arena run uses the same lengths")
+    prompt, turns = chat_lengths(clients, shape)
+    text = (f"Setup: synthetic chat stands in for the trace, shaped as SkyWalker's released client replays it "
+            f"(sky/lbbench/workloads/arena_syn.py, wildchat.py: multi-turn conversations only, answers capped at "
+            f"512 tokens, no system prompt); its requests average {prompt:,.0f} prompt tokens over {turns:.1f} "
+            "turns a conversation")
+    if shape["context"]:
+        return text + ", near the 2,925-token average request length GORGO v2 measured on WildChat-4.8M (§3, Fig. 1)"
+    return text + (" (ChatBot Arena's dataset card: 33,000 samples in 81 MB, two models' conversations a sample, "
+                   "~1.2 KB of text a conversation)")
 
 
-def chat_rows(lab: Lab, key: str, chat: dict, where: str, clients: dict[str, int]) -> list[Row]:
+def chat_rows(lab: Lab, key: str, chat: dict, where: str, clients: dict[str, int], shape: dict) -> list[Row]:
     """The chat claims of Fig. 8(a)/(b) on one run of the chat setup."""
     out: list[Row] = []
     sw, ch = chat["skywalker"], chat["skywalker_ch"]
@@ -101,13 +116,13 @@ def chat_rows(lab: Lab, key: str, chat: dict, where: str, clients: dict[str, int
     every = {**base, GKE: chat[GKE]}  # "across all evaluated systems" (§5.1, TTFT and E2E)
     note = unstable_note(lab, key)
     best = max(base.items(), key=lambda kv: kv[1]["prefix_hit_rate"])
-    why = kv_note(lab, sw, clients) + why_chat(sw, (SHORT[best[0]], best[1]), lengths_note(clients))
+    why = kv_note(lab, sw, clients, shape) + why_chat(sw, (SHORT[best[0]], best[1]), lengths_note(clients, shape))
     tput = {SHORT[b]: sw["throughput_rps"] / r["throughput_rps"] for b, r in base.items()}
     agree = ratio_agreement(list(tput.values()), 1.12, 1.2)
     out.append(Row(f"throughput vs single-LB baselines, chat {where}", "1.12–1.2×",
                    ", ".join(f"{k} {v:.2f}×" for k, v in tput.items()) + note, agree,
                    "" if agree == YES else why, key))
-    out.append(gke_row(chat, key, where, note, kv_note(lab, sw, clients)))
+    out.append(gke_row(chat, key, where, note, kv_note(lab, sw, clients, shape)))
     hits = (base["round_robin@global"]["prefix_hit_rate"], base["least_request@global"]["prefix_hit_rate"],
             sw["prefix_hit_rate"])
     order = hits[0] < hits[1] < hits[2]
@@ -175,11 +190,12 @@ def rows(lab: Lab) -> list[Row]:
     """SkyWalker's claims: the chat comparisons at the paper's Arena and WildChat client counts, tree-of-thought
     and mixed-tree workloads, selective pushing (Fig. 9) and cross-region replicas (Fig. 10)."""
     out: list[Row] = []
-    for trace, clients in CHATS:
+    for trace, clients, shape in CHATS:
         key = f"skywalker-chat-{trace}"
-        chat = lab.run("skywalker-chat", key=key, overrides={"workload": {"clients": clients}})
+        chat = lab.run("skywalker-chat", key=key, overrides={"workload": {"clients": clients, "conversation": shape}})
         label = "ChatBot Arena" if trace == "arena" else "WildChat"
-        out += chat_rows(lab, key, chat, f"({label} clients: {'/'.join(map(str, clients.values()))})", clients)
+        out += chat_rows(lab, key, chat, f"({label} clients: {'/'.join(map(str, clients.values()))})", clients,
+                         shape)
 
     tot = lab.run("skywalker-tot")
     t_sw, t_ch = tot["skywalker"], tot["consistent_hash@global"]
@@ -203,9 +219,11 @@ def rows(lab: Lab) -> list[Row]:
     out.append(Row("tree of thought: prefix hit, RR/LL vs SkyWalker", "≈ 59 % vs ≈ 90 %",
                    f"{pct(hits[0])} vs {pct(hits[1])}", agree,
                    "" if agree == YES else "setup: the paper gives the tree (depth four, 2 branches, 15 "
-                   "requests) and the GSM8K questions but not its prompt template or answer lengths; "
-                   "kvroute's nodes append a 24-token instruction and the parent's answer (median 150 "
-                   "tokens) to the parent's prompt, so the ordering holds while both levels sit lower",
+                   "requests) and the GSM8K questions; its released client (sky/lbbench/workloads/tot.py) "
+                   "sends no system prompt and caps answers at 256 tokens, which kvroute follows, while the "
+                   "question (median 200 tokens) and answer lengths below the cap (median 150) are kvroute's "
+                   "choices; with no prompt shared across trees, RR/LL reuse only what two nodes of a tree on "
+                   "one replica share, so the ordering holds while both levels sit lower",
                    "skywalker-tot"))
 
     mixed = lab.run("skywalker-mixed")
@@ -238,12 +256,13 @@ def rows(lab: Lab) -> list[Row]:
                    f"{t_ratio:.2f}× throughput, {p90:.2f}× P90 TTFT, hit {pct(spp['prefix_hit_rate'])} vs "
                    f"{pct(bp['prefix_hit_rate'])}" + unstable_note(lab, "skywalker-fig9"), agree,
                    "" if agree == YES else f"setup: the paper's setup is used (4 replicas, 30 clients, ToT "
-                   f"branching 2, SGLang admission), but at kvroute's ToT lengths blind pushing builds little "
-                   f"backlog (BP's P90 TTFT {bp['ttft_s']['p90']:.2f} s, {bp['preemptions']} preemptions, hit "
-                   f"{bp['prefix_hit_rate']:.0%}), so the pending gate has little to fix; the paper ran \"replicas "
-                   "at high utilization\" (§5.1) and its BP lost hit rate (68.9 %), i.e. evicted shared "
-                   "prefixes, which needs more KV per tree than kvroute's answers (median 150 tokens) take; "
-                   "the paper does not publish its ToT prompt or answer lengths. Checked: the probe reads "
+                   f"branching 2, SGLang admission, the 22,400-token KV pool of the released launch flags, no "
+                   f"system prompt and 256-token answer cap of the released client), but blind pushing builds "
+                   f"little backlog (BP's P90 TTFT {bp['ttft_s']['p90']:.2f} s, {bp['preemptions']} preemptions, "
+                   f"hit {bp['prefix_hit_rate']:.0%}), so the pending gate has little to fix; the paper ran "
+                   "\"replicas at high utilization\" (§5.1) and its BP lost hit rate (68.9 %), i.e. evicted "
+                   "shared prefixes, which needs more KV per tree than kvroute's answers (a choice: median 150 "
+                   "tokens under the 256 cap; the paper publishes no answer lengths) take. Checked: the probe reads "
                    "SGLang's num_queue_reqs as SGLang sets it (at a prefill batch or every 40th decode step, "
                    "sim/queue_gauge.py), which is all SkyWalker's balancer reads (a replica is available iff "
                    "it is 0; skypilot serve-multi-region-lb load_balancer.py _probe_ie_queue)",
@@ -263,8 +282,8 @@ def rows(lab: Lab) -> list[Row]:
     cross = f10["skywalker"]["throughput_rps"] / f10["skywalker@regional"]["throughput_rps"]
     agree = ratio_agreement([cross], 1.07, 1.18)
     nine = lab.run("skywalker-fig10", key="skywalker-fig10-9v12",
-                   overrides={"replicas": [{"region": r, "count": 3, "profile": "l4-llama3.1-8b"}
-                                           for r in ("us", "eu", "asia")],
+                   overrides={"replicas": [{**g.model_dump(exclude_none=True), "count": 3}
+                                           for g in lab.scenario("skywalker-fig10").replicas],
                               "policies": ["skywalker"]})
     nine_ratio = nine["skywalker"]["throughput_rps"] / f10["skywalker@regional"]["throughput_rps"]
     agree9 = similar(nine_ratio)

@@ -27,6 +27,7 @@ from kvroute.perf.network import NetworkSpec
 from kvroute.policyfiles import load_entry_points
 from kvroute.schema import StrictModel
 from kvroute.sim import migration_settings
+from kvroute.sim.chat_spec import ConversationSpec, ShapeSpec
 from kvroute.sim.disagg import PDSetup
 from kvroute.sim.noise import NoiseConfig, resolve
 from kvroute.sim.policy_entries import PolicyEntry, policy_entry
@@ -34,7 +35,7 @@ from kvroute.sim.simulation import BalancerSpec, Limits, ReplicaSpec, Setup
 from kvroute.sim.stress import BurstSpec, RagSpec, WorkloadKind, open_loop_workload
 from kvroute.sim.tracefiles import ScenarioError, resolve_trace
 from kvroute.workload import Workload
-from kvroute.workload.synthetic import ChatWorkload
+from kvroute.workload.synthetic import ChatWorkload, ConversationShape
 from kvroute.workload.traces import AzureTrace, MooncakeTrace, OpenAIConversations, TraceError
 
 SCENARIO_DIR = Path(str(resources.files("kvroute") / "scenarios"))  # package data
@@ -53,6 +54,8 @@ class ReplicaGroup(StrictModel):
         "the KV cache to decode engines (sim/disagg.py); mixed engines do both")
     max_running: int | None = Field(None, ge=1, description="the engines' limit on sequences in a batch, in place of "
                                     "the profile's (e.g. SGLang --max-running-requests, vLLM --max-num-seqs)")
+    kv_blocks: int | None = Field(None, ge=1, description="the engines' KV pool in blocks, in place of the "
+                                  "profile's (an engine flag, e.g. SGLang --mem-fraction-static)")
     waiting_gauge: Literal["live", "sglang"] | None = Field(
         None, description="what a probe reads as the engines' waiting/running counts, in place of the profile's: "
         "`live`, or `sglang` (num_queue_reqs as of the last prefill batch or 40th decode step, sim/queue_gauge.py)")
@@ -96,16 +99,6 @@ class TopologySpec(StrictModel):
                                    "0 = unpaced")
 
 
-class ShapeSpec(StrictModel):
-    """One region's program shape (SkyWalker's mixed tree: different shapes per region)."""
-
-    kind: Literal["chat", "tot", "mixed"] | None = Field(None, description="this region's program shape "
-                                                         "(default: the workload's)")
-    tree_fraction: float | None = Field(None, ge=0, le=1, description="as `workload.tree_fraction`, for this region")
-    depth: int | None = Field(None, ge=1, description="as `workload.depth`, for this region")
-    branching: int | None = Field(None, ge=1, description="as `workload.branching`, for this region")
-
-
 class WorkloadSpec(StrictModel):
     """What the simulated clients send: a synthetic kind or a trace file, clients per region and the knobs of
     each kind."""
@@ -133,6 +126,7 @@ class WorkloadSpec(StrictModel):
     skip_bad: bool = Field(False, description="skip and count malformed trace lines instead of failing "
                            "(`--skip-bad`)")
     shapes: dict[str, ShapeSpec] = Field(default_factory=dict)  # per client region (chat/tot/mixed)
+    conversation: ConversationSpec = Field(default_factory=ConversationSpec)  # chat, tot, mixed
     rag: RagSpec = Field(default_factory=RagSpec, description="`rag`: corpus, retrieval and hot prefix")
     bursts: BurstSpec | None = Field(None, description="chat-poisson, long-context, rag: bursty arrivals")
     max_prompt_tokens: int | None = Field(None, gt=0, description="traces: drop longer prompts (GORGO v2: 24,000)")
@@ -320,6 +314,8 @@ class Scenario(StrictModel):
                 raise ScenarioError(f"replicas: {exc}") from None
             if g.max_running is not None:  # the engine's own batch limit (a setup fact, not the hardware's)
                 prof = prof.model_copy(update={"max_running": g.max_running})
+            if g.kv_blocks is not None:  # the engine's memory flag sizes its KV pool, not the hardware alone
+                prof = prof.model_copy(update={"kv_blocks": g.kv_blocks})
             if g.waiting_gauge is not None:  # an engine setting (the exported metrics), not the hardware's
                 prof = prof.model_copy(update={"waiting_gauge": g.waiting_gauge})
             n0 = sum(1 for r in replicas if r.region == g.region and r.role == g.role)
@@ -393,7 +389,9 @@ class Scenario(StrictModel):
                     f = sh.tree_fraction if sh.tree_fraction is not None else (
                         fractions[sh.kind] if sh.kind and sh.kind != "mixed" else frac)
                     shapes[region] = (f, sh.depth or w.depth, sh.branching or w.branching)
-                return ChatWorkload(clients, self.seed, w.think_time_s, frac, w.depth, w.branching, shapes)
+                c = w.conversation
+                return ChatWorkload(clients, self.seed, w.think_time_s, frac, w.depth, w.branching, shapes,
+                                    ConversationShape(c.context, c.min_turns, c.max_output_tokens))
             path = resolve_trace(w.path, w.kind)
             if (w.max_prompt_tokens or w.max_output_tokens) and w.kind not in ("mooncake", "azure"):
                 raise ScenarioError(f"workload.max_prompt_tokens / max_output_tokens apply to mooncake and "

@@ -16,6 +16,10 @@ Structure (what makes prefix-aware routing matter):
   of a node run concurrently and extend the parent's prompt and answer; the question id is the
   consistent-hashing key.
 * **Regional skew**: clients per region, e.g. 120/40/40 (SkyWalker's skewed setting).
+* **Conversation shape** (``ConversationShape``): without the system prompt and document, a
+  conversation starts from its first question, as SkyWalker's ChatBot Arena replay sends only the
+  conversation's own turns; a turn floor and an answer cap follow that replay's multi-turn filter
+  and ``max_tokens`` (skypilot-org/skypilot sky/lbbench/workloads/arena_syn.py, wildchat.py).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 from kvroute.model import Request
 from kvroute.workload.arrivals import ArrivalClock, Bursts
@@ -82,23 +87,42 @@ class ChatPopulation:
         return lognormal(self.rng, 200, 0.8, 1, 2048)
 
 
-class Conversation(Program):
-    """A closed-loop chat: each turn's prompt is the whole conversation so far plus a new question; 1 to 12
-    turns (geometric) unless ``turns`` is given."""
+@dataclass(frozen=True)
+class ConversationShape:
+    """How a synthetic conversation (and a tree of thought's nodes) is shaped. The defaults are kvroute's
+    chat (module docstring); SkyWalker's released replays (skypilot-org/skypilot serve-multi-region-lb,
+    sky/lbbench/workloads/arena_syn.py, wildchat.py, tot.py) send no system prompt, only the program's own
+    turns, keep conversations of more than one turn and ask for at most 512 tokens an answer (256 a tree
+    node)."""
 
-    def __init__(self, pop: ChatPopulation, region: str, ids: _Ids, turns: int | None = None):
+    context: bool = True                 # a system prompt, 60 % of the time the user's document, first
+    min_turns: int = 1                   # turns = min_turns + Geometric(0.35), at most 12 (conversations)
+    max_output_tokens: int | None = None  # cap on each answer's tokens (the request's max_tokens)
+
+
+class Conversation(Program):
+    """A closed-loop chat: each turn's prompt is the whole conversation so far plus a new question;
+    ``shape.min_turns`` to 12 turns (geometric) unless ``turns`` is given."""
+
+    def __init__(self, pop: ChatPopulation, region: str, ids: _Ids, turns: int | None = None,
+                 shape: ConversationShape = ConversationShape()):
         self.pop, self.region, self.ids = pop, region, ids
         self.user, self.ctx = pop.session_context(region)
+        if not shape.context:  # same draws as with context (the user key stays), the context dropped
+            self.ctx = Context(self.ctx.bt)
+        self.max_answer = shape.max_output_tokens
         rng = pop.rng
-        self.turns_left = turns if turns is not None else min(12, 1 + _geometric(rng, 0.35))
+        self.turns_left = turns if turns is not None else min(12, shape.min_turns + _geometric(rng, 0.35))
 
     def _next(self) -> SimRequest:
         self.ctx = self.ctx.extend(self.pop.seg(), self.pop.question())
         self.turns_left -= 1
         out = self.pop.answer()
+        cap = self.max_answer or 2048
         req = Request(id=self.ids(), region=self.region, tenant=self.user, routing_key=self.user,
                       block_hashes=self.ctx.hashes, block_tokens=self.ctx.bt,
-                      prompt_tokens=self.ctx.tokens, max_output_tokens=2048)
+                      prompt_tokens=self.ctx.tokens, max_output_tokens=cap)
+        out = min(out, cap)
         return SimRequest(req, out, self)
 
     def start(self) -> list[SimRequest]:
@@ -114,21 +138,25 @@ class Conversation(Program):
 class ThoughtTree(Program):
     """Tree of thought: every finished node spawns ``branching`` children until ``depth``."""
 
-    def __init__(self, pop: ChatPopulation, region: str, ids: _Ids, depth: int = 4, branching: int = 2):
+    def __init__(self, pop: ChatPopulation, region: str, ids: _Ids, depth: int = 4, branching: int = 2,
+                 shape: ConversationShape = ConversationShape()):
         self.pop, self.region, self.ids = pop, region, ids
         self.depth, self.branching = depth, branching
+        self.cap = shape.max_output_tokens or 1024
         rng = pop.rng
         self.key = f"{region}-q{rng.getrandbits(32)}"
         base = rng.choice(pop.systems[region])
+        if not shape.context:  # SkyWalker's ToT client sends the question with no system prompt (lbbench tot.py)
+            base = Context(base.bt)
         self.root = base.extend(pop.seg(), lognormal(rng, 200, 0.5, 16, 2000))
         self.level: dict[str, tuple[int, Context]] = {}
 
     def _node(self, ctx: Context, level: int) -> SimRequest:
         ctx = ctx.extend(self.pop.seg(), 24)  # "consider the next step" instruction
-        out = lognormal(self.pop.rng, 150, 0.6, 8, 1024)
+        out = min(self.cap, lognormal(self.pop.rng, 150, 0.6, 8, 1024))
         req = Request(id=self.ids(), region=self.region, routing_key=self.key,
                       block_hashes=ctx.hashes, block_tokens=ctx.bt, prompt_tokens=ctx.tokens,
-                      max_output_tokens=1024)
+                      max_output_tokens=self.cap)
         self.level[req.id] = (level, ctx)
         return SimRequest(req, out, self)
 
@@ -156,9 +184,11 @@ class ChatWorkload(Workload):
 
     def __init__(self, clients: dict[str, int], seed: int = 0, think_time_s: float = 0.0,
                  tree_fraction: float = 0.0, depth: int = 4, branching: int = 2,
-                 shapes: dict[str, tuple[float, int, int]] | None = None):
+                 shapes: dict[str, tuple[float, int, int]] | None = None,
+                 conversation: ConversationShape = ConversationShape()):
         """``shapes`` overrides (tree_fraction, depth, branching) per region: SkyWalker's mixed
-        tree gives each region its own program shape."""
+        tree gives each region its own program shape; ``conversation`` shapes the conversations."""
+        self.conversation = conversation
         self.clients = dict(clients)
         self.shapes = dict(shapes or {})
         self.think_time_s = think_time_s
@@ -172,8 +202,8 @@ class ChatWorkload(Workload):
         """A tree of thought with the region's tree fraction, else a conversation."""
         frac, depth, branching = self.shapes.get(region, (self.tree_fraction, self.depth, self.branching))
         if frac and self.rng.random() < frac:
-            return ThoughtTree(self.pop, region, self.ids, depth, branching)
-        return Conversation(self.pop, region, self.ids)
+            return ThoughtTree(self.pop, region, self.ids, depth, branching, self.conversation)
+        return Conversation(self.pop, region, self.ids, shape=self.conversation)
 
 
 class ChatPoisson(Workload):
