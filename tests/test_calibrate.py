@@ -58,6 +58,7 @@ def test_fit_recovers_the_emulators_known_profile(tmp_path):
     assert len(m.busy) == 2 * len(SWEEP.contexts) * SWEEP.busy_rounds and fitted.ttft_overhead_busy_s is not None
     assert fitted.ttft_overhead_busy_s == pytest.approx(KNOWN.ttft_overhead_s, abs=0.01)
     assert fitted.c_admit_s == pytest.approx(0.0, abs=0.005)  # the emulator's loop takes no extra time
+    assert m.slot_saves == [] and fitted.slot_save_s_per_token == 0  # no slots: no llama-server copies
     # the noise measurement: a spread of step times and a per-request delay, both measured
     assert report["noise"]["probes"] == 2 * SWEEP.noise_probes and fitted.noise_api_delay_s >= 0
     assert report["noise"]["step_points"] > 0 and fitted.noise_step_sigma >= 0

@@ -556,15 +556,20 @@ def test_calibrate_fits_real_llama_servers_loaded_together(engines, tmp_path):
 
     eng = engines(2)
     sweep = Sweep(prefill_lengths=(128, 512, 1024), batch_sizes=(1, 2), contexts=(128, 512), decode_tokens=12,
-                  repeats=1, timeout_s=CLIENT_TIMEOUT, warm_contexts=(512,), warm_lengths=(64, 256), noise_probes=4)
+                  repeats=1, timeout_s=CLIENT_TIMEOUT, warm_contexts=(512,), warm_lengths=(64, 256), noise_probes=4,
+                  slot_sizes=(1024,), slot_rounds=1)
     m = asyncio.run(asyncio.wait_for(measure([e.url for e in eng], sweep=sweep), 60))
     assert {f.slots for f in m.engines} == {4} and all(f.kv_tokens == 16384 for f in m.engines)  # from /props
     # a warm prefill reuses its prompt from the idle slot that just served it (llama-server says so)
     assert len(m.warm) == 4 and all(cached >= 0.9 * ctx for ctx, _, cached, _, _ in m.warm), m.warm
     assert len(m.probes) == 8
+    # a tiny prompt after a slot of 1,024 fresh tokens went idle pays llama-server's copy of that
+    # slot to its host prompt cache (calibrate/slot_probe.py): ~5-20 ms here, ~0 with --cache-ram 0
+    assert len(m.slot_saves) == 2 and all(n >= 900 for n, _ in m.slot_saves), m.slot_saves
     profile, report = fit_profile(m, "llama-tiny", "this machine", sweep=sweep)
     assert profile.max_running == 4 and profile.max_batched_tokens == 2048  # slots; n_batch
     assert profile.prefix_reuse == "idle_slots"
+    assert profile.slot_save_s_per_token > 0, m.slot_saves
     # its slots reuse any common prefix (cached counts like 1,762): the cache unit is one token
     assert {f.cache_block for f in m.engines} == {1} and profile.block_size == 1
     assert profile.c_prefill_s + profile.c_prefill_attn_s > 0 and profile.c_decode_s + profile.c_attn_s > 0

@@ -49,6 +49,7 @@ import yaml
 
 from kvroute.calibrate.measure import Measurements, Sweep
 from kvroute.calibrate.noise import api_delay, step_sigma
+from kvroute.calibrate.slot_probe import per_token as slot_per_token
 from kvroute.perf.profile import HardwareProfile
 
 
@@ -130,7 +131,7 @@ def fit_profile(m: Measurements, name: str, hardware: str, max_batched_tokens: i
         # llama-server (it has slots) lends a cached prefix only from a slot serving no request
         prefix_reuse="idle_slots" if any(f.slots for f in facts) else "shared",
         noise_step_sigma=sigma, noise_api_delay_s=delay["api_delay_s"], ttft_overhead_busy_s=busy,
-        c_admit_s=admit, prefill_attn_tile=tile)
+        c_admit_s=admit, prefill_attn_tile=tile, slot_save_s_per_token=slot_per_token(m.slot_saves, sharing))
     source = f"measured by kvroute calibrate, {len(facts)} engine(s) loaded together"
     if sharing > 1:
         source += f", divided by {sharing:g} for {host_cores} shared cores"
@@ -159,7 +160,7 @@ def fit_profile(m: Measurements, name: str, hardware: str, max_batched_tokens: i
               "engines": [f.__dict__ for f in facts], "wall_s": m.wall_s, "host_cores": host_cores,
               "sharing": sharing,
               "sweep": (sweep or Sweep()).__dict__, "raw_prefill": len(m.prefill), "raw_decode": len(m.decode),
-              "raw_warm": len(m.warm), "busy_probes": len(m.busy),
+              "raw_warm": len(m.warm), "busy_probes": len(m.busy), "slot_probes": len(m.slot_saves),
               "noise": {"step_sigma": sigma, "step_points": sigma_points, **delay}}
     return profile, report
 
@@ -215,6 +216,10 @@ def write_profile(path: str | Path, profile: HardwareProfile, report: dict) -> N
                       "decoding batch: the step they joined beyond the model (the batch's longest token gap), and "
                       "the rest of their latency past the steps they waited for and joined (fit.py);")
         header.append("# ttft_overhead_s (the prefill fit's intercept) holds for an idle engine")
+    if profile.slot_save_s_per_token:
+        header.append(f"# slot_save_s_per_token: from {report.get('slot_probes', 0)} tiny prompts sent after a slot "
+                      "of N fresh tokens (the sweep's slot_sizes) went idle, against the next tiny prompt "
+                      "(llama-server copies idle slots to its host prompt cache; calibrate/slot_probe.py)")
     if noise:
         header.append(f"# engine noise (used only where a scenario says `engine_noise: profile`): step time "
                       f"log-sigma {noise['step_sigma']:.3f} from {noise['step_points']} prefill repeats; extra "

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field, replace
 
 import aiohttp
 
+from kvroute.calibrate.slot_probe import slot_points
 from kvroute.errors import ServiceError
 
 WORDS = ("the", "a", "of", "and", "to", "in", "is", "for", "on", "that", "with", "as", "it", "at",
@@ -73,10 +74,11 @@ class Sweep:
     warm_lengths: tuple[int, ...] = (96, 256)
     noise_probes: int = 8  # rounds of a tiny prompt, for the per-request delay's spread (noise.py)
     # rounds of a tiny prompt beside a decoding batch per decode context (fit.py's c_admit_s, the
-    # median): one round per context gave a llama-server stall of 2.4 ms in one quiet calibration
-    # and 0.05 ms in the next (issue 21), and re-simulating that next run's live side with the
-    # one or the other moved 4 of the 20 fidelity ratios across the 20 % line
+    # median): one round gave a llama-server stall of 2.4 ms in one quiet calibration, 0.05 ms in
+    # the next, which moved 4 of the 20 fidelity ratios across the 20 % line (issue 21)
     busy_rounds: int = 3
+    slot_sizes: tuple[int, ...] = (1024, 3072)  # llama-server's slot copies (calibrate/slot_probe.py)
+    slot_rounds: int = 3
 
 
 @dataclass
@@ -109,6 +111,7 @@ class Measurements:
     # (batch, context, prompt tokens, seconds, the batch's longest token gap meanwhile): a tiny
     # prompt beside a decoding batch
     busy: list[tuple[int, float, int, float, float]] = field(default_factory=list)
+    slot_saves: list[tuple[int, float]] = field(default_factory=list)  # calibrate/slot_probe.py
     wall_s: float = 0.0
     sweep: Sweep | None = None  # what was swept: the asked sweep as the context limit let it run
 
@@ -382,6 +385,7 @@ async def measure(urls: list[str], model: str | None = None, sweep: Sweep | None
         for _ in range(sweep.noise_probes):
             got = await asyncio.gather(*(e.complete(e.prompt(16), 1) for e in engines))
             m.probes.extend((i, s) for i, (s, _) in enumerate(got))
+        m.slot_saves = await slot_points(engines, facts, sweep.slot_sizes, sweep.slot_rounds, say)
         for ctx in sweep.contexts:
             for batch in sweep.batch_sizes:
                 prompts = [[e.prompt(ctx) for _ in range(batch)] for e in engines]

@@ -73,6 +73,14 @@ class HardwareProfile(StrictModel):
     # a tiny prompt joined it): llama-server 0.3.36 stalled three decoding slots for 13-24 ms where
     # the step model gave ~3 ms (issue 21); 0: none.
     c_admit_s: float = Field(0.0, ge=0)
+    # llama-server's host prompt cache (--cache-ram, 8 GiB by default; tools/server/
+    # server-context.cpp): launching a request copies, on the loop every slot waits for, each idle
+    # slot whose content is not yet cached into host memory (--cache-idle-slots, on by default) and,
+    # when the request takes a slot by LRU, the best cached prompt back into it (prompt_save /
+    # prompt_load, llama_state_seq_{get,set}_data). A copy costs slot_save_s_per_token per token of
+    # the copied state, measured by `kvroute calibrate` (a tiny prompt after a slot of N fresh
+    # tokens went idle, against one after a tiny slot did; sim/slot_cache.py). 0: no copies.
+    slot_save_s_per_token: float = Field(0.0, ge=0)
     # Query rows per prefill attention tile. llama.cpp's CPU flash attention (ggml-cpu/ops.cpp,
     # ggml_compute_forward_flash_attn_ext_tiled; GGML_FA_TILE_Q = 64 in ggml-cpu/common.h, the
     # source llama-cpp-python 0.3.36 vendors) runs a chunk of >= 64 query tokens of one sequence in

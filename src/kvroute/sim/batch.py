@@ -13,7 +13,8 @@ even when memory allows, e.g. SGLang's scheduler, which also reserves KV for the
 sequences' future output; it is asked ``admission(engine, seq, need)`` with the KV tokens the
 sequence would take now and returns whether it may be admitted (False: it stays at the head of
 the queue, as when memory is short). ``gauge`` (None by default: probes read the live queue)
-holds the waiting count as an SGLang engine exports it (sim/queue_gauge.py).
+holds the waiting count as an SGLang engine exports it (sim/queue_gauge.py). ``slot_cache``
+(None unless the profile measured llama-server's slot copies) hears of every finish and cancel.
 
 The step loop (sim/engine.py) implements ``_plan`` and ``_interrupt``.
 """
@@ -30,6 +31,7 @@ from kvroute.sim.events import Scheduler
 from kvroute.sim.kvcache import KVCache
 from kvroute.sim.queue_gauge import SGLangQueueGauge
 from kvroute.sim.seq import DECODE, DONE, PREFILL, WAITING, Jump, Seq
+from kvroute.sim.slot_cache import SlotCache
 
 Admission = Callable[["Batch", Seq, int], bool]  # (engine, seq, KV tokens it takes) → may admit
 
@@ -46,6 +48,7 @@ class Batch(KVCache):
         self.on_finish = on_finish
         self.admission: Admission | None = None
         self.gauge: SGLangQueueGauge | None = None  # what a probe reads as waiting (None: the live queue)
+        self.slot_cache: SlotCache | None = None  # llama-server's slot copies (sim/slot_cache.py)
         self.waiting: deque[Seq] = deque()
         self.prefilling: list[Seq] = []
         self.decoding: dict[int, Seq] = {}  # admission order → seq (newest last)
@@ -110,6 +113,8 @@ class Batch(KVCache):
             self._unref(seq)
         elif seq.state == DECODE:
             self._release(seq)
+        if self.slot_cache is not None:
+            self.slot_cache.release(seq)
         seq.state = DONE
 
     def submit(self, seq: Seq) -> None:
@@ -213,6 +218,8 @@ class Batch(KVCache):
 
     def _finish(self, seq: Seq, now: float) -> None:
         self._release(seq)
+        if self.slot_cache is not None:
+            self.slot_cache.release(seq)
         seq.state = DONE
         self.on_finish(seq, now)
 

@@ -37,6 +37,7 @@ from kvroute.sim.handover import Handover
 from kvroute.sim.host import Host
 from kvroute.sim.seq import DECODE, DONE, PREFILL, WAITING, Jump, Seq, steps_done
 from kvroute.sim.sglang_admission import install as install_admission
+from kvroute.sim.slot_cache import for_profile as slot_cache
 
 __all__ = ["DECODE", "DONE", "PREFILL", "WAITING", "Engine", "Host", "Jump", "Seq"]
 
@@ -70,6 +71,7 @@ class Engine(Handover):
         self._chunks: list[tuple[Seq, int]] = []  # the prefill chunks of the step in progress
         self.busy_s = 0.0
         install_admission(self)  # SGLang's token budget when the profile says so (sim/sglang_admission.py)
+        self.slot_cache = slot_cache(profile)  # llama-server's prompt-cache copies when measured (sim/slot_cache.py)
 
     _steps_done = staticmethod(steps_done)
 
@@ -149,6 +151,9 @@ class Engine(Handover):
             dt = p.step_time(tokens, n_dec, ctx_sum, attn, p.heterogeneity(n_all, len_sum, len_sq))
             if p.c_admit_s:  # a new sequence's first chunk stalls the step (perf/profile.py)
                 dt += p.c_admit_s * sum(1 for seq, _ in chunks if seq.prompt - seq.prefill_left <= max(seq.cached, 0))
+            slots = self.slot_cache
+            if slots is not None:  # llama-server copies slots to/from its host prompt cache at a launch
+                dt += sum(slots.launch(seq) for seq, _ in chunks if seq.prompt - seq.prefill_left <= max(seq.cached, 0))
             if noise is not None:
                 dt *= noise(1)
             if host is not None:  # cores shared with other engines (Host)

@@ -1,0 +1,83 @@
+"""llama-server's slot copies to and from its host prompt cache in the simulated engine
+(sim/slot_cache.py, profile ``slot_save_s_per_token``) and their calibration probe's fit."""
+
+import pytest
+
+from kvroute.calibrate.slot_probe import per_token
+from kvroute.perf.profile import HardwareProfile
+from kvroute.sim.engine import Engine, Seq
+from kvroute.sim.events import EventLoop
+from kvroute.sim.slot_cache import common_prefix
+
+# prefills of 1 ms per token, decode steps of 10 ms; llama-server's slot reuse
+BASE = HardwareProfile(name="unit", hardware="test", model="test", c0_s=0.0, c_prefill_s=1e-3, c_decode_s=0.01,
+                       c_attn_s=0.0, c_prefill_attn_s=0.0, h_cv=0.0, kv_blocks=10000, block_size=16, max_running=2,
+                       prefix_reuse="idle_slots")
+PER_TOKEN = 1e-4
+A = tuple(range(62))  # block hashes of a 1,000-token prompt (16 tokens per block)
+
+
+def _chain(per_token: float, requests: list[tuple[str, int, int, tuple[int, ...]]]):
+    """Run ``requests`` (rid, prompt, output, hashes) one after another on one engine; return the
+    engine, first-token times and finish times."""
+    loop = EventLoop()
+    first: dict[str, float] = {}
+    done: dict[str, float] = {}
+    todo = list(requests)
+    e: Engine
+
+    def finish(s, t):
+        done[s.rid] = t
+        if todo:
+            rid, prompt, output, hashes = todo.pop(0)
+            loop.at(t + 1.0, lambda _: e.submit(Seq(rid, prompt, output, hashes, 16)), None)
+
+    e = Engine("e", BASE.model_copy(update={"slot_save_s_per_token": per_token}), loop,
+               lambda s, t: first.__setitem__(s.rid, t), finish)
+    rid, prompt, output, hashes = todo.pop(0)
+    e.submit(Seq(rid, prompt, output, hashes, 16))
+    loop.run()
+    return e, first, done
+
+
+def test_off_by_default_and_with_shared_prefix_reuse():
+    e, _, _ = _chain(0.0, [("a", 1000, 11, A)])
+    assert e.slot_cache is None
+    loop = EventLoop()
+    vllm_like = BASE.model_copy(update={"slot_save_s_per_token": PER_TOKEN, "prefix_reuse": "shared"})
+    assert Engine("v", vllm_like, loop, lambda s, t: None, lambda s, t: None).slot_cache is None
+
+
+def test_a_finished_slot_is_copied_at_the_next_launch_unless_its_next_turn_takes_it():
+    # an unrelated request after a: a's slot (1,011 tokens) is saved at b's launch, in b's first step
+    requests = [("a", 1000, 11, A), ("b", 100, 1, (1000, 1001, 1002, 1003, 1004, 1005))]
+    e, first, _ = _chain(PER_TOKEN, requests)
+    _, plain, _ = _chain(0.0, requests)
+    assert e.slot_cache.copied_tokens == 1011 and e.slot_cache.copies == 1
+    assert first["b"] - plain["b"] == pytest.approx(1011 * PER_TOKEN)
+    assert first["a"] == plain["a"]  # nothing was idle at a's launch
+    # a's next turn takes a's slot by its common prefix: nothing to copy
+    e, first, _ = _chain(PER_TOKEN, [("a", 1000, 11, A), ("a2", 1100, 5, (*A, 500, 501, 502, 503, 504, 505))])
+    assert e.slot_cache.copied_tokens == 0
+    assert first["a2"] == _chain(0.0, [("a", 1000, 11, A), ("a2", 1100, 5, (*A, 500, 501, 502, 503))])[1]["a2"]
+
+
+def test_a_request_taking_a_slot_by_lru_loads_the_best_cached_prompt():
+    """Two slots: a's slot is taken over by e (least recently used), so a's next turn d finds its
+    prefix in no idle slot and loads a's cached state (1,011 tokens) into the LRU slot."""
+    b = tuple(range(1000, 1006))
+    x = tuple(range(2000, 2006))
+    d = (*A, 3000, 3001, 3002, 3003, 3004, 3005)
+    e, _, _ = _chain(PER_TOKEN, [("a", 1000, 11, A), ("b", 100, 1, b), ("x", 100, 1, x), ("d", 1100, 1, d)])
+    # b's launch saves a (1,011); x's saves b (101); d's loads a (1,011) and saves x (101)
+    assert e.slot_cache.copied_tokens == 1011 + 101 + 1011 + 101 and e.slot_cache.copies == 4
+    assert [c.tokens for c in e.slot_cache.cached] == [101, 101]  # a moved back into a slot
+
+
+def test_common_prefix_and_the_probes_per_token_fit():
+    assert common_prefix((1, 2, 3, 4), (1, 2, 9)) == 2 and common_prefix((), (1,)) == 0
+    assert common_prefix((1, 2, 3), (1, 2, 3)) == 3
+    # extra seconds over copied tokens, median over points, divided by the machine's sharing
+    assert per_token([(1000, 0.006), (3000, 0.012), (2000, 0.010)], 1.0) == pytest.approx(5e-6)
+    assert per_token([(1000, 0.006)], 1.5) == pytest.approx(4e-6)
+    assert per_token([(1000, -0.002)], 1.0) == 0.0 and per_token([], 1.0) == 0.0
