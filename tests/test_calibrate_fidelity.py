@@ -163,3 +163,19 @@ def test_engine_side_means_come_from_vllm_histogram_differences():
     assert side["prefill_s"] == pytest.approx(0.05) and side["ttft_s"] == pytest.approx(0.2)
     assert side["steps"] == 200 and side["tokens_per_step"] == pytest.approx(25)
     assert "decode_s" not in side and engine_side({}, {}) == {}
+
+
+def test_fidelity_calibrates_engines_without_slots_with_longer_wider_decode_sweeps():
+    """Decode contexts reach the workload's; llama-server (``/props`` says its slots) keeps the
+    default batches, vLLM (no ``/props``) gets batches up to 8 and a 96-token window
+    (bench/fidelity.py fidelity_sweep)."""
+    from kvroute.bench.fidelity import fidelity_sweep
+    from kvroute.calibrate import Sweep
+
+    llama = fidelity_sweep({"total_slots": 4})
+    assert llama.batch_sizes == Sweep().batch_sizes and llama.decode_tokens == Sweep().decode_tokens
+    assert max(llama.contexts) >= 1800  # the workload's prompts: ~1,800 tokens
+    for props in ({}, {"detail": "Not Found"}, None):
+        sweep = fidelity_sweep(props)
+        assert max(sweep.batch_sizes) >= 6 and sweep.decode_tokens == 96 and max(sweep.contexts) >= 1500
+        assert sweep.prefill_lengths == Sweep().prefill_lengths  # only the decode sweep differs

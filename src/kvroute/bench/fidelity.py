@@ -43,7 +43,7 @@ import yaml
 
 from kvroute.bench.fidelity_engines import describe, engine_side
 from kvroute.bench.fidelity_engines import scrape as engine_metrics
-from kvroute.calibrate.measure import WORDS
+from kvroute.calibrate.measure import WORDS, Sweep
 from kvroute.ports import free_port
 from kvroute.prefix import chat_key, estimate_tokens
 from kvroute.stats import percentile
@@ -308,19 +308,41 @@ def simulate(convs: list[list[dict]], policy: str, profile: str, replicas: int, 
 
 async def _engine_facts(url: str) -> tuple[str, float]:
     """The engine's model name (llama-server takes any, vLLM only its own) and bytes per token."""
-    from kvroute.calibrate.measure import Sweep, _Engine, _model_card
+    from kvroute.calibrate.measure import _Engine, _model_card
 
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s:
         model, limit = await _model_card(s, url, None)
         return model, (await _Engine(s, url, model, Sweep(), None).facts(limit)).bytes_per_token
 
 
+def fidelity_sweep(props: object) -> Sweep:
+    """The calibration sweep for engines whose ``/props`` answered ``props`` ({} where none).
+    Decode contexts reach the workload's prompts (~1,800 tokens; the default stops at 1,024, and
+    issue 21's simulated decode phase was half the live one with it). llama-server (it has slots)
+    keeps the default batches. Engines without slots (vLLM) get decode batches up to 8 with 96
+    tokens each, because with 24 tokens at batches 1-4 two vLLM CPU engines' API servers, waiting
+    for cores, delivered a batch's tokens in bursts (one point 5 µs a step), which set the fit's
+    c0 and c_decode to 0 and the simulated decode phase to ~10 ms where vLLM's own histograms said
+    ~80 (issue 21); their longest context is 1,536, so that 8 fresh prompts and their output fit
+    tests/vllm/fidelity.py's 16K-token cache without preemption."""
+    if isinstance(props, dict) and props.get("total_slots"):
+        return Sweep(contexts=(128, 1024, 2048))
+    return Sweep(batch_sizes=(1, 2, 4, 8), decode_tokens=96, contexts=(128, 1024, 1536))
+
+
 async def calibrate_engines(urls: list[str], host_cores: int | None) -> str:
-    """`kvroute calibrate` on these engines with its default sweep (the engines' shared cores
+    """`kvroute calibrate` on these engines with :func:`fidelity_sweep` (the engines' shared cores
     divided out, see :mod:`kvroute.calibrate.fit`); the path of the profile it wrote."""
     from kvroute.calibrate import fit_profile, measure, write_profile
 
-    m = await measure(urls)
+    async with aiohttp.ClientSession() as s:
+        try:
+            async with s.get(f"{urls[0].rstrip('/')}/props", timeout=aiohttp.ClientTimeout(total=5)) as r:
+                props = await r.json(content_type=None) if r.status == 200 else {}
+        except (aiohttp.ClientError, TimeoutError, json.JSONDecodeError):
+            props = {}
+    sweep = fidelity_sweep(props)
+    m = await measure(urls, sweep=sweep)
     profile, report = fit_profile(m, "fidelity", f"measured: {len(urls)} engine(s) loaded together",
                                   sweep=m.sweep, host_cores=host_cores)
     fd, path = tempfile.mkstemp(prefix="kvroute-fidelity-profile-", suffix=".yaml")
