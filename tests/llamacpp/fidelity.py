@@ -5,6 +5,8 @@ as the cores they share), and stop every engine by its PID.
 
     python -m tests.llamacpp.fidelity [--engines N] [--json FILE] [-- extra bench fidelity args]
 
+Afterwards the engines' logs say where each live request's time went inside llama-server
+(kvroute.bench.fidelity_llama_log: ``engine_log`` in the JSON, one line per policy and kind).
 (`make fidelity` runs it with `-- --repeats 3`: every policy three times, interleaved.) Engines,
 gateway and clients share this machine: compare runs only at similar load averages, which the
 JSON records per policy and repeat.
@@ -13,6 +15,7 @@ JSON records per policy and repeat.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -42,10 +45,25 @@ def main(argv: list[str] | None = None) -> int:
         cmd = [sys.executable, "-m", "kvroute.cli", "bench", "fidelity", *urls,
                *(["--json", args.json] if args.json else []), *args.rest]
         print(f"load average {os.getloadavg()[0]:.2f}; {' '.join(cmd[2:])}", file=sys.stderr)
-        return subprocess.call(cmd)
+        rc = subprocess.call(cmd)
+        if args.json and Path(args.json).is_file():  # the engines' own times, from their logs
+            _engine_log(Path(args.json), [e.log_path for e in engines])
+        return rc
     finally:
         for e in engines:
             e.stop()
+
+
+def _engine_log(path: Path, logs: list[Path]) -> None:
+    """Add where each live request's time went inside llama-server (its log; the bench's
+    fidelity_llama_log) to the JSON as ``engine_log``, and print it."""
+    from kvroute.bench.fidelity_llama_log import describe, summarize
+
+    stored = json.loads(path.read_text())
+    stored["engine_log"] = summarize(stored, [p.read_text(errors="replace") for p in logs])
+    path.write_text(json.dumps(stored, indent=2))
+    for line in describe(stored["engine_log"]):
+        print(f"llama-server log: {line}", file=sys.stderr)
 
 
 if __name__ == "__main__":
