@@ -149,10 +149,10 @@ def _throughput_why(runs: dict[str, dict]) -> str:
             "allows at most 4 instances a stage (\"each stage comprising 1 to 4 instances\")"
             + (", and the run's arrivals end before its first re-plan" if replans == 0 else
                f"; it re-planned {replans} time{'s' if replans > 1 else ''}") + ". The paper's throughput is the "
-            "\"system-wide token generation rate\" across arrival rates, which \"declines once the request rate "
-            "exceeds a threshold, as all systems prioritize prefilling over decoding\" (§6.3), a rate taken while "
-            "requests arrive; kvroute's saturated measure waits for the last request instead, so the slowest stage's "
-            "drain sets it (the reproduction's measure since it was written; not changed after seeing this)")
+            "\"system-wide token generation rate\" (§6.1) and does not say over which interval; kvroute's is "
+            "vLLM's serving benchmark's (benchmarks/benchmark_serving.py: output token throughput = generated "
+            "tokens ÷ benchmark duration, which ends with the last response), so the slowest stage's drain sets it "
+            "(a rate taken only while requests arrive would favour deferring the long prompts; not used)")
 
 
 def _envelope(lab: Lab) -> MigrationSettings:
