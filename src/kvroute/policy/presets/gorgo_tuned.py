@@ -24,7 +24,7 @@ from kvroute.policy.presets.gorgo import GORGO_TERMS, GorgoParams
 class GorgoTunedParams(GorgoParams):
     """GORGO's cost with w_rtt and w_queue tuned online by GORGO v2's (1+1)-ES on p95 TTFT.
 
-    Every first token's TTFT (measured by the runtime, LB queueing included) feeds the tuner; it
+    Every completed request's TTFT (measured by the runtime, LB queueing included) feeds the tuner; it
     scores the weights it serves on a window's p95 and mutates them in log space within the
     ranges (see :mod:`kvroute.policy.adaptive.es_tuner`). Its RNG is seeded from the policy seed,
     so a simulation is deterministic. ``frozen: true`` serves the given weights unchanged. (The
@@ -38,8 +38,9 @@ class GorgoTunedParams(GorgoParams):
         (GORGO_RANGES["w_queue"].lo, GORGO_RANGES["w_queue"].hi),
         description="[lo, hi] the tuner keeps w_queue in (GORGO v2: [0.05, 0.5]; a lo near 0 lets "
                     "it drop the queue term, the paper's reward-hacking failure)")
-    window: int = Field(128, ge=8, description="first tokens in the rolling window (GORGO v2: 128)")
-    hop: int = Field(32, ge=1, description="first tokens between tuner steps (GORGO v2: 32)")
+    window: int = Field(128, ge=8,
+                        description="samples (completed requests' TTFTs) in the rolling window (GORGO v2: 128)")
+    hop: int = Field(32, ge=1, description="samples between tuner steps (GORGO v2: 32)")
     judge: Literal["window", "hop"] = Field(
         "window", description="what a step scores: the p95 of the rolling window (GORGO v2 §4) or of the last "
         "hop's first tokens only (each offspring on its own samples; kvroute's alternative)")

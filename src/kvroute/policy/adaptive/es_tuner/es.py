@@ -2,15 +2,18 @@
 
 GORGO v2 §2.2 (003_d2195008674d8fa4.txt) tunes the cost weights of its router while it serves:
 
-* fitness is the p95 TTFT of a rolling window of the last 128 first tokens, evaluated every 32
+* fitness is the p95 TTFT of a rolling window of the last 128 samples (a completed request's
+  TTFT each, fed by the plugin as GORGO's proxy records them), evaluated every 32
   (§4 "Tuning and evaluation windows"); the first evaluation, at 128 samples, scores the
   starting weights (the parent), and every later one scores the offspring served during the
   last hop — 18 steps therefore take 128 + 17·32 = 672 samples, the paper's convergence point;
 * an offspring perturbs each weight multiplicatively in log space,
   ``x' = clip(exp(ln x + σ·z), lo, hi)`` with z ~ N(0, 1) (Equation 4);
-* it replaces the parent when it beats it, and σ follows Rechenberg's 1/5 success rule over
-  the last eight outcomes (success rate > 1/5: σ ÷ 0.817, else σ × 0.817, the factor of the
-  paper's code); σ starts at 0.5 and the search stops (converges) once σ < 0.05;
+* it replaces the parent when it "beats" it (§2.2), and σ is "adjusted to maintain Rechenberg's
+  1/5 success rule"; the details are those of the paper's released tuner (GORGO's
+  gorgo/tuner.py, ``GaussianESTuner`` as ``OnlineTuner`` builds it): σ starts at 0.5, moves
+  only once eight outcomes are recorded, then by their success rate (above 1/5: σ ÷ 0.817,
+  below: σ × 0.817, exactly 1/5: unchanged), and the search stops (converges) once σ < 0.05;
 * frozen mode serves fixed weights (the held-out evaluation: weights learned in one window,
   fixed in the next) and only keeps measuring the window's p95.
 
@@ -21,11 +24,12 @@ Choices where the paper is vague (also in ARCHITECTURE.md):
   tokens and the 96 served before it under earlier weights. That is the default
   (``judge="window"``). ``judge="hop"`` scores each offspring on its own hop only (the parent
   on the last hop before its first offspring): the window still carries 96 first tokens of the
-  weights before an offspring, so one bad offspring's tail weighs on the next three judgements
-  (seeded runs starting away from the optimum accepted nothing in 1,500 samples); the hop score
-  is kvroute's alternative, not the paper's. Steps come at 128 samples and then every 32 either way.
-* "Beats" means a p95 at least 0.5 % below the parent's (GORGO's code's 0.005 tolerance, read
-  as the improvement that counts as real).
+  weights before an offspring, so one bad offspring's tail weighs on the next three judgements;
+  the hop score is kvroute's alternative, not the paper's (GORGO's tuner.py scores the trailing
+  window too). Steps come at 128 samples and then every 32 either way.
+* "Beats" is the released tuner's test, ``score > best_score * (1 + 0.005)`` on score = −p95:
+  with a negative score that admits an offspring whose p95 is below 1.005 × the parent's — ties
+  and regressions under 0.5 % pass (``margin``; a negative margin demands an improvement).
 * The parent's score is not re-measured after it is accepted (a classic (1+1)-ES).
 * Lower bounds must be positive (log space); a range that "may reach 0" uses a tiny bound.
 """
@@ -42,6 +46,7 @@ from kvroute.stats import percentile_sorted
 
 SUCCESS_FACTOR = 0.817  # σ multiplier of the 1/5 rule (GORGO v2 tuner)
 SUCCESS_HISTORY = 8  # outcomes the 1/5 rule looks back on
+SUCCESS_TARGET = 0.2  # Rechenberg's 1/5
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,7 +72,7 @@ class OnePlusOneES:
     """(1+1)-ES over named positive weights, driven by observed TTFTs; deterministic under a seed.
 
     ``weights`` are the ones to serve now (the offspring under evaluation while tuning, the
-    parent once converged or frozen). Call :meth:`observe` with every first token's TTFT.
+    parent once converged or frozen). Call :meth:`observe` with every sample's TTFT.
     """
 
     def __init__(self, ranges: Mapping[str, WeightRange] = GORGO_RANGES, *, window: int = 128,
@@ -107,7 +112,7 @@ class OnePlusOneES:
         return not self.frozen and not self.converged
 
     def observe(self, ttft_s: float) -> None:
-        """One first token's TTFT; every ``hop`` of them, once the window is full, is a step."""
+        """One sample's TTFT; every ``hop`` of them, once the window is full, is a step."""
         self.window.append(ttft_s)
         self.samples += 1
         self.since_step += 1
@@ -127,13 +132,17 @@ class OnePlusOneES:
         if self.parent_p95 is None:  # the first full window scores the starting weights
             self.parent_p95 = p95
         else:  # the window scored the offspring served during the last hop
-            won = p95 < self.parent_p95 * (1.0 - self.margin)
+            won = p95 < self.parent_p95 * (1.0 + self.margin)  # tuner.py: −p95 > −parent·(1 + tol)
             if won:
                 self.parent, self.parent_p95 = dict(self.weights), p95
                 self.accepted += 1
             self.outcomes.append(won)
-            rate = sum(self.outcomes) / len(self.outcomes)
-            self.sigma = self.sigma / SUCCESS_FACTOR if rate > 0.2 else self.sigma * SUCCESS_FACTOR
+            if len(self.outcomes) == SUCCESS_HISTORY:  # tuner.py adapts σ only with a full history
+                rate = sum(self.outcomes) / SUCCESS_HISTORY
+                if rate > SUCCESS_TARGET:
+                    self.sigma /= SUCCESS_FACTOR
+                elif rate < SUCCESS_TARGET:
+                    self.sigma *= SUCCESS_FACTOR
             if self.sigma < self.sigma_min:
                 self.converged, self.converged_at = True, self.samples
                 self.weights = dict(self.parent)

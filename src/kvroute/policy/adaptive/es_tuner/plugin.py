@@ -17,16 +17,33 @@ from kvroute.policy.plugins import DecisionState, Scorer
 
 
 class TunerPlugin(Lifecycle):
-    """Feeds every measured TTFT to GORGO v2's (1+1)-ES; the preset reads ``es.weights``."""
+    """Feeds every measured TTFT to GORGO v2's (1+1)-ES; the preset reads ``es.weights``.
+
+    A request's TTFT joins the tuner's window when the request completes, as in GORGO's proxy
+    (proxy/modal_proxy.py records a sample with its TTFT and total time at the end of the
+    response, and gorgo/tuner.py's window is the trailing samples): the window holds the last
+    128 completed requests. A request that fails adds no sample.
+    """
 
     name = "es"
 
     def __init__(self, es: OnePlusOneES):
         self.es = es
+        self._ttft: dict[str, float] = {}  # requests past their first token, not yet complete
 
     def on_first_token(self, req_id: str, endpoint_id: str, ttft_s: float) -> None:
-        """One fitness sample."""
-        self.es.observe(ttft_s)
+        """The request's TTFT, kept until it completes."""
+        self._ttft[req_id] = ttft_s
+
+    def on_finished(self, req_id: str, endpoint_id: str, e2e_s: float, output_tokens: int) -> None:
+        """One fitness sample: the completed request's TTFT."""
+        ttft = self._ttft.pop(req_id, None)
+        if ttft is not None:
+            self.es.observe(ttft)
+
+    def on_failed(self, req_id: str, endpoint_id: str) -> None:
+        """No sample from a failed request."""
+        self._ttft.pop(req_id, None)
 
     def state(self) -> dict[str, float]:
         """Weights, σ, window p95, accepted/proposed."""
@@ -40,7 +57,7 @@ class TunedCost(Scorer, TunerPlugin):
     ``terms`` maps each weight's name to the scorer it multiplies (GORGO: ``w_rtt: rtt_ms,
     t_p: uncached_tokens, w_queue: inflight_tokens``); ``start`` gives every weight's value;
     ``ranges`` the ``[lo, hi]`` of the ones the ES tunes (the others stay fixed: only ratios
-    matter). Every measured TTFT is one fitness sample; ``judge`` scores a step on the rolling
+    matter). Every completed request's TTFT is one fitness sample; ``judge`` scores a step on the rolling
     window (the paper) or on the last hop; ``frozen`` serves ``start`` unchanged
     (held-out evaluation with learned weights). Seeded from the policy's seed.
     """
