@@ -217,7 +217,8 @@ def rows_v2(lab: Lab) -> list[Row]:
                + ("nearer the paper's weights. " if nearer else "no nearer the paper's weights. ") +
                f"The same run with other seeds ends at {'; '.join(ends)}: on a landscape this flat where a "
                "(1+1)-ES stops is set by the noise of 128-sample p95s as much as by the weights, and the paper "
-               "reports one run. kvroute's deployment stands in for the paper's with another engine (an H20/Qwen3-30B-A3B profile for 2xL40S/Qwen3.5-35B-A3B, "
+               "reports one run. kvroute's deployment stands in for the paper's with another engine (an "
+               "H20/Qwen3-30B-A3B profile for 2xL40S/Qwen3.5-35B-A3B, "
                "which kvroute has no profile for), another trace (Mooncake conversation for the ART-Chat "
                "windows) and assumed RTTs (Fig. 2 plots them without values)", "gorgo-v2")]
     tuned_p95 = r["gorgo_tuned"]["ttft_s"]["p95"]
