@@ -56,3 +56,16 @@ def test_gate_needs_a_baseline(capsys):
     assert main(["bench", "gateway", "--gate", "0.1"]) == 2
     assert "--gate needs a baseline" in capsys.readouterr().err
     assert main(["bench", "gateway", "--peers", "caddy"]) == 2
+
+
+def test_each_kvroute_row_names_its_build_and_a_missing_compiled_build_is_refused(tmp_path, capsys):
+    assert gateway.build_of(None).startswith("pure Python")  # the editable checkout: never compiled in place
+    empty = tmp_path / "tree"
+    empty.mkdir()
+    (empty / "kvroute").mkdir()  # a tree without buildinfo (older than the compiled build) is pure
+    (empty / "kvroute" / "__init__.py").write_text("")
+    assert gateway.build_of(str(empty)) == "pure Python (a tree without kvroute.buildinfo)"
+    variants, _ = gateway_peers._variants(("round_robin",), None, (), print, compiled_src="build/compiled")
+    assert [name for name, _ in variants] == ["kvroute round_robin", "kvroute compiled round_robin"]
+    assert main(["bench", "gateway", "--compiled", str(tmp_path / "nothing")]) == 2
+    assert "build it with `make compiled`" in capsys.readouterr().err

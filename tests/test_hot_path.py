@@ -119,7 +119,7 @@ def test_parse_errors_read_as_before():
     from kvroute.gateway.openai import PROXIED, RequestParsing
 
     with pytest.raises(ClientError, match="not valid JSON: Expecting property name enclosed in double quotes"):
-        RequestParsing.parse(object.__new__(RequestParsing), b"{not json", PROXIED["/v1/chat/completions"], {})
+        RequestParsing.parse(RequestParsing.__new__(RequestParsing), b"{not json", PROXIED["/v1/chat/completions"], {})
 
 
 def test_local_histogram_exposition_equals_prometheus_clients():

@@ -6,8 +6,8 @@ import re
 
 import pytest
 
+from kvroute.gateway import deadlines
 from kvroute.gateway.breaker import CircuitBreaker, CircuitState
-from kvroute.gateway.deadlines import Deadlines
 from kvroute.gateway.http import HTTPLimits, HTTPServer, _Connection
 from kvroute.gateway.upstream import UpstreamPool, UpstreamProtocolError, UpstreamResponse, _Conn, _StaleConnection
 
@@ -258,10 +258,10 @@ def test_upstream_waits_share_one_coarse_clock_that_never_fires_early():
         with pytest.raises(upstream.UpstreamTimeout, match="upstream sent nothing for 0.2 s"):
             await resp.next_chunk()
         waited = loop.time() - t0
-        assert 0.2 <= waited < 0.2 + 2 * Deadlines.TICK
+        assert 0.2 <= waited < 0.2 + 2 * deadlines.TICK
         clock = upstream._deadlines(loop)
         assert not clock.waits
-        await asyncio.sleep(Deadlines.TICK * 1.5)
+        await asyncio.sleep(deadlines.TICK * 1.5)
         assert clock.handle is None  # idle: no tick runs
         # a wait that ends in time leaves nothing behind
         conn2, head2 = _client_conn()

@@ -29,6 +29,17 @@ COMPILED: tuple[str, ...] = (
     "kvroute.sim.handover",
     "kvroute.sim.engine",
     "kvroute.prefix.index",
+    # the gateway's per-request path (issue 25: callgrind, docs/hot-path.md "Compiled build")
+    "kvroute.gateway.deadlines",
+    "kvroute.gateway.httpmsg",
+    "kvroute.gateway.httpconn",
+    "kvroute.gateway.http",
+    "kvroute.gateway.upstream",
+    "kvroute.gateway.tokens",
+    "kvroute.gateway.legs",
+    "kvroute.gateway.continuation",
+    "kvroute.gateway.openai",
+    "kvroute.gateway.proxy",
 )
 
 PURE_ENV = "KVROUTE_PURE"

@@ -199,21 +199,35 @@ def added_text(row: dict, q: str) -> str:
     return f"{row[f'added_{q}_ms']:.2f} ms {spread}"
 
 
-def _gateway(src: str | None, cfg: Path) -> subprocess.Popen:
-    """A gateway process; ``src`` puts another source tree (e.g. a worktree of an older commit)
-    first on its import path, for an A/B comparison against the same load client and upstreams."""
+def _env(src: str | None) -> dict[str, str]:
     env = dict(os.environ)
     if src:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [src, env.get("PYTHONPATH")]))
+    return env
+
+
+def _gateway(src: str | None, cfg: Path) -> subprocess.Popen:
+    """A gateway process; ``src`` puts another source tree (e.g. a worktree of an older commit, or
+    ``make compiled``'s build/compiled) first on its import path, for an A/B comparison against
+    the same load client and upstreams."""
     return subprocess.Popen([sys.executable, "-m", "kvroute.cli", "serve", "--config", str(cfg),
-                             "--log-level", "WARNING"], stderr=subprocess.DEVNULL, env=env)
+                             "--log-level", "WARNING"], stderr=subprocess.DEVNULL, env=_env(src))
+
+
+def build_of(src: str | None) -> str:
+    """Which build a gateway started with ``src`` first on its path runs: pure Python or
+    compiled by mypyc (``kvroute.buildinfo``; a tree older than it is pure)."""
+    out = subprocess.run([sys.executable, "-c", "from kvroute.buildinfo import describe; print(describe())"],
+                         env=_env(src), capture_output=True, text=True, timeout=120)
+    return out.stdout.strip() if out.returncode == 0 else "pure Python (a tree without kvroute.buildinfo)"
 
 
 def run(requests: int = 20000, concurrency: int = 32, repeats: int = 3, limit_s: float = 30.0,
         presets=PRESETS, upstream_delay_ms: float = 0.0, baseline_src: str | None = None,
-        progress=print) -> dict:
-    """Every preset, non-stream and stream: direct, via this gateway and (with ``baseline_src``)
-    via a baseline gateway, repeated and interleaved so drift hits all of them alike."""
+        compiled_src: str | None = None, progress=print) -> dict:
+    """Every preset, non-stream and stream: direct, via this gateway, (with ``baseline_src``) via
+    a baseline gateway and (with ``compiled_src``, e.g. build/compiled) via this gateway's
+    compiled build, repeated and interleaved so drift hits all of them alike."""
     up_ports = free_ports(2)
     upstream = subprocess.Popen([sys.executable, "-c", UPSTREAM, str(upstream_delay_ms), *map(str, up_ports)],
                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
@@ -222,6 +236,12 @@ def run(requests: int = 20000, concurrency: int = 32, repeats: int = 3, limit_s:
                     "repeats": repeats, "upstream_delay_ms": upstream_delay_ms}
     if baseline_src:
         result.update(baseline_src=baseline_src, baseline={"nonstream": {}, "stream": {}})
+    if compiled_src:
+        result.update(compiled_src=compiled_src, compiled={"nonstream": {}, "stream": {}})
+    srcs = {"gateway": None, "baseline": baseline_src, "compiled": compiled_src}
+    result["builds"] = builds = {name: build_of(src) for name, src in srcs.items() if name == "gateway" or src}
+    for name, build in builds.items():
+        progress(f"{name}: {build}")
     try:
         for p in up_ports:
             wait_for_port(p)
@@ -229,8 +249,8 @@ def run(requests: int = 20000, concurrency: int = 32, repeats: int = 3, limit_s:
         with tempfile.TemporaryDirectory() as tmp:
             for preset in presets:
                 gateways = {}
-                for name, src in (("gateway", None), ("baseline", baseline_src)):
-                    if name == "baseline" and not src:
+                for name, src in srcs.items():
+                    if name != "gateway" and not src:
                         continue
                     port = free_ports(1)[0]
                     cfg = Path(tmp) / f"{preset}-{name}.yaml"
@@ -251,7 +271,7 @@ def run(requests: int = 20000, concurrency: int = 32, repeats: int = 3, limit_s:
                                 via[name].append(_load_via(proc.pid, port, requests, concurrency, stream, limit_s))
                         for name, runs in via.items():
                             row = _compare(direct, runs)
-                            (result if name == "gateway" else result["baseline"])[mode][preset] = row
+                            (result if name == "gateway" else result[name])[mode][preset] = row
                             progress(f"{preset} {mode} ({name}): {row['gateway_rps']:.0f} vs "
                                      f"{row['direct_rps']:.0f} req/s ({row['rps_ratio']:.2f}x), "
                                      f"{row['gateway_cpu_us_per_req']:.0f} µs CPU/request, added p50 "

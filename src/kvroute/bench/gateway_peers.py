@@ -2,7 +2,8 @@
 
 One paired, interleaved run per upstream delay: the same trivial upstreams (``bench/gateway.py``),
 the same load client, and in every repeat first the load direct, then through each router in
-turn — kvroute (one process per preset, and a ``--baseline-src`` build when given), then each
+turn — kvroute (one process per preset; its ``--compiled`` build and a ``--baseline-src`` build
+when given), then each
 installed peer (``bench/peers.py``) — with **one router alive at a time** (started, measured
 non-stream and stream, stopped). Router CPU comes from /proc (the process and its descendants)
 and is reported per 1,000 requests; throughput as a ratio to the direct run of the same repeat;
@@ -23,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from kvroute.bench import peers as peerlib
-from kvroute.bench.gateway import UPSTREAM, _compare, _gateway, _load, _stop
+from kvroute.bench.gateway import UPSTREAM, _compare, _gateway, _load, _stop, build_of
 from kvroute.ports import free_ports, wait_for_port
 
 RUST = ("sglang-router", "vllm-router")
@@ -41,9 +42,11 @@ def _measure(pid: int, own: list[int], port: int, n: int, conc: int, stream: boo
 
 
 def _variants(presets: tuple[str, ...], baseline_src: str | None, peers: tuple[str, ...],
-              progress: Any) -> tuple[list[tuple[str, Any]], list[str]]:
+              progress: Any, compiled_src: str | None = None) -> tuple[list[tuple[str, Any]], list[str]]:
     """(name, how to start it) for every router to measure, and the skip lines of missing peers."""
     out: list[tuple[str, Any]] = [(f"kvroute {p}", ("kvroute", p, None)) for p in presets]
+    if compiled_src:
+        out += [(f"kvroute compiled {p}", ("kvroute", p, compiled_src)) for p in presets]
     if baseline_src:
         out += [(f"baseline {p}", ("kvroute", p, baseline_src)) for p in presets]
     skipped = []
@@ -65,7 +68,7 @@ def _start(spec: Any, upstreams: list[int], tmp: Path) -> tuple[subprocess.Popen
     port, metrics_port = free_ports(2)
     if spec[0] == "kvroute":
         _, preset, src = spec
-        cfg = tmp / f"{preset}-{src is not None}.yaml"
+        cfg = tmp / f"{preset}.yaml"
         cfg.write_text(json.dumps({"port": port, "policy": preset,
                                    "replicas": [{"url": f"http://127.0.0.1:{p}", "engine": "vllm"}
                                                 for p in upstreams]}))
@@ -84,11 +87,19 @@ def _start(spec: Any, upstreams: list[int], tmp: Path) -> tuple[subprocess.Popen
 def run(requests: int = 2000, concurrency: int = 32, repeats: int = 3, limit_s: float = 60.0,
         presets: tuple[str, ...] = ("round_robin",), delays: tuple[float, ...] = (0.0, 20.0),
         peers: tuple[str, ...] = tuple(peerlib.PEERS), baseline_src: str | None = None,
-        busy_share: float = peerlib.BUSY_SHARE, progress: Any = print) -> dict:
-    """Every router at every delay, non-stream and stream, interleaved with direct runs."""
-    variants, skipped = _variants(presets, baseline_src, peers, progress)
+        busy_share: float = peerlib.BUSY_SHARE, progress: Any = print, compiled_src: str | None = None) -> dict:
+    """Every router at every delay, non-stream and stream, interleaved with direct runs; with
+    ``compiled_src`` (``make compiled``'s build/compiled) kvroute's compiled build as well."""
+    variants, skipped = _variants(presets, baseline_src, peers, progress, compiled_src)
+    builds = {"kvroute": build_of(None)}
+    if compiled_src:
+        builds["kvroute compiled"] = build_of(compiled_src)
+    if baseline_src:
+        builds["baseline"] = build_of(baseline_src)
+    for name, build in builds.items():
+        progress(f"{name}: {build}")
     result: dict = {"requests": requests, "concurrency": concurrency, "repeats": repeats, "skipped": skipped,
-                    "busy_share_limit": busy_share, "delays": {}, "disturbed": []}
+                    "busy_share_limit": busy_share, "delays": {}, "disturbed": [], "builds": builds}
     with tempfile.TemporaryDirectory() as tmpdir:
         tmp = Path(tmpdir)
         for delay in delays:
@@ -141,11 +152,11 @@ def verdict(result: dict, presets: tuple[str, ...]) -> list[str]:
     for delay, rows in result["delays"].items():
         for mode, row in rows.items():
             rust = {n: r for n, r in row.items() if n in RUST}
-            for preset in presets:
-                k = row.get(f"kvroute {preset}")
+            for name in [f"kvroute {p}" for p in presets] + [f"kvroute compiled {p}" for p in presets]:
+                k = row.get(name)
                 if k is None:
                     continue
-                parts = [f"{delay} ms {mode} kvroute {preset}: {k['cpu_s_per_1000']:.3f} s CPU/1000"]
+                parts = [f"{delay} ms {mode} {name}: {k['cpu_s_per_1000']:.3f} s CPU/1000"]
                 if rust:
                     best = min(rust.values(), key=lambda r: r["cpu_s_per_1000"])
                     ratio = k["cpu_s_per_1000"] / best["cpu_s_per_1000"]

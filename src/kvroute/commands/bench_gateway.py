@@ -31,6 +31,10 @@ def add_parser(bench: argparse._SubParsersAction) -> None:  # type: ignore[type-
                          "an older commit), interleaved in the same run")
     bg.add_argument("--baseline-ref", metavar="REV",
                     help="like --baseline-src, with the src/ of this git revision of the current repository")
+    bg.add_argument("--compiled", nargs="?", const="build/compiled", default=None, metavar="DIR",
+                    help="also measure kvroute's compiled build (`make compiled` installs it into build/compiled, "
+                         "the default DIR) in the same paired run; the plain kvroute row is this install's build "
+                         "(pure Python in a development checkout), and the output says which build each row ran")
     bg.add_argument("--gate", type=float, metavar="TOLERANCE",
                     help="regression gate: exit 1 when the gateway's CPU per request (non-stream or stream, any "
                          "preset) exceeds the baseline's by more than TOLERANCE (0.10 = 10 %%); the baseline is "
@@ -59,6 +63,10 @@ def cmd_bench_gateway(args: argparse.Namespace) -> int:
         except (OSError, ValueError) as exc:
             err.print(f"--baseline-json {args.baseline_json}: {exc}", markup=False)
             return 2
+    if args.compiled is not None and not (Path(args.compiled) / "kvroute" / "buildinfo.py").is_file():
+        err.print(f"--compiled {args.compiled}: no kvroute install there; build it with `make compiled`",
+                  markup=False)
+        return 2
     with tempfile.TemporaryDirectory() as tmp:
         src = args.baseline_src
         if args.baseline_ref:
@@ -76,8 +84,11 @@ def _paired(args: argparse.Namespace, src: str | None, stored: dict | None) -> i
     presets = tuple((args.presets or ",".join(gateway.PRESETS)).split(","))
     result = gateway.run(requests=args.requests, concurrency=args.concurrency, repeats=args.repeats,
                          presets=presets, upstream_delay_ms=args.upstream_delay_ms,
-                         baseline_src=src, progress=lambda m: err.print(m))
-    variants = [("gateway", result)]
+                         baseline_src=src, compiled_src=args.compiled, progress=lambda m: err.print(m))
+    builds = result["builds"]
+    variants = [(f"gateway ({builds['gateway']})", result)]
+    if args.compiled:
+        variants.append((f"compiled {args.compiled} ({builds['compiled']})", result["compiled"]))
     if src:
         variants.append((f"baseline {src}", result["baseline"]))
     for label, rows in variants:
@@ -133,7 +144,7 @@ def _peers(args: argparse.Namespace, src: str | None) -> int:
                                presets=tuple((args.presets or "round_robin").split(",")), delays=delays,
                                peers=names, baseline_src=src,
                                busy_share=peers.BUSY_SHARE if args.busy_share is None else args.busy_share,
-                               progress=lambda m: err.print(m, markup=False))
+                               progress=lambda m: err.print(m, markup=False), compiled_src=args.compiled)
     write_json(args.json, result)
     if result["refused"]:
         err.print("refused: other jobs kept the machine busy during the run, so these numbers are not reported "
@@ -155,6 +166,8 @@ def _peers(args: argparse.Namespace, src: str | None) -> int:
                               f"{r['added_p50_ms']:.2f} ({plo:.2f}–{phi:.2f})", f"{r['added_p99_ms']:.2f}",
                               str(r["errors"]))
             console.print(table)
+    for name, build in result["builds"].items():
+        console.print(f"build of {name}: {build}", markup=False)
     for line in result["skipped"] + result["verdict"]:
         console.print(line, markup=False)
     return 0

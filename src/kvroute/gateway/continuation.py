@@ -216,7 +216,7 @@ class Splice:
             first, _, block = block.partition(b"\n\n")
             head = self._event(first) or b""  # legs == 1, no error: forwarded as it came
             head += b"\n\n"
-            if self.ident is None:  # not a stream of JSON objects: one event at a time
+            if not self._identified():  # not a stream of JSON objects: one event at a time
                 return head + b"".join(e + b"\n\n" for e in self._each(block) if e is not None)
             if not block:
                 return out
@@ -229,6 +229,11 @@ class Splice:
         if block:
             self._keep(block, token_events(block))
         return out
+
+    def _identified(self) -> bool:
+        # a call, not ``self.ident is None`` inline: after ``_event`` set it, mypy (and so a
+        # mypyc-compiled build, which checks the narrowed type) would still take it for None
+        return self.ident is not None
 
     def _keep(self, raw: bytes, n: int) -> None:
         """Keep a first-leg piece of ``n`` plain token events unparsed (settled past RAW_LIMIT)."""

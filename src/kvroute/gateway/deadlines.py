@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+TICK = 0.05  # seconds; module level, so a compiled build reads it like the pure one
+
 
 class Deadlines:
     """One coarse clock for every upstream wait on an event loop (the first byte, the idle time
@@ -14,8 +16,6 @@ class Deadlines:
     libuv timer start and stop, and a cancel (and the message formatted per wait: now only when
     one expires). A deadline fires up to ``TICK`` late, never early; the timeouts it enforces are
     seconds long."""
-
-    TICK = 0.05
 
     __slots__ = ("loop", "error", "waits", "handle")
 
@@ -31,7 +31,7 @@ class Deadlines:
         now = self.loop.time()
         self.waits[fut] = (now + seconds, seconds, message)
         if self.handle is None:
-            self.handle = self.loop.call_at(now + self.TICK, self._tick)
+            self.handle = self.loop.call_at(now + TICK, self._tick)
 
     def _tick(self) -> None:
         now = self.loop.time()
@@ -40,4 +40,4 @@ class Deadlines:
             del waits[fut]
             if not fut.done():
                 fut.set_exception(self.error(message.format(seconds)))
-        self.handle = self.loop.call_at(now + self.TICK, self._tick) if waits else None
+        self.handle = self.loop.call_at(now + TICK, self._tick) if waits else None

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl
+from typing import Any
 
 from kvroute.gateway.httpconn import ServerState, _Connection
 from kvroute.gateway.httpmsg import (
@@ -70,7 +71,8 @@ class HTTPServer(ServerState):
                                                 backlog=1024, ssl=tls,  # a silent TLS client: the head deadline
                                                 ssl_handshake_timeout=self.limits.header_timeout_s if tls else None)
         self._sweeper = loop.create_task(self._sweep())
-        bound: int = self._server.sockets[0].getsockname()[1]
+        server: Any = self._server  # its sockets: a list under uvloop, a tuple under asyncio
+        bound: int = server.sockets[0].getsockname()[1]
         return bound
 
     async def _sweep(self) -> None:

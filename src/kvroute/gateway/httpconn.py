@@ -383,7 +383,9 @@ class _Connection(asyncio.Protocol):
         resp = Responder(self, keep_alive, req.method == "HEAD")
         server.active += 1
         try:
-            await server.handler(req, resp)
+            work = server.handler(req, resp)
+            if work is not None:
+                await work
             if not resp.started:
                 raise RuntimeError(f"handler for {req.method} {req.path} returned without answering")
             if not resp.finished:

@@ -22,6 +22,11 @@ REASONS = {100: "Continue", 200: "OK", 204: "No Content", 400: "Bad Request", 40
            503: "Service Unavailable", 504: "Gateway Timeout", 505: "HTTP Version Not Supported"}
 
 
+# response heads are assembled from bytes: the status lines and the usual content types made once
+_STATUS_LINES = {status: f"HTTP/1.1 {status} {reason}\r\n".encode() for status, reason in REASONS.items()}
+_CONTENT_TYPES = {t: f"Content-Type: {t}\r\n".encode() for t in ("application/json", "text/event-stream")}
+
+
 @dataclass(frozen=True)
 class HTTPLimits:
     """What one client may hold. Defaults follow the common servers: 64 KiB of head and 100
@@ -115,24 +120,26 @@ class Responder:
         self.extra_headers: list[tuple[str, str]] = []
 
     def _head(self, status: int, headers: Iterable[tuple[str, str]], content_type: str | None,
-              length: int | None) -> bytes:
-        lines = [f"HTTP/1.1 {status} {REASONS.get(status, 'Status')}"]
+              length: int | None, fields: bytes) -> bytes:
+        parts = [_STATUS_LINES.get(status) or b"HTTP/1.1 %d Status\r\n" % status]
         if content_type:
-            lines.append(f"Content-Type: {content_type}")
-        for name, value in (*headers, *self.extra_headers):
-            lines.append(f"{name}: {value}")
-        lines.append(f"Content-Length: {length}" if length is not None else "Transfer-Encoding: chunked")
-        if not self.keep_alive:
-            lines.append("Connection: close")
-        return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+            parts.append(_CONTENT_TYPES.get(content_type) or f"Content-Type: {content_type}\r\n".encode("latin-1"))
+        for name, value in headers:
+            parts.append(f"{name}: {value}\r\n".encode("latin-1"))
+        parts.append(fields)
+        for name, value in self.extra_headers:
+            parts.append(f"{name}: {value}\r\n".encode("latin-1"))
+        parts.append(b"Transfer-Encoding: chunked\r\n" if length is None else b"Content-Length: %d\r\n" % length)
+        parts.append(b"\r\n" if self.keep_alive else b"Connection: close\r\n\r\n")
+        return b"".join(parts)
 
     def send(self, status: int, body: bytes, headers: Iterable[tuple[str, str]] = (),
-             content_type: str | None = "application/json") -> None:
-        """The whole response at once."""
+             content_type: str | None = "application/json", fields: bytes = b"") -> None:
+        """The whole response at once; ``fields``: more header lines, formatted (``Name: value\\r\\n``)."""
         if self.started:
             raise RuntimeError("response already started")
         self.status, self.started, self.finished = status, True, True
-        head = self._head(status, headers, content_type, len(body))
+        head = self._head(status, headers, content_type, len(body), fields)
         self._conn.write(head if self.head_only else head + body)
 
     def send_error(self, status: int, message: str, type_: str = "invalid_request_error",
@@ -141,10 +148,11 @@ class Responder:
         """An OpenAI-style error response."""
         self.send(status, error_body(message, type_, param, code), headers)
 
-    def start(self, status: int, headers: Iterable[tuple[str, str]] = (), content_type: str | None = None) -> None:
+    def start(self, status: int, headers: Iterable[tuple[str, str]] = (), content_type: str | None = None,
+              fields: bytes = b"") -> None:
         """Begin a chunked response."""
         self.status, self.started = status, True
-        self._conn.write(self._head(status, headers, content_type, None))
+        self._conn.write(self._head(status, headers, content_type, None, fields))
 
     async def write(self, data: bytes) -> None:
         """One chunk of a started response; waits while the client's socket buffer is full."""
@@ -175,4 +183,5 @@ class Responder:
                 self._conn.write(b"0\r\n\r\n")
 
 
-Handler = Callable[[Request, Responder], Awaitable[None]]
+# a handler answers at once (and returns None) or returns what the connection awaits
+Handler = Callable[[Request, Responder], Awaitable[None] | None]

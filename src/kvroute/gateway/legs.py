@@ -27,7 +27,7 @@ class LegResponder:
         """Whether the client's response has ended."""
         return bool(self.resp.finished)
 
-    def start(self, status: int, headers: Any = (), content_type: str | None = None) -> None:
+    def start(self, status: int, headers: Any = (), content_type: str | None = None, fields: bytes = b"") -> None:
         """Already started: nothing to do."""
 
     async def write(self, data: bytes) -> None:
@@ -46,7 +46,8 @@ class LegResponder:
         """End the client's stream."""
         await self.resp.end()
 
-    def send(self, status: int, body: bytes, headers: Any = (), content_type: str | None = None) -> None:
+    def send(self, status: int, body: bytes, headers: Any = (), content_type: str | None = None,
+             fields: bytes = b"") -> None:
         """A whole response cannot follow a started one: keep its message as the refusal."""
         try:
             error = json.loads(body).get("error") or {}

@@ -58,6 +58,8 @@ HOP_HEADERS = frozenset({"host", "content-length", "transfer-encoding", "connect
                          "accept-encoding", "upgrade", "te", "trailer", "proxy-authorization",
                          "proxy-authenticate", "proxy-connection", "server", "date",
                          RESIDENCY_HEADER, REGION_HEADER}) | PEER_HEADERS
+_HOP_BYTES = frozenset(h.encode() for h in HOP_HEADERS)  # upstream response headers come as bytes
+_HOP_ACCESS = _HOP_BYTES | {b"x-request-id"}
 STREAM_TAIL = 4096  # bytes of a stream kept to find its [DONE] and its final usage chunk
 
 
@@ -216,16 +218,18 @@ class Proxy(RequestParsing):
             if reported is not None:
                 self.rt.tokens.observe(target, estimated, reported)
 
-    def _resp_headers(self, upstream: UpstreamResponse, target: str, req: Request) -> list[tuple[str, str]]:
-        skip = HOP_HEADERS | {"x-request-id"} if self.rt.config.access_log else HOP_HEADERS  # set by us
-        out = [(k, v) for k, v in upstream.headers if k.lower() not in skip]
+    def _resp_fields(self, upstream: UpstreamResponse, target: str, req: Request) -> bytes:
+        """The upstream's end-to-end response headers as they came (bytes, not decoded), and the
+        replica headers, formatted for the client's response head."""
+        skip = _HOP_ACCESS if self.rt.config.access_log else _HOP_BYTES  # x-request-id: set by us
+        out = [b"%b: %b\r\n" % kv for kv in upstream.headers if kv[0].lower() not in skip]
         if self.rt.config.replica_header and target in self.rt.upstreams:  # a peer's answer names its own
-            out.append(("x-kvroute-replica", target))
+            out.append(b"x-kvroute-replica: %b\r\n" % target.encode("latin-1"))
             ticket = self.rt.router.tickets.get(req.id)
             if ticket is not None:  # the prompt tokens the index predicted cached there (engines report theirs)
                 hit = min(req.prompt_tokens, ticket.matched_blocks * req.block_tokens)
-                out.append(("x-kvroute-prefix-hit", str(hit)))
-        return out
+                out.append(b"x-kvroute-prefix-hit: %d\r\n" % hit)
+        return b"".join(out)
 
     async def _forward(self, request: HTTPRequest, resp: Responder | LegResponder, kind: Kind,
                        headers: list[tuple[str, str]], req: Request, target: str, stream: bool, t0: float,
@@ -300,7 +304,7 @@ class Proxy(RequestParsing):
             if upstream.status == 200:
                 self._count_tokens(target, req.id, payload)
                 output_tokens = reported_completion_tokens(payload) or 0
-            resp.send(upstream.status, payload, self._resp_headers(upstream, target, req), content_type=None)
+            resp.send(upstream.status, payload, content_type=None, fields=self._resp_fields(upstream, target, req))
             return None
         finally:
             if watch is not None:
@@ -326,7 +330,7 @@ class Proxy(RequestParsing):
         rt.first_token(req.id, ttft)
         if not resp.started:  # a continuation leg writes on into the client's stream
             rt.metrics.ttft.observe(ttft)
-            resp.start(upstream.status, self._resp_headers(upstream, target, req))
+            resp.start(upstream.status, fields=self._resp_fields(upstream, target, req))
         if splice is not None:  # a limit the sequence already reached (a fallback to an earlier
             limit = rt.router.policy.context_limit(target)  # stage) would re-route it every token
             splice.limit = limit if limit is not None and limit > splice.length() else None

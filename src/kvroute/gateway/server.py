@@ -11,6 +11,7 @@ import gc
 import json
 import logging
 import sys
+from collections.abc import Coroutine
 from typing import Any, Literal
 
 from kvroute.gateway.admin import handle_admin
@@ -44,9 +45,11 @@ class Gateway:
         self.runtime.metrics.watch_http(self.http)
         self.port = config.port
 
-    async def dispatch(self, request: HTTPRequest, resp: Responder) -> None:
+    def dispatch(self, request: HTTPRequest, resp: Responder) -> Coroutine[Any, Any, None] | None:
         """Serve one request by path. HEAD is served wherever GET is, as a GET whose body the
-        responder leaves out (``gateway/http.py``)."""
+        responder leaves out (``gateway/http.py``). What is answered at once returns None; a
+        proxied request returns the proxy's coroutine for the connection to await (one coroutine
+        layer fewer per request than awaiting it here)."""
         method = ROUTES.get(request.path)
         if request.method == "HEAD" and (method == "GET" or method is None):
             request.method = "GET"  # resp.head_only drops the body; admin and peer paths read GET
@@ -63,7 +66,7 @@ class Gateway:
         elif request.path in PROXIED:
             key = self._authenticate(request, resp)
             if key is not False:
-                await self.proxy.handle(request, resp, PROXIED[request.path], key)
+                return self.proxy.handle(request, resp, PROXIED[request.path], key)
         elif request.path in ("/health", "/readyz"):
             self._health(resp)
         elif request.path == "/livez":  # the process answers: nothing more is promised
@@ -72,6 +75,7 @@ class Gateway:
             resp.send(200, self.runtime.metrics.render(), content_type="text/plain; version=0.0.4; charset=utf-8")
         elif self._authenticate(request, resp) is not False:
             self._models(resp)
+        return None
 
     def _health(self, resp: Responder) -> None:
         rt = self.runtime

@@ -72,6 +72,7 @@ _IDLE, _WAIT_HEAD, _BODY, _DONE, _BROKEN = range(5)
 
 
 Headers = list[tuple[str, str]]
+RawHeaders = list[tuple[bytes, bytes]]  # a response's fields as they came: passed on without decoding
 
 
 _clock: Deadlines | None = None  # the running loop's (one loop per thread; a new loop gets a new one)
@@ -114,7 +115,7 @@ class _Conn(asyncio.Protocol):
                  "relay", "relay_idle")
 
     transport: asyncio.Transport  # set by connection_made
-    head: asyncio.Future[tuple[int, Headers]]  # set by begin
+    head: asyncio.Future[tuple[int, RawHeaders]]  # set by begin
 
     def __init__(self, pool: UpstreamPool, loop: asyncio.AbstractEventLoop | None = None):
         self.pool = pool
@@ -133,11 +134,11 @@ class _Conn(asyncio.Protocol):
         self.keep_alive = True
         self.until_close = False
         self.interim = False
-        self._headers: Headers = []
+        self._headers: RawHeaders = []
         self._head_bytes = 0  # raw bytes while a head is incomplete, then field bytes of the trailers
         self._stall = 0  # raw bytes of a body since its last data: chunk framing, trailers
 
-    def begin(self, reused: bool) -> asyncio.Future[tuple[int, Headers]]:
+    def begin(self, reused: bool) -> asyncio.Future[tuple[int, RawHeaders]]:
         """Prepare for the next response; returns the future of its head."""
         self.state, self.reused, self.got_bytes, self.interim = _WAIT_HEAD, reused, False, False
         self._head_bytes = self._stall = 0
@@ -220,7 +221,7 @@ class _Conn(asyncio.Protocol):
     def on_header(self, name: bytes, value: bytes) -> None:
         if self.state == _BODY:
             return  # a trailer field: not used (its bytes are bounded by ``_stall``)
-        self._headers.append((name.decode("latin-1"), value.decode("latin-1")))
+        self._headers.append((name, value))
 
     def on_headers_complete(self) -> None:
         parser = self.parser
@@ -232,7 +233,7 @@ class _Conn(asyncio.Protocol):
         delimited = status in (204, 304)
         if not delimited:
             for name, _ in self._headers:
-                if name.lower() in ("content-length", "transfer-encoding"):
+                if name.lower() in (b"content-length", b"transfer-encoding"):
                     delimited = True
                     break
         self.until_close = not delimited
@@ -283,9 +284,10 @@ class _Conn(asyncio.Protocol):
 
 
 class UpstreamResponse:
-    """The status and headers of an upstream response; the body is read with ``next_chunk``."""
+    """The status and headers (names and values as bytes, as they came) of an upstream
+    response; the body is read with ``next_chunk``."""
 
-    def __init__(self, conn: _Conn, status: int, headers: Headers, idle_s: float):
+    def __init__(self, conn: _Conn, status: int, headers: RawHeaders, idle_s: float):
         self._conn: _Conn | None = conn
         self.status = status
         self.headers = headers
@@ -404,33 +406,30 @@ class UpstreamPool:
         head.append(b"\r\n")
         request = (b"".join(head), body)
         conn = self._pooled()
-        if conn is not None:
+        reused = conn is not None
+        if conn is None:
+            conn = await self._connect(connect_s)
+        while True:  # the exchange written out here, not a coroutine of its own: one await layer less
+            head_fut = conn.begin(reused)
+            conn.transport.writelines(request)
+            if on_send is not None:
+                on_send(conn.abort)
+            clock = _deadlines(conn.loop)
+            clock.add(head_fut, first_byte_s, "no response within {:g} s")
             try:
-                return await self._exchange(conn, True, request, first_byte_s, idle_s, on_send)
+                status, fields = await head_fut
+                return UpstreamResponse(conn, status, fields, idle_s)
             except _StaleConnection:
+                conn.state = _BROKEN
+                conn.transport.close()
                 self.stale_retries += 1  # the upstream had closed it: once more, on a new connection
-        conn = await self._connect(connect_s)
-        return await self._exchange(conn, False, request, first_byte_s, idle_s, on_send)
-
-    @staticmethod
-    async def _exchange(conn: _Conn, reused: bool, request: tuple[bytes, bytes], first_byte_s: float,
-                        idle_s: float,
-                        on_send: Callable[[Callable[[UpstreamError], None]], None] | None) -> UpstreamResponse:
-        head = conn.begin(reused)
-        conn.transport.writelines(request)
-        if on_send is not None:
-            on_send(conn.abort)
-        clock = _deadlines(conn.loop)
-        clock.add(head, first_byte_s, "no response within {:g} s")
-        try:
-            status, headers = await head
-        except BaseException:
-            conn.state = _BROKEN
-            conn.transport.close()
-            raise
-        finally:
-            clock.waits.pop(head, None)
-        return UpstreamResponse(conn, status, headers, idle_s)
+            except BaseException:
+                conn.state = _BROKEN
+                conn.transport.close()
+                raise
+            finally:
+                clock.waits.pop(head_fut, None)
+            conn, reused = await self._connect(connect_s), False
 
     def close(self) -> None:
         """Close every idle connection."""
