@@ -80,3 +80,18 @@ def test_kvroute_pure_loads_the_listed_modules_from_source(compiled):
     env = dict(os.environ, PYTHONPATH=str(compiled), **{buildinfo.PURE_ENV: "1"})
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert proc.stdout.split() == ["True", "True"], proc.stderr
+
+
+def test_the_compiled_gateway_passes_its_http_and_stream_tests(compiled):
+    """The gateway's compiled per-request modules (issue 25) under the gateway's own tests: HTTP
+    parsing and limits, the upstream client's faults, the stream splice and continuation —
+    run in a process that imports kvroute from the compiled install."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(compiled), str(ROOT)]))
+    env.pop(buildinfo.PURE_ENV, None)
+    check = subprocess.run([sys.executable, "-c", "import kvroute.gateway.proxy as p; print(p.__file__)"], env=env,
+                           capture_output=True, text=True)
+    assert check.stdout.strip().endswith(".so"), check.stdout + check.stderr
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_http_units.py",
+                           "tests/test_hot_path.py", "tests/test_continuation.py", "tests/test_upstream_faults.py"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
