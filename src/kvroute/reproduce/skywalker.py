@@ -262,7 +262,9 @@ def rows(lab: Lab) -> list[Row]:
                    f"hit {bp['prefix_hit_rate']:.0%}), so the pending gate has little to fix; the paper ran "
                    "\"replicas at high utilization\" (§5.1) and its BP lost hit rate (68.9 %), i.e. evicted "
                    "shared prefixes, which needs more KV per tree than kvroute's answers (a choice: median 150 "
-                   "tokens under the 256 cap; the paper publishes no answer lengths) take. Checked: the probe reads "
+                   "tokens under the 256 cap; the paper publishes no answer lengths) take. The released client "
+                   "issues both branches at the first level too (tot.py: 2+4+8+16 = 30 requests a tree, 16 "
+                   "leaves), where §5.1 says 15 requests a tree, which kvroute follows. Checked: the probe reads "
                    "SGLang's num_queue_reqs as SGLang sets it (at a prefill batch or every 40th decode step, "
                    "sim/queue_gauge.py), which is all SkyWalker's balancer reads (a replica is available iff "
                    "it is 0; skypilot serve-multi-region-lb load_balancer.py _probe_ie_queue)",
