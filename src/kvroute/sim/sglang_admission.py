@@ -22,7 +22,8 @@ its running requests may still generate (sgl-project/sglang ``python/sglang/srt/
 * ``max_new_tokens``: the client's ``max_tokens`` when it sends one, else
   ``max_req_len − prompt − 1`` (``scheduler.py``, ``init_req_max_new_tokens``; ``max_req_len``
   is at most the KV pool's tokens). kvroute's synthetic clients send one (chat 2048, tree node
-  1024: workload/synthetic.py; SkyWalker's benchmark settings are not published).
+  1024: workload/synthetic.py; SkyWalker's released client sends 512 a chat turn and 256 a tree
+  node, sky/lbbench/workloads, which its reproduce scenarios set with ``workload.conversation``).
 
 Because the reservation makes admission stop before memory runs out, requests wait in the
 engine's queue earlier — the "pending" signal SkyWalker's selective pushing probes (§3.3).
