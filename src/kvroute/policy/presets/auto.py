@@ -49,8 +49,8 @@ from kvroute.policy.params import PolicyParams
 HOTSPOT = Branch.HOTSPOT_FILTERED.value
 RTT_AWARE, ADDITIVE, PREFIX_LOAD = "auto:rtt-aware", "auto:additive", "auto:prefix-load"
 # the challenger's trust region: the incumbent's score with the incumbent's settings
-TRUST = {"near_best": {"scorer": {"lmetric_speed": {"spread": "$speed_spread", "learn": "$speed"}},
-                       "factor": "$trust"}}
+INCUMBENT = {"lmetric_speed": {"spread": "$speed_spread", "learn": "$speed", "live_batch": "$live_batch"}}
+TRUST = {"near_best": {"scorer": INCUMBENT, "factor": "$trust"}}
 
 
 def _select(scope: str) -> dict[str, dict[str, str]]:
@@ -67,8 +67,7 @@ def _select(scope: str) -> dict[str, dict[str, str]]:
             "cost": {"rtt_ms": "$w_rtt", "uncached_tokens": "$t_p", "inflight_tokens": "$w_queue"}},
            {"enabled": "$select", "when": [{"rtt_spread_at_most": "$rtt_spread_ms"}, _select("region")],
             "branch": ADDITIVE, "among": TRUST, "cost": {"uncached_tokens": "$t_p", "inflight_tokens": "$w_queue"}},
-           {"enabled": "$speed", "cost": {"lmetric_speed": {"spread": "$speed_spread"}}, "branch": PREFIX_LOAD}],
-    cost={"lmetric": 1}, branch=PREFIX_LOAD)
+           {"cost": INCUMBENT, "branch": PREFIX_LOAD}])
 class AutoParams(PolicyParams):
     """The default: LMetric's score on learned replica speeds, GORGO's cost trialled against it online.
 
@@ -96,5 +95,8 @@ class AutoParams(PolicyParams):
     speed: bool = Field(True, description="the incumbent scales LMetric's score by each replica's prefill and decode "
                         "time learned from measured TTFTs and TPOTs (mixed hardware); false: LMetric's score as is, "
                         "in the challenger's trust region too")
+    live_batch: bool = Field(True, description="LMetric's batch term counts at least the requests this load "
+                             "balancer has in flight on the replica (an SGLang gauge can be 40 decode steps old); "
+                             "false: probed running + waiting + dispatched since the probe, as lmetric")
     speed_spread: float = Field(1.5, ge=1, description="the fleet counts as mixed hardware when learned prefill and "
                                 "decode times both spread past this factor (max / min); else it routes as one kind")

@@ -52,15 +52,25 @@ class SpeedLMetric(Scorer, SpeedPlugin):
     On equal load the score scales with both times, so at balance a replica k× faster at both
     carries k× the load (the score grows as load², LMetric's two factors each growing with it).
     ``learn: false`` learns nothing and is LMetric's score as is (``auto``'s ``speed: false``, for
-    its trust region as for its incumbent)."""
+    its trust region as for its incumbent).
+
+    ``live_batch``: the batch term counts at least the requests this load balancer has in flight on
+    the replica (dispatched, not finished: its own accounting, always current) — max(probed running +
+    waiting + dispatched since the probe, in flight). An SGLang engine writes its running and
+    waiting gauges only when it forms a prefill batch or every 40th decode step
+    (sim/queue_gauge.py), so a probe every 100 ms can read a batch seconds old, and the dispatches
+    counted since the probe start again from 0 at every probe: the requests sent between the
+    gauge's last write and the probe vanish from the batch term. Behind one load balancer the count
+    in flight is the replica's batch (plus requests on the wire); behind several the probe still
+    carries the others' share."""
 
     name = "lmetric_speed"
     inputs = frozenset({"prefix", "prefill_backlog", "load"})
 
     def __init__(self, min_samples: int = 16, halflife: int = DEFAULT_HALFLIFE, spread: float = 1.5,
-                 learn: bool = True):
+                 learn: bool = True, live_batch: bool = False):
         SpeedPlugin.__init__(self, SpeedFit(min_samples=min_samples, halflife=halflife, spread=spread))
-        self.learn = learn
+        self.learn, self.live_batch = learn, live_batch
 
     def on_dispatched(self, req: Request, endpoint: Endpoint, new_prefill_tokens: int) -> None:
         """Learns only with ``learn``."""
@@ -80,7 +90,12 @@ class SpeedLMetric(Scorer, SpeedPlugin):
     def values(self, st: DecisionState, eps: list[Endpoint]) -> list[float]:
         """LMetric's score per endpoint, times its prefill and decode factors; lower is better."""
         pf, df = self.fit.factors()
-        base = st.lmetric(eps)  # LMetric's score, computed once per decision (shared: not modified)
+        if self.live_batch:
+            base = [(e.queued_prefill_tokens + n) * (max(e.running + e.waiting + e.dispatched_since_probe,
+                                                         e.inflight) + 1)
+                    for n, e in zip(st.new_prefill(eps), eps)]
+        else:
+            base = st.lmetric(eps)  # LMetric's score, computed once per decision (shared: not modified)
         if not pf and not df:
             return base
         return [b * pf.get(e.id, 1.0) * df.get(e.id, 1.0) for b, e in zip(base, eps)]
