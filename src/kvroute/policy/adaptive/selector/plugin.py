@@ -17,6 +17,13 @@ says which fits a deployment. So it measures, as an online A/B test does:
 * **guard against reward hacking** (GORGO v2 §4: a tuner scoring TTFT alone learned to send
   everything to the nearest replica — best TTFT, worst end-to-end latency): the challenger also
   needs a mean end-to-end latency at most ``e2e_slack`` worse than the incumbent's.
+* **a losing trial stops early** (futility stopping, as in sequential A/B testing): once each rule
+  has ``window // 4`` TTFTs of the trial answered, a challenger already behind by more than ``z``
+  standard errors cannot take over, so the trial ends there and the incumbent serves the rest —
+  every request the challenger would still have routed is one routed by the rule the evidence
+  already ranks worse (``kvroute bench auto``: rag at 70 / 90 %, trials of the additive cost
+  lengthened the TTFT p99 by ~8 %). Stopping only ever keeps the incumbent, so peeking at the
+  evidence can cost a late switch, never a wrong one.
 * **fewer trials while the answer holds.** The incumbent then serves ``exploit`` windows; each
   trial that keeps it doubles that (up to ``exploit × 8`` windows), a switch resets it — the
   doubling schedule of online learning, so exploration's share shrinks on stable traffic and a
@@ -86,6 +93,7 @@ class TTFTSelector(Condition, Lifecycle):
         self.wins = {A: 0, B: 0}
         self.rounds = 0
         self.evidence = 0.0  # the last trial's statistic (challenger's lead in standard errors)
+        self.stopped = 0  # trials ended early: the challenger was already behind by more than z
 
     def holds(self, st: DecisionState, eps: list[Endpoint]) -> bool:
         """True when the guarded rule routes this request (the request is marked as this
@@ -115,6 +123,8 @@ class TTFTSelector(Condition, Lifecycle):
         tr_arm = self.owner.get(req_id)
         if tr_arm is not None and tr_arm[0] == self.trial:
             self.ttft[tr_arm[1]].append(ttft_s)
+            if self.phase == "trial":
+                self._maybe_stop()
 
     def on_finished(self, req_id: str, endpoint_id: str, e2e_s: float, output_tokens: int) -> None:
         """The guard's sample: end-to-end latency per rule; decide once the trial has answered."""
@@ -133,6 +143,26 @@ class TTFTSelector(Condition, Lifecycle):
         self.ttft, self.e2e = {A: [], B: []}, {A: [], B: []}
         self.owner = {}  # the last trial's stragglers no longer count
 
+    def _maybe_stop(self) -> None:
+        """End a trial early when the challenger is already behind by more than ``z`` standard errors."""
+        inc = self.incumbent
+        ch = A if inc == B else B
+        if min(len(self.ttft[A]), len(self.ttft[B])) < max(2, self.window // 4):
+            return
+        behind = welch(self.ttft[inc], self.ttft[ch])
+        if behind > self.z:
+            self.evidence = -behind
+            self.stopped += 1
+            self._keep()
+
+    def _keep(self) -> None:
+        """The incumbent stays: it serves a stretch that doubles with each trial it kept."""
+        self.kept = min(MAX_DOUBLINGS, self.kept + 1)
+        self.wins[self.incumbent] += 1
+        self.rounds += 1
+        self.phase, self.arm = "exploit", self.incumbent
+        self.left = self.exploit * self.window * 2 ** self.kept
+
     def _maybe_decide(self) -> None:
         """Once half of each rule's trial requests answered: switch only on evidence the guard accepts."""
         if self.phase != "wait":
@@ -146,16 +176,17 @@ class TTFTSelector(Condition, Lifecycle):
         e2e_ok = mean_se(self.e2e[ch])[0] <= (1 + self.e2e_slack) * mean_se(self.e2e[inc])[0]
         if self.evidence > self.z and e2e_ok:
             self.incumbent, self.kept = ch, 0
+            self.wins[self.incumbent] += 1
+            self.rounds += 1
+            self.phase, self.arm = "exploit", self.incumbent
+            self.left = self.exploit * self.window * 2 ** self.kept
         else:
-            self.kept = min(MAX_DOUBLINGS, self.kept + 1)
-        self.wins[self.incumbent] += 1
-        self.rounds += 1
-        self.phase, self.arm = "exploit", self.incumbent
-        self.left = self.exploit * self.window * 2 ** self.kept
+            self._keep()
 
     def state(self) -> dict[str, float]:
         """The rule serving (1: the guarded one), trials decided, each rule's wins, the last trial's evidence."""
         out = {"serving_guarded": float(self.arm == A), "rounds": float(self.rounds),
                "wins_guarded": float(self.wins[A]), "wins_other": float(self.wins[B]),
-               "trialling": float(self.phase == "trial"), "evidence": round(min(self.evidence, 1e6), 3)}
+               "trialling": float(self.phase == "trial"), "evidence": round(max(-1e6, min(self.evidence, 1e6)), 3),
+               "stopped_early": float(self.stopped)}
         return {self.scope + k: v for k, v in out.items()}
