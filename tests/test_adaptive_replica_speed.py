@@ -182,3 +182,39 @@ def test_near_best_takes_scorer_arguments_and_names_bad_ones():
         NearBest(scorer="no_such_scorer")
     with pytest.raises(ValueError, match="arguments: min_samples"):
         NearBest(scorer={"lmetric_speed": {"bogus": 1}})
+
+
+def _feed_noisy(fit: SpeedFit, laws: dict[str, tuple[float, float]], n: int, noise: float, seed: int) -> bool:
+    """``n`` requests per replica with multiplicative noise (± ``noise``) on TTFT and decode time;
+    law = (s per prefill token of work, s per output token). True if the fit judged the fleet mixed at any point."""
+    rng = random.Random(seed)
+    seen = False
+    for i in range(n):
+        for ep, (b, d) in laws.items():
+            work, out = rng.randrange(500, 5000), rng.randrange(20, 400)
+            rid = f"{ep}-{i}"
+            fit.dispatched(rid, ep, work, 0.0)
+            ttft = b * work * (1 + noise * (2 * rng.random() - 1))
+            fit.first_token(rid, ttft)
+            fit.finished(rid, ep, ttft + d * (out - 1) * (1 + noise * (2 * rng.random() - 1)), out)
+            seen = seen or bool(fit.factors()[0])
+    return seen
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_few_noisy_samples_of_one_kind_do_not_make_a_mixed_fleet(seed):
+    """One hardware kind, ±60 % noise (cache luck, batch interference), judged from 4 samples on: the
+    spread must stand ``z`` standard errors apart, which noise on a handful of samples rarely fakes —
+    without the test (z = 0) the same samples flip the fleet to mixed."""
+    laws = {f"r{i}": (2.5e-4, 0.03) for i in range(8)}
+    assert not _feed_noisy(SpeedFit(min_samples=4, z=2.0), laws, 40, 0.6, seed)
+    if seed == 0:
+        assert _feed_noisy(SpeedFit(min_samples=4, z=0.0), laws, 40, 0.6, seed)
+
+
+def test_hardware_three_times_apart_is_found_within_a_few_samples():
+    fit = SpeedFit(min_samples=4, z=2.0)
+    laws = {"a100-0": (1e-4, 0.015), "a100-1": (1e-4, 0.015), **{f"l4-{i}": (3e-4, 0.04) for i in range(6)}}
+    assert _feed_noisy(fit, laws, 6, 0.3, 1)
+    pf, df = fit.factors()
+    assert pf["a100-0"] < 0.5 and df["a100-0"] < 0.6 and pf["l4-0"] == pytest.approx(1.0, rel=0.35)

@@ -49,7 +49,8 @@ from kvroute.policy.params import PolicyParams
 HOTSPOT = Branch.HOTSPOT_FILTERED.value
 RTT_AWARE, ADDITIVE, PREFIX_LOAD = "auto:rtt-aware", "auto:additive", "auto:prefix-load"
 # the challenger's trust region: the incumbent's score with the incumbent's settings
-INCUMBENT = {"lmetric_speed": {"spread": "$speed_spread", "learn": "$speed", "live_batch": "$live_batch"}}
+INCUMBENT = {"lmetric_speed": {"spread": "$speed_spread", "learn": "$speed", "live_batch": "$live_batch",
+                                "min_samples": "$speed_samples"}}
 TRUST = {"near_best": {"scorer": INCUMBENT, "factor": "$trust"}}
 
 
@@ -98,5 +99,7 @@ class AutoParams(PolicyParams):
     live_batch: bool = Field(True, description="LMetric's batch term counts at least the requests this load "
                              "balancer has in flight on the replica (an SGLang gauge can be 40 decode steps old); "
                              "false: probed running + waiting + dispatched since the probe, as lmetric")
+    speed_samples: int = Field(4, ge=1, description="first tokens and completions per replica before its "
+                               "learned speed counts (the spread must also stand 2 standard errors apart)")
     speed_spread: float = Field(1.5, ge=1, description="the fleet counts as mixed hardware when learned prefill and "
                                 "decode times both spread past this factor (max / min); else it routes as one kind")

@@ -18,7 +18,8 @@ calibrated online). This module calibrates that profile online, per replica:
 Relative speeds are what routing needs: each replica's time over the median of the replicas that
 have ``min_samples`` observations (a replica without them counts as the median). The fleet is
 judged mixed only when both the prefill times and the decode times spread by more than ``spread``
-(max ÷ min, 1.5): another GPU generation differs in compute and in memory bandwidth alike, while
+(max ÷ min, 1.5), and significantly so — the slowest ``z`` standard errors down above ``spread`` ×
+the fastest ``z`` standard errors up, so a few noisy samples cannot fake it: another GPU generation differs in compute and in memory bandwidth alike, while
 the load imbalance and prefix-cache luck of a homogeneous fleet move one measure at a time (with
 prefill alone, tree-of-thought runs flipped to "mixed" early on a handful of samples). Otherwise
 every factor is 1 and a fleet of one hardware kind routes exactly as without this module.
@@ -37,13 +38,14 @@ DEFAULT_HALFLIFE = 128  # observations per replica over which an old one's weigh
 
 @dataclass(slots=True)
 class _Line:
-    """Exponentially weighted least squares of y on x (sums of weights, x, x², y, x·y)."""
+    """Exponentially weighted least squares of y on x (sums of weights, x, x², y, y², x·y)."""
 
     n: int = 0
     w: float = 0.0
     sx: float = 0.0
     sxx: float = 0.0
     sy: float = 0.0
+    syy: float = 0.0
     sxy: float = 0.0
 
     def add(self, x: float, y: float, decay: float) -> None:
@@ -52,42 +54,80 @@ class _Line:
         self.sx = self.sx * decay + x
         self.sxx = self.sxx * decay + x * x
         self.sy = self.sy * decay + y
+        self.syy = self.syy * decay + y * y
         self.sxy = self.sxy * decay + x * y
 
-    def at(self, x: float) -> float:
-        """The fitted line at ``x`` (the mean of y when x did not vary); never below 0."""
+    def _slope(self) -> tuple[float, float, float, float]:
+        """(mean x, mean y, slope ≥ 0, weighted variance of x)."""
         mx, my = self.sx / self.w, self.sy / self.w
         var = self.sxx / self.w - mx * mx
         slope = (self.sxy / self.w - mx * my) / var if var > 1e-9 * max(1.0, mx * mx) else 0.0
-        return max(0.0, my + max(0.0, slope) * (x - mx))
+        return mx, my, max(0.0, slope), var
+
+    def at(self, x: float) -> float:
+        """The fitted line at ``x`` (the mean of y when x did not vary); never below 0."""
+        mx, my, slope, _ = self._slope()
+        return max(0.0, my + slope * (x - mx))
+
+    def se_at(self, x: float) -> float:
+        """Standard error of :meth:`at` (the sum of weights standing for the sample size); inf for two
+        observations or fewer (a line through them has no residual)."""
+        if self.w <= 2.0 + 1e-9:
+            return float("inf")
+        mx, my, slope, var = self._slope()
+        vy = self.syy / self.w - my * my
+        cov = self.sxy / self.w - mx * my
+        rss = max(0.0, vy - 2.0 * slope * cov + slope * slope * var) * self.w  # residual sum of squares
+        s2 = rss / (self.w - 2.0)
+        lever = (x - mx) ** 2 / (var * self.w) if var > 1e-9 * max(1.0, mx * mx) else 0.0
+        return (s2 * (1.0 / self.w + lever)) ** 0.5
 
 
 @dataclass(slots=True)
 class _Ratio:
-    """Exponentially weighted ratio of sums (decode seconds over output tokens)."""
+    """Exponentially weighted ratio of sums (decode seconds over output tokens), with the weighted
+    moments of the per-observation ratios for its standard error."""
 
     n: int = 0
     num: float = 0.0
     den: float = 0.0
+    w: float = 0.0
+    r: float = 0.0
+    rr: float = 0.0
 
     def add(self, num: float, den: float, decay: float) -> None:
         self.n += 1
         self.num = self.num * decay + num
         self.den = self.den * decay + den
+        q = num / den if den > 0 else 0.0
+        self.w = self.w * decay + 1.0
+        self.r = self.r * decay + q
+        self.rr = self.rr * decay + q * q
+
+    def se(self) -> float:
+        """Standard error of the mean per-observation ratio; inf for one observation."""
+        if self.w <= 1.0 + 1e-9:
+            return float("inf")
+        m = self.r / self.w
+        var = max(0.0, self.rr / self.w - m * m) * self.w / (self.w - 1.0)
+        return (var / self.w) ** 0.5
 
 
 class SpeedFit:
     """Per-replica prefill and decode times from measured TTFTs and completions, and the relative
     factors routing multiplies a replica's load by (1 = the fleet's median speed)."""
 
-    def __init__(self, min_samples: int = 16, halflife: int = DEFAULT_HALFLIFE, spread: float = 1.5):
+    def __init__(self, min_samples: int = 16, halflife: int = DEFAULT_HALFLIFE, spread: float = 1.5,
+                 z: float = 2.0):
+        if z < 0:
+            raise ValueError(f"z must be >= 0, got {z}")
         if min_samples < 1:
             raise ValueError(f"min_samples must be >= 1, got {min_samples}")
         if halflife < 1:
             raise ValueError(f"halflife must be >= 1, got {halflife}")
         if spread < 1:
             raise ValueError(f"spread must be >= 1, got {spread}")
-        self.min_samples, self.spread = min_samples, spread
+        self.min_samples, self.spread, self.z = min_samples, spread, z
         self.decay = 0.5 ** (1.0 / halflife)
         self._prefill: dict[str, _Line] = {}
         self._decode: dict[str, _Ratio] = {}
@@ -134,27 +174,42 @@ class SpeedFit:
         self._ttft.pop(req_id, None)
 
     # ---- estimates ----------------------------------------------------------------------------
-    def prefill_s(self) -> dict[str, float]:
-        """Per replica with ``min_samples`` first tokens: its fitted TTFT − RTT at the fleet's mean work."""
+    def _prefill_est(self) -> dict[str, tuple[float, float]]:
+        """Per replica with ``min_samples`` first tokens: (fitted TTFT − RTT at the fleet's mean work, its SE)."""
         if self._work.den <= 0:
             return {}
         ref = self._work.num / self._work.den
-        return {ep: line.at(ref) for ep, line in self._prefill.items() if line.n >= self.min_samples}
+        return {ep: (line.at(ref), line.se_at(ref)) for ep, line in self._prefill.items()
+                if line.n >= self.min_samples}
+
+    def _decode_est(self) -> dict[str, tuple[float, float]]:
+        """Per replica with ``min_samples`` completions: (mean time per output token, its SE)."""
+        return {ep: (r.num / r.den, r.se()) for ep, r in self._decode.items() if r.n >= self.min_samples and r.den > 0}
+
+    def prefill_s(self) -> dict[str, float]:
+        """Per replica with ``min_samples`` first tokens: its fitted TTFT − RTT at the fleet's mean work."""
+        return {ep: t for ep, (t, _) in self._prefill_est().items()}
 
     def decode_s(self) -> dict[str, float]:
         """Per replica with ``min_samples`` completions: its mean time per output token."""
-        return {ep: r.num / r.den for ep, r in self._decode.items() if r.n >= self.min_samples and r.den > 0}
+        return {ep: t for ep, (t, _) in self._decode_est().items()}
 
-    def _relative(self, times: dict[str, float]) -> dict[str, float]:
-        """Each time over the median; empty (all 1) while the spread is within ``spread``."""
-        positive = [t for t in times.values() if t > 0]
-        if len(positive) < 2 or max(positive) <= self.spread * min(positive):
+    def _relative(self, est: dict[str, tuple[float, float]]) -> dict[str, float]:
+        """Each time over the median; empty (all 1) unless the slowest replica's time, ``z`` standard
+        errors down, is still more than ``spread`` × the fastest one's, ``z`` standard errors up: a
+        spread that few noisy observations could fake does not count."""
+        positive = {ep: te for ep, te in est.items() if te[0] > 0}
+        if len(positive) < 2:
             return {}
-        mid = median(positive)
-        return {ep: t / mid for ep, t in times.items() if t > 0}
+        lo = min(positive.values())
+        hi = max(positive.values())
+        if hi[0] - self.z * hi[1] <= self.spread * (lo[0] + self.z * lo[1]):
+            return {}
+        mid = median(t for t, _ in positive.values())
+        return {ep: t / mid for ep, (t, _) in positive.items()}
 
     def _refresh(self) -> None:
-        pf, df = self._relative(self.prefill_s()), self._relative(self.decode_s())
+        pf, df = self._relative(self._prefill_est()), self._relative(self._decode_est())
         # hardware apart shows in both (compute and memory bandwidth); one measure alone apart is noise
         self._factors = (pf, df) if pf and df else ({}, {})
 

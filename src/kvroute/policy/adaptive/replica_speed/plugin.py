@@ -68,8 +68,8 @@ class SpeedLMetric(Scorer, SpeedPlugin):
     inputs = frozenset({"prefix", "prefill_backlog", "load"})
 
     def __init__(self, min_samples: int = 16, halflife: int = DEFAULT_HALFLIFE, spread: float = 1.5,
-                 learn: bool = True, live_batch: bool = False):
-        SpeedPlugin.__init__(self, SpeedFit(min_samples=min_samples, halflife=halflife, spread=spread))
+                 z: float = 2.0, learn: bool = True, live_batch: bool = False):
+        SpeedPlugin.__init__(self, SpeedFit(min_samples=min_samples, halflife=halflife, spread=spread, z=z))
         self.learn, self.live_batch = learn, live_batch
 
     def on_dispatched(self, req: Request, endpoint: Endpoint, new_prefill_tokens: int) -> None:
