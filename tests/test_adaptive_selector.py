@@ -148,3 +148,17 @@ def test_near_best_keeps_the_endpoints_lmetric_ranks_within_the_factor(factor, k
 def test_near_best_refuses_a_factor_below_one():
     with pytest.raises(ValueError, match="factor must be >= 1"):
         NearBest("lmetric", 0.5)
+
+
+def test_a_trial_the_challenger_is_clearly_losing_stops_early():
+    """Futility stopping: with window 32, once each rule has 8 TTFTs and the challenger is behind by more
+    than z standard errors, the incumbent serves the rest of the trial; a winning challenger is trialled
+    in full."""
+    sel = TTFTSelector(window=32, exploit=1)
+    arms = drive(sel, {A: noisy(0.6), B: noisy(0.2)}, {A: 5.0, B: 5.0}, 64)
+    assert arms[:16] == [A, B] * 8 and arms[16:] == [B] * 48
+    state = sel.state()
+    assert state["stopped_early"] == 1 and state["wins_other"] == 1 and state["evidence"] < -2
+    sel = TTFTSelector(window=32, exploit=1)
+    assert drive(sel, {A: noisy(0.2), B: noisy(0.6)}, {A: 5.0, B: 5.0}, 64) == [A, B] * 32
+    assert sel.state()["stopped_early"] == 0 and sel.state()["wins_guarded"] == 1

@@ -71,9 +71,15 @@ class SpeedLMetric(Scorer, SpeedPlugin):
                  z: float = 2.0, learn: bool = True, live_batch: bool = False):
         SpeedPlugin.__init__(self, SpeedFit(min_samples=min_samples, halflife=halflife, spread=spread, z=z))
         self.learn, self.live_batch = learn, live_batch
+        self.dispatches = 0
+        self.floored = 0  # dispatches whose target counted more requests in flight than its probe showed
 
     def on_dispatched(self, req: Request, endpoint: Endpoint, new_prefill_tokens: int) -> None:
-        """Learns only with ``learn``."""
+        """Learns only with ``learn``; counts how often the in-flight floor was above the probed batch."""
+        if self.live_batch:
+            self.dispatches += 1
+            # both counts include this request (the Router counted it before telling the plugins)
+            self.floored += endpoint.inflight > endpoint.running + endpoint.waiting + endpoint.dispatched_since_probe
         if self.learn:
             SpeedPlugin.on_dispatched(self, req, endpoint, new_prefill_tokens)
 
@@ -86,6 +92,14 @@ class SpeedLMetric(Scorer, SpeedPlugin):
         """Learns only with ``learn``."""
         if self.learn:
             SpeedPlugin.on_finished(self, req_id, endpoint_id, e2e_s, output_tokens)
+
+    def state(self) -> dict[str, float]:
+        """The fit's state; with ``live_batch``, ``batch_floor_share``: the share of dispatches whose target
+        had more of this load balancer's requests in flight than its probe showed (a gauge behind)."""
+        out = self.fit.state()
+        if self.live_batch:
+            out["batch_floor_share"] = round(self.floored / self.dispatches, 4) if self.dispatches else 0.0
+        return out
 
     def values(self, st: DecisionState, eps: list[Endpoint]) -> list[float]:
         """LMetric's score per endpoint, times its prefill and decode factors; lower is better."""

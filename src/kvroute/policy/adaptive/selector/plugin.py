@@ -18,7 +18,7 @@ says which fits a deployment. So it measures, as an online A/B test does:
   everything to the nearest replica — best TTFT, worst end-to-end latency): the challenger also
   needs a mean end-to-end latency at most ``e2e_slack`` worse than the incumbent's.
 * **a losing trial stops early** (futility stopping, as in sequential A/B testing): once each rule
-  has ``window // 4`` TTFTs of the trial answered, a challenger already behind by more than ``z``
+  has ``window // 4`` (at least 8) TTFTs of the trial answered, a challenger already behind by more than ``z``
   standard errors cannot take over, so the trial ends there and the incumbent serves the rest —
   every request the challenger would still have routed is one routed by the rule the evidence
   already ranks worse (``kvroute bench auto``: rag at 70 / 90 %, trials of the additive cost
@@ -147,7 +147,7 @@ class TTFTSelector(Condition, Lifecycle):
         """End a trial early when the challenger is already behind by more than ``z`` standard errors."""
         inc = self.incumbent
         ch = A if inc == B else B
-        if min(len(self.ttft[A]), len(self.ttft[B])) < max(2, self.window // 4):
+        if min(len(self.ttft[A]), len(self.ttft[B])) < max(8, self.window // 4):  # a Welch test needs a few
             return
         behind = welch(self.ttft[inc], self.ttft[ch])
         if behind > self.z:
