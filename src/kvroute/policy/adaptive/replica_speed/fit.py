@@ -19,10 +19,11 @@ Relative speeds are what routing needs: each replica's time over the median of t
 have ``min_samples`` observations (a replica without them counts as the median). The fleet is
 judged mixed only when both the prefill times and the decode times spread by more than ``spread``
 (max ÷ min, 1.5), and significantly so — the slowest ``z`` standard errors down above ``spread`` ×
-the fastest ``z`` standard errors up, so a few noisy samples cannot fake it: another GPU generation differs in compute and in memory bandwidth alike, while
-the load imbalance and prefix-cache luck of a homogeneous fleet move one measure at a time (with
-prefill alone, tree-of-thought runs flipped to "mixed" early on a handful of samples). Otherwise
-every factor is 1 and a fleet of one hardware kind routes exactly as without this module.
+the fastest ``z`` standard errors up, so a few noisy samples cannot fake it. Another GPU generation
+differs in compute and in memory bandwidth alike, while the load imbalance and prefix-cache luck of
+a homogeneous fleet move one measure at a time (with prefill alone, tree-of-thought runs flipped to
+"mixed" early on a handful of samples). Otherwise every factor is 1 and a fleet of one hardware
+kind routes exactly as without this module.
 
 The estimate feeds back on itself, stabilisingly: a replica given more load queues more, its
 measured times grow, its factor grows, and it is given less. Pure: times arrive as arguments.
@@ -30,6 +31,7 @@ measured times grow, its factor grows, and it is given less. Pure: times arrive 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from statistics import median
 
@@ -80,7 +82,7 @@ class _Line:
         rss = max(0.0, vy - 2.0 * slope * cov + slope * slope * var) * self.w  # residual sum of squares
         s2 = rss / (self.w - 2.0)
         lever = (x - mx) ** 2 / (var * self.w) if var > 1e-9 * max(1.0, mx * mx) else 0.0
-        return (s2 * (1.0 / self.w + lever)) ** 0.5
+        return math.sqrt(s2 * (1.0 / self.w + lever))
 
 
 @dataclass(slots=True)
@@ -110,7 +112,7 @@ class _Ratio:
             return float("inf")
         m = self.r / self.w
         var = max(0.0, self.rr / self.w - m * m) * self.w / (self.w - 1.0)
-        return (var / self.w) ** 0.5
+        return math.sqrt(var / self.w)
 
 
 class SpeedFit:

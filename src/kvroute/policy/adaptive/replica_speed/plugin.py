@@ -104,6 +104,7 @@ class SpeedLMetric(Scorer, SpeedPlugin):
     def values(self, st: DecisionState, eps: list[Endpoint]) -> list[float]:
         """LMetric's score per endpoint, times its prefill and decode factors; lower is better."""
         pf, df = self.fit.factors()
+        base: list[float]
         if self.live_batch:
             base = [(e.queued_prefill_tokens + n) * (max(e.running + e.waiting + e.dispatched_since_probe,
                                                          e.inflight) + 1)
