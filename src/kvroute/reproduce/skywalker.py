@@ -89,8 +89,9 @@ def kv_note(lab: Lab, sw: dict, clients: dict[str, int], shape: dict) -> str:
             f"several seconds\" (§5.1); an L4's KV pool ({kv:,} tokens, from the released launch flags) holds "
             f"~{kv / prompt:.0f} contexts of {prompt:,.0f} tokens while each replica serves {per:.0f} "
             "conversations, so requests queue and a conversation's prefix is mostly evicted before its next turn, "
-            "under every policy. The paper saw an L4 hold \"20 to 50\" outstanding requests (§3.3), so at "
-            f"{per:.0f} conversations a replica its requests took at most ~{kv / per:,.0f} tokens each; kvroute's "
+            f"under every policy. For {per:.0f} conversations a replica to fit the pool, as the paper's P90s and "
+            "the \"20 to 50\" outstanding requests it saw an L4 hold (§3.3) suggest, its requests held at most "
+            f"~{kv / per:,.0f} tokens each; kvroute's "
             "questions (log-normal, median 120 tokens, over 2 + Geometric(0.35) turns) are a choice, ChatBot "
             "Arena's token lengths unpublished. ")
 
