@@ -96,17 +96,18 @@ def kv_note(lab: Lab, sw: dict, clients: dict[str, int], shape: dict) -> str:
             "Arena's token lengths unpublished. ")
 
 
-def lengths_note(clients: dict[str, int], shape: dict) -> str:
+def lengths_note(clients: dict[str, int], shape: dict, key: str) -> str:
     """The synthetic chat's lengths beside the published ones (what the chat rows' setup rests on)."""
     prompt, turns = chat_lengths(clients, shape)
     text = (f"Setup: synthetic chat stands in for the trace, shaped as SkyWalker's released client replays it "
             f"(sky/lbbench/workloads/arena_syn.py, wildchat.py: multi-turn conversations only, answers capped at "
             f"512 tokens, no system prompt); its requests average {prompt:,.0f} prompt tokens over {turns:.1f} "
             "turns a conversation")
-    if shape["context"]:
-        return text + ", near the 2,925-token average request length GORGO v2 measured on WildChat-4.8M (§3, Fig. 1)"
-    return text + (" (ChatBot Arena's dataset card: 33,000 samples in 81 MB, two models' conversations a sample, "
-                   "~1.2 KB of text a conversation)")
+    if key.endswith("arena"):
+        return text + (" (ChatBot Arena's dataset card: 33,000 samples in 81 MB, two models' conversations a "
+                       "sample, ~1.2 KB of text a conversation)")
+    return text + (" (the replay sends WildChat-1M's user turns; GORGO v2's 2,925-token average request on "
+                   "WildChat-4.8M, §3, Fig. 1, includes the dataset's own answers)")
 
 
 def chat_rows(lab: Lab, key: str, chat: dict, where: str, clients: dict[str, int], shape: dict) -> list[Row]:
@@ -117,7 +118,7 @@ def chat_rows(lab: Lab, key: str, chat: dict, where: str, clients: dict[str, int
     every = {**base, GKE: chat[GKE]}  # "across all evaluated systems" (§5.1, TTFT and E2E)
     note = unstable_note(lab, key)
     best = max(base.items(), key=lambda kv: kv[1]["prefix_hit_rate"])
-    why = kv_note(lab, sw, clients, shape) + why_chat(sw, (SHORT[best[0]], best[1]), lengths_note(clients, shape))
+    why = kv_note(lab, sw, clients, shape) + why_chat(sw, (SHORT[best[0]], best[1]), lengths_note(clients, shape, key))
     tput = {SHORT[b]: sw["throughput_rps"] / r["throughput_rps"] for b, r in base.items()}
     agree = ratio_agreement(list(tput.values()), 1.12, 1.2)
     out.append(Row(f"throughput vs single-LB baselines, chat {where}", "1.12–1.2×",
