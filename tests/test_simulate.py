@@ -120,6 +120,27 @@ def test_conversation_shape_of_skywalkers_replay_bare_multi_turn_and_capped():
     assert min(turns) >= 2
 
 
+def test_conversation_shape_question_mean_and_end_chance():
+    # SkyWalker's Arena shape: Chatbot Arena's published averages (question mean, 1.3 turns -> end 1/1.3).
+    shape = ConversationShape(context=False, min_turns=2, max_output_tokens=512, question_mean=75.9, end_p=0.769)
+    wl = ChatWorkload({"us": 1}, seed=8, conversation=shape)
+    firsts, turns = [], []
+    for i in range(3000):
+        conv = wl.new_program("us", i)
+        firsts.append(conv.start()[0].req.prompt_tokens)  # no context: the first prompt is the question
+        turns.append(conv.turns_left + 1)  # turns_left counts the turns after the one just started
+    assert abs(sum(firsts) / len(firsts) - 75.9) < 0.08 * 75.9
+    assert min(turns) == 2 and abs(sum(turns) / len(turns) - 2.3) < 0.08
+    never = ChatWorkload({"us": 1}, seed=8, conversation=ConversationShape(min_turns=2, end_p=1.0))
+    assert all(never.new_program("us", i).turns_left == 2 for i in range(50))
+
+
+def test_conversation_shape_end_chance_outside_0_1_is_a_one_line_error():
+    with pytest.raises(ScenarioError, match="end_p"):
+        parse_scenario({"replicas": [{"count": 1}], "workload": {
+            "kind": "chat", "clients": {"local": 1}, "conversation": {"end_p": 1.5}}}, "inline")
+
+
 def test_tree_nodes_follow_the_shape_cap_and_bare_root():
     shape = ConversationShape(context=False, max_output_tokens=256)
     reqs = _played(ChatWorkload({"us": 1}, seed=5, tree_fraction=1.0, conversation=shape), 40)
@@ -134,9 +155,10 @@ def test_tree_nodes_follow_the_shape_cap_and_bare_root():
 def test_conversation_key_in_a_scenario_reaches_the_workload():
     sc = parse_scenario({"replicas": [{"count": 1}], "workload": {
         "kind": "chat", "clients": {"local": 1},
-        "conversation": {"context": False, "min_turns": 2, "max_output_tokens": 512}}}, "inline")
+        "conversation": {"context": False, "min_turns": 2, "max_output_tokens": 512, "question_mean": 75.9,
+                         "end_p": 0.769}}}, "inline")
     wl = sc.make_workload()
-    assert isinstance(wl, ChatWorkload) and wl.conversation == ConversationShape(False, 2, 512)
+    assert isinstance(wl, ChatWorkload) and wl.conversation == ConversationShape(False, 2, 512, 75.9, 0.769)
 
 
 def test_skewed_regions_forward_to_peers_with_skywalker():

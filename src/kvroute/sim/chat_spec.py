@@ -27,5 +27,9 @@ class ConversationSpec(StrictModel):
     context: bool = Field(True, description="a system prompt and, 60 % of the time, the user's document first; "
                           "false: the first question alone (SkyWalker's sky/lbbench/workloads send only the "
                           "program's turns)")
-    min_turns: int = Field(1, ge=1, le=12, description="conversations: min_turns + Geometric(0.35) turns, at most 12")
+    min_turns: int = Field(1, ge=1, le=12, description="conversations: min_turns + Geometric(end_p) turns, at most 12")
     max_output_tokens: int | None = Field(None, gt=0, description="cap each answer (default 2,048; 1,024 a tree node)")
+    question_mean: float | None = Field(None, gt=0, description="mean tokens of a conversation's user question "
+                                        "(log-normal, σ 0.9; default: median 120, mean ~180)")
+    end_p: float = Field(0.35, gt=0, le=1, description="chance a conversation ends after each turn past "
+                         "min_turns (turns = min_turns + Geometric(end_p); mean extra turns (1 - end_p) / end_p)")

@@ -391,7 +391,7 @@ class Scenario(StrictModel):
                     shapes[region] = (f, sh.depth or w.depth, sh.branching or w.branching)
                 c = w.conversation
                 return ChatWorkload(clients, self.seed, w.think_time_s, frac, w.depth, w.branching, shapes,
-                                    ConversationShape(c.context, c.min_turns, c.max_output_tokens))
+                                    ConversationShape(**c.model_dump()))
             path = resolve_trace(w.path, w.kind)
             if (w.max_prompt_tokens or w.max_output_tokens) and w.kind not in ("mooncake", "azure"):
                 raise ScenarioError(f"workload.max_prompt_tokens / max_output_tokens apply to mooncake and "

@@ -19,7 +19,9 @@ Structure (what makes prefix-aware routing matter):
 * **Conversation shape** (``ConversationShape``): without the system prompt and document, a
   conversation starts from its first question, as SkyWalker's ChatBot Arena replay sends only the
   conversation's own turns; a turn floor and an answer cap follow that replay's multi-turn filter
-  and ``max_tokens`` (skypilot-org/skypilot sky/lbbench/workloads/arena_syn.py, wildchat.py).
+  and ``max_tokens`` (skypilot-org/skypilot sky/lbbench/workloads/arena_syn.py, wildchat.py); a
+  question mean and a per-turn end chance let a scenario give a dataset's published averages
+  (ChatBot Arena's, Chatbot Arena paper Table 1: see scenarios/reproduce/skywalker-chat.yaml).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from kvroute.workload.base import Program, SimRequest, Workload
 from kvroute.workload.context import Context
 
 BLOCK_TOKENS = 64
+QUESTION_SIGMA = 0.9  # log-normal σ of a question's tokens
 
 
 def lognormal(rng: random.Random, median: float, sigma: float, lo: int, hi: int) -> int:
@@ -78,9 +81,9 @@ class ChatPopulation:
             ctx = ctx.extend(doc, n)
         return f"{region}-user{user}", ctx
 
-    def question(self) -> int:
-        """Tokens of a user question (log-normal, median 120)."""
-        return lognormal(self.rng, 120, 0.9, 4, 4000)
+    def question(self, median: float = 120) -> int:
+        """Tokens of a user question (log-normal, σ 0.9, median 120 unless given)."""
+        return lognormal(self.rng, median, QUESTION_SIGMA, 4, 4000)
 
     def answer(self) -> int:
         """Tokens of an answer (log-normal, median 200)."""
@@ -96,8 +99,16 @@ class ConversationShape:
     node)."""
 
     context: bool = True                 # a system prompt, 60 % of the time the user's document, first
-    min_turns: int = 1                   # turns = min_turns + Geometric(0.35), at most 12 (conversations)
+    min_turns: int = 1                   # turns = min_turns + Geometric(end_p), at most 12 (conversations)
     max_output_tokens: int | None = None  # cap on each answer's tokens (the request's max_tokens)
+    question_mean: float | None = None   # mean question tokens (default: median 120, i.e. mean ~180)
+    end_p: float = 0.35                  # chance of ending after each turn past min_turns (geometric)
+
+    def question_median(self) -> float:
+        """The log-normal median that gives ``question_mean`` (mean = median x exp(σ²/2)); 120 by default."""
+        if self.question_mean is None:
+            return 120
+        return self.question_mean / math.exp(QUESTION_SIGMA ** 2 / 2)
 
 
 class Conversation(Program):
@@ -111,11 +122,12 @@ class Conversation(Program):
         if not shape.context:  # same draws as with context (the user key stays), the context dropped
             self.ctx = Context(self.ctx.bt)
         self.max_answer = shape.max_output_tokens
+        self.q_median = shape.question_median()
         rng = pop.rng
-        self.turns_left = turns if turns is not None else min(12, shape.min_turns + _geometric(rng, 0.35))
+        self.turns_left = turns if turns is not None else min(12, shape.min_turns + _geometric(rng, shape.end_p))
 
     def _next(self) -> SimRequest:
-        self.ctx = self.ctx.extend(self.pop.seg(), self.pop.question())
+        self.ctx = self.ctx.extend(self.pop.seg(), self.pop.question(self.q_median))
         self.turns_left -= 1
         out = self.pop.answer()
         cap = self.max_answer or 2048
@@ -174,6 +186,9 @@ class ThoughtTree(Program):
 
 
 def _geometric(rng: random.Random, p: float) -> int:
+    if p >= 1.0:  # every conversation ends at min_turns (the draw is still taken, so later draws line up)
+        rng.random()
+        return 0
     return int(math.log(1.0 - rng.random()) / math.log(1.0 - p))
 
 
