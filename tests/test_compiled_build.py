@@ -92,6 +92,7 @@ def test_the_compiled_gateway_passes_its_http_and_stream_tests(compiled):
                            capture_output=True, text=True)
     assert check.stdout.strip().endswith(".so"), check.stdout + check.stderr
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_http_units.py",
-                           "tests/test_hot_path.py", "tests/test_continuation.py", "tests/test_upstream_faults.py"],
+                           "tests/test_hot_path.py", "tests/test_continuation.py", "tests/test_upstream_faults.py",
+                           "tests/test_gateway.py"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]

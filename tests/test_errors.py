@@ -60,7 +60,7 @@ def test_gateway_logs_follow_stderr_after_the_stream_they_started_on_closed(monk
     import logging
     import sys
 
-    from kvroute.gateway.server import configure_logging
+    from kvroute.gateway.logs import configure_logging
 
     early = io.StringIO()
     monkeypatch.setattr(sys, "stderr", early)

@@ -9,6 +9,8 @@ import time
 import httpx
 import pytest
 
+from kvroute.buildinfo import is_compiled
+from kvroute.gateway import runtime as runtime_module
 from kvroute.gateway.breaker import CircuitState
 from tests.fake_upstream import (
     METRICS,
@@ -190,6 +192,7 @@ def test_upstream_answering_429_is_retried_and_passed_on_when_everyone_is_busy(d
     assert all(u.breaker.failures == 0 for u in dep.runtime.upstreams.values())  # overload is not a fault
 
 
+@pytest.mark.skipif(is_compiled(runtime_module), reason="a compiled Runtime's methods cannot be replaced")
 def test_replica_removed_between_decision_and_forwarding_still_gets_an_answer(deploy):
     dep = deploy(GOOD)
     rt = dep.runtime

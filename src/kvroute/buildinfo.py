@@ -40,6 +40,18 @@ COMPILED: tuple[str, ...] = (
     "kvroute.gateway.continuation",
     "kvroute.gateway.openai",
     "kvroute.gateway.proxy",
+    "kvroute.gateway.runtime",
+    "kvroute.gateway.holdqueue",
+    "kvroute.gateway.metrics",
+    "kvroute.gateway.server",
+    "kvroute.gateway.peers",
+    "kvroute.gateway.auth",
+    "kvroute.gateway.breaker",
+    "kvroute.gateway.tracing",
+    "kvroute.gateway.outlier",
+    "kvroute.gateway.retry",
+    "kvroute.prefix.keys",
+    "kvroute.prefix.blocks",
 )
 
 PURE_ENV = "KVROUTE_PURE"

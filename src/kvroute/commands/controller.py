@@ -16,7 +16,7 @@ def cmd_controller(args: argparse.Namespace) -> int:
     file until SIGTERM."""
     from kvroute import yamlconf
     from kvroute.controller import load_deployment, start_controller
-    from kvroute.gateway.server import configure_logging
+    from kvroute.gateway.logs import configure_logging
 
     configure_logging(args.log_level)
     try:

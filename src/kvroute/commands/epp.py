@@ -16,7 +16,7 @@ def cmd_epp(args: argparse.Namespace) -> int:
     gateway's Router, probes and discovery, until SIGTERM."""
     from kvroute import yamlconf
     from kvroute.gateway.config import load_config
-    from kvroute.gateway.server import configure_logging
+    from kvroute.gateway.logs import configure_logging
 
     try:
         from kvroute.epp.server import serve_epp

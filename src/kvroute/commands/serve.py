@@ -16,7 +16,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     replicas in this process."""
     from kvroute import yamlconf
     from kvroute.gateway.config import load_config
-    from kvroute.gateway.server import configure_logging, serve
+    from kvroute.gateway.logs import configure_logging
+    from kvroute.gateway.server import serve
 
     configure_logging(args.log_level)
     if args.config:

@@ -204,8 +204,8 @@ class _Connection(asyncio.Protocol):
             self.upgraded = True  # protocol upgrades are not offered: answer, then close
             self._stop_reading()
             return
-        except httptools.HttpParserError as exc:
-            self._fail(BadRequest(400, f"malformed HTTP request: {exc}", "malformed"))
+        except httptools.HttpParserError as bad:
+            self._fail(BadRequest(400, f"malformed HTTP request: {bad}", "malformed"))
             return
         phase = self.phase
         if len(data) >= _BIG_READ and self.reading and not self.closed and self.rejection is None:

@@ -118,8 +118,8 @@ class RequestParsing:
                            f"column {exc.colno}") from None
         except RecursionError:
             raise ClientError("request body is nested too deeply") from None
-        except ValueError as exc:  # e.g. an integer longer than Python's 4,300-digit limit
-            raise ClientError(f"request body has an unreadable value: {str(exc)[:120]}") from None
+        except ValueError as bad:  # e.g. an integer longer than Python's 4,300-digit limit
+            raise ClientError(f"request body has an unreadable value: {str(bad)[:120]}") from None
         if not isinstance(body, dict):
             raise ClientError("request body must be a JSON object")
         for field in kind.prompt_fields:

@@ -122,8 +122,8 @@ class Proxy(RequestParsing):
                 resp.extra_headers.append(("x-request-id", request.headers.get("x-request-id") or req.id))
             try:
                 rt.peering.accept(req, request.headers, key)  # hops, residency pin (gateway/peers.py)
-            except ResidencyConflict as exc:
-                resp.send_error(403, str(exc), "permission_error", code="residency_conflict")
+            except ResidencyConflict as conflict:
+                resp.send_error(403, str(conflict), "permission_error", code="residency_conflict")
                 return
             headers = _forwarded(request.headers)
             if rt.keys.enabled and not rt.config.auth.forward_authorization:
@@ -166,16 +166,17 @@ class Proxy(RequestParsing):
                 decision = rt.route_now(req)
                 if decision is None:  # the policy holds it, or others wait before it: the LB queue
                     decision = await rt.hold.wait(req)
-            except QueueFull as exc:
+            # one name per clause: a compiled build types a name by its first binding
+            except QueueFull as full:
                 rt.metrics.rejected.labels("full").inc()
-                resp.send_error(429, str(exc), "rate_limit_error", code="queue_full", headers=[("Retry-After", "1")])
+                resp.send_error(429, str(full), "rate_limit_error", code="queue_full", headers=[("Retry-After", "1")])
                 return None
-            except QueueTimeout as exc:
+            except QueueTimeout as late:
                 rt.metrics.rejected.labels("timeout").inc()
-                resp.send_error(503, str(exc), "server_error", code="queue_timeout", headers=[("Retry-After", "2")])
+                resp.send_error(503, str(late), "server_error", code="queue_timeout", headers=[("Retry-After", "2")])
                 return None
-            except PolicyError as exc:
-                resp.send_error(503, f"{exc}; see the gateway log", "server_error", code="policy_error")
+            except PolicyError as broken:
+                resp.send_error(503, f"{broken}; see the gateway log", "server_error", code="policy_error")
                 return None
             if decision.kind is DecisionKind.NONE:
                 if failure is not None:

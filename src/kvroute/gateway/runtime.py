@@ -111,7 +111,8 @@ class Runtime:
             if self.events is not None:
                 self.events.remove(rc.name)
             return
-        from kvroute.kvevents import EventSource, KVEventConsumer
+        # the defining module, not the package: its lazy __getattr__ is not seen by a compiled from-import
+        from kvroute.kvevents.consumer import EventSource, KVEventConsumer
 
         if self.events is None:
             ks = self.config.kv_events

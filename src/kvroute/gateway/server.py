@@ -1,6 +1,6 @@
 """The gateway application: its routes (the proxied OpenAI endpoints, health, metrics, models,
 the admin and peer paths), authentication, reload, drain and stop — usable in-process (tests,
-the demo) or by ``kvroute serve``; and the JSON-lines logging it writes.
+the demo) or by ``kvroute serve``. Its JSON-lines logging is ``gateway/logs.py``.
 
 Parsing is ``gateway/openai.py``, proxying and retries ``gateway/proxy.py`` and
 ``gateway/retry.py``, HTTP itself ``gateway/http.py``.
@@ -10,7 +10,6 @@ import asyncio
 import gc
 import json
 import logging
-import sys
 from collections.abc import Coroutine
 from typing import Any, Literal
 
@@ -183,39 +182,3 @@ async def serve(config: GatewayConfig, config_path: str | None = None, on_ready=
     await until_stopped(on_hangup=reload)
     log.info("draining: %d request(s) in flight", gw.active)
     await gw.drain()
-
-
-class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
-    """Writes to ``sys.stderr`` as it is when a record is emitted, not as it was when logging was
-    configured: a stream swapped out since (a test's captured stderr, closed after the test) would
-    turn every later log line into a "--- Logging error ---" report."""
-
-    def __init__(self) -> None:
-        super().__init__(sys.stderr)
-
-    @property  # type: ignore[override]
-    def stream(self) -> Any:
-        return sys.stderr
-
-    @stream.setter
-    def stream(self, value: Any) -> None:
-        pass  # always the current sys.stderr
-
-
-def configure_logging(level: str = "INFO") -> None:
-    """Structured (JSON-lines) logs; request logs carry ids, replicas and timings, never prompts."""
-
-    class JsonFormatter(logging.Formatter):
-        def format(self, record: logging.LogRecord) -> str:
-            out: dict[str, Any] = {"ts": round(record.created, 3), "level": record.levelname,
-                                   "logger": record.name, "msg": record.getMessage()}
-            out.update(getattr(record, "fields", {}))
-            if record.exc_info:
-                out["exc"] = self.formatException(record.exc_info)
-            return json.dumps(out)
-
-    handler = _StderrHandler()
-    handler.setFormatter(JsonFormatter())
-    root = logging.getLogger("kvroute")
-    root.handlers[:] = [handler]
-    root.setLevel(level)

@@ -181,8 +181,8 @@ class _Conn(asyncio.Protocol):
             cause = exc.__context__
             self._fail(cause if isinstance(cause, UpstreamError) else UpstreamProtocolError(str(exc)))
             return
-        except httptools.HttpParserError as exc:
-            self._fail(UpstreamProtocolError(f"malformed response from upstream: {exc}"))
+        except httptools.HttpParserError as bad:
+            self._fail(UpstreamProtocolError(f"malformed response from upstream: {bad}"))
             return
         if (self._head_bytes if self.state == _WAIT_HEAD else self._stall) > MAX_HEAD_BYTES:
             self._fail(UpstreamProtocolError(f"upstream response head or trailer section larger than "
