@@ -218,3 +218,28 @@ def test_hardware_three_times_apart_is_found_within_a_few_samples():
     assert _feed_noisy(fit, laws, 6, 0.3, 1)
     pf, df = fit.factors()
     assert pf["a100-0"] < 0.5 and df["a100-0"] < 0.6 and pf["l4-0"] == pytest.approx(1.0, rel=0.35)
+
+
+def test_live_batch_counts_at_least_the_requests_in_flight():
+    """A probe read an SGLang gauge written before 6 requests arrived (running 1, nothing since the probe),
+    but this LB has 7 in flight there: with ``live_batch`` the batch term is 7, not 1."""
+    stale = Endpoint("stale", queued_prefill_tokens=0, running=1, inflight=7)
+    fresh = Endpoint("fresh", queued_prefill_tokens=0, running=3, waiting=1, inflight=2)
+    plain, live = SpeedLMetric(), SpeedLMetric(live_batch=True)
+    assert plain.values(_St(), [stale, fresh]) == [1000 * 2, 1000 * 5]  # LMetric: the stale one looks idle
+    assert live.values(_St(), [stale, fresh]) == [1000 * 8, 1000 * 5]  # max(probe, in flight) + 1
+    # the state says how often the floor was above the probe at dispatch (counts include the request)
+    live.on_dispatched(Request(id="a", prompt_tokens=10), stale, 10)
+    live.on_dispatched(Request(id="b", prompt_tokens=10), fresh, 10)
+    assert live.state()["batch_floor_share"] == 0.5
+    assert "batch_floor_share" not in plain.state()
+
+
+def test_auto_uses_the_live_batch_in_its_incumbent_and_trust_region():
+    from kvroute.policy import build_policy
+
+    for params, want in (({}, True), ({"live_batch": False}, False)):
+        policy = build_policy("auto", params)
+        incumbent = [s for rule in policy.rules for s, _ in rule.scorers if isinstance(s, SpeedLMetric)]
+        assert [s.live_batch for s in incumbent] == [want]
+        assert [r.scorer.live_batch for r in _trust_regions(policy)] == [want, want]
