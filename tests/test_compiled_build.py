@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import needs_trace
 
 import kvroute
 from kvroute import buildinfo
@@ -96,3 +97,16 @@ def test_the_compiled_gateway_passes_its_http_and_stream_tests(compiled):
                            "tests/test_gateway.py"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+
+
+@needs_trace
+def test_bench_sim_speed_measures_both_builds_in_one_run_and_finds_them_identical(compiled, tmp_path):
+    out = tmp_path / "speed.json"
+    proc = _kvroute(compiled, "bench", "sim-speed", "--skip-million", "--repeats", "1", "--presets", "round_robin",
+                    "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert set(r["builds"]) == {"pure", "compiled"} and r["identical"] and r["build"] == "compiled"
+    assert r["builds"]["compiled"]["per_preset"]["round_robin"]["build"].startswith("compiled (mypyc)")
+    assert r["builds"]["pure"]["per_preset"]["round_robin"]["build"] == "pure Python (KVROUTE_PURE=1)"
+    assert r["speedup"]["min"] > 0 and "compiled ÷ pure" in proc.stdout

@@ -19,8 +19,8 @@ import sys
 from collections.abc import Sequence
 from types import ModuleType
 
-# the simulator's per-event path, measured (cProfile and callgrind on bench sim-speed's workload,
-# docs/hot-path.md "Compiled build"); module names, one place for every helper's additions
+# the simulator's per-event path, measured (cProfile on bench sim-speed's workload; docs/compiled.md
+# says why each is here and what a listed module must keep to); the one place modules are named
 COMPILED: tuple[str, ...] = (
     "kvroute.sim.events",
     "kvroute.sim.seq",
@@ -28,7 +28,19 @@ COMPILED: tuple[str, ...] = (
     "kvroute.sim.batch",
     "kvroute.sim.handover",
     "kvroute.sim.engine",
+    "kvroute.sim.host",
+    "kvroute.sim.flight",
+    "kvroute.sim.balancer",
+    "kvroute.sim.simulation",
+    "kvroute.metrics.summary",
     "kvroute.prefix.index",
+    "kvroute.model.endpoint",
+    "kvroute.model.request",
+    "kvroute.model.decision",
+    "kvroute.policy.router",
+    "kvroute.policy.state",
+    "kvroute.policy.compose",
+    "kvroute.workload.traces",
     # the gateway's per-request path (issue 25: callgrind, docs/hot-path.md "Compiled build")
     "kvroute.gateway.deadlines",
     "kvroute.gateway.httpmsg",
@@ -79,6 +91,19 @@ def compiled_modules(names: Sequence[str] = COMPILED) -> list[str]:
         if is_compiled(mod):
             out.append(name)
     return out
+
+
+def compiled_available(names: Sequence[str] = COMPILED) -> bool:
+    """Whether every listed module has a compiled file installed beside its source (found on disk,
+    whether or not ``KVROUTE_PURE`` keeps this process from loading them)."""
+    for name in names:
+        package, _, leaf = name.rpartition(".")
+        spec = importlib.util.find_spec(package)
+        dirs = list(spec.submodule_search_locations or []) if spec else []
+        if not any(os.path.isfile(os.path.join(d, leaf + sfx))
+                   for d in dirs for sfx in importlib.machinery.EXTENSION_SUFFIXES):
+            return False
+    return bool(names)
 
 
 def describe() -> str:

@@ -49,24 +49,51 @@ def cmd_bench_sim_speed(args: argparse.Namespace) -> int:
         return error(f"bench sim-speed replays the Mooncake conversation trace, not found at {trace}: traces "
                      "are looked up under $KVROUTE_TRACES (default: shared/data/traces beside a source checkout); "
                      f"set KVROUTE_TRACES to the folder that holds {sim_speed.TRACE}")
+    from kvroute.policy import PRESETS
+
+    presets = tuple(p.strip() for p in args.presets.split(",")) if args.presets else sim_speed.PRESETS
+    unknown = [p for p in presets if p not in PRESETS]
+    if unknown or args.repeats < 1:
+        return error(f"--presets: unknown preset {unknown[0]!r}; presets: {', '.join(sorted(PRESETS))}" if unknown
+                     else f"--repeats must be at least 1, got {args.repeats}")
     result = sim_speed.run(progress=lambda msg: err.print(msg), with_million=not args.skip_million,
-                           million_requests=args.million_requests)
-    table = Table(title="simulator speed: Mooncake conversation trace, 16 replicas, ~70% load")
+                           million_requests=args.million_requests, repeats=args.repeats, presets=presets)
+    builds = result["builds"]
+    table = Table(title=f"simulator speed: Mooncake conversation trace, 16 replicas, ~70% load; simulated requests "
+                        f"per wall second, median of {result['repeats']} (min-max)")
     table.add_column("preset")
-    table.add_column("simulated requests / wall s", justify="right")
-    table.add_column("wall s", justify="right")
-    for name, r in result["per_preset"].items():
-        table.add_row(name, f"{r['sim_requests_per_s']:,}", f"{r['wall_s']:.2f}")
+    for b in builds:
+        table.add_column(b, justify="right")
+    if "speedup" in result:
+        table.add_column("compiled ÷ pure", justify="right")
+    for name in next(iter(builds.values()))["per_preset"]:
+        cells = []
+        for b in builds:
+            r = builds[b]["per_preset"][name]
+            cells.append(f"{r['sim_requests_per_s']:,} ({r['min']:,}-{r['max']:,})")
+        if "speedup" in result:
+            c, p = (builds[b]["per_preset"][name]["sim_requests_per_s"] for b in ("compiled", "pure"))
+            cells.append(f"{c / max(1, p):.2f}×")
+        table.add_row(name, *cells)
     console.print(table)
-    console.print(f"median: {result['sim_requests_per_s']:,.0f} simulated requests per wall second")
+    for b, v in builds.items():
+        console.print(f"{b}: median over presets {v['sim_requests_per_s']:,} simulated requests per wall second "
+                      f"({next(iter(v['per_preset'].values()))['build']})")
+    if "speedup" in result:
+        sp = result["speedup"]
+        console.print(f"compiled ÷ pure: {sp['of_medians']:.2f}× of the medians; paired per repeat median "
+                      f"{sp['median']:.2f}× ({sp['min']:.2f}-{sp['max']:.2f}×); results "
+                      f"{'identical' if result['identical'] else 'DIFFERENT'} across builds")
+    else:
+        console.print("compiled build not installed: `make compiled` (README, Compiled build) measures both")
     if "million" in result:
         m = result["million"]
-        console.print(f"{m['requests']:,}-request synthetic run: {m['wall_s']:.1f} s wall, "
+        console.print(f"{m['requests']:,}-request synthetic run ({m['build']} build): {m['wall_s']:.1f} s wall, "
                       f"peak RSS {m['peak_rss_mb']:,.0f} MB ({m['start_rss_mb']:,.0f} MB before it started, "
                       f"{m['bytes_per_request']:,} bytes per simulated request; "
                       f"{'under' if m['under_1gb'] else 'OVER'} 1 GB), {m['sim_requests_per_s']:,}/s")
     write_json(args.json, result)
-    return 0
+    return 0 if result["identical"] else 1  # the builds disagreeing is a bug
 
 
 def cmd_bench_hostile(args: argparse.Namespace) -> int:
@@ -153,6 +180,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     bs.add_argument("--json", metavar="FILE")
     bs.add_argument("--skip-million", action="store_true", dest="skip_million")
     bs.add_argument("--million-requests", type=int, default=1_000_000, dest="million_requests")
+    bs.add_argument("--repeats", type=int, default=3, help="runs per preset and build (interleaved)")
+    bs.add_argument("--presets", default="", help="comma-separated presets (default: "
+                    "round_robin,sglang_cache_aware,skywalker,lmetric)")
     bs.set_defaults(func=cmd_bench_sim_speed)
     from kvroute.bench.plan import add_parser as add_bench_plan
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
+from typing import Any
 
 
 class EndpointKind(str, Enum):
@@ -38,7 +39,7 @@ class Endpoint:
     role: str = "mixed"
     # the replica's hardware profile when the runtime knows it (the simulator: its HardwareProfile; a
     # profile name works too); None = unknown. The llm_d predictor models the replica with it.
-    profile: object = None
+    profile: Any = None  # Any, not object: mypyc's dataclasses cannot name `object` (compiled build)
     # static capacity
     kv_blocks: int = 0  # 0 = unknown
     block_size: int = 16

@@ -27,15 +27,15 @@ the requests it routed.
 
 from __future__ import annotations
 
-import random
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar
+from collections.abc import Sequence
+from typing import Any, ClassVar
 
-from kvroute.model import Decision, Endpoint, Request
+from kvroute.model import Decision, Endpoint
+from kvroute.policy.state import DecisionState, copy_of
 
-if TYPE_CHECKING:
-    from kvroute.policy.base import View
+__all__ = ["INPUTS", "KINDS", "Condition", "DecisionState", "Filter", "Picker", "Plugin", "Route", "Scorer",
+           "check_inputs", "copy_of"]
 
 # what a scorer, filter or condition may read besides the request (its declared inputs)
 INPUTS = {
@@ -46,93 +46,6 @@ INPUTS = {
     "rtt": "Endpoint.rtt_s (probed)",
     "ring": "the consistent-hash ring",
 }
-
-
-class DecisionState:
-    """Facts about one decision, computed at most once and only when a plugin asks.
-
-    Load-only presets never touch the prefix index; prefix-aware ones match the prompt once,
-    whichever and however many plugins read the matches.
-    """
-
-    __slots__ = ("req", "view", "rng", "dry_run", "effects", "_matches", "_best_of", "_best", "_prefill_of",
-                 "_prefill", "_lmetric_of", "_lmetric")
-
-    def __init__(self, req: Request, view: View, rng: random.Random, dry_run: bool = False):
-        self.req = req
-        self.view = view
-        self.dry_run = dry_run
-        self.rng = copy_of(rng) if dry_run else rng  # a dry run draws, and leaves the policy's as it was
-        self.effects: list[Callable[[], None]] = []
-        self._matches: dict[str, int] | None = None
-        self._best_of: list[Endpoint] | None = None  # the endpoint list _best was computed for
-        self._best = 0
-        self._prefill_of: list[Endpoint] | None = None
-        self._prefill: list[int] = []
-        self._lmetric_of: list[Endpoint] | None = None
-        self._lmetric: list[float] = []
-
-    def defer(self, effect: Callable[[], None]) -> None:
-        """Run ``effect`` (a state change this decision implies) when the dispatch is committed."""
-        self.effects.append(effect)
-
-    def random(self, rng: random.Random) -> random.Random:
-        """A plugin's own generator for this decision: itself, or a copy in a dry run."""
-        return copy_of(rng) if self.dry_run else rng
-
-    @property
-    def matches(self) -> dict[str, int]:
-        """Leading prompt blocks cached per endpoint id (absent: none)."""
-        m = self._matches
-        if m is None:
-            m = self._matches = self.view.prefix.match(self.req.block_hashes)
-        return m
-
-    def matched(self, endpoint_id: str) -> int:
-        """Blocks cached on ``endpoint_id``, or 0 when nothing asked for the matches (the Router
-        then looks the target up itself)."""
-        m = self._matches
-        return m.get(endpoint_id, 0) if m else 0
-
-    def best_match(self, eps: list[Endpoint]) -> int:
-        """The longest match among ``eps``, in blocks (0: none of them holds any)."""
-        if self._best_of is not eps:
-            get = self.matches.get
-            self._best = max([get(e.id, 0) for e in eps]) if eps else 0
-            self._best_of = eps
-        return self._best
-
-    def hit_ratio(self, eps: list[Endpoint]) -> float:
-        """Share of the prompt's tokens the best-matching endpoint among ``eps`` holds."""
-        return self.req.hit_ratio(self.best_match(eps))
-
-    def new_prefill(self, eps: list[Endpoint]) -> list[int]:
-        """Tokens each endpoint would have to prefill for this request: the prompt minus its
-        cached prefix there (the one place this formula lives). Shared: do not modify it."""
-        if self._prefill_of is not eps:
-            p, bt = self.req.prompt_tokens, self.req.block_tokens
-            get = self.matches.get
-            self._prefill = [p if (m := get(e.id)) is None else max(0, p - bt * m) for e in eps]
-            self._prefill_of = eps
-        return self._prefill
-
-    def lmetric(self, eps: list[Endpoint]) -> list[float]:
-        """LMetric §4's P-tokens × BS per endpoint: (queued prefill + new prefill) × (running +
-        waiting + dispatched since the probe + 1) — the one place this formula lives. Computed once
-        per decision and endpoint list: ``auto`` and ``lmetric`` read it up to three times (the
-        hotspot route, the trust region, the incumbent's score). Shared: do not modify it."""
-        if self._lmetric_of is not eps:
-            self._lmetric = [(e.queued_prefill_tokens + n) * (e.running + e.waiting + e.dispatched_since_probe + 1)
-                             for n, e in zip(self.new_prefill(eps), eps)]
-            self._lmetric_of = eps
-        return self._lmetric
-
-
-def copy_of(rng: random.Random) -> random.Random:
-    """A generator in the same state as ``rng`` (drawing from it leaves ``rng`` as it is)."""
-    copy = random.Random()
-    copy.setstate(rng.getstate())
-    return copy
 
 
 class Plugin(ABC):  # noqa: B024 (each kind below declares its abstract method)

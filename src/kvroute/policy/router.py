@@ -17,6 +17,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from kvroute.model import Decision, DecisionKind, Endpoint, Request
+from kvroute.native import mypyc_attr
 from kvroute.policy.base import Policy, View
 from kvroute.prefix import DEFAULT_BLOCK_TOKENS, HashRing, PrefixIndex
 from kvroute.prefix.index import DEFAULT_MAX_BLOCKS
@@ -34,6 +35,7 @@ class Ticket:
     hashes: Sequence[int] = ()
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # PDRouter (policy/pd.py) subclasses it; compiled build
 class Router:
     """One load balancer's routing state: the policy, the endpoints, the prefix index and the
     hash ring, and the accounting of every request it dispatched (its tickets).

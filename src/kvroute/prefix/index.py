@@ -27,6 +27,8 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Container, Iterable, Sequence
 
+from kvroute.native import mypyc_attr
+
 
 def cached_prefix(hashes: Sequence[int], table: Container[int]) -> int:
     """Leading blocks of the chain ``hashes`` present in ``table``, which must be prefix-closed
@@ -63,6 +65,7 @@ class _Table:
 DEFAULT_MAX_BLOCKS = 256  # llm-d's prefix-cache scorer: maxPrefixBlocksToMatch 256 (64-token blocks)
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # tests count its lookups by a subclass (compiled build)
 class PrefixIndex:
     """``max_blocks`` bounds how many leading blocks of a prompt are indexed and matched (0: all):
     routing needs the head of a prompt, and the bound caps per-request work for very long ones."""

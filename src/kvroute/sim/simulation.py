@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from kvroute.metrics import Recorder
+from kvroute.native import mypyc_attr
 from kvroute.perf.network import Network
 from kvroute.perf.profile import HardwareProfile
 from kvroute.policy import Router
@@ -87,6 +88,7 @@ class Setup:
     origin: str | None = None
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # tests subclass it to watch dispatches (compiled build)
 class Simulation:
     """One policy on one Setup and workload, as a discrete-event run: clients issue requests, balancers route
     them with the same Router and policy code as the gateway, engine models serve them. :meth:`run` returns
