@@ -2,8 +2,8 @@
 compiled by mypyc give the same simulation results, byte for byte, as the pure-Python source.
 
 One real compile per session (``KVROUTE_COMPILE=1 pip install --target``, as `make compiled`
-does, about a minute), shared by the tests here. The rest of the suite runs against the
-editable, pure-Python tree (README "Compiled build" says why).
+does, one to two minutes), shared by the tests here. The rest of the suite runs against the
+editable, pure-Python tree (docs/compiled.md says why).
 """
 
 from __future__ import annotations
