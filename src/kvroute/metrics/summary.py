@@ -25,6 +25,33 @@ def summarize(values) -> dict[str, float]:
     return out
 
 
+def window_token_rate(sent, first, done, out) -> float:
+    """Output tokens generated while requests arrive, per second of the arrival window.
+
+    The window runs from the first to the last arrival among ``sent``. A request's tokens count
+    by when they are generated: all of them if it finished inside the window, none if its first
+    token came after it, else one token at the first token plus the rest spread linearly between
+    first token and finish. The simulator does not record each token's time, so that linear
+    spread is an approximation of the decode schedule. This is the rate that falls once a
+    system is overloaded and puts prefill before decode (CascadeInfer §6.3: "Throughput declines
+    once the request rate exceeds a threshold, as all systems prioritize prefilling over
+    decoding"); tokens ÷ time to the last response (``output_tps``) cannot fall that way.
+    """
+    s = np.asarray(sent, dtype=np.float64)
+    if s.size == 0:
+        return 0.0
+    f = np.asarray(first, dtype=np.float64)
+    d = np.asarray(done, dtype=np.float64)
+    o = np.asarray(out, dtype=np.float64)
+    t0, t1 = float(s.min()), float(s.max())
+    if t1 <= t0:
+        return 0.0
+    frac = np.clip((t1 - f) / np.maximum(d - f, 1e-12), 0.0, 1.0)
+    partial = np.minimum(o, 1.0 + np.maximum(o - 1.0, 0.0) * frac)
+    tokens = np.where(d <= t1, o, np.where(f >= t1, 0.0, partial))
+    return float(tokens.sum()) / (t1 - t0)
+
+
 class Recorder:
     """Per-request measurements of one simulated run, in flat arrays, and the summaries built from them."""
 
@@ -187,6 +214,14 @@ class Recorder:
         ratio = float((hi[ok] / lo[ok]).mean()) if ok.any() else float("inf") if busy.any() else 1.0
         return cv, ratio
 
+    def window_output_tps(self) -> float:
+        """Output tokens generated between the first and the last arrival of the served requests,
+        per second of that window (see ``window_token_rate``; failed requests are not in it)."""
+        sent = np.frombuffer(self.sent_at, dtype=np.float64)
+        first = sent + np.frombuffer(self.ttft, dtype=np.float64)
+        return window_token_rate(sent, first, np.frombuffer(self.done_at, dtype=np.float64),
+                                 np.frombuffer(self.out_tokens, dtype=np.int64))
+
     def result(self, replica_hours: float) -> dict:
         """The run's summary: latency percentiles, throughput, hit rate, imbalance, failures, load verdict."""
         n = self.completed
@@ -203,6 +238,7 @@ class Recorder:
             "lb_queue_s": summarize(self.lb_queue),
             "throughput_rps": round(n / span, 6) if span > 0 else 0.0,
             "output_tps": round(sum(self.out_tokens) / span, 6) if span > 0 else 0.0,
+            "window_output_tps": round(self.window_output_tps(), 6),
             "prefix_hit_rate": round(sum(self.cached_tokens) / prompt, 6) if prompt else 0.0,
             "imbalance_cv": round(cv, 6),
             "imbalance_max_min": round(ratio, 6) if ratio != float("inf") else None,
