@@ -19,6 +19,7 @@ from conftest import needs_trace
 
 import kvroute
 from kvroute import buildinfo
+from kvroute.sim import tracefiles
 
 ROOT = Path(__file__).resolve().parent.parent
 SRC = ROOT / "src" / "kvroute"
@@ -38,6 +39,8 @@ def compiled(tmp_path_factory) -> Path:
 def _kvroute(site: Path, *args: str, pure: bool = False) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != buildinfo.PURE_ENV}
     env["PYTHONPATH"] = str(site)
+    # an installed build finds no shared/ beside itself: point it at the checkout's bundled traces
+    env.setdefault("KVROUTE_TRACES", str(tracefiles.DATA_DIR))
     if pure:
         env[buildinfo.PURE_ENV] = "1"
     return subprocess.run([sys.executable, "-m", "kvroute", *args], env=env, capture_output=True, text=True,
