@@ -245,7 +245,12 @@ def test_half_open_breaker_admits_one_trial_at_a_time_and_closes_after_n_success
     dep.call(trip())
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
         futures = [pool.submit(post, dep) for _ in range(6)]
-        time.sleep(0.5)
+        # Wait on events, not a fixed sleep (a loaded machine may need seconds): five answers
+        # come back from r1 while the trial is still held at r0's gate.
+        deadline = time.monotonic() + 20
+        while sum(f.done() for f in futures) < 5 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert sum(f.done() for f in futures) == 5
         assert len(calls) == 1  # only the trial reached the half-open replica; the rest went to r1
         dep.loop.call_soon_threadsafe(gate.set)
         assert [f.result().status_code for f in futures] == [200] * 6
