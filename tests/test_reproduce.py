@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 from conftest import needs_trace
 
 from kvroute.cli import main
@@ -75,6 +76,20 @@ def test_gorgo_without_queue_weight_sends_everything_to_the_nearest_replica():
     hacked = r["gorgo(w_queue=0.0)"]
     assert hacked["by_path"]["local"]["requests"] == hacked["requests"]
     assert hacked["e2e_s"]["p95"] > r["gorgo(w_queue=0.5,w_rtt=0.276)"]["e2e_s"]["p95"]
+
+
+@needs_trace
+def test_gorgo_v2_windows_replay_at_the_papers_offered_rates():
+    """The tuning window's time_scale (the scenario file's) and the held-out ones (computed) give the stand-in
+    trace's windows the request rates of the paper's Apr 5 / 6 / 7 windows (Tables 2-4)."""
+    from kvroute.reproduce.gorgo import PAPER_RPS, native_rps, paper_scale
+
+    sc = Lab().scenario("gorgo-v2")
+    n = sc.limits.max_requests
+    assert native_rps(sc, 0, n) / sc.workload.time_scale == pytest.approx(PAPER_RPS[0], rel=0.01)
+    assert PAPER_RPS[0] == pytest.approx(4.0, rel=0.01)  # 7,195 requests in 30 minutes
+    for window in (1, 2):
+        assert native_rps(sc, window, n) / paper_scale(sc, window, n) == pytest.approx(PAPER_RPS[window])
 
 
 @needs_trace

@@ -56,6 +56,9 @@ class ReplicaGroup(StrictModel):
                                     "the profile's (e.g. SGLang --max-running-requests, vLLM --max-num-seqs)")
     kv_blocks: int | None = Field(None, ge=1, description="the engines' KV pool in blocks, in place of the "
                                   "profile's (an engine flag, e.g. SGLang --mem-fraction-static)")
+    admission: Literal["vllm", "sglang"] | None = Field(
+        None, description="the engines' scheduler, in place of the profile's: `vllm` (admit what fits, preempt "
+        "later) or `sglang` (reserve future output, sim/sglang_admission.py) — for a paper that ran the other engine")
     waiting_gauge: Literal["live", "sglang"] | None = Field(
         None, description="what a probe reads as the engines' waiting/running counts, in place of the profile's: "
         "`live`, or `sglang` (num_queue_reqs as of the last prefill batch or 40th decode step, sim/queue_gauge.py)")
@@ -123,6 +126,9 @@ class WorkloadSpec(StrictModel):
         None, description="region of ONE load generator that sends every request, each through the load "
         "balancer nearest its client region (GORGO v1 §4.3: one GuideLLM instance behind a geo-routing "
         "tunnel); unset: each client sends from its own region")
+    concurrency: int | None = Field(
+        None, ge=1, description="open loop: at most this many requests in flight; later arrivals wait at the "
+        "client and their latencies count from the send (GORGO v2's replay client, 64 workers)")
     skip_bad: bool = Field(False, description="skip and count malformed trace lines instead of failing "
                            "(`--skip-bad`)")
     shapes: dict[str, ShapeSpec] = Field(default_factory=dict)  # per client region (chat/tot/mixed)
@@ -316,6 +322,8 @@ class Scenario(StrictModel):
                 prof = prof.model_copy(update={"max_running": g.max_running})
             if g.kv_blocks is not None:  # the engine's memory flag sizes its KV pool, not the hardware alone
                 prof = prof.model_copy(update={"kv_blocks": g.kv_blocks})
+            if g.admission is not None:  # the serving engine's scheduler (vLLM or SGLang), not the hardware's
+                prof = prof.model_copy(update={"admission": g.admission})
             if g.waiting_gauge is not None:  # an engine setting (the exported metrics), not the hardware's
                 prof = prof.model_copy(update={"waiting_gauge": g.waiting_gauge})
             n0 = sum(1 for r in replicas if r.region == g.region and r.role == g.role)
@@ -343,7 +351,7 @@ class Scenario(StrictModel):
         return Setup(replicas, balancers, self.network.model(),
                      Limits(self.limits.max_requests, self.limits.max_sim_s, self.limits.drain_s),
                      self.seed, self.sample_interval_s, bt, self.slo.ttft_s, self.slo.tpot_s, pd,
-                     origin=self.workload.load_generator)
+                     origin=self.workload.load_generator, client_concurrency=self.workload.concurrency)
 
     def _check_client_regions(self, groups: list[BalancerGroup]) -> None:
         """Clients in a region with neither replicas nor a load balancer are a typo more often

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import random
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -86,6 +87,8 @@ class Setup:
     # one load generator sends every request from this region, each through the balancer nearest
     # its client region (GORGO v1 §4.3's GuideLLM + geo-routing tunnel); None: clients send from their regions
     origin: str | None = None
+    # open loop: requests in flight at most (the rest wait at the client, latencies counted from the send)
+    client_concurrency: int | None = None
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)  # tests subclass it to watch dispatches (compiled build)
@@ -136,6 +139,7 @@ class Simulation:
         self.first_issue = -1.0
         self.last_issue = 0.0
         self._arrivals: Iterator[SimRequest] = iter(())
+        self._held: deque[SimRequest] = deque()  # arrivals waiting for a free client worker
 
     # -- topology ---------------------------------------------------------------------------
     def lb_for(self, region: str) -> SimBalancer:
@@ -148,7 +152,7 @@ class Simulation:
     # -- issuing ------------------------------------------------------------------------------
     def _may_issue(self) -> bool:
         lim = self.setup.limits
-        if lim.max_requests is not None and self.issued >= lim.max_requests:
+        if lim.max_requests is not None and self.issued + len(self._held) >= lim.max_requests:
             self.issuing = False
         if lim.max_sim_s is not None and self.loop.now > lim.max_sim_s:
             self.issuing = False
@@ -176,7 +180,11 @@ class Simulation:
 
     def _next_arrival(self, sreq: SimRequest | None) -> None:
         if sreq is not None and self._may_issue():
-            self.issue(sreq)
+            cap = self.setup.client_concurrency
+            if cap is not None and self.outstanding >= cap:
+                self._held.append(sreq)  # every worker busy: sent (and timed) when one frees
+            else:
+                self.issue(sreq)
         if not self._may_issue():
             return
         nxt = next(self._arrivals, None)
@@ -274,6 +282,8 @@ class Simulation:
 
     def _done(self, flight: Flight) -> None:
         self.outstanding -= 1
+        if self._held:  # a client worker is free: it sends the oldest waiting arrival now
+            self.issue(self._held.popleft())
         if flight.sreq.program is not None:
             self.loop.at(self.loop.now + self.workload.think_time_s, self._continue, flight.sreq)
         if self.progress is not None and (self.recorder.completed & 255) == 0:
