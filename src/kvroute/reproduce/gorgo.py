@@ -56,7 +56,11 @@ class TraceWindow(Workload):
 # (Table 2) over 30 minutes × 2.0; 2, Apr 7: Table 3's 11,327 input tok/s at time_scale 3.0 over Table 4's
 # 7,148-token mean prompt. (Tables as in the released paper/workshop/paper.tex, Arcadia-Research-Team/GORGO.)
 PAPER_RPS = {0: 7195 / 1800, 1: 7630 / 3600, 2: 11327 / 7148}
-UNSATURATED_FACTOR = 3.0  # App. D's run, kvroute's choice of load: 3× the tuning window's gaps
+# App. D (Table 7): the Apr 2 12:30-13:00 window, 3,071 requests (no time_scale stated: read as its own rate), where
+# "the evolutionary strategy learns to set w_queue to 0 while keeping w_rtt near 0.23", against Table 7's baselines
+APPD_RPS = 3071 / 1800
+APPD_BASELINES = (("session affinity", "consistent_hash"), ("least-load", "least_load"),
+                  ("least-request", "least_request"), ("random", "random"), ("prefix-cache", "aibrix_prefix_cache"))
 # §5 "Load Sweep" (Table 3) sweeps Apr 7 (its input rate at time_scale 1.0, 34,064 tok/s, is Apr 7's 540 users ×
 # 16.4 requests × 7,148 tokens over 30 minutes within 3 %, where Apr 5 and 6 give 27.5K and 29.7K): the stand-in
 # for Apr 7 is held-out window 2, replayed at Table 3's time_scale 1.0 rate and at 3.0 (PAPER_RPS[2])
@@ -114,7 +118,7 @@ LEARNED = "gorgo(w_queue=0.5,w_rtt=0.276)"
 # GORGO v2 §4's other baselines, by their kvroute presets
 BASELINES_V2 = (("least-load", "least_load"), ("least-request", "least_request"),
                 ("prefix-cache", "aibrix_prefix_cache"))
-HACKED = "gorgo(w_queue=0.0)"
+HACKED = {"w_rtt": 0.23, "w_queue": 0.0}
 
 
 def _pick(results: dict, preset: str, topology: str) -> dict:
@@ -187,12 +191,12 @@ def rows_v2(lab: Lab) -> list[Row]:
     sa, learned, start = r["consistent_hash"], r[LEARNED], r["gorgo"]
     note = unstable_note(lab, "gorgo-v2")
     base_scale = lab.scenario("gorgo-v2").workload.time_scale
-    # the unsaturated profile (§5 "Load Sweep"): the load sweep's other end and the reward-hacking run
-    light = lab.run("gorgo-v2", key="gorgo-v2-ts3", overrides={
-        "workload": {"time_scale": base_scale * UNSATURATED_FACTOR},
-        "policies": ["gorgo", {"preset": "gorgo", "params": {"w_rtt": 0.276, "w_queue": 0.5}},
-                     {"preset": "gorgo", "params": {"w_queue": 0.0}}]})
-    light_note = unstable_note(lab, "gorgo-v2-ts3")
+    # App. D's reward hacking: its window's rate, its weights, its table's baselines
+    sc = lab.scenario("gorgo-v2")
+    appd = lab.run("gorgo-v2", key="gorgo-v2-appD", overrides={
+        "workload": {"time_scale": paper_scale(sc, 0, sc.limits.max_requests or 3000, APPD_RPS)},
+        "policies": [label for _, label in APPD_BASELINES] + [{"preset": "gorgo", "params": HACKED}]})
+    appd_note = unstable_note(lab, "gorgo-v2-appD")
     st = tuner_state(r["gorgo_tuned"])
     w_rtt, w_queue = st["parent_w_rtt"], st["parent_w_queue"]
     conv = (f"converged after {st['converged_at']:.0f} samples" if st["converged"]
@@ -322,21 +326,25 @@ def rows_v2(lab: Lab) -> list[Row]:
                                    "recover"
                                    if h["load"]["stable"] else "kvroute's run saturates too, but its queue "
                                    "grows more slowly than the paper's"), "gorgo-v2"))
-    hacked, learned, start = light[HACKED], light[LEARNED], light["gorgo"]  # App. D at the unsaturated rate
+    (hacked,) = [v for k, v in appd.items() if k.startswith("gorgo")]
+    base = {name: appd[label] for name, label in APPD_BASELINES}
     near = hacked.get("by_path", {}).get("local", {}).get("requests", 0) / max(1, hacked["requests"])
-    worse_e2e = hacked["e2e_s"]["p95"] > learned["e2e_s"]["p95"]
-    best_ttft = hacked["ttft_s"]["p50"] <= min(learned["ttft_s"]["p50"], start["ttft_s"]["p50"])
-    agree = YES if near > 0.95 and worse_e2e and best_ttft else DIRECTION if near > 0.5 and worse_e2e else NO
+    worst_e2e = hacked["e2e_s"]["p95"] > max(b["e2e_s"]["p95"] for b in base.values())
+    best_ttft = hacked["ttft_s"]["p95"] < min(b["ttft_s"]["p95"] for b in base.values())
+    agree = YES if near > 0.95 and worst_e2e and best_ttft else DIRECTION if near > 0.5 and worst_e2e else NO
     out.append(Row("reward hacking, w_queue = 0: all traffic to the nearest replica, best TTFT, worst E2E",
-                   "100 % nearest; best TTFT; worst E2E",
-                   f"{near * 100:.0f} % nearest; TTFT p50 {hacked['ttft_s']['p50']:.2f} vs "
-                   f"{learned['ttft_s']['p50']:.2f} s (learned); E2E p95 {hacked['e2e_s']['p95']:.2f} vs "
-                   f"{learned['e2e_s']['p95']:.2f} s; the tuner itself ended at w_queue {w_queue:.3f} "
-                   f"(its range's floor is 0.05: the guard); {UNSATURATED_FACTOR:g}× the tuning window's gaps"
-                   + light_note, agree,
+                   "~100 % nearest; p95 TTFT 1.07 s vs 1.29-1.72 s, E2E p95 12.5 s vs 2.6-3.9 s (Table 7)",
+                   f"{near * 100:.0f} % nearest; p95 TTFT {hacked['ttft_s']['p95']:.2f} s vs "
+                   + fmt_range([b["ttft_s"]["p95"] for b in base.values()], "{:.2f}") + " s, E2E p95 "
+                   f"{hacked['e2e_s']['p95']:.2f} s vs "
+                   + fmt_range([b["e2e_s"]["p95"] for b in base.values()], "{:.2f}") + " s (Table 7's "
+                   f"baselines; w_rtt 0.23, w_queue 0, {APPD_RPS:.2f} req/s: 3,071 requests in 30 minutes); the "
+                   f"tuner itself ended at w_queue {w_queue:.3f} (its range's floor is 0.05: the guard)" + appd_note,
+                   agree,
                    "" if agree == YES else "checked (App. D: \"GORGO chose to send 100% of requests to the "
-                   "closest replica\"): traffic does all go to the nearest replica and E2E "
-                   "is worst, as in the paper, but TTFT is worst too: one simulated H20 serving the whole "
+                   "closest replica\"; \"learns to set w_queue to 0 while keeping w_rtt near 0.23\"; Table 7's "
+                   "window, 3,071 requests, and baselines): traffic does go to the nearest replica and its E2E is "
+                   "worst, as in the paper, but its p95 TTFT is not the best: one simulated H20 serving the whole "
                    "trace queues its prefills, which outweighs the 90–180 ms RTT it saves; the paper's "
                    "'best TTFT' means its nearest engine was not prefill-bound at that load; in a lighter "
                    "cross-region setup (3 A100s, 300/400 ms RTTs, 2 req/s: tests/test_adaptive_sim.py) "
