@@ -26,11 +26,25 @@ def test_one_region_uses_lmetrics_score_and_regions_apart_the_rtt_aware_cost(rou
     assert d.kind == DecisionKind.DISPATCH and d.branch == ADDITIVE  # the selector measures this rule first
     plain = router_for("auto", 3, params={"select": False})
     assert plain.route(make_request("a", "hello " * 50)).branch == PREFIX_LOAD
-    far = router_for("auto", 3)
+    far = router_for("auto", 3, params={"local_first": False})
     for i, e in enumerate(far.view.endpoints):
         e.rtt_s = 0.002 + 0.08 * i  # one replica nearby, two across an ocean (measured probe RTTs)
     d = far.route(make_request("b", "hello " * 50))
     assert d.branch == RTT_AWARE and d.target == "e0"  # idle everywhere: the network decides
+
+
+def test_across_regions_auto_serves_from_the_nearest_free_replica_and_spills_when_none_is(router_for):
+    r = router_for("auto", 4)
+    for i, e in enumerate(r.view.endpoints):
+        e.rtt_s = 0.002 if i < 2 else 0.15  # two replicas nearby, two across an ocean (probe RTTs)
+    first = r.route(make_request("a", "alpha " * 400))
+    assert first.target in ("e0", "e1") and first.branch == ADDITIVE  # only nearby candidates: one region
+    second = r.route(make_request("b", "bravo " * 400))
+    assert {first.target, second.target} == {"e0", "e1"}  # the first one's prefill is still queued
+    third = r.route(make_request("c", "charlie " * 400))
+    assert third.target in ("e2", "e3") and third.branch == RTT_AWARE  # no nearby replica free: all compete
+    r.on_first_token("a", 0.5)
+    assert r.route(make_request("d", "delta " * 400)).target == first.target  # free again
 
 
 def test_the_simulation_report_says_which_mechanism_was_in_charge():

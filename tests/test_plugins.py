@@ -374,3 +374,36 @@ def test_an_instance_widening_its_inputs_is_checked_when_compiled():
     assert policy_from_config({"cost": {"widening": {"weight": 1, "reads": "rtt"}}}).inputs == {"rtt"}
     with pytest.raises(ConfigError, match="unknown input.*ttr"):
         policy_from_config({"cost": {"widening": {"weight": 1, "reads": "ttr"}}})
+
+
+def _local_first_state(eps):
+    router = Router(build_policy("round_robin"), eps)
+    return DecisionState(make_request("r", "x " * 20), router.view, router.policy.rng)
+
+
+def test_local_first_keeps_free_nearby_replicas_and_every_candidate_otherwise():
+    from kvroute.policy.builtin.filters import LocalFirst
+
+    def eps():
+        out = [Endpoint(f"e{i}", rtt_s=0.002 if i < 2 else 0.1) for i in range(4)]
+        for e in out[2:]:
+            e.running = 3  # the farther replicas run batches of 3
+        return out
+
+    f = LocalFirst(ms=10)
+    got = eps()
+    assert [e.id for e in f.filter(_local_first_state(got), got)] == ["e0", "e1"]
+    got = eps()
+    got[0].queued_prefill_tokens = 500  # this LB's prefill still queued there
+    got[1].waiting = 1  # the probe saw a request waiting
+    assert [e.id for e in f.filter(_local_first_state(got), got)] == ["e0", "e1", "e2", "e3"]  # spill
+    got = eps()
+    got[0].inflight = 4  # more of this LB's requests in flight than any farther replica's batch
+    got[1].running, got[1].dispatched_since_probe = 2, 1
+    assert [e.id for e in f.filter(_local_first_state(got), got)] == ["e1"]  # 3 <= 3: not the most loaded
+    one_region = [Endpoint(f"e{i}", rtt_s=0.002 + 0.001 * i) for i in range(3)]
+    one_region[0].queued_prefill_tokens = 100
+    assert f.filter(_local_first_state(one_region), one_region) == one_region  # within 10 ms: all kept
+    assert LocalFirst(on=False).filter(_local_first_state(got), got) == got
+    with pytest.raises(ValueError, match="ms must be >= 0"):
+        LocalFirst(ms=-1)

@@ -138,3 +138,49 @@ class NearBest(Filter, Lifecycle):
         limit = self.factor * min(values)
         return [e for e, v in zip(eps, values) if v <= limit] if limit > 0 else \
             [e for e, v in zip(eps, values) if v <= 0]
+
+
+@register_plugin
+class LocalFirst(Filter):
+    """Across regions, the nearest region's free replicas while one is free; every candidate otherwise.
+
+    Several load balancers that may each send anywhere (GORGO v1's distributed mode) learn of one
+    another's requests on a replica only from its probe, and an SGLang engine's queue gauge can be
+    40 decode steps old (``sim/queue_gauge.py``): a remote replica that looks idle to every LB draws
+    all of them within one probe interval (herding on stale load information). Serving from the
+    nearest region first — SkyWalker §3.2 forwards only when no local replica is available, GORGO
+    v1 §3.3 serves locally while the local region can admit — leaves most of a replica's load to one
+    LB, which accounts for it exactly, and saves the round trip. A nearby replica is *free* when
+    this LB has no prefill of its own queued there (``queued_prefill_tokens``: dispatched, no first
+    token yet), its last probe showed nothing waiting (a request sent there starts its prefill at
+    once), and its batch — max(probed running + waiting + dispatched since the probe, this LB's
+    requests in flight), as ``auto``'s LMetric score counts it — is no larger than every farther
+    replica's: staying near never makes a nearby replica the most loaded one, so the decode batches
+    (and the time per output token, which grows with them) stay within the range the other
+    regions already run. When no nearby replica is free every candidate competes, so the other
+    regions' capacity is still used. Regions are told apart by measured probe RTTs (``ms``, as
+    ``rtt_spread_above``); candidates within ``ms`` of each other — one region — are all kept.
+    ``on: false`` disables it.
+    """
+
+    name = "local_first"
+    inputs = frozenset({"rtt", "load", "prefill_backlog"})
+
+    def __init__(self, ms: float = 10.0, on: bool = True):
+        if ms < 0:
+            raise ValueError(f"ms must be >= 0, got {ms}")
+        self.ms, self.on = ms, on
+
+    def filter(self, st: DecisionState, eps: list[Endpoint]) -> list[Endpoint]:
+        """The nearest region's free endpoints, or all of ``eps`` when they sit in one region or none is free."""
+        if not self.on or len(eps) < 2:
+            return eps
+        near = min(e.rtt_s for e in eps) + self.ms / 1000.0
+        batch = [max(e.running + e.waiting + e.dispatched_since_probe, e.inflight) for e in eps]
+        far = [b for e, b in zip(eps, batch) if e.rtt_s > near]
+        if not far:  # one region
+            return eps
+        limit = max(far)
+        free = [e for e, b in zip(eps, batch) if e.rtt_s <= near and b <= limit
+                and not e.waiting and not e.queued_prefill_tokens]
+        return free or eps

@@ -29,6 +29,13 @@ never a step-time model:
    the replicas the incumbent's score ranks within ``trust`` × its best (the ``near_best`` trust
    region), so a trial can never send a request where the incumbent judges it far worse.
 
+Across regions (the candidates' probe RTTs spread past ``rtt_spread_ms``) every rule chooses among
+the nearest region's *free* replicas while there is one (``local_first``, ``builtin/filters.py``:
+no prefill of this LB's queued there, nothing waiting at the probe, a batch no larger than every
+farther replica's), else among all: load balancers that each may send anywhere otherwise herd
+onto the remote replica whose stale SGLang gauge looks idle (SkyWalker §3.2 and GORGO v1 §3.3 serve
+locally first too).
+
 The branch of every decision says which mechanism was in charge: ``kvroute_policy_branch`` in the
 gateway's /metrics and decision records, ``branches`` in the simulation report; each selector's
 state (``ttft_selector.region.*`` / ``ttft_selector.regions.*``: serving, trials, wins, evidence)
@@ -62,6 +69,7 @@ def _select(scope: str) -> dict[str, dict[str, str]]:
 
 @register_preset(
     "auto", source="issue 22: LMetric §4 score and §5.2 hotspot detector; GORGO v1 §3 / v2 cost, trialled online",
+    filters=[{"local_first": {"ms": "$rtt_spread_ms", "on": "$local_first"}}],
     rules=[{"enabled": "$hotspot", "route": {"hotspot": "$hotspot_window"}, "branch": HOTSPOT},
            {"enabled": "$select", "when": [{"rtt_spread_above": "$rtt_spread_ms"}, _select("regions")],
             "branch": RTT_AWARE, "among": TRUST,
@@ -101,5 +109,8 @@ class AutoParams(PolicyParams):
                              "false: probed running + waiting + dispatched since the probe, as lmetric")
     speed_samples: int = Field(4, ge=1, description="first tokens and completions per replica before its "
                                "learned speed counts (the spread must also stand 2 standard errors apart)")
+    local_first: bool = Field(True, description="across regions, route among the nearest region's free replicas "
+                              "(no prefill of this LB queued, nothing waiting at the probe) while there is one; "
+                              "false: every replica competes on every request")
     speed_spread: float = Field(1.5, ge=1, description="the fleet counts as mixed hardware when learned prefill and "
                                 "decode times both spread past this factor (max / min); else it routes as one kind")
