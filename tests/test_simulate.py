@@ -152,6 +152,30 @@ def test_tree_nodes_follow_the_shape_cap_and_bare_root():
             default.new_program("us", i).start()[0].req.prompt_tokens
 
 
+def _levels(shape: ConversationShape) -> list[list]:
+    """One tree played level by level: each level's requests."""
+    tree = ChatWorkload({"us": 1}, seed=4, tree_fraction=1.0, conversation=shape).new_program("us", 0)
+    levels, pending = [], tree.start()
+    while pending:
+        levels.append(pending)
+        pending = [child for sreq in pending for child in tree.on_complete(sreq)]
+    return levels
+
+
+def test_same_branches_send_one_prompt_per_level_and_answer_it_alike():
+    """SkyWalker's tot.py appends a level's instruction once and sends it num_branches times at temperature
+    0.001: every node of a level has one history; by default each branch is its own."""
+    same = _levels(ConversationShape(context=False, max_output_tokens=256, same_branches=True))
+    own = _levels(ConversationShape(context=False, max_output_tokens=256))
+    assert [len(level) for level in same] == [len(level) for level in own] == [1, 2, 4, 8]
+    for level in same:
+        assert len({tuple(s.req.block_hashes) for s in level}) == 1 and len({s.output_tokens for s in level}) == 1
+    assert all(len({tuple(s.req.block_hashes) for s in level}) > 1 for level in own[2:])  # branches diverge
+    # still one tree: level k's prompt extends level k-1's
+    for up, down in zip(same, same[1:], strict=False):
+        assert down[0].req.block_hashes[:len(up[0].req.block_hashes) - 1] == up[0].req.block_hashes[:-1]
+
+
 def test_conversation_key_in_a_scenario_reaches_the_workload():
     sc = parse_scenario({"replicas": [{"count": 1}], "workload": {
         "kind": "chat", "clients": {"local": 1},

@@ -5,9 +5,9 @@ generator keeping 10 chat requests in flight; distributed GORGO local-first with
 baselines choosing among every region's server, vs one central proxy) and ``gorgo-v2.yaml`` (one proxy in Ashburn,
 three single-engine regions, a Mooncake-format trace; GORGO with the paper's learned weights vs
 session affinity). GORGO v2's protocol: ``gorgo_tuned`` tunes online on the scenario's requests
-(the tuning window, at the trace's own rate); its learned weights are then frozen and compared with
-session affinity on held-out windows (the trace's next two stretches of as many requests, each
-replayed from time 0, at time_scale 2.0 and 3.0 as §4 runs Apr 6 and Apr 7).
+(the tuning window, replayed at the paper's Apr 5 request rate); its learned weights are then frozen and
+compared with session affinity on held-out windows (the trace's next two stretches of as many requests,
+each replayed from time 0 at the rate the paper ran Apr 6 and Apr 7 at, time_scale 2.0 and 3.0: PAPER_RPS).
 """
 
 from __future__ import annotations

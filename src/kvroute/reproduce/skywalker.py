@@ -240,10 +240,11 @@ def rows(lab: Lab) -> list[Row]:
                    f"{pct(hits[0])} vs {pct(hits[1])}", agree,
                    "" if agree == YES else "setup: the paper gives the tree (depth four, 2 branches, 15 "
                    "requests) and the GSM8K questions; its released client (sky/lbbench/workloads/tot.py) "
-                   "sends no system prompt and caps answers at 256 tokens, which kvroute follows, while the "
-                   "question (median 200 tokens) and answer lengths below the cap (median 150) are kvroute's "
-                   "choices; with no prompt shared across trees, RR/LL reuse only what two nodes of a tree on "
-                   "one replica share, so the ordering holds while both levels sit lower",
+                   "sends no system prompt, caps answers at 256 tokens and sends each level's prompt once per "
+                   "branch at temperature 0.001 (identical branches, read as answered alike), which kvroute "
+                   "follows, while the question (median 200 tokens) and answer lengths below the cap (median "
+                   "150) are kvroute's choices; with no prompt shared across trees, RR/LL reuse only what the "
+                   "nodes of a tree on one replica share, so the ordering holds while both levels sit lower",
                    "skywalker-tot"))
 
     mixed = lab.run("skywalker-mixed")
@@ -277,7 +278,8 @@ def rows(lab: Lab) -> list[Row]:
                    f"{pct(bp['prefix_hit_rate'])}" + unstable_note(lab, "skywalker-fig9"), agree,
                    "" if agree == YES else f"setup: the paper's setup is used (4 replicas, 30 clients, ToT "
                    f"branching 2, SGLang admission, the 22,400-token KV pool of the released launch flags, no "
-                   f"system prompt and 256-token answer cap of the released client), but blind pushing builds "
+                   f"system prompt, 256-token answer cap and identical branches of the released client, tot.py), "
+                   f"but blind pushing builds "
                    f"little backlog (BP's P90 TTFT {bp['ttft_s']['p90']:.2f} s, {bp['preemptions']} preemptions, "
                    f"hit {bp['prefix_hit_rate']:.0%}), so the pending gate has little to fix; the paper ran "
                    "\"replicas at high utilization\" (§5.1) and its BP lost hit rate (68.9 %), i.e. evicted "

@@ -33,3 +33,6 @@ class ConversationSpec(StrictModel):
                                         "(log-normal, σ 0.9; default: median 120, mean ~180)")
     end_p: float = Field(0.35, gt=0, le=1, description="chance a conversation ends after each turn past "
                          "min_turns (turns = min_turns + Geometric(end_p); mean extra turns (1 - end_p) / end_p)")
+    same_branches: bool = Field(False, description="trees of thought: a node's branches send one prompt "
+                                "`branching` times and get the same answer (SkyWalker's tot.py: the level's "
+                                "instruction appended once, temperature 0.001); false: each branch its own")

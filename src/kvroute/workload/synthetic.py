@@ -103,6 +103,7 @@ class ConversationShape:
     max_output_tokens: int | None = None  # cap on each answer's tokens (the request's max_tokens)
     question_mean: float | None = None   # mean question tokens (default: median 120, i.e. mean ~180)
     end_p: float = 0.35                  # chance of ending after each turn past min_turns (geometric)
+    same_branches: bool = False          # trees: one prompt sent `branching` times, answered alike (tot.py)
 
     def question_median(self) -> float:
         """The log-normal median that gives ``question_mean`` (mean = median x exp(σ²/2)); 120 by default."""
@@ -161,16 +162,23 @@ class ThoughtTree(Program):
         if not shape.context:  # SkyWalker's ToT client sends the question with no system prompt (lbbench tot.py)
             base = Context(base.bt)
         self.root = base.extend(pop.seg(), lognormal(rng, 200, 0.5, 16, 2000))
-        self.level: dict[str, tuple[int, Context]] = {}
+        # SkyWalker's released client (lbbench tot.py) appends the level's instruction to the history once and
+        # sends that same prompt `num_branches` times at temperature 0.001 ("to make the results more
+        # deterministic"): with ``same_branches`` siblings share the prompt and their (near-greedy) answers
+        self.same = shape.same_branches
+        self.next_level: dict[int, tuple[Context, tuple[int | None, int]]] = {}  # level → its children's prompt, answer
+        # request id → level, prompt, the answer's segment (None: drawn when it finishes)
+        self.level: dict[str, tuple[int, Context, int | None]] = {}
 
-    def _node(self, ctx: Context, level: int) -> SimRequest:
-        ctx = ctx.extend(self.pop.seg(), 24)  # "consider the next step" instruction
-        out = min(self.cap, lognormal(self.pop.rng, 150, 0.6, 8, 1024))
+    def _node(self, ctx: Context, level: int, answer: tuple[int | None, int] | None = None) -> SimRequest:
+        if answer is None:  # a prompt and answer of its own
+            ctx = ctx.extend(self.pop.seg(), 24)  # "consider the next step" instruction
+            answer = (None, min(self.cap, lognormal(self.pop.rng, 150, 0.6, 8, 1024)))
         req = Request(id=self.ids(), region=self.region, routing_key=self.key,
                       block_hashes=ctx.hashes, block_tokens=ctx.bt, prompt_tokens=ctx.tokens,
                       max_output_tokens=self.cap)
-        self.level[req.id] = (level, ctx)
-        return SimRequest(req, out, self)
+        self.level[req.id] = (level, ctx, answer[0])
+        return SimRequest(req, answer[1], self)
 
     def start(self) -> list[SimRequest]:
         """The root node: the question under one of the region's system prompts."""
@@ -178,11 +186,19 @@ class ThoughtTree(Program):
 
     def on_complete(self, done: SimRequest) -> list[SimRequest]:
         """``branching`` children extending the finished node's answer, until ``depth``."""
-        level, ctx = self.level.pop(done.req.id)
+        level, ctx, seg = self.level.pop(done.req.id)
         if level >= self.depth:
             return []
-        ctx = ctx.extend(self.pop.seg(), done.output_tokens)
-        return [self._node(ctx, level + 1) for _ in range(self.branching)]
+        ctx = ctx.extend(self.pop.seg() if seg is None else seg, done.output_tokens)
+        if not self.same:
+            return [self._node(ctx, level + 1) for _ in range(self.branching)]
+        # every node of a level then has one history: the next level's prompt and answer are drawn once a tree
+        nxt = self.next_level.get(level)
+        if nxt is None:
+            prompt = ctx.extend(self.pop.seg(), 24)  # the level's instruction
+            out = min(self.cap, lognormal(self.pop.rng, 150, 0.6, 8, 1024))
+            nxt = self.next_level[level] = (prompt, (self.pop.seg(), out))
+        return [self._node(nxt[0], level + 1, nxt[1]) for _ in range(self.branching)]
 
 
 def _geometric(rng: random.Random, p: float) -> int:
