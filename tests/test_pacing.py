@@ -124,3 +124,36 @@ def test_selective_pushing_keeps_up_with_round_robin_on_mooncake():
     for r in (sky, ch):
         assert r["throughput_rps"] >= 0.95 * rr["throughput_rps"]
         assert r["imbalance_cv"] <= 1.3 * rr["imbalance_cv"]
+
+
+def test_forward_gate_holds_only_what_a_peer_would_take_at_once():
+    router = Router(build_policy("auto"), [Endpoint(f"r{i}", max_running=4) for i in range(2)])
+    assert router.policy.admission.name == "forward" and not router.policy.admission.holds  # never paced
+    for ep in router.endpoints:
+        ep.apply_probe(running=2, waiting=1)  # no local replica admits (requests waiting on both)
+    req = make_request("q", "hello " * 40)
+    assert router.decide(req).dispatched  # no peers (one region): never held, blind pushing
+    peer = Endpoint("lb-eu", kind=EndpointKind.PEER, peer_queue=0, peer_available=1)
+    router.view.peers = [peer]
+    assert router.decide(req).kind.value == "hold"  # a peer would take it now: hold, so it is forwarded
+    peer.peer_queue = 1  # a queue at the peer: SkyWalker's condition with nothing behind fails
+    assert router.decide(req).dispatched
+    peer.peer_queue, peer.peer_available = 0, 0  # no available replica there
+    assert router.decide(req).dispatched
+    peer.peer_available = 1
+    req.from_peer = True  # a forwarded request is never forwarded again
+    assert router.decide(req).dispatched
+    req.from_peer = False
+    router.endpoints[0].apply_probe(running=2, waiting=0)  # a local replica admits again
+    assert router.decide(req).dispatched
+
+
+def test_two_layer_auto_forwards_from_an_overloaded_region_and_one_region_never_holds():
+    common = {"replicas": [{"region": r, "count": 1, "profile": "a100-mistral-7b"} for r in ("us", "eu")],
+              "network": {"rtt_ms": {"us-eu": 80}}, "workload": {"kind": "chat", "clients": {"us": 40, "eu": 2}},
+              "limits": {"max_requests": 200}, "seed": 3}
+    skewed = run_scenario(parse_scenario({**common, "topology": {"kind": "two-layer"}}))[0].result
+    assert skewed["cross_region_forwards"] > 0  # the busy US region sends what it cannot admit to the idle EU
+    assert skewed["lb_queue_s"]["p99"] == 0.0  # held only to be forwarded at once: nothing waits
+    regional = run_scenario(parse_scenario({**common, "topology": {"kind": "regional"}}))[0].result
+    assert regional["cross_region_forwards"] == 0 and regional["max_lb_queue"] <= 1  # no peers: never held

@@ -155,6 +155,21 @@ def test_forwards_only_when_no_local_replica_admits(mesh):
     assert b"x-kvroute-forwarded" not in head and TOKEN.encode() not in head  # peer headers stop at the peer
 
 
+def test_auto_forwards_only_what_its_region_cannot_admit_while_a_peer_would_take_it(mesh):
+    mesh.gateway("us", [mesh.scripted(metrics=BUSY)], ["eu"], policy="auto")
+    mesh.gateway("eu", [mesh.scripted()], ["us"], policy="auto")
+    peer_ready(mesh, "us", "eu")
+    assert mesh.wait_until(lambda: mesh.gateways["us"].runtime.router.endpoint("us-0").waiting == 3)
+    r = post(mesh.url("us"))  # no local replica admits, the peer would: forwarded at once
+    assert r.status_code == 200 and r.headers["x-kvroute-replica"] == "eu-0"
+    assert mesh.forwards("us", "eu", "no-local-replica") == 1
+    mesh.upstreams[1].metrics = BUSY
+    peer_ready(mesh, "us", "eu", available=False)
+    r = post(mesh.url("us"))  # nobody admits it: auto does not hold it, the local replica serves it
+    assert r.status_code == 200 and r.headers["x-kvroute-replica"] == "us-0"
+    assert mesh.forwards("us", "eu", "no-local-replica") == 1
+
+
 def test_forwarded_request_is_never_forwarded_again(mesh):
     mesh.gateway("us", [mesh.scripted()], ["eu"])
     mesh.gateway("eu", [mesh.scripted(metrics=BUSY)], ["us"], queue={"max_wait_s": 0.5})

@@ -90,7 +90,7 @@ def test_config_errors_name_what_is_wrong():
         build_policy("sglang_cache_aware", {"treshold": 0.4})
     with pytest.raises(ConfigError, match="cache_threshold"):
         build_policy("sglang_cache_aware", {"cache_threshold": 2})
-    with pytest.raises(ConfigError, match="'blind', 'pending' or 'outstanding'"):
+    with pytest.raises(ConfigError, match="'blind', 'pending', 'outstanding' or 'forward'"):
         build_policy("lmetric", {"admission": "sometimes"})
     with pytest.raises(ConfigError, match="unknown scorer.*valid scorers: prefix"):
         build_policy("weighted", {"scorers": {"vibes": 1}})

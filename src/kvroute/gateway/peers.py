@@ -34,7 +34,8 @@ cheapest ``w_rtt·RTT_ms + w_queue·queued tokens`` over its routable replicas p
 times the prompt tokens in its LB queue; the requester adds its measured RTT to the peer and
 ``t_p`` times the tokens not covered by the snapshot index. A peer with no available replica is
 not a candidate. At most ``max_hops`` forwards, never back through a region already on the path.
-A policy that never holds (no admission gate) never forwards.
+A policy that never holds (no admission gate) never forwards; ``auto``'s ``forward`` gate holds only a
+request no local replica admits while a peer would take it at once (its ``View.peers``: this layer's endpoints).
 """
 
 from __future__ import annotations
@@ -180,6 +181,8 @@ class Peering:
         self.router = peer_router(config.policy, [link.endpoint for link in self.links.values()], config.seed,
                                   index_block_tokens=config.block_tokens,
                                   max_prefix_blocks=config.max_prefix_blocks)
+        # the peers a held request is forwarded to (SkyWalker mode), for a gate that holds only to forward
+        self.rt.router.view.peers = list(self.router.endpoints) if self.mode == "skywalker" else []
 
     def reconfigure(self, new: GatewayConfig) -> bool:
         """Rebuild the peer table when a reload changed it (in-flight forwards finish as they are)."""

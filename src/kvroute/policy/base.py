@@ -12,7 +12,7 @@ from __future__ import annotations
 import random
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 from kvroute.model import Branch, Decision, Endpoint, Request
@@ -32,6 +32,9 @@ class View:
     prefix: PrefixIndex
     ring: HashRing
     local_queue: int = 0  # requests waiting in this LB's own queue (the peer gate compares)
+    # the peer load balancers this LB may forward a held request to, as its peer Router sees them
+    # (their last status: queue, available replicas); empty without peers (the forward gate reads it)
+    peers: list[Endpoint] = field(default_factory=list)
 
 
 class Policy(ABC):
@@ -92,7 +95,9 @@ class Policy(ABC):
             why = f"outside residency zone {zone!r}, " if zone else ""
             return Decision.none(f"every endpoint was filtered out ({why}unhealthy or circuit open)",
                                  branch=Branch.ALL_FILTERED)
-        ready = self.admission.ready(eps, view.local_queue)
+        # peers a held request could be forwarded to (a forwarded one never goes on)
+        peers = hard_filter(req, view.peers) if view.peers and not req.from_peer else ()
+        ready = self.admission.ready(eps, view.local_queue, peers)
         if not ready:
             return Decision.hold(f"no endpoint admits a request now ({self.admission.name})")
         try:

@@ -9,13 +9,15 @@ from pydantic import ConfigDict, Field
 
 from kvroute.schema import StrictModel
 
-AdmissionName = Literal["blind", "pending", "outstanding"]
+AdmissionName = Literal["blind", "pending", "outstanding", "forward"]
 
 
 def admission_field(default: AdmissionName = "blind") -> Any:
     """The ``admission`` parameter with another default (a preset that selectively pushes)."""
     return Field(default, description="blind: dispatch at once; pending: only to replicas with no "
-                 "waiting requests (SkyWalker); outstanding: only below max_outstanding in-flight")
+                 "waiting requests (SkyWalker); outstanding: only below max_outstanding in-flight; forward: blind, "
+                 "except that a request no replica admits (pending) is held while a peer load balancer "
+                 "would take it at once, so it is forwarded there")
 
 
 class PolicyParams(StrictModel):

@@ -166,6 +166,7 @@ class SimBalancer:
                         rtt_s=self.sim.network.rtt(self.region, p.region)) for p in peers]
         self.peers = peer_router({"preset": self._preset, "params": self._params or {}}, eps, self.sim.seed)
         self.peer_lbs = {p.id: p for p in peers}
+        self.router.view.peers = self.peers.endpoints  # what a forward gate weighs (refreshed at each probe)
         if self._preset == "gorgo":
             self.gorgo = GorgoPeering(self, GorgoWeights.of(self.router.policy.params))
 

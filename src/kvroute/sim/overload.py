@@ -175,7 +175,7 @@ def topology_warnings(sc) -> list[str]:
         if not any(b.forward for b in setup.balancers) or len(setup.balancers) < 2:
             continue
         policy = build_policy(entry.preset, entry.params)
-        if not policy.admission.holds:
+        if not policy.admission.forwards:
             lines.append(f"{entry.label}: forwarding can never trigger — its admission is "
                          f"'{policy.admission.name}', which never holds a request, and only held requests "
                          "are forwarded; its load balancers act region-local. To compare it as the papers "

@@ -36,6 +36,10 @@ farther replica's), else among all: load balancers that each may send anywhere o
 onto the remote replica whose stale SGLang gauge looks idle (SkyWalker §3.2 and GORGO v1 §3.3 serve
 locally first too).
 
+Behind SkyWalker's two layers (peer load balancers) ``auto`` holds a request — which the load
+balancer then forwards — only when no local replica admits it and a peer would take it at once
+(admission ``forward``, :class:`~kvroute.policy.admission.ForwardGate`); otherwise it never holds.
+
 The branch of every decision says which mechanism was in charge: ``kvroute_policy_branch`` in the
 gateway's /metrics and decision records, ``branches`` in the simulation report; each selector's
 state (``ttft_selector.region.*`` / ``ttft_selector.regions.*``: serving, trials, wins, evidence)
@@ -50,7 +54,7 @@ from pydantic import Field
 from kvroute.model import Branch
 from kvroute.policy.adaptive import selector  # noqa: F401  (registers ttft_selector)
 from kvroute.policy.catalog import register_preset
-from kvroute.policy.params import PolicyParams
+from kvroute.policy.params import AdmissionName, PolicyParams, admission_field
 
 # the hotspot route names its decisions itself (Branch.HOTSPOT_FILTERED), whatever the rule says
 HOTSPOT = Branch.HOTSPOT_FILTERED.value
@@ -84,6 +88,7 @@ class AutoParams(PolicyParams):
     ``auto:rtt-aware``, ``hotspot-filtered``); see the module docstring for when each takes charge and why.
     """
 
+    admission: AdmissionName = admission_field("forward")
     hotspot: bool = Field(False, description="LMetric §5.2's KV-hotspot detector takes a hot class's "
                           "instances out of its targets while it fires")
     hotspot_window: int = Field(256, ge=8, description="routed requests the detector measures class shares over")
