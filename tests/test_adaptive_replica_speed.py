@@ -83,6 +83,69 @@ def test_failed_and_single_token_requests_leave_no_decode_observation():
     assert fit.state()["a.samples"] == 1.0 and fit.decode_s() == {}
 
 
+def test_a_fleet_judged_mixed_stays_mixed_when_load_closes_the_decode_gap():
+    """The A100s' TPOTs grow with the load sent to them; the hardware did not change, so the judgment
+    holds and the factors follow the measured times (a fresh fit on the same later data is not mixed)."""
+    fit = SpeedFit(min_samples=16)
+    a100_l4 = {"fast": (0.01, 1e-4, 0.02), "slow1": (0.03, 3e-4, 0.06), "slow2": (0.03, 3e-4, 0.06)}
+    _feed(fit, a100_l4, 100)
+    assert fit.factors()[1]["fast"] == pytest.approx(1 / 3, rel=0.02)
+    loaded = {"fast": (0.01, 1e-4, 0.055), "slow1": (0.03, 3e-4, 0.06), "slow2": (0.03, 3e-4, 0.06)}
+    _feed(fit, loaded, 2000, seed=1)
+    pf, df = fit.factors()
+    assert fit.state()["mixed"] == 1.0 and pf["fast"] == pytest.approx(1 / 3, rel=0.02)
+    assert df["fast"] == pytest.approx(0.055 / 0.06, rel=0.05)
+    fresh = SpeedFit(min_samples=16)
+    _feed(fresh, loaded, 200, seed=1)
+    assert fresh.factors() == ({}, {})
+
+
+def test_the_most_certain_pair_decides_not_the_noisiest_replica():
+    """A replica with few, scattered observations has the highest point estimate and the widest error;
+    the spread stands on the two replicas measured precisely (the old test took the extremes and lost it)."""
+    fit = SpeedFit(min_samples=4)
+    _feed(fit, {"fast": (0.01, 1e-4, 0.02), "slow": (0.03, 3e-4, 0.06)}, 100)
+    rng = random.Random(3)
+    for i in range(4):  # "noisy": 4 requests whose times scatter over 10x
+        rid, work, out = f"noisy-{i}", 1000 + 500 * i, 100
+        fit.dispatched(rid, "noisy", work, 0.0)
+        ttft = rng.choice((0.1, 1.0, 3.0, 6.0))
+        fit.first_token(rid, ttft)
+        fit.finished(rid, "noisy", ttft + rng.choice((0.5, 5.0, 20.0)), out)
+    assert fit.prefill_s()["noisy"] > fit.prefill_s()["slow"]  # the extreme point estimate
+    assert fit.factors()[0]["fast"] < 0.5
+
+
+def test_the_predicted_ttft_is_each_replicas_line_and_the_median_for_an_unmeasured_one():
+    fit = SpeedFit(min_samples=8)
+    _feed(fit, {"a": (0.1, 1e-4, 0.02), "b": (0.2, 3e-4, 0.06), "c": (0.2, 3e-4, 0.06)}, 50)
+    a, b, c, new = fit.predict_ttft([("a", 4000.0), ("b", 1000.0), ("c", 0.0), ("new", 1000.0)])
+    assert a == pytest.approx(0.5, rel=1e-6) and b == pytest.approx(0.5, rel=1e-6) and c == pytest.approx(0.2)
+    assert new == pytest.approx(0.5, rel=1e-6)  # the median of the three predictions
+
+
+def test_ttft_pick_chooses_the_first_answer_among_the_replicas_the_score_ranks_near_its_best():
+    """On a fleet judged mixed: the least predicted TTFT among the replicas the speed-scaled score ranks
+    within ``near`` x its best; a replica outside that set ranks after all inside it; one kind: LMetric."""
+    laws = {"fast": (1e-4, 0.01), "slow": (6e-4, 0.06), "slow2": (6e-4, 0.06)}
+    one_kind = SpeedLMetric(min_samples=8, ttft_pick=True)
+    _learn(one_kind, {"fast": (1e-4, 0.02), "slow": (1e-4, 0.02)})
+    eps = [Endpoint("fast", queued_prefill_tokens=9000, running=5), Endpoint("slow", queued_prefill_tokens=0)]
+    assert one_kind.values(_St(), eps) == [(9000 + 1000) * 6, 1000]
+    picker = SpeedLMetric(min_samples=8, ttft_pick=True, near=2.0)
+    _learn(picker, laws)
+    # scaled score: fast 10000·6/36 ≈ 1667, slow 1000 — both near; predicted TTFT 1.0 s vs 0.6 s
+    fast, slow = picker.values(_St(), eps)
+    assert slow == pytest.approx(0.6, rel=0.02) and fast == pytest.approx(1.0, rel=0.02)
+    narrow = SpeedLMetric(min_samples=8, ttft_pick=True, near=1.5)
+    _learn(narrow, laws)
+    eps[1].queued_prefill_tokens, eps[0].queued_prefill_tokens = 2000, 0  # now the fast one is best
+    fast, slow = narrow.values(_St(), eps)
+    assert fast == pytest.approx(0.1, rel=0.02) and slow > 1e6  # slow: 3000 > 1.5 x 1000/6
+    with pytest.raises(ValueError):
+        SpeedLMetric(near=0.5)
+
+
 @pytest.mark.parametrize("bad", [{"min_samples": 0}, {"halflife": 0}, {"spread": 0.9}])
 def test_bad_settings_are_refused(bad):
     with pytest.raises(ValueError):
@@ -131,7 +194,8 @@ def test_the_trust_region_hears_the_events_of_a_learning_scorer():
 
 def test_auto_learns_the_mixed_fleet_and_loads_the_fast_replicas_more():
     """The bundled mixed-hardware scenario (2 A100 + 6 L4): auto's learned factors find the A100s
-    about 3x faster at prefill, and they carry more of the load than with ``speed: false``."""
+    about 3x faster at prefill, and they carry more of the load than with ``speed: false``, and more
+    again with ``speed_ttft`` (the default) than without it."""
     from kvroute.sim.scenario import load_scenario, parse_scenario
     from kvroute.sim.simulation import Simulation
 
@@ -139,17 +203,20 @@ def test_auto_learns_the_mixed_fleet_and_loads_the_fast_replicas_more():
     data["limits"]["max_requests"] = 400
     sc = parse_scenario(data, "mixed-hardware")
     share = {}
-    for speed in (True, False):
-        sim = Simulation(sc.setup(None), "auto", {"speed": speed}, sc.make_workload())
+    for speed in (True, False, "no-ttft-pick"):
+        params = {"speed_ttft": False} if speed == "no-ttft-pick" else {"speed": speed}
+        sim = Simulation(sc.setup(None), "auto", params, sc.make_workload())
         result = sim.run()
         rec = sim.recorder
         a100 = sum(1 for i in rec.replica if rec.replica_ids[i] in ("us-0", "us-1"))
         share[speed] = a100 / len(rec.replica)
-        if speed:
+        if speed is True:
             state = result["policy_state"]
             assert state["lmetric_speed.mixed"] == 1.0
             assert 2.0 < state["lmetric_speed.us-2.prefill_factor"] / state["lmetric_speed.us-0.prefill_factor"] < 4.5
     assert share[True] > share[False] + 0.05
+    # picking the least predicted TTFT among the near-best sends more of the long prompts to the A100s
+    assert share[True] > share["no-ttft-pick"] + 0.02
 
 
 def _trust_regions(policy) -> list[NearBest]:

@@ -20,7 +20,11 @@ never a step-time model:
    On mixed hardware each factor is scaled by the replica's prefill / decode time learned online
    from the TTFTs and TPOTs it reports (``lmetric_speed``, :mod:`kvroute.policy.adaptive.replica_speed`),
    so a replica k× faster carries about k× the load; unless prefill and decode times both spread
-   past ``speed_spread``, every factor is 1 (a homogeneous fleet routes exactly by LMetric's score);
+   past ``speed_spread``, every factor is 1 (a homogeneous fleet routes exactly by LMetric's score).
+   On a fleet judged mixed (a judgment that then holds), ``speed_ttft`` picks among the replicas
+   the scaled score ranks within ``trust`` × its best the one with the least TTFT predicted from
+   the learned prefill lines — the score keeps the load in proportion to speed, the prediction
+   sends each prompt where its first token comes soonest;
 3. **the challenger, GORGO's cost**, trialled online against it (``ttft_selector``, interleaved
    trials, switching only on evidence of a better mean TTFT, guarded by end-to-end latency):
    across regions — the candidates' probe RTTs spread by more than ``rtt_spread_ms`` — w_rtt·RTT
@@ -61,7 +65,7 @@ HOTSPOT = Branch.HOTSPOT_FILTERED.value
 RTT_AWARE, ADDITIVE, PREFIX_LOAD = "auto:rtt-aware", "auto:additive", "auto:prefix-load"
 # the challenger's trust region: the incumbent's score with the incumbent's settings
 INCUMBENT = {"lmetric_speed": {"spread": "$speed_spread", "learn": "$speed", "live_batch": "$live_batch",
-                                "min_samples": "$speed_samples"}}
+                                "min_samples": "$speed_samples", "ttft_pick": "$speed_ttft", "near": "$trust"}}
 TRUST = {"near_best": {"scorer": INCUMBENT, "factor": "$trust"}}
 
 
@@ -112,6 +116,9 @@ class AutoParams(PolicyParams):
     live_batch: bool = Field(True, description="LMetric's batch term counts at least the requests this load "
                              "balancer has in flight on the replica (an SGLang gauge can be 40 decode steps old); "
                              "false: probed running + waiting + dispatched since the probe, as lmetric")
+    speed_ttft: bool = Field(True, description="on a fleet judged mixed, pick among the replicas the speed-scaled "
+                             "score ranks within trust x its best the one with the least TTFT predicted from the "
+                             "learned prefill lines; false: the scaled score alone")
     speed_samples: int = Field(4, ge=1, description="first tokens and completions per replica before its "
                                "learned speed counts (the spread must also stand 2 standard errors apart)")
     local_first: bool = Field(True, description="across regions, route among the nearest region's free replicas "

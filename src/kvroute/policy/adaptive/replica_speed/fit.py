@@ -18,12 +18,23 @@ calibrated online). This module calibrates that profile online, per replica:
 Relative speeds are what routing needs: each replica's time over the median of the replicas that
 have ``min_samples`` observations (a replica without them counts as the median). The fleet is
 judged mixed only when both the prefill times and the decode times spread by more than ``spread``
-(max ÷ min, 1.5), and significantly so — the slowest ``z`` standard errors down above ``spread`` ×
-the fastest ``z`` standard errors up, so a few noisy samples cannot fake it. Another GPU generation
+(max ÷ min, 1.5), and significantly so — some replica's time ``z`` standard errors down above
+``spread`` × another's ``z`` standard errors up, so a few noisy samples cannot fake it. The pair
+tested is the most certain one (the highest lower bound against the lowest upper bound), not the
+two extreme point estimates: those are the replicas with the fewest or noisiest samples, and on 2
+A100 + 6 L4 the test on them lost a 2× decode gap whenever load spread the A100s' TPOTs. Another GPU generation
 differs in compute and in memory bandwidth alike, while the load imbalance and prefix-cache luck of
 a homogeneous fleet move one measure at a time (with prefill alone, tree-of-thought runs flipped to
 "mixed" early on a handful of samples). Otherwise every factor is 1 and a fleet of one hardware
-kind routes exactly as without this module.
+kind routes exactly as without this module. Once judged mixed, the fleet stays so (a replica's
+hardware does not change under its id): a decode time measured under load mixes the hardware with
+the load, and on 2 A100 + 6 L4 at half the knee the A100s' TPOTs, growing with the load sent to them,
+closed the decode gap below significance mid-run, the fleet flipped back to "one kind", and the next
+burst went to the L4s (22e's diagnosis; the factors keep following the measured times).
+
+:meth:`SpeedFit.predict_ttft` reads each replica's fitted line at the work a request would find
+there: a TTFT predicted from the load balancer's own measurements (``lmetric_speed``'s
+``ttft_pick``).
 
 The estimate feeds back on itself, stabilisingly: a replica given more load queues more, its
 measured times grow, its factor grows, and it is given less. Pure: times arrive as arguments.
@@ -138,6 +149,7 @@ class SpeedFit:
         self._ttft: dict[str, float] = {}  # req → measured TTFT, until it finishes
         # recomputed at each observation, never while deciding (Router.decide stays a dry run)
         self._factors: tuple[dict[str, float], dict[str, float]] = ({}, {})
+        self.judged_mixed = False  # set once, when both spreads first stood the test
 
     # ---- observations -------------------------------------------------------------------------
     def dispatched(self, req_id: str, endpoint_id: str, work_tokens: int, rtt_s: float) -> None:
@@ -196,24 +208,39 @@ class SpeedFit:
         """Per replica with ``min_samples`` completions: its mean time per output token."""
         return {ep: t for ep, (t, _) in self._decode_est().items()}
 
-    def _relative(self, est: dict[str, tuple[float, float]]) -> dict[str, float]:
-        """Each time over the median; empty (all 1) unless the slowest replica's time, ``z`` standard
-        errors down, is still more than ``spread`` × the fastest one's, ``z`` standard errors up: a
+    def _relative(self, est: dict[str, tuple[float, float]], test: bool = True) -> dict[str, float]:
+        """Each time over the median; with ``test``, empty (all 1) unless some replica's time, ``z``
+        standard errors down, is still more than ``spread`` × another's, ``z`` standard errors up: a
         spread that few noisy observations could fake does not count."""
         positive = {ep: te for ep, te in est.items() if te[0] > 0}
         if len(positive) < 2:
             return {}
-        lo = min(positive.values())
-        hi = max(positive.values())
-        if hi[0] - self.z * hi[1] <= self.spread * (lo[0] + self.z * lo[1]):
-            return {}
+        if test:
+            slow = max(t - self.z * se for t, se in positive.values())
+            fast = min(t + self.z * se for t, se in positive.values())
+            if slow <= self.spread * fast:
+                return {}
         mid = median(t for t, _ in positive.values())
         return {ep: t / mid for ep, (t, _) in positive.items()}
 
     def _refresh(self) -> None:
-        pf, df = self._relative(self._prefill_est()), self._relative(self._decode_est())
+        test = not self.judged_mixed
+        pf, df = self._relative(self._prefill_est(), test), self._relative(self._decode_est(), test)
         # hardware apart shows in both (compute and memory bandwidth); one measure alone apart is noise
         self._factors = (pf, df) if pf and df else ({}, {})
+        self.judged_mixed = bool(pf and df) or self.judged_mixed
+
+    def predict_ttft(self, work: list[tuple[str, float]]) -> list[float]:
+        """Predicted TTFT − RTT per ``(replica, prefill work queued there with the request's own)``: the
+        replica's fitted line at that work; a replica without ``min_samples`` first tokens gets the
+        median of the others' predictions (0 when none has them)."""
+        out: list[float | None] = []
+        for ep, w in work:
+            line = self._prefill.get(ep)
+            out.append(line.at(w) if line is not None and line.n >= self.min_samples else None)
+        known = [v for v in out if v is not None]
+        mid = median(known) if known else 0.0
+        return [mid if v is None else v for v in out]
 
     def factors(self) -> tuple[dict[str, float], dict[str, float]]:
         """(prefill, decode) factors per replica; a replica not listed counts as 1."""

@@ -12,6 +12,8 @@ from kvroute.policy.catalog import register_plugin
 from kvroute.policy.hooks import Lifecycle
 from kvroute.policy.plugins import DecisionState, Scorer
 
+OUTSIDE_S = 1e6  # added to the predicted TTFT of a replica outside ``ttft_pick``'s near set
+
 
 class SpeedPlugin(Lifecycle):
     """Feeds the replica-speed fit from the Router's lifecycle events."""
@@ -62,15 +64,28 @@ class SpeedLMetric(Scorer, SpeedPlugin):
     counted since the probe start again from 0 at every probe: the requests sent between the
     gauge's last write and the probe vanish from the batch term. Behind one load balancer the count
     in flight is the replica's batch (plus requests on the wire); behind several the probe still
-    carries the others' share."""
+    carries the others' share.
+
+    ``ttft_pick`` (on a fleet judged mixed only): among the replicas this score ranks within
+    ``near`` × its best, the one with the least predicted TTFT (RTT + the replica's learned line of
+    TTFT on queued prefill work, :meth:`~.fit.SpeedFit.predict_ttft`) — the score keeps each
+    replica's load in proportion to its speed (TPOT, stability), the prediction picks among the
+    replicas it judges near-equal the one that answers first. On 2 A100 + 6 L4 the score alone
+    sends an L4 a 3,000-token prompt (~1.5 s there, ~0.4 s on an A100) whenever the A100s' batch
+    factor outweighs their speed; llm-d's predicted TTFT alone (its profile as an oracle) keeps the
+    L4s idle at half the knee but overloads the A100s' decode past it (TPOT SLO missed at 70 %,
+    unstable at 90 %). Replicas outside the near set rank after every one inside it."""
 
     name = "lmetric_speed"
     inputs = frozenset({"prefix", "prefill_backlog", "load"})
 
     def __init__(self, min_samples: int = 16, halflife: int = DEFAULT_HALFLIFE, spread: float = 1.5,
-                 z: float = 2.0, learn: bool = True, live_batch: bool = False):
+                 z: float = 2.0, learn: bool = True, live_batch: bool = False, ttft_pick: bool = False,
+                 near: float = 2.0):
         SpeedPlugin.__init__(self, SpeedFit(min_samples=min_samples, halflife=halflife, spread=spread, z=z))
-        self.learn, self.live_batch = learn, live_batch
+        if near < 1:
+            raise ValueError(f"near must be >= 1, got {near}")
+        self.learn, self.live_batch, self.ttft_pick, self.near = learn, live_batch, ttft_pick, near
         self.dispatches = 0
         self.floored = 0  # dispatches whose target counted more requests in flight than its probe showed
 
@@ -113,5 +128,12 @@ class SpeedLMetric(Scorer, SpeedPlugin):
             base = st.lmetric(eps)  # LMetric's score, computed once per decision (shared: not modified)
         if not pf and not df:
             return base
-        return [b * pf.get(e.id, 1.0) * df.get(e.id, 1.0) for b, e in zip(base, eps)]
+        scaled = [b * pf.get(e.id, 1.0) * df.get(e.id, 1.0) for b, e in zip(base, eps)]
+        if not self.ttft_pick:
+            return scaled
+        limit = self.near * min(scaled)
+        work = [(e.id, float(e.queued_prefill_tokens + n)) for n, e in zip(st.new_prefill(eps), eps)]
+        ttft = self.fit.predict_ttft(work)
+        # seconds; a replica the score ranks out of the near set goes after every one inside it
+        return [t + e.rtt_s + (0.0 if v <= limit else OUTSIDE_S) for t, e, v in zip(ttft, eps, scaled)]
 
