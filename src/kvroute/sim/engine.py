@@ -14,8 +14,9 @@ Memory is counted in tokens (blocks × block size), not rounded per sequence: a 
 worth at most block_size − 1 tokens per running sequence.
 
 Engines that share a machine's cores (``Host``, sim/host.py) slow each other down: a step's time
-scales by ``max(1, stepping engines / cores)``, re-timed whenever an engine on the host starts or
-stops stepping. Engines without a host run as if each had its own machine.
+scales by the number of engines stepping on its core (each core runs its own queue), re-timed
+whenever an engine on the host starts or stops stepping. Engines without a host run as if each
+had its own machine.
 
 Modules (split by idea, issue 22): seq.py (a request, the states, the jump), kvcache.py (KV
 accounting and prefix cache), batch.py (queue, admission, transitions), handover.py (migration),
@@ -157,7 +158,7 @@ class Engine(Handover):
             if noise is not None:
                 dt *= noise(1)
             if host is not None:  # cores shared with other engines (Host)
-                self._slow = host.slowdown
+                self._slow = host.slowdown_of(self)
                 dt *= self._slow
                 self._step_end = loop.now + dt
             self.busy_s += dt
@@ -188,7 +189,7 @@ class Engine(Handover):
             alpha *= f
             beta *= f
         if host is not None:  # cores shared with other engines (Host)
-            self._slow = slow = host.slowdown
+            self._slow = slow = host.slowdown_of(self)
             alpha *= slow
             beta *= slow
         if self._chunks:
@@ -200,11 +201,11 @@ class Engine(Handover):
         loop.at(now + dt, self._end_step, (self._version, K))
 
     def _rescale(self) -> None:
-        """The host's slowdown changed mid-step: a decode jump stops at its next step boundary
+        """This engine's slowdown on its host changed mid-step: a decode jump stops at its next step boundary
         (the next plan is timed with the new slowdown); a single step's remaining time stretches
         or shrinks by the ratio of the slowdowns."""
         assert self.host is not None
-        slow = self.host.slowdown
+        slow = self.host.slowdown_of(self)
         if self._jump is not None:
             self._interrupt(self._jump)
             return

@@ -63,8 +63,9 @@ class ReplicaGroup(StrictModel):
         None, description="what a probe reads as the engines' waiting/running counts, in place of the profile's: "
         "`live`, or `sglang` (num_queue_reqs as of the last prefill batch or 40th decode step, sim/queue_gauge.py)")
     host_cores: int | None = Field(None, ge=1, description="the group's replicas share one machine with this many "
-                                   "cores: while n of them step at once, each step takes max(1, n / cores) times "
-                                   "its profile time (unset: every replica has a machine of its own)")
+                                   "cores: each core runs its own queue, so while more of them step than there are "
+                                   "cores, a step takes k times its profile time, k the replicas stepping on its core "
+                                   "(sim/host.py; unset: every replica has a machine of its own)")
 
 
 class BalancerGroup(StrictModel):
