@@ -128,3 +128,31 @@ def test_calibration_divides_the_sharing_it_measured_under():
     assert fitted.step_time(decode=3, decode_ctx=1500) == pytest.approx(true.step_time(decode=3, decode_ctx=1500))
     folded, _ = fit_profile(m, "x", "test")  # without: the sharing stays in the constants
     assert folded.prefill_time(1000) == pytest.approx(1.5 * fitted.prefill_time(1000), rel=1e-6)
+
+
+def test_background_load_slows_engines_only_while_every_core_has_one():
+    """Half a core of other work on a 2-core host: an engine alone leaves a core idle for it (1 s
+    prefill, 1 s); two engines stepping leave none, so each core gives them 1 - 0.5/2 of itself."""
+    loop = EventLoop()
+    first: dict[str, float] = {}
+    host = Host(2, background=0.5)
+    a, b = (Engine(f"e{i}", UNIT, loop, lambda s, t: first.__setitem__(s.rid, t), lambda s, t: None, host=host)
+            for i in range(2))
+    a.submit(_seq("alone"))
+    loop.run()
+    assert first["alone"] == pytest.approx(1.0)
+    a.submit(_seq("a"))
+    b.submit(_seq("b"))
+    loop.run()
+    assert first["a"] - 1.0 == pytest.approx(4 / 3) and first["b"] - 1.0 == pytest.approx(4 / 3)
+    for bad in (-0.1, 2.0):
+        with pytest.raises(ValueError, match="background"):
+            Host(2, background=bad)
+
+
+def test_scenario_background_needs_the_shared_machine():
+    assert _scenario(host_cores=2, host_background_cores=0.5).replicas[0].host_background_cores == 0.5
+    for group, why in (({"host_background_cores": 0.5}, "needs host_cores"),
+                       ({"host_cores": 2, "host_background_cores": 2}, "below host_cores")):
+        with pytest.raises(ScenarioError, match=why):
+            _scenario(**group)

@@ -41,6 +41,7 @@ from pathlib import Path
 import aiohttp
 import yaml
 
+from kvroute.bench.fidelity_cpu import CpuLedger, background
 from kvroute.bench.fidelity_engines import describe, engine_side
 from kvroute.bench.fidelity_engines import scrape as engine_metrics
 from kvroute.calibrate.measure import WORDS, Sweep
@@ -272,10 +273,11 @@ class GatewayProcess:
 
 def simulate(convs: list[list[dict]], policy: str, profile: str, replicas: int, token_ratio: float,
              max_tokens: int, folder: Path, seed: int = 0, host_cores: int | None = None,
-             noise: bool = False) -> dict:
+             noise: bool = False, host_background: float = 0.0) -> dict:
     """The same conversations through `kvroute simulate` (an OpenAI-messages trace); ``host_cores``:
-    the replicas share one machine with that many cores (scenario ``host_cores``); ``noise``: the
-    engines get the profile's measured timing noise and reordering (``engine_noise: profile``)."""
+    the replicas share one machine with that many cores (scenario ``host_cores``), where other work
+    took ``host_background`` cores' worth (``host_background_cores``); ``noise``: the engines get
+    the profile's measured timing noise and reordering (``engine_noise: profile``)."""
     from kvroute.perf.loader import load_profile
     from kvroute.sim.runner import run_scenario
     from kvroute.sim.scenario import parse_scenario
@@ -286,6 +288,8 @@ def simulate(convs: list[list[dict]], policy: str, profile: str, replicas: int, 
     group = {"region": "local", "count": replicas, "profile": profile}
     if host_cores:
         group["host_cores"] = host_cores
+        if host_background:
+            group["host_background_cores"] = host_background
     sc = parse_scenario({"replicas": [group],
                          # the engines cache prefixes in their own unit (calibrate reads it into the
                          # profile's block_size: vLLM's block size, llama-server 1), not the router's
@@ -399,20 +403,22 @@ async def run_fidelity(urls: list[str], profile: str, policies: tuple[str, ...] 
                 await gw.start()
                 try:
                     metrics0 = await engine_metrics(urls)
+                    ledger = CpuLedger(urls)
                     cpu0, gw_cpu0, t0 = time.process_time(), gw.cpu_s(), time.perf_counter()
                     run = await live_run(gw.url, convs, w.max_tokens, seed=wi.seed, model=model)
                     wall = time.perf_counter() - t0
                     live = live_summary(run)
                     # the engines' own stage times over the run (vLLM's histograms; none from llama-server)
                     live["engine_side"] = engine_side(metrics0, await engine_metrics(urls))
-                    # what the balancer and the clients cost the cores the engines share
-                    live["gateway_cpu_share"] = (gw.cpu_s() - gw_cpu0) / wall
-                    live["client_cpu_share"] = (time.process_time() - cpu0) / wall
+                    # what the balancer, the clients and everything else cost the cores the engines share
+                    live["host_cpu"] = ledger.stop(wall, gw.cpu_s() - gw_cpu0, time.process_time() - cpu0)
+                    live["gateway_cpu_share"] = live["host_cpu"]["gateway"]
+                    live["client_cpu_share"] = live["host_cpu"]["client"]
                     live["load_average"] = os.getloadavg()[0]
                 finally:
                     gw.stop()
                 sim = simulate(convs, policy, profile, len(urls), live["token_ratio"], w.max_tokens, folder,
-                               wi.seed, host_cores, noise)
+                               wi.seed, host_cores, noise, background(live, host_cores))
                 ratio = {k: _ratio(sim[k], live[k]) for k, _ in METRICS}
                 runs[policy].append({"seed": wi.seed, "salt": salt, "live": live, "sim": sim, "sim_over_live": ratio})
                 say(f"repeat {i + 1}/{repeats} {policy}: TTFT p99 live {live['ttft_p99'] * 1000:.0f} ms, "

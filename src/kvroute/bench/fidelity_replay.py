@@ -15,12 +15,16 @@ from dataclasses import replace
 from pathlib import Path
 
 from kvroute.bench.fidelity import METRICS, Workload, conversations, simulate, summarize
+from kvroute.bench.fidelity_cpu import background
 
 
-def replay(stored: dict, profile: str, noise: bool | None = None, salt: str = "") -> dict:
+def replay(stored: dict, profile: str, noise: bool | None = None, salt: str = "",
+           with_background: bool = True) -> dict:
     """``stored`` (a fidelity JSON) with its simulated side run again with ``profile``; ``noise``:
     the profile's engine noise on or off (None: as the stored run had it); ``salt``: for runs
-    stored without their salts (older JSONs), what opens the rebuilt system prompts.
+    stored without their salts (older JSONs), what opens the rebuilt system prompts;
+    ``with_background``: the host's background load each live run measured (bench/fidelity.py
+    ``background``), or none.
     A different salt shifts the prompts by a few tokens, and a 60-request run's simulated
     medians move with it (by up to ~30 % per repeat on issue 21's llama.cpp run): compare
     profiles over several salts, not one."""
@@ -38,8 +42,10 @@ def replay(stored: dict, profile: str, noise: bool | None = None, salt: str = ""
                 live = rep["live"]
                 opening = rep.get("salt", f"{policy}{salt}")
                 convs = conversations(replace(w, seed=rep["seed"]), stored["bytes_per_token"], salt=opening)
+                cores = stored.get("host_cores")
                 sim = simulate(convs, policy, profile, len(stored["engines"]), live["token_ratio"],
-                               w.max_tokens, Path(tmp), rep["seed"], stored.get("host_cores"), noise)
+                               w.max_tokens, Path(tmp), rep["seed"], cores, noise,
+                               background(live, cores) if with_background else 0.0)
                 ratio = {k: sim[k] / live[k] if live[k] else None for k, _ in METRICS}
                 runs[policy].append({"seed": rep["seed"], "salt": opening, "live": live, "sim": sim,
                                      "sim_over_live": ratio})

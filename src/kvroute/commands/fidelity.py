@@ -73,7 +73,8 @@ def _replay(args: argparse.Namespace) -> int:
     try:
         load_profile(args.profile)
         stored = json.loads(open(args.replay).read())
-        out = replay(stored, args.profile, args.engine_noise == "profile")
+        out = replay(stored, args.profile, args.engine_noise == "profile",
+                     with_background=args.host_background == "measured")
     except ProfileError as exc:
         return error(str(exc))
     except (OSError, ValueError, KeyError, TypeError) as exc:
@@ -145,6 +146,9 @@ def add_parser(bench: argparse._SubParsersAction) -> None:
     bf.add_argument("--repeats", type=positive_int, default=3, metavar="N",
                     help="run every policy N times live (interleaved) and in simulate; report medians, min-max "
                          "and pooled TTFT p99 (default 3)")
+    bf.add_argument("--host-background", choices=("measured", "off"), default="measured", dest="host_background",
+                    help="with --replay: simulate the engines' shared machine with the background load each live "
+                    "run measured (bench/fidelity_cpu.py; older runs: the gateway's and client's CPU) or without")
     bf.add_argument("--engine-noise", choices=("profile", "off"), default="profile", dest="engine_noise",
                     help="simulate with the profile's measured engine noise (timing spread, API-server delay: "
                          "sim/noise.py) or without (default profile; a profile that measured none has none)")

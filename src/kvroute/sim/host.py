@@ -39,15 +39,24 @@ class Host:
     profile with the other engines idle, 1.06x with one stepping and 2.03x with both (decode
     steps: 0.85x, 0.94x, 1.6-2.1x). Earlier (one measurement, three engines starting a
     ~1,080-token prefill together): 0.106-0.184 s against 0.111 s alone, mean 1.42x — one engine
-    alone on its core, two sharing until the first finishes. What a step does not count: the
-    gateway's and the clients' own CPU (3-5 % and 2-4 % of a core)."""
+    alone on its core, two sharing until the first finishes.
 
-    __slots__ = ("cores", "engines", "stepping", "_queues", "_core", "_prev")
+    ``background``: cores' worth of CPU that other work on the machine takes while it serves (a
+    gateway, clients, the kernel's network stack, the engines' HTTP threads; measured per run by
+    `kvroute bench fidelity`). It runs wherever a core is idle, so it slows the engines only while
+    every core has an engine stepping: then each core gives its engines ``1 - background / cores``
+    of itself."""
 
-    def __init__(self, cores: int):
+    __slots__ = ("cores", "background", "engines", "stepping", "_queues", "_core", "_prev")
+
+    def __init__(self, cores: int, background: float = 0.0):
         if cores < 1:
             raise ValueError(f"a host needs at least one core, got {cores}")
+        if not 0 <= background < cores:
+            raise ValueError(f"a host's background load must be at least 0 and below its {cores} core(s), "
+                             f"got {background}")
         self.cores = cores
+        self.background = background
         self.engines: list[Stepping] = []
         self.stepping = 0  # engines with a step in progress
         self._queues: list[list[int]] = [[] for _ in range(cores)]  # engine indices stepping on each core
@@ -56,9 +65,15 @@ class Host:
 
     def slowdown_of(self, engine: Stepping) -> float:
         """How much slower ``engine``'s step runs now than on a machine of its own: the engines
-        stepping on its core (1 while it does not step)."""
+        stepping on its core (1 while it does not step), over the core's share left by the
+        background load while no core is idle."""
         core = self._core.get(self._index(engine))
-        return float(len(self._queues[core])) if core is not None else 1.0
+        if core is None:
+            return 1.0
+        k = float(len(self._queues[core]))
+        if self.background and all(self._queues):
+            return k / (1.0 - self.background / self.cores)
+        return k
 
     def _index(self, engine: Stepping) -> int:
         for i, e in enumerate(self.engines):
@@ -70,7 +85,7 @@ class Host:
         """``engine`` starts (``busy``) or stops stepping: place it on a core or take it off,
         rebalance, and re-time the others' steps whose slowdown changed."""
         me = self._index(engine)
-        before = [len(self._queues[self._core[i]]) if i in self._core else 0 for i in range(len(self.engines))]
+        before = [self.slowdown_of(e) for e in self.engines]
         queues = self._queues
         if busy:
             self.stepping += 1
@@ -95,7 +110,7 @@ class Host:
             queues[lo].append(moved)
             self._core[moved] = lo
         for i, other in enumerate(self.engines):
-            if i != me and other._busy and i in self._core and len(queues[self._core[i]]) != before[i]:
+            if i != me and other._busy and i in self._core and self.slowdown_of(other) != before[i]:
                 other._rescale()
 
 

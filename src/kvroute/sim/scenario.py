@@ -66,6 +66,10 @@ class ReplicaGroup(StrictModel):
                                    "cores: each core runs its own queue, so while more of them step than there are "
                                    "cores, a step takes k times its profile time, k the replicas stepping on its core "
                                    "(sim/host.py; unset: every replica has a machine of its own)")
+    host_background_cores: float = Field(0.0, ge=0, description="with `host_cores`: cores' worth of CPU other "
+                                         "work on that machine takes while it serves (a gateway, clients, the "
+                                         "kernel), which slows the replicas while every core has one stepping "
+                                         "(sim/host.py; `bench fidelity` measures it per run)")
 
 
 class BalancerGroup(StrictModel):
@@ -246,6 +250,16 @@ class Scenario(StrictModel):
         return self
 
     @model_validator(mode="after")
+    def _host_background(self) -> Scenario:
+        """A background load needs the group's shared machine and leaves it some core (one line, at the key)."""
+        for i, g in enumerate(self.replicas):
+            if g.host_background_cores and not (g.host_cores and g.host_background_cores < g.host_cores):
+                need = f"below host_cores ({g.host_cores})" if g.host_cores else "host_cores (the shared machine)"
+                raise yamlconf.AtItem(f"host_background_cores {g.host_background_cores:g} needs {need}",
+                                      ("replicas", i, "host_background_cores"))
+        return self
+
+    @model_validator(mode="after")
     def _pd_roles(self) -> Scenario:
         """Roles need `pd:`, and each side needs the other (one line, at the group's role)."""
         from kvroute.policy.pd import role_check
@@ -328,7 +342,7 @@ class Scenario(StrictModel):
             if g.waiting_gauge is not None:  # an engine setting (the exported metrics), not the hardware's
                 prof = prof.model_copy(update={"waiting_gauge": g.waiting_gauge})
             n0 = sum(1 for r in replicas if r.region == g.region and r.role == g.role)
-            host = (f"group-{len(replicas)}", g.host_cores) if g.host_cores else None
+            host = (f"group-{len(replicas)}", g.host_cores, g.host_background_cores) if g.host_cores else None
             role = "" if g.role == "mixed" else f"{g.role[0]}-"  # p-us-0, d-us-0: the role in the id
             replicas += [ReplicaSpec(f"{role}{g.region}-{n0 + i}", g.region, prof, host, g.role,
                                      resolve(self.engine_noise, prof)) for i in range(g.count)]

@@ -38,7 +38,8 @@ class ReplicaSpec:
     id: str
     region: str
     profile: HardwareProfile
-    host: tuple[str, int] | None = None  # (machine, cores) it shares with the replicas naming that machine
+    # (machine, cores, background cores) it shares with the replicas naming that machine (sim/host.py)
+    host: tuple[str, int, float] | None = None
     role: str = "mixed"  # prefill / decode / mixed (sim/disagg.py)
     noise: NoiseSpec | None = None  # timing noise and reordering (sim/noise.py); None: off
 
@@ -106,7 +107,7 @@ class Simulation:
         self.workload = workload
         self.progress = progress
         self.rng = random.Random(setup.seed)
-        hosts = {r.host: Host(r.host[1]) for r in setup.replicas if r.host is not None}
+        hosts = {r.host: Host(r.host[1], r.host[2]) for r in setup.replicas if r.host is not None}
         self.replicas = {r.id: Replica(r.id, r.region, Engine(r.id, r.profile, self.loop,
                                                               self._first_token, self._finish,
                                                               host=hosts.get(r.host) if r.host else None), r.role)
