@@ -146,6 +146,31 @@ def test_ttft_pick_chooses_the_first_answer_among_the_replicas_the_score_ranks_n
         SpeedLMetric(near=0.5)
 
 
+@pytest.mark.parametrize(("dof", "t"), [(1, 13.97), (2, 4.53), (3, 3.31), (10, 2.28), (30, 2.09), (10_000, 2.0)])
+def test_the_bound_is_students_t_at_the_confidence_of_z(dof, t):
+    from kvroute.policy.adaptive.replica_speed.fit import t_quantile
+
+    assert t_quantile(2.0, dof) == pytest.approx(t, abs=0.01)
+    assert t_quantile(1.96, 10) == pytest.approx(2.228, abs=0.002)  # the textbook 95 % value
+
+
+def test_few_observations_judge_a_clear_spread_but_not_a_scattered_one():
+    """With Student's t the floor is what a standard error needs (3 first tokens, 2 completions):
+    exact A100-vs-L4 laws are judged at once; three scattered observations are not, though 2 normal
+    standard errors of them would pass (the z bound alone: factors 0.53 / 1.47)."""
+    fit = SpeedFit(min_samples=1)
+    _feed(fit, {"fast": (0.01, 1e-4, 0.02), "slow": (0.03, 3e-4, 0.06), "slow2": (0.03, 3e-4, 0.06)}, 3)
+    assert fit.factors()[0]["fast"] < 0.5
+    noisy = SpeedFit(min_samples=1)
+    for i, (slow_ttft, slow_tpot) in enumerate([(1.0, 0.08), (1.3, 0.10), (1.1, 0.09)]):
+        for ep, ttft, tpot in (("a", 0.4 + 0.01 * i, 0.03), ("b", slow_ttft, slow_tpot)):
+            rid = f"{ep}-{i}"
+            noisy.dispatched(rid, ep, 1000 + 100 * i, 0.0)
+            noisy.first_token(rid, ttft)
+            noisy.finished(rid, ep, ttft + tpot * 100, 101)
+    assert noisy.factors() == ({}, {})
+
+
 @pytest.mark.parametrize("bad", [{"min_samples": 0}, {"halflife": 0}, {"spread": 0.9}])
 def test_bad_settings_are_refused(bad):
     with pytest.raises(ValueError):

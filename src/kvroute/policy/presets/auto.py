@@ -119,8 +119,9 @@ class AutoParams(PolicyParams):
     speed_ttft: bool = Field(True, description="on a fleet judged mixed, pick among the replicas the speed-scaled "
                              "score ranks within trust x its best the one with the least TTFT predicted from the "
                              "learned prefill lines; false: the scaled score alone")
-    speed_samples: int = Field(4, ge=1, description="first tokens and completions per replica before its "
-                               "learned speed counts (the spread must also stand 2 standard errors apart)")
+    speed_samples: int = Field(2, ge=1, description="first tokens and completions per replica before its "
+                               "learned speed counts (at least 3 first tokens, 2 completions: what a standard error "
+                               "needs); the spread must also stand apart by Student's t at 95.45 %")
     local_first: bool = Field(True, description="across regions, route among the nearest region's free replicas "
                               "(no prefill of this LB queued, nothing waiting at the probe) while there is one; "
                               "false: every replica competes on every request")

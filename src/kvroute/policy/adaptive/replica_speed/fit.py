@@ -19,7 +19,11 @@ Relative speeds are what routing needs: each replica's time over the median of t
 have ``min_samples`` observations (a replica without them counts as the median). The fleet is
 judged mixed only when both the prefill times and the decode times spread by more than ``spread``
 (max ÷ min, 1.5), and significantly so — some replica's time ``z`` standard errors down above
-``spread`` × another's ``z`` standard errors up, so a few noisy samples cannot fake it. The pair
+``spread`` × another's ``z`` standard errors up, so a few noisy samples cannot fake it. On few
+observations an estimated standard error is itself uncertain, so the bound is Student's t at the
+confidence ``z`` gives under a normal law (``z`` = 2, 95.45 %: 13.97 standard errors at 1 degree of
+freedom, 3.31 at 3, 2.09 at 30): the test then needs no sample floor beyond what a standard error
+needs (3 first tokens for a line, 2 completions for a mean). The pair
 tested is the most certain one (the highest lower bound against the lowest upper bound), not the
 two extreme point estimates: those are the replicas with the fewest or noisiest samples, and on 2
 A100 + 6 L4 the test on them lost a 2× decode gap whenever load spread the A100s' TPOTs. Another GPU generation
@@ -44,9 +48,41 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 from statistics import median
 
 DEFAULT_HALFLIFE = 128  # observations per replica over which an old one's weight halves
+# the fewest observations a standard error needs: a line through 2 points, a mean of 1, has no residual
+LINE_FLOOR, RATIO_FLOOR = 3, 2
+
+
+@lru_cache(maxsize=256)
+def t_quantile(z: float, dof: int) -> float:
+    """Student's t critical value with ``dof`` degrees of freedom at the two-sided confidence that
+    ``z`` standard errors give under a normal law (z = 2: 95.45 %; dof 1: 13.97, 3: 3.31, 30: 2.09).
+
+    A standard error estimated from n observations is itself uncertain; ``z`` of them is a valid
+    bound only for large n (Student 1908). Bisection on P(|T| ≤ t), Simpson's rule on the density."""
+    if dof <= 0:
+        return math.inf
+    conf = math.erf(z / math.sqrt(2.0))
+    c = math.exp(math.lgamma((dof + 1) / 2) - math.lgamma(dof / 2)) / math.sqrt(dof * math.pi)
+
+    def mass(t: float) -> float:
+        n, h = 400, t / 400
+        acc = 0.0
+        for i in range(n + 1):
+            density: float = c * math.pow(1.0 + (i * h) ** 2 / dof, -(dof + 1) / 2)
+            acc += density * (1 if i in (0, n) else 4 if i % 2 else 2)
+        return 2.0 * acc * h / 3.0
+
+    lo, hi = z, max(z, 1e-6)
+    while mass(hi) < conf:
+        hi *= 2.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if mass(mid) < conf else (lo, mid)
+    return hi
 
 
 @dataclass(slots=True)
@@ -189,16 +225,27 @@ class SpeedFit:
 
     # ---- estimates ----------------------------------------------------------------------------
     def _prefill_est(self) -> dict[str, tuple[float, float]]:
-        """Per replica with ``min_samples`` first tokens: (fitted TTFT − RTT at the fleet's mean work, its SE)."""
+        """Per replica with enough first tokens (``min_samples``, at least 3): (fitted TTFT − RTT at the fleet's
+        mean work, its SE × the t / z ratio for the line's n − 2 degrees of freedom)."""
         if self._work.den <= 0:
             return {}
-        ref = self._work.num / self._work.den
-        return {ep: (line.at(ref), line.se_at(ref)) for ep, line in self._prefill.items()
-                if line.n >= self.min_samples}
+        ref, floor = self._work.num / self._work.den, max(self.min_samples, LINE_FLOOR)
+        return {ep: (line.at(ref), self._wide(line.se_at(ref), round(line.w) - 2)) for ep, line in self._prefill.items()
+                if line.n >= floor}
 
     def _decode_est(self) -> dict[str, tuple[float, float]]:
-        """Per replica with ``min_samples`` completions: (mean time per output token, its SE)."""
-        return {ep: (r.num / r.den, r.se()) for ep, r in self._decode.items() if r.n >= self.min_samples and r.den > 0}
+        """Per replica with enough completions (``min_samples``, at least 2): (mean time per output token, its
+        SE × the t / z ratio for n − 1 degrees of freedom)."""
+        floor = max(self.min_samples, RATIO_FLOOR)
+        return {ep: (r.num / r.den, self._wide(r.se(), round(r.w) - 1)) for ep, r in self._decode.items()
+                if r.n >= floor and r.den > 0}
+
+    def _wide(self, se: float, dof: int) -> float:
+        """``se`` widened by Student's t over z for ``dof`` degrees of freedom, so that ``z`` × the result
+        is the t bound (the test below multiplies by ``z``); 0 stays 0 (observations that agree exactly)."""
+        if se <= 0 or self.z <= 0:
+            return se
+        return se * t_quantile(self.z, dof) / self.z
 
     def prefill_s(self) -> dict[str, float]:
         """Per replica with ``min_samples`` first tokens: its fitted TTFT − RTT at the fleet's mean work."""
@@ -232,12 +279,13 @@ class SpeedFit:
 
     def predict_ttft(self, work: list[tuple[str, float]]) -> list[float]:
         """Predicted TTFT − RTT per ``(replica, prefill work queued there with the request's own)``: the
-        replica's fitted line at that work; a replica without ``min_samples`` first tokens gets the
+        replica's fitted line at that work; a replica without ``min_samples`` (at least 3) first tokens gets the
         median of the others' predictions (0 when none has them)."""
         out: list[float | None] = []
+        floor = max(self.min_samples, LINE_FLOOR)
         for ep, w in work:
             line = self._prefill.get(ep)
-            out.append(line.at(w) if line is not None and line.n >= self.min_samples else None)
+            out.append(line.at(w) if line is not None and line.n >= floor else None)
         known = [v for v in out if v is not None]
         mid = median(known) if known else 0.0
         return [mid if v is None else v for v in out]
