@@ -115,6 +115,25 @@ def test_reported_prompt_tokens_reads_the_last_usage():
     assert reported_prompt_tokens(b"data: [DONE]\n\n") is None
 
 
+def test_reported_counts_agree_with_a_full_scan():
+    """The last-occurrence shortcut gives what scanning every match gives, including when the
+    field's last occurrence carries no count (then an earlier one answers)."""
+    import re
+
+    from kvroute.gateway.tokens import reported_completion_tokens
+
+    bodies = [b'{"usage":{"prompt_tokens":5,"completion_tokens":3}}',
+              b'{"a":{"prompt_tokens": 11},"usage":{"prompt_tokens" :  12 ,"completion_tokens":\n4}}',
+              b'{"usage":{"prompt_tokens":7},"later":{"prompt_tokens":null,"completion_tokens":"x"}}',
+              b'{"prompt_tokens":null}', b'"prompt_tokens"', b"", b'{"completion_tokens":9,"prompt_tokens":1}',
+              b'data: {"usage":{"prompt_tokens":8,"completion_tokens":1}}\n\ndata: {"prompt_tokens"}\n\n']
+    readers = ((b"prompt_tokens", reported_prompt_tokens), (b"completion_tokens", reported_completion_tokens))
+    for body in bodies:
+        for field, fn in readers:
+            found = re.findall(rb'"' + field + rb'"\s*:\s*(\d+)', body)
+            assert fn(body) == (int(found[-1]) if found else None), (field, body)
+
+
 def test_openai_trace_counts_engine_tokens_with_the_ratio(tmp_path):
     from kvroute.sim.scenario import ScenarioError, parse_scenario
     from kvroute.workload.traces import OpenAIConversations

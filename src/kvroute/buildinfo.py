@@ -40,6 +40,7 @@ COMPILED: tuple[str, ...] = (
     "kvroute.policy.router",
     "kvroute.policy.state",
     "kvroute.policy.compose",
+    "kvroute.policy.selection",
     "kvroute.workload.traces",
     # the gateway's per-request path (issue 25: callgrind, docs/hot-path.md "Compiled build")
     "kvroute.gateway.deadlines",
@@ -62,6 +63,7 @@ COMPILED: tuple[str, ...] = (
     "kvroute.gateway.tracing",
     "kvroute.gateway.outlier",
     "kvroute.gateway.retry",
+    "kvroute.gateway.hotconfig",
     "kvroute.prefix.keys",
     "kvroute.prefix.blocks",
 )

@@ -108,8 +108,14 @@ class HTTPServer(ServerState):
         await self.stop_accepting()
         if self._sweeper is not None:
             self._sweeper.cancel()
+        workers = []
         for conn in list(self.connections):
             if conn.transport is not None:
                 conn.transport.close()
+            if conn.task is not None and not conn.task.done():
+                conn.task.cancel()  # its worker, idle between requests or working
+                workers.append(conn.task)
+        if workers:  # let them end before the loop may
+            await asyncio.wait(workers, timeout=1.0)
         if self._server is not None:
             await self._server.wait_closed()

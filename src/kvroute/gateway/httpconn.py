@@ -14,6 +14,7 @@ from typing import cast
 
 import httptools
 
+from kvroute.gateway import httpmsg
 from kvroute.gateway.httpmsg import REASONS, BadRequest, Handler, HTTPLimits, Request, Responder, error_body, log
 from kvroute.gateway.limits import ClientCounts, Rejections
 
@@ -62,7 +63,9 @@ class _Connection(asyncio.Protocol):
         self.counted = False  # in server.connections and server.clients
         self.lingering = False  # refused: reading and discarding until LINGER_S passes
         self.pending: deque[Request] = deque()
-        self.task: asyncio.Task[None] | None = None
+        self.task: asyncio.Task[None] | None = None  # the worker (_work), awaiting ``arrival`` when idle
+        self.arrival: asyncio.Future[None] | None = None
+        self.busy = False  # the worker has a request
         self.closed = False
         self.paused = False
         self.reading = True
@@ -91,7 +94,7 @@ class _Connection(asyncio.Protocol):
         peer = transport.get_extra_info("peername")
         self.client = client = str(peer[0]) if isinstance(peer, tuple) and peer else ""
         if not server.clients.add(client, limits.max_connections_per_client):
-            self._refuse(503, "too_many_client_connections", _TOO_MANY_CLIENT,
+            self._refuse(503, "too_many_client_connections", httpmsg.TOO_MANY_CLIENT_CONNECTIONS,
                          f"the address holds its limit of {limits.max_connections_per_client} connections")
             return
         if len(server.connections) >= limits.max_connections:
@@ -102,7 +105,7 @@ class _Connection(asyncio.Protocol):
             victim = next(iter(server.idle), None)
             if victim is None:
                 server.clients.remove(client)
-                self._refuse(503, "too_many_connections", _TOO_MANY,
+                self._refuse(503, "too_many_connections", httpmsg.TOO_MANY_CONNECTIONS,
                              f"the gateway holds its limit of {limits.max_connections} connections, all busy")
                 return
             victim.evict()
@@ -292,7 +295,7 @@ class _Connection(asyncio.Protocol):
         self._req = Request(parser.get_method().decode("ascii"), self._url.decode("latin-1"), headers,
                             parser.should_keep_alive())
         if (te is not None or (length is not None and length != "0")) and \
-                headers.get("expect", "").lower() == "100-continue" and self.task is None:
+                headers.get("expect", "").lower() == "100-continue" and not self.busy:
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
     def on_body(self, data: bytes) -> None:
@@ -312,7 +315,7 @@ class _Connection(asyncio.Protocol):
         self._head_seen = 0
         self.pending.append(req)
         self.phase, self.deadline = _BUSY, math.inf
-        if self.task is None:
+        if not self.busy:
             self._next()
         else:
             self._stop_reading()  # a complete request already waits: read no further ahead
@@ -325,7 +328,7 @@ class _Connection(asyncio.Protocol):
         self._body = []
         self.server.rejections.record(exc.status, exc.reason, self.client, str(exc), time.monotonic())
         self._stop_reading()
-        if self.task is None:
+        if not self.busy:
             self._next()
 
     def _stop_reading(self) -> None:
@@ -342,7 +345,7 @@ class _Connection(asyncio.Protocol):
     def expire(self) -> None:
         """A deadline passed: a half-sent request gets 408; an idle or silent connection, or one
         whose client left an answer unread, is just closed."""
-        if self.phase in (_HEAD, _BODY) and self.task is None:
+        if self.phase in (_HEAD, _BODY) and not self.busy:
             what = "head" if self.phase == _HEAD else "body"
             self.server.rejections.record(408, f"{what}_timeout", self.client,
                                           f"the request {what} did not arrive in time", time.monotonic())
@@ -353,11 +356,12 @@ class _Connection(asyncio.Protocol):
 
     # -- handling ---------------------------------------------------------------------------------
     def _next(self) -> None:
+        """The next pending request to the worker (woken or started); none: answer a rejection, or idle."""
         if self.closed:
-            self.task = None
+            self.busy = False
             return
         if not self.pending:
-            self.task = None
+            self.busy = False
             if self.rejection is not None:
                 exc = self.rejection
                 Responder(self, keep_alive=False).send(
@@ -373,11 +377,33 @@ class _Connection(asyncio.Protocol):
             if self.phase == _BUSY:
                 self._idle()
             return
-        req = self.pending.popleft()
+        self.busy = True
         self.phase, self.deadline = _BUSY, math.inf
-        self.task = self.loop.create_task(self._run(req))
+        arrival = self.arrival
+        if arrival is not None:  # the worker waits for a request: this one
+            self.arrival = None
+            arrival.set_result(None)
+        else:
+            self.task = self.loop.create_task(self._work())
 
-    async def _run(self, req: Request) -> None:
+    async def _work(self) -> None:
+        """The requests in order; between them it waits for the next: a task per connection, not per
+        request (one costs ~10,000 instructions to make and drop, docs/hot-path.md)."""
+        while await self._run(self.pending.popleft()):
+            if self.pending and not self.closed:  # pipelined: the next one at once
+                self.phase, self.deadline = _BUSY, math.inf
+                continue
+            self._next()  # none pending: read on and idle
+            if self.closed:
+                return
+            self.arrival = arrival = self.loop.create_future()
+            try:
+                await arrival
+            except asyncio.CancelledError:  # connection_lost, while idle
+                return
+
+    async def _run(self, req: Request) -> bool:
+        """Answer one request; True when the connection goes on to the next."""
         server = self.server
         keep_alive = req.keep_alive and not server.closing and not self.upgraded
         resp = Responder(self, keep_alive, req.method == "HEAD")
@@ -391,10 +417,10 @@ class _Connection(asyncio.Protocol):
             if not resp.finished:
                 await resp.end()
         except asyncio.CancelledError:
-            return  # the client disconnected; nothing more to write
+            return False  # the client disconnected; nothing more to write
         except ConnectionResetError:
             self.transport.close()
-            return
+            return False
         except Exception:
             log.exception("unhandled error on %s %s", req.method, req.path)
             server.errors += 1
@@ -402,7 +428,7 @@ class _Connection(asyncio.Protocol):
                 resp.keep_alive = False
                 resp.send(500, error_body("internal gateway error", "server_error"))
             self.transport.close()
-            return
+            return False
         finally:
             server.active -= 1
             if server.idle_waiter is not None and server.active == 0 and not server.idle_waiter.done():
@@ -410,21 +436,15 @@ class _Connection(asyncio.Protocol):
         if not resp.keep_alive:
             self.closed = True
             self.transport.close()
-            return
+            return False
         if self.paused and not self.closed:
-            # the client has not read this answer: start no other one until it does (a client that
-            # pipelines without reading would otherwise have every answer buffered here), and give
-            # it the keep-alive time to read
+            # the client has not read this answer: start no other one until it does (else a client that
+            # pipelines without reading has every answer buffered here); it has the keep-alive time
             self.deadline = server.now + self.limits.keepalive_timeout_s
             try:
                 await self.drained()
             except ConnectionResetError:
-                return
+                return False
             self.deadline = math.inf
-        self._next()
+        return True
 
-
-_TOO_MANY = error_body("too many connections to the gateway; retry shortly", "server_error",
-                       code="too_many_connections")
-_TOO_MANY_CLIENT = error_body("too many connections from this address; close some or retry shortly",
-                              "server_error", code="too_many_client_connections")

@@ -57,6 +57,13 @@ def error_body(message: str, type_: str = "invalid_request_error", param: str | 
     return json.dumps(error_object(message, type_, param, code)).encode()
 
 
+# the answers to a connection refused at the connection limits (gateway/httpconn.py)
+TOO_MANY_CONNECTIONS = error_body("too many connections to the gateway; retry shortly", "server_error",
+                                  code="too_many_connections")
+TOO_MANY_CLIENT_CONNECTIONS = error_body("too many connections from this address; close some or retry shortly",
+                                         "server_error", code="too_many_client_connections")
+
+
 class BadRequest(ClientError):
     """The request cannot be read to its end: answer ``status`` and close the connection.
     ``reason`` is the short label it is counted under (``kvroute_http_rejected``)."""

@@ -118,7 +118,7 @@ class Proxy(RequestParsing):
                 return
             if exclude:  # drained replicas, and those not serving the model: the policy never sees them
                 req.exclude = exclude
-            if rt.config.access_log:  # the client's own id when it sent one (forwarded upstream as is)
+            if rt.hot.access_log:  # the client's own id when it sent one (forwarded upstream as is)
                 resp.extra_headers.append(("x-request-id", request.headers.get("x-request-id") or req.id))
             try:
                 rt.peering.accept(req, request.headers, key)  # hops, residency pin (gateway/peers.py)
@@ -126,9 +126,9 @@ class Proxy(RequestParsing):
                 resp.send_error(403, str(conflict), "permission_error", code="residency_conflict")
                 return
             headers = _forwarded(request.headers)
-            if rt.keys.enabled and not rt.config.auth.forward_authorization:
+            if rt.keys.enabled and not rt.hot.forward_authorization:
                 headers = [(k, v) for k, v in headers if k != "authorization"]  # the client's key is ours
-            splice = Splice.open(kind.label, body, req.prompt_tokens) if rt.config.retry.max_continuations else None
+            splice = Splice.open(kind.label, body, req.prompt_tokens) if rt.hot.continuable else None
             brk = await self._route_and_forward(request, resp, kind, bool(body.get("stream")), req, headers, served,
                                                 t0, splice)
             if brk is not None and splice is not None:
@@ -139,9 +139,9 @@ class Proxy(RequestParsing):
             rt.metrics.count_request(route, resp.status or 499, rt.policy_name)  # 499: the client left
             if served.get("replica") is not None and resp.started:  # proxied, even if the client left
                 rt.metrics.e2e.observe(time.monotonic() - t0)
-            if rt.config.access_log and req is not None and access.isEnabledFor(logging.INFO):
+            if rt.hot.access_log and req is not None and access.isEnabledFor(logging.INFO):
                 access_line(resp, route, body, req, served, t0, request.headers.get("x-request-id"),
-                            rt.config.log_prompts)
+                            rt.hot.log_prompts)
             if span is not None:
                 self.tracer.end(span, {
                     "request_id": req.id if req else None, "model": body.get("model"), "policy": rt.policy_name,
@@ -155,13 +155,12 @@ class Proxy(RequestParsing):
         """Route and proxy with retries; a stream that broke or outgrew its replica after bytes
         were out comes back as a Break, for the caller to continue."""
         rt = self.rt
-        rc = rt.config.retry
+        hot = rt.hot
         excluded = served["excluded"]  # replicas that failed this request
         unfit = req.exclude  # replicas that do not serve its model
-        to = rt.config.timeouts
-        deadline = time.monotonic() + (to.first_byte_total_s if stream else to.non_stream_total_s)  # all attempts
+        deadline = time.monotonic() + (hot.first_byte_total_s if stream else hot.non_stream_total_s)  # all attempts
         failure: Failure | None = None
-        for attempt in range(1, rc.max_attempts + 1):
+        for attempt in range(1, hot.max_attempts + 1):
             try:
                 decision = rt.route_now(req)
                 if decision is None:  # the policy holds it, or others wait before it: the LB queue
@@ -200,10 +199,10 @@ class Proxy(RequestParsing):
             excluded.append(result.replica or target)
             req.exclude = (*unfit, *excluded)
             left = deadline - time.monotonic()
-            if attempt == rc.max_attempts or left <= 0:
+            if attempt == hot.max_attempts or left <= 0:
                 break
             rt.metrics.retries.labels(failure.reason).inc()
-            delay = backoff_s(attempt, rc.backoff_s, rc.backoff_max_s, self.rng.random())
+            delay = backoff_s(attempt, hot.backoff_s, hot.backoff_max_s, self.rng.random())
             await asyncio.sleep(min(delay, left))
         assert failure is not None
         retry_after = [("Retry-After", "1")] if failure.status in (429, 503) else []
@@ -222,9 +221,10 @@ class Proxy(RequestParsing):
     def _resp_fields(self, upstream: UpstreamResponse, target: str, req: Request) -> bytes:
         """The upstream's end-to-end response headers as they came (bytes, not decoded), and the
         replica headers, formatted for the client's response head."""
-        skip = _HOP_ACCESS if self.rt.config.access_log else _HOP_BYTES  # x-request-id: set by us
+        hot = self.rt.hot
+        skip = _HOP_ACCESS if hot.access_log else _HOP_BYTES  # x-request-id: set by us
         out = [b"%b: %b\r\n" % kv for kv in upstream.headers if kv[0].lower() not in skip]
-        if self.rt.config.replica_header and target in self.rt.upstreams:  # a peer's answer names its own
+        if hot.replica_header and target in self.rt.upstreams:  # a peer's answer names its own
             out.append(b"x-kvroute-replica: %b\r\n" % target.encode("latin-1"))
             ticket = self.rt.router.tickets.get(req.id)
             if ticket is not None:  # the prompt tokens the index predicted cached there (engines report theirs)
@@ -242,14 +242,14 @@ class Proxy(RequestParsing):
         if up is None:  # removed by a reload between decision and now
             rt.release(req.id, served=False)
             return Failure(RetryReason.REPLICA_REMOVED, f"replica {target} was removed", 503, "replica_removed")
-        to = rt.config.timeouts
+        hot = rt.hot
         upstream = None
         outcome = Outcome.NEUTRAL
         served = False  # the engine took the request (so it holds the prompt's prefix now)
         output_tokens = 0  # what this attempt generated (the policy's on_finished hears it)
         # a stream's progress is watched: an engine whose streams all go silent is ejected (gateway/outlier.py)
         watch = rt.stalls.detector.begin(target, req.prompt_tokens, time.monotonic()) \
-            if stream and rt.config.stall.enabled and target in rt.upstreams else None
+            if stream and hot.stall_watch and target in rt.upstreams else None
         replica = rt.upstreams.get(target)  # None for a peer gateway
         abort: Callable[[UpstreamError], None] | None = None
 
@@ -263,15 +263,15 @@ class Proxy(RequestParsing):
         try:
             try:
                 now = time.monotonic()
-                attempt_deadline = min(deadline, now + (to.first_byte_s if stream else to.non_stream_s))
+                attempt_deadline = min(deadline, now + (hot.first_byte_s if stream else hot.non_stream_s))
                 sent = request.body
                 if splice is not None:  # vLLM's running usage counts a continuable stream's tokens exactly
                     splice.usage_added = False
                     if target in rt.upstreams and rt.upstreams[target].engine == "vllm":
                         sent = splice.exact_body(sent)
-                upstream = await up.pool.post(request.path, sent, headers, connect_s=to.connect_s,
+                upstream = await up.pool.post(request.path, sent, headers, connect_s=hot.connect_s,
                                               first_byte_s=max(attempt_deadline - now, 0.001),
-                                              idle_s=to.idle_s, on_send=on_send)
+                                              idle_s=hot.idle_s, on_send=on_send)
                 status = upstream.status
                 budget = max(attempt_deadline - time.monotonic(), 0.001)  # the first body byte counts too
                 if status in RETRY_STATUSES:

@@ -18,6 +18,7 @@ from kvroute.gateway.breaker import CircuitBreaker
 from kvroute.gateway.config import GatewayConfig
 from kvroute.gateway.ejection import Ejector
 from kvroute.gateway.holdqueue import HoldQueue, PolicyError
+from kvroute.gateway.hotconfig import HotConfig
 from kvroute.gateway.metrics import GatewayMetrics
 from kvroute.gateway.peers import Peering
 from kvroute.gateway.prober import Prober
@@ -40,6 +41,7 @@ class Runtime:
 
     def __init__(self, config: GatewayConfig):
         self.config = config
+        self.hot = HotConfig(config)  # what each request reads, as plain attributes (gateway/hotconfig.py)
         self.policy_name = config.policy_label
         self.router = config.build_router(index_block_tokens=config.block_tokens,
                                           max_prefix_blocks=config.max_prefix_blocks)
@@ -248,7 +250,7 @@ class Runtime:
         if new.fleet != self.config.fleet:
             changes.append("fleet (needs a restart; kept as it was)")
         restart_discovery = new.discovery != self.config.discovery
-        self.config = new
+        self.config, self.hot = new, HotConfig(new)
         if restart_discovery:
             self._restart_discovery()
             changes.append("discovery (restarted)")
@@ -311,8 +313,8 @@ class Runtime:
             for name in (d.target, d.prefill):  # a prefill/decode pair takes a trial slot on each
                 up = self.upstreams.get(name or "")
                 if up is not None:
-                    if up.probe_every_s > self.config.probe.interval_s:  # idle until now: back to the fast rate
-                        up.probe_every_s = self.config.probe.interval_s
+                    if up.probe_every_s > self.hot.probe_interval_s:  # idle until now: back to the fast rate
+                        up.probe_every_s = self.hot.probe_interval_s
                         up.next_probe_at = min(up.next_probe_at, time.monotonic() + up.probe_every_s)
                     up.breaker.dispatched()
                     up.endpoint.circuit_open = not up.breaker.allows

@@ -35,17 +35,30 @@ _EMPTY = re.compile(rb'"(?:content|text)"\s*:\s*""')
 _ENDING = re.compile(rb'"finish_reason"\s*:\s*"')
 
 
+def _last_count(payload: bytes, field: bytes, pattern: re.Pattern[bytes]) -> int | None:
+    """The number of the last match of ``pattern`` (``"<field>": N``) in ``payload``, or None.
+    Every match starts with ``field``, so a match at the field's last occurrence is the last
+    match: that one position is tried first (a memory search instead of a regex scan of the
+    whole body), and only when it is not followed by a count does the full scan decide."""
+    at = payload.rfind(field)
+    if at < 0:
+        return None
+    m = pattern.match(payload, at)
+    if m is not None:
+        return int(m.group(1))
+    found = pattern.findall(payload, 0, at)
+    return int(found[-1]) if found else None
+
+
 def reported_prompt_tokens(payload: bytes) -> int | None:
     """The last ``"prompt_tokens": N`` in a response body or stream tail (``usage`` comes last
     in OpenAI responses and in the final stream chunk), or None."""
-    found = _PROMPT_TOKENS.findall(payload)
-    return int(found[-1]) if found else None
+    return _last_count(payload, b'"prompt_tokens"', _PROMPT_TOKENS)
 
 
 def reported_completion_tokens(payload: bytes) -> int | None:
     """The last ``"completion_tokens": N`` in a response body or stream tail, or None."""
-    found = _COMPLETION_TOKENS.findall(payload)
-    return int(found[-1]) if found else None
+    return _last_count(payload, b'"completion_tokens"', _COMPLETION_TOKENS)
 
 
 def token_events(chunk: bytes) -> int:

@@ -50,7 +50,7 @@ class Branch(StrEnum):
     NO_RULE = "no-rule"  # a composed preset whose rules all declined
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)  # __init__ written out, as Request's (model/request.py says why)
 class Decision:
     """One routing decision: its kind, the chosen endpoint (for DISPATCH), which rule decided and why, and on
     request the per-endpoint scores that led to it."""
@@ -69,6 +69,18 @@ class Decision:
     # plugin state changes this decision implies (a round-robin cursor, a detector's window):
     # applied by Router.route when it commits the dispatch, never by a dry-run Router.decide
     effects: tuple[Callable[[], None], ...] = field(default=(), repr=False, compare=False)
+
+    def __init__(self, kind: DecisionKind, target: str | None = None, branch: str = "", reason: str = "",
+                 matched_blocks: int = 0, _explain: tuple[Sequence[Endpoint], Sequence[float]] | None = None,
+                 prefill: str | None = None, effects: tuple[Callable[[], None], ...] = ()) -> None:
+        self.kind = kind
+        self.target = target
+        self.branch = branch
+        self.reason = reason
+        self.matched_blocks = matched_blocks
+        self._explain = _explain
+        self.prefill = prefill
+        self.effects = effects
 
     @property
     def dispatched(self) -> bool:

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import random
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from kvroute.model import Branch, Decision, Endpoint, Request
+from kvroute.model import Decision, Endpoint, Request
 from kvroute.policy.admission import Admission, make_admission
 from kvroute.policy.hooks import Lifecycle
 from kvroute.policy.params import PolicyParams
+from kvroute.policy.selection import argmax, argmin, decide, hard_filter, softmax_pick
 from kvroute.prefix import HashRing, PrefixIndex
 
 __all__ = ["Policy", "PolicyParams", "View", "argmax", "argmin", "hard_filter", "softmax_pick"]
@@ -79,84 +79,12 @@ class Policy(ABC):
         now: keep it queued), or none (nothing can serve it; ``reason`` says why). Never raises:
         a policy bug becomes a ``policy-error`` decision. Changes no state: what the plugins'
         state should become comes back in ``Decision.effects``; ``dry_run`` also leaves the
-        random generators as they were (tie-breaks draw from copies)."""
-        if not view.endpoints:
-            return Decision.none("no endpoints configured")
-        if req.prompt_tokens <= 0 and not req.block_hashes:  # not req.has_prompt, inlined (hot path)
-            return Decision.none("request has no prompt or messages", branch=Branch.BAD_REQUEST)
-        eps = hard_filter(req, view.endpoints)
-        if not eps:
-            usable = _routable_in_zone(req, view.endpoints) if req.exclude else []
-            if usable:  # healthy replicas exist: name why none is used, not "unhealthy"
-                return Decision.none(f"every healthy endpoint is excluded for this request "
-                                     f"({', '.join(sorted(e.id for e in usable))}: it failed there already, "
-                                     "or they do not serve its model)", branch=Branch.ALL_FILTERED)
-            zone = req.residency
-            why = f"outside residency zone {zone!r}, " if zone else ""
-            return Decision.none(f"every endpoint was filtered out ({why}unhealthy or circuit open)",
-                                 branch=Branch.ALL_FILTERED)
-        # peers a held request could be forwarded to (a forwarded one never goes on)
-        peers = hard_filter(req, view.peers) if view.peers and not req.from_peer else ()
-        ready = self.admission.ready(eps, view.local_queue, peers)
-        if not ready:
-            return Decision.hold(f"no endpoint admits a request now ({self.admission.name})")
-        try:
-            return self.choose(req, ready, view, dry_run)
-        except Exception as exc:  # a policy bug must not take the router down with it
-            return Decision.none(f"policy {self.name} failed: {exc!r}", branch=Branch.POLICY_ERROR)
+        random generators as they were (tie-breaks draw from copies). The steps are
+        :func:`kvroute.policy.selection.decide` (compiled in the compiled build)."""
+        return decide(self, req, view, dry_run)
 
     @abstractmethod
     def choose(self, req: Request, eps: list[Endpoint], view: View, dry_run: bool = False) -> Decision:
         """Score, combine and pick among the admitted endpoints ``eps`` (never empty); state
         changes go into ``Decision.effects``, and a ``dry_run`` draws from copies of the random
         generators."""
-
-
-def _routable_in_zone(req: Request, eps: list[Endpoint]) -> list[Endpoint]:
-    # Endpoint.routable, inlined (this runs per decision)
-    zone = req.residency
-    if zone is None:
-        return [e for e in eps if e.healthy and not e.circuit_open]
-    return [e for e in eps if e.healthy and not e.circuit_open and e.zone == zone]
-
-
-def hard_filter(req: Request, eps: list[Endpoint]) -> list[Endpoint]:
-    """The endpoints of ``eps`` any decision may consider: healthy with the circuit closed, inside
-    the request's residency zone, not excluded for it (failed it, or do not serve its model). The
-    one place these are written: ``Policy.decide`` and the peer decisions
-    (:mod:`kvroute.policy.peering`) apply it."""
-    out = _routable_in_zone(req, eps)
-    if req.exclude:
-        out = [e for e in out if e.id not in req.exclude]
-    return out
-
-
-# -- pickers ------------------------------------------------------------------------------------
-
-def argmin(eps: list[Endpoint], values: Sequence[float], rng: random.Random) -> Endpoint:
-    """Endpoint with the smallest value; ties broken at random (never "first wins")."""
-    best = min(values)
-    if best == best and values.count(best) == 1:  # a unique minimum (not NaN): no tie to break
-        return eps[values.index(best)]
-    ties = [e for e, v in zip(eps, values) if v == best]
-    return ties[0] if len(ties) == 1 else rng.choice(ties)
-
-
-def argmax(eps: list[Endpoint], values: Sequence[float], rng: random.Random) -> Endpoint:
-    """Endpoint with the largest value; ties broken at random."""
-    best = max(values)
-    if best == best and values.count(best) == 1:
-        return eps[values.index(best)]
-    ties = [e for e, v in zip(eps, values) if v == best]
-    return ties[0] if len(ties) == 1 else rng.choice(ties)
-
-
-def softmax_pick(eps: list[Endpoint], logits: Sequence[float], temperature: float,
-                 rng: random.Random) -> Endpoint:
-    """Sample with probability ∝ exp(logit / T) (higher logit = better)."""
-    import math
-
-    top = max(logits)
-    weights = [math.exp((v - top) / temperature) for v in logits]
-    return rng.choices(eps, weights=weights, k=1)[0]
-

@@ -23,7 +23,7 @@ from kvroute.prefix import DEFAULT_BLOCK_TOKENS, HashRing, PrefixIndex
 from kvroute.prefix.index import DEFAULT_MAX_BLOCKS
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)  # __init__ written out, as Request's (model/request.py says why)
 class Ticket:
     """What a dispatched request added to its endpoint's counters and index, to undo exactly that."""
 
@@ -33,6 +33,15 @@ class Ticket:
     matched_blocks: int = 0
     index_tick: int = 0  # the prefix-index insert this dispatch made (0: none)
     hashes: Sequence[int] = ()
+
+    def __init__(self, endpoint_id: str, tokens: int, prefill_tokens: int, matched_blocks: int = 0,
+                 index_tick: int = 0, hashes: Sequence[int] = ()) -> None:
+        self.endpoint_id = endpoint_id
+        self.tokens = tokens
+        self.prefill_tokens = prefill_tokens
+        self.matched_blocks = matched_blocks
+        self.index_tick = index_tick
+        self.hashes = hashes
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)  # PDRouter (policy/pd.py) subclasses it; compiled build
