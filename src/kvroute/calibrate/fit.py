@@ -32,11 +32,9 @@ the model's terms are physical costs, and a negative one would only fit noise).
 Engines that share one machine's cores slow each other down while they step at once
 (:class:`kvroute.sim.engine.Host`), and every point is measured on all engines at once. Given
 ``host_cores`` (the engines all run on one machine with that many cores), every measured time is
-divided by the median slowdown of that many equal steps started together under the host's rule
-(:func:`kvroute.sim.host.simultaneous_slowdown`: 1.5 for three engines on two cores, as
-``engines / host_cores`` was), so the profile describes an engine with the machine to itself and
-the simulator adds the sharing back (scenario ``host_cores``) only while engines actually step
-together. Without it the sharing stays folded into the
+divided by ``max(1, engines / host_cores)`` before the fit, so the profile describes an engine
+with the machine to itself and the simulator adds the sharing back (scenario ``host_cores``)
+only while engines actually step together. Without it the sharing stays folded into the
 constants: right while every engine is busy, too slow while some are idle.
 """
 
@@ -53,7 +51,6 @@ from kvroute.calibrate.measure import Measurements, Sweep
 from kvroute.calibrate.noise import api_delay, step_sigma
 from kvroute.calibrate.slot_probe import per_token as slot_per_token
 from kvroute.perf.profile import HardwareProfile
-from kvroute.sim.host import simultaneous_slowdown
 
 
 def nonneg_lstsq(rows: list[list[float]], y: list[float]) -> list[float]:
@@ -86,7 +83,7 @@ def fit_profile(m: Measurements, name: str, hardware: str, max_batched_tokens: i
     if len(m.decode) < 3 or len(m.prefill) < 3:
         raise ValueError(f"too few points to fit ({len(m.prefill)} prefill, {len(m.decode)} decode; "
                          "need 3 of each): widen the sweep")
-    sharing = simultaneous_slowdown(len(m.engines), host_cores) if host_cores else 1.0
+    sharing = max(1.0, len(m.engines) / host_cores) if host_cores else 1.0
     # llama-server's CPU attention pads a prefill's query rows to whole 64-row tiles (perf/profile.py
     # prefill_attn_tile: ggml's source, an engine fact); the fit's attention regressor counts them so
     facts = m.engines
@@ -230,8 +227,7 @@ def write_profile(path: str | Path, profile: HardwareProfile, report: dict) -> N
                       "tiny-prompt probes (calibrate/noise.py)")
     if report.get("sharing", 1.0) > 1:
         header.append(f"# the engines share {report['host_cores']} cores: every measured time was divided by "
-                      f"{report['sharing']:g} (the median slowdown of the engines stepping together, sim/host.py); "
-                      f"simulate them with `host_cores: "
+                      f"{report['sharing']:g} (engines / cores); simulate them with `host_cores: "
                       f"{report['host_cores']}` in the scenario's replica group")
     data = profile.model_dump(exclude_defaults=False)
     body = yaml.safe_dump(data, sort_keys=False, width=120)

@@ -85,6 +85,5 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     ca.add_argument("--timeout", type=float, default=120.0, help="seconds allowed for any one request")
     ca.add_argument("--host-cores", type=positive_int, dest="host_cores", metavar="N",
                     help="the engines all run on one machine with N cores: divide every time by "
-                         "the median slowdown of the engines stepping together on N cores (sim/host.py; 1.5 for "
-                         "3 on 2), the sharing simulate adds back with `host_cores`")
+                         "max(1, engines / N), the sharing simulate adds back with `host_cores`")
     ca.set_defaults(func=cmd_calibrate)

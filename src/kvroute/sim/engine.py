@@ -14,9 +14,9 @@ Memory is counted in tokens (blocks × block size), not rounded per sequence: a 
 worth at most block_size − 1 tokens per running sequence.
 
 Engines that share a machine's cores (``Host``, sim/host.py) slow each other down: a step's time
-scales by the number of engines stepping on its core (each core runs its own queue), re-timed
-whenever an engine on the host starts or stops stepping. Engines without a host run as if each
-had its own machine.
+scales by ``max(1, stepping engines / (cores - background))``, the background being the other
+work on the machine, re-timed whenever an engine on the host starts or stops stepping. Engines
+without a host run as if each had its own machine.
 
 Modules (split by idea, issue 22): seq.py (a request, the states, the jump), kvcache.py (KV
 accounting and prefix cache), batch.py (queue, admission, transitions), handover.py (migration),
@@ -201,7 +201,7 @@ class Engine(Handover):
         loop.at(now + dt, self._end_step, (self._version, K))
 
     def _rescale(self) -> None:
-        """This engine's slowdown on its host changed mid-step: a decode jump stops at its next step boundary
+        """The host's slowdown changed mid-step: a decode jump stops at its next step boundary
         (the next plan is timed with the new slowdown); a single step's remaining time stretches
         or shrinks by the ratio of the slowdowns."""
         assert self.host is not None

@@ -63,13 +63,13 @@ class ReplicaGroup(StrictModel):
         None, description="what a probe reads as the engines' waiting/running counts, in place of the profile's: "
         "`live`, or `sglang` (num_queue_reqs as of the last prefill batch or 40th decode step, sim/queue_gauge.py)")
     host_cores: int | None = Field(None, ge=1, description="the group's replicas share one machine with this many "
-                                   "cores: each core runs its own queue, so while more of them step than there are "
-                                   "cores, a step takes k times its profile time, k the replicas stepping on its core "
-                                   "(sim/host.py; unset: every replica has a machine of its own)")
+                                   "cores: while n of them step at once, each step takes max(1, n / (cores - "
+                                   "host_background_cores)) times its profile time (sim/host.py; unset: every "
+                                   "replica has a machine of its own)")
     host_background_cores: float = Field(0.0, ge=0, description="with `host_cores`: cores' worth of CPU other "
                                          "work on that machine takes while it serves (a gateway, clients, the "
-                                         "kernel), which slows the replicas while every core has one stepping "
-                                         "(sim/host.py; `bench fidelity` measures it per run)")
+                                         "kernel), which the stepping replicas share the cores with (sim/host.py; "
+                                         "`bench fidelity` measures it per live run)")
 
 
 class BalancerGroup(StrictModel):
