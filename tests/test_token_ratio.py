@@ -126,6 +126,8 @@ def test_reported_counts_agree_with_a_full_scan():
               b'{"a":{"prompt_tokens": 11},"usage":{"prompt_tokens" :  12 ,"completion_tokens":\n4}}',
               b'{"usage":{"prompt_tokens":7},"later":{"prompt_tokens":null,"completion_tokens":"x"}}',
               b'{"prompt_tokens":null}', b'"prompt_tokens"', b"", b'{"completion_tokens":9,"prompt_tokens":1}',
+              b'{"prompt_tokens"\x0b:\x0c007,"completion_tokens" : 0}', b'{"prompt_tokens": 12x, "completion_tokens":}',
+              b'{"prompt_tokens":3}{"prompt_tokens": -4}', b'{"completion_tokens":5, "x": "completion_tokens"}',
               b'data: {"usage":{"prompt_tokens":8,"completion_tokens":1}}\n\ndata: {"prompt_tokens"}\n\n']
     readers = ((b"prompt_tokens", reported_prompt_tokens), (b"completion_tokens", reported_completion_tokens))
     for body in bodies:

@@ -35,17 +35,32 @@ _EMPTY = re.compile(rb'"(?:content|text)"\s*:\s*""')
 _ENDING = re.compile(rb'"finish_reason"\s*:\s*"')
 
 
+_SPACE = b" \t\n\r\f\v"  # what a bytes pattern's \s matches
+
+
 def _last_count(payload: bytes, field: bytes, pattern: re.Pattern[bytes]) -> int | None:
-    """The number of the last match of ``pattern`` (``"<field>": N``) in ``payload``, or None.
-    Every match starts with ``field``, so a match at the field's last occurrence is the last
-    match: that one position is tried first (a memory search instead of a regex scan of the
-    whole body), and only when it is not followed by a count does the full scan decide."""
+    """The number of the last match of ``pattern`` (``<field>\\s*:\\s*(\\d+)``) in ``payload``, or
+    None. Every match starts with ``field``, so a count after the field's last occurrence is the
+    last match: that one place is read byte by byte (a memory search and a few byte reads instead
+    of a regex scan of the body and an ``int()`` of its digits: ~11,000 instructions per response
+    in the compiled build, docs/hot-path.md), and only when no count follows it does the regex
+    scan what comes before."""
     at = payload.rfind(field)
     if at < 0:
         return None
-    m = pattern.match(payload, at)
-    if m is not None:
-        return int(m.group(1))
+    n, i = len(payload), at + len(field)
+    while i < n and payload[i] in _SPACE:
+        i += 1
+    if i < n and payload[i] == 58:  # ":"
+        i += 1
+        while i < n and payload[i] in _SPACE:
+            i += 1
+        value = -1
+        while i < n and 48 <= payload[i] <= 57:  # ASCII digits, as \d in a bytes pattern
+            value = (value if value > 0 else 0) * 10 + payload[i] - 48
+            i += 1
+        if value >= 0:
+            return value
     found = pattern.findall(payload, 0, at)
     return int(found[-1]) if found else None
 
