@@ -28,18 +28,19 @@ class FleetMesh(Mesh):
     """Gateway instances keyed by name (several per region), each in the region's fleet."""
 
     def instance(self, name: str, region: str, replicas: list[str], nats_url: str, peers: list[tuple[str, str]] = (),
-                 mode: str = "local", policy="least_request", **overrides) -> Gateway:
+                 mode: str = "local", policy="least_request", replica_region: str | None = None,
+                 scope: str = "region", **overrides) -> Gateway:
         settings = {"probe": {"interval_s": 0.05, "timeout_s": 0.5}, "queue": {"max_wait_s": 5.0},
                     "timeouts": {"connect_s": 1.0, "first_byte_s": 5.0, "idle_s": 5.0, "non_stream_s": 5.0,
                                  "non_stream_total_s": 5.0},
                     "retry": {"backoff_s": 0.0}, **overrides}
         config = GatewayConfig(
             host="127.0.0.1", port=self.port(name), region=region, routing_mode=mode, policy=policy,
-            replicas=[ReplicaConfig(url=u, id=f"{region}-{i}", region=region, engine="vllm")
-                      for i, u in enumerate(replicas)],
+            replicas=[ReplicaConfig(url=u, id=f"{replica_region or region}-{i}", region=replica_region or region,
+                                    engine="vllm") for i, u in enumerate(replicas)],
             peers=[PeerConfig(name=p, url=url, region=p) for p, url in peers],
             peer_auth={"token_env": "KVROUTE_TEST_PEER_TOKEN"} if peers else None,
-            fleet={"nats_url": nats_url, "instance": name, **FAST_FLEET}, **settings)
+            fleet={"nats_url": nats_url, "instance": name, "scope": scope, **FAST_FLEET}, **settings)
         gw = self.gateways[name] = Gateway(config)
         self.call(gw.start())
         return gw

@@ -116,3 +116,36 @@ def test_fleet_config_errors_name_the_field():
         GatewayConfig(fleet={"nats_url": "http://x:4222"})
     with pytest.raises(ValueError, match="timeout_s"):
         GatewayConfig(fleet={"nats_url": "nats://127.0.0.1:4222", "heartbeat_s": 1, "timeout_s": 1.5})
+
+
+def test_scope_all_shares_dispatches_across_regions(mesh, natsd):
+    """A distributed deployment (each region's gateway over every region's replicas): with ``scope:
+    all`` the eu gateway counts the us gateway's requests on the shared replicas; with the default
+    ``region`` scope it does not (each region has its own subject)."""
+    m = mesh
+    release = m.call(_make_event())
+    replicas = [m.scripted(hanging_until(release)), m.scripted(hanging_until(release))]
+    url = f"nats://127.0.0.1:{natsd.port}"
+    us = m.instance("us1", "us", replicas, url, replica_region="us", scope="all")
+    m.instance("eu1", "eu", replicas, url, replica_region="us", scope="all")
+    m.instance("eu2", "eu", replicas, url, replica_region="us")  # region scope: kvroute.fleet.eu
+    assert us.runtime.fleet.subject == "kvroute.fleet.all"
+    assert m.wait_until(lambda: len(us.runtime.fleet.ledger.siblings) == 1)
+    holders = [held(m, m.url("us1")) for _ in range(3)]
+    assert m.wait_until(lambda: m.inflight("eu1") == 3 and m.mirrored("eu1") == 3, timeout=5)
+    assert m.inflight("eu2") == 0 and not m.gateways["eu2"].runtime.fleet.ledger.siblings
+    eu = {e.id: e.inflight for e in m.gateways["eu1"].runtime.router.endpoints}
+    assert eu == {e.id: e.inflight for e in us.runtime.router.endpoints}
+    light = min(eu, key=eu.get)  # least_request at eu1 picks the replica us1 loaded least
+    r = post(m.url("eu1"), dict(CHAT, stream=True))
+    assert r.status_code == 200 and r.headers["x-kvroute-replica"] == light
+    m.loop.call_soon_threadsafe(release.set)
+    for t in holders:
+        t.join(5)
+    assert m.wait_until(lambda: m.inflight("eu1") == 0 and m.mirrored("eu1") == 0, timeout=5)
+
+
+def test_fleet_scope_is_checked():
+    with pytest.raises(ValueError, match="scope"):
+        GatewayConfig(region="us", replicas=[{"url": "http://127.0.0.1:1"}],
+                      fleet={"nats_url": "nats://127.0.0.1:4222", "scope": "world"})

@@ -1,10 +1,10 @@
 """Several gateways per region as one: the NATS transport of the fleet ledger (``fleet/ledger.py``).
 
 Each instance publishes its own requests' lifecycle on the region's subject
-(``<subject_prefix>.<region>``, NATS core, fire and forget — Dynamo's ``--router-replica-sync``
-design) and applies what the others publish. Every ``heartbeat_s`` it sends a heartbeat with its
-LB queue, and every ``snapshot_every`` heartbeats its whole in-flight set; an instance silent for
-``timeout_s`` is forgotten.
+(``<subject_prefix>.<region>``, or ``.all`` for every region's gateways with ``scope: all``; NATS
+core, fire and forget — Dynamo's ``--router-replica-sync`` design) and applies what the others
+publish. Every ``heartbeat_s`` it sends a heartbeat with its LB queue, and every ``snapshot_every``
+heartbeats its whole in-flight set; an instance silent for ``timeout_s`` is forgotten.
 
 **Without NATS** the gateway keeps routing on its own view and says so: at start it routes while
 the connection is attempted in the background (forever, every ``reconnect_s``); when the
@@ -132,7 +132,8 @@ class FleetSync:
         self.rt = runtime
         self.config = config
         self.name = instance_name(config.instance)
-        self.subject = f"{config.subject_prefix}.{runtime.config.region}"
+        scope = runtime.config.region if config.scope == "region" else "all"  # all: every region's gateways
+        self.subject = f"{config.subject_prefix}.{scope}"
         self.ledger = Ledger(self.name, self._routers(), config.timeout_s)
         self.own: dict[str, str] = {}  # request id → layer, for our dispatches in flight
         self.seq = itertools.count()

@@ -34,6 +34,7 @@ from kvroute.policy.pd import PDRouter, compile_decider
 from kvroute.policy.peering import GorgoWeights, gorgo_peer_choice, peer_router
 from kvroute.sim.events import Scheduler
 from kvroute.sim.queue_gauge import SGLangQueueGauge
+from kvroute.sim.share import SharedRouter, Sharer
 from kvroute.workload.base import SimRequest
 
 
@@ -124,7 +125,8 @@ class SimBalancer:
 
     def __init__(self, sim: BalancerHost, lb_id: str, region: str, replica_ids: list[str],
                  preset: str, params: dict | None, probe_interval_s: float, forward: bool,
-                 index_block_tokens: int, dispatch_tick_s: float = DEFAULT_TICK_S):
+                 index_block_tokens: int, dispatch_tick_s: float = DEFAULT_TICK_S,
+                 share_interval_s: float | None = None):
         self.sim = sim
         self.id = lb_id
         self.region = region
@@ -139,8 +141,10 @@ class SimBalancer:
                                 max_running=p.max_running, rtt_s=sim.network.rtt(region, rep.region),
                                 role=getattr(rep, "role", "mixed")))
         pd = getattr(getattr(sim, "setup", None), "pd", None)
-        self.router: Router = (Router(build_policy(preset, params, seed=seed), eps,
-                                      index_block_tokens=index_block_tokens) if pd is None else
+        shared = share_interval_s is not None and pd is None  # the scenario refuses share with pd
+        self.router: Router = ((SharedRouter if shared else Router)(build_policy(preset, params, seed=seed), eps,
+                                                                    index_block_tokens=index_block_tokens)
+                               if pd is None else
                                PDRouter(build_policy(preset, params, seed=seed),
                                         policy_from_config(pd.prefill_policy, seed=seed + 1),
                                         compile_decider(pd.disaggregate), eps, index_block_tokens=index_block_tokens))
@@ -156,10 +160,16 @@ class SimBalancer:
         holds = self.router.policy.admission.holds
         self.pacer = DispatchPacer(dispatch_tick_s) if holds and dispatch_tick_s > 0 else None
         self._wake_at = -1.0  # a paced drain already scheduled for this time
+        # the other LBs' dispatches mirrored into this one's Router (sim/share.py); None: not shared
+        self.sharer = (Sharer(self, self.router, sim.loop, sim.network, share_interval_s or 0.0)
+                       if isinstance(self.router, SharedRouter) else None)
 
     def connect_peers(self, peers: list[SimBalancer]) -> None:
         """Give a forwarding balancer a peer Router over the other regions' balancers (same preset, pending
-        admission), at their network RTT; no-op when it does not forward."""
+        admission), at their network RTT; no-op when it does not forward. Balancers that share their
+        dispatches (``sharer``) start publishing to each other."""
+        if self.sharer is not None:
+            self.sharer.connect([p.sharer for p in peers if p.sharer is not None])
         if not self.forward or not peers:
             return
         eps = [Endpoint(p.id, region=p.region, kind=EndpointKind.PEER,

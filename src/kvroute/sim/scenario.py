@@ -53,6 +53,9 @@ class BalancerGroup(StrictModel):
     forward: bool = Field(False, description="held requests may go to a peer load balancer (SkyWalker's two layers)")
     dispatch_tick_s: float = Field(0.01, ge=0, description="at most one dispatch per tick when the "
                                    "policy can hold (SkyWalker's 10 ms queue processor); 0 = unpaced")
+    share_interval_s: float | None = Field(None, ge=0, description="tell the other sharing load balancers where "
+                                           "it sent work, publishing every this many seconds (0: each message at "
+                                           "once; sim/share.py); unset: it does not share")
 
 
 class TopologySpec(StrictModel):
@@ -76,6 +79,11 @@ class TopologySpec(StrictModel):
     probe_interval_s: float = Field(0.1, gt=0, description="how often each LB reads its replicas' indicators")
     dispatch_tick_s: float = Field(0.01, ge=0, description="at most one dispatch per tick when the policy can hold; "
                                    "0 = unpaced")
+    share: bool = Field(False, description="`distributed`: the LBs tell each other where they sent work — the fleet "
+                        "ledger across regions (NATS): each mirrors the others' dispatches, first tokens and "
+                        "completions into its own accounting one WAN hop after they happen (sim/share.py)")
+    share_interval_s: float = Field(0.0, ge=0, description="`share`: publish every this many seconds (0: each "
+                                    "message at once, as the gateway's fleet sync does)")
 
 
 class WorkloadSpec(StrictModel):
@@ -291,8 +299,12 @@ class Scenario(StrictModel):
                 raise ScenarioError(f"topology.region: {region!r} has no replicas or clients; "
                                     f"regions: {', '.join(self.regions())}")
             return [BalancerGroup(region=region, manages="all", **common)]
+        if spec.share and spec.kind != "distributed":
+            raise ScenarioError(f"topology.share: LBs share their dispatches only with kind: distributed (every LB "
+                                f"over every replica), not {spec.kind!r}")
         if kind == "distributed":
-            return [BalancerGroup(region=r, manages="all", **common) for r in self.regions()]
+            share = spec.share_interval_s if spec.share else None
+            return [BalancerGroup(region=r, manages="all", share_interval_s=share, **common) for r in self.regions()]
         return [BalancerGroup(region=r, forward=kind == "two-layer", **common) for r in self.regions()]
 
     def setup(self, topology: str | None = None) -> Setup:
@@ -328,10 +340,12 @@ class Scenario(StrictModel):
                                     f"{', '.join(unknown)}; regions: {', '.join(self.regions())}")
             ids = [r.id for r in replicas if r.region in manages]
             balancers.append(BalancerSpec(f"lb-{b.region}", b.region, ids, b.probe_interval_s, b.forward,
-                                          b.dispatch_tick_s))
+                                          b.dispatch_tick_s, b.share_interval_s))
         bt = self.index_block_tokens or (512 if self.workload.kind == "mooncake" else 64)
         pd = None
         if self.pd is not None:
+            if any(b.share_interval_s is not None for b in groups):
+                raise ScenarioError("share: not with pd (prefill/decode legs are not mirrored across balancers)")
             p = self.pd
             pd = PDSetup(p.prefill_policy, p.disaggregate, p.link_gb_s, p.cross_region_link_gb_s)
         return Setup(replicas, balancers, self.network.model(),

@@ -55,6 +55,7 @@ class BalancerSpec:
     probe_interval_s: float = 0.1
     forward: bool = False
     dispatch_tick_s: float = 0.01  # paced queue: one dispatch per tick (0: unpaced)
+    share_interval_s: float | None = None  # tells the others its dispatches (sim/share.py); None: no
 
 
 @dataclass
@@ -120,7 +121,7 @@ class Simulation:
         # the simulator's own settings (CascadeInfer planning, migration) are not the policy's
         params, self.migration_settings = migration_settings.split(params)
         self.lbs = [SimBalancer(self, b.id, b.region, b.replicas, preset, params, b.probe_interval_s,
-                                b.forward, setup.index_block_tokens, b.dispatch_tick_s)
+                                b.forward, setup.index_block_tokens, b.dispatch_tick_s, b.share_interval_s)
                     for b in setup.balancers]
         for lb in self.lbs:
             lb.connect_peers([p for p in self.lbs if p is not lb])
