@@ -7,6 +7,7 @@ import pytest
 
 from kvroute.calibrate import Sweep, fit_profile, measure, write_profile
 from kvroute.calibrate.fit import nonneg_lstsq
+from kvroute.calibrate.host_cpu import machine_busy_s
 from kvroute.cli import main
 from kvroute.emulator.server import Faults, start_emulator
 from kvroute.perf.loader import load_profile
@@ -32,6 +33,8 @@ async def _calibrate():
 def test_fit_recovers_the_emulators_known_profile(tmp_path):
     m = asyncio.run(asyncio.wait_for(_calibrate(), 30))
     assert len(m.prefill) == 8 and len(m.decode) == 12  # every point on both engines
+    # the engines listen on this machine: the sweep measured the other CPU here meanwhile (host_cpu.py)
+    assert (m.background_cores or 0.0) >= 0 and (m.background_cores is not None or machine_busy_s() is None)
     fitted, report = fit_profile(m, "mine", "emulated", sweep=SWEEP)
     # The emulator steps in real time, so on a loaded machine its steps run late and single
     # coefficients trade off against each other (linear vs quadratic prefill, c0 vs c_decode);

@@ -46,6 +46,8 @@ def test_the_ledger_finds_a_local_engine_by_its_port_and_counts_its_busiest_thre
     wall = time.perf_counter() - t0
     got = ledger.stop(wall, gateway_cpu_s=0.01, client_cpu_s=0.02)
     assert got["engines"][0] is not None and got["engines"][0] > 0
+    # one process, no children: nothing beside the busiest thread but the server's other threads
+    assert got["frontend"][0] is not None and got["frontend"][0] >= 0 and got["engine_other"][0] == 0
     assert got["machine"] >= got["engines"][0]
     assert got["background"] == pytest.approx(max(0.0, got["machine"] - got["engines"][0]), abs=1e-3)
     assert "machine busy" in got["how"]
@@ -55,6 +57,7 @@ def test_an_engine_not_found_leaves_the_gateway_and_client_only():
     port = free_port()  # nobody listens there
     got = CpuLedger([f"http://127.0.0.1:{port}", "http://10.0.0.9:8000"]).stop(2.0, 0.2, 0.1)
     assert got["engines"] == [None, None]
+    assert got["frontend"] == [None, None] and got["engine_other"] == [None, None]
     assert got["background"] == pytest.approx(0.15) and "gateway and client" in got["how"]
 
 

@@ -107,6 +107,14 @@ def test_calibration_divides_the_sharing_it_measured_under():
     folded, _ = fit_profile(m, "x", "test")  # without: the sharing stays in the constants
     assert folded.prefill_time(1000) == pytest.approx(1.5 * fitted.prefill_time(1000), rel=1e-6)
 
+    # other CPU measured over the sweep (calibrate/host_cpu.py) shared the cores too: 3 / (2 - 0.5)
+    m.background_cores = 0.5
+    busy, report = fit_profile(m, "x", "test", host_cores=2)
+    assert report["sharing"] == pytest.approx(2.0) and report["background_cores"] == 0.5
+    assert busy.prefill_time(1000) == pytest.approx(fitted.prefill_time(1000) * 1.5 / 2.0, rel=1e-6)
+    m.background_cores = 5.0  # more than the machine: kept below its cores, as a live run's is
+    assert fit_profile(m, "x", "test", host_cores=2)[1]["sharing"] == pytest.approx(3 / 0.2)
+
 
 def test_background_load_shares_the_cores_with_the_engines():
     """Half a core of other work on a 2-core host leaves the engines 1.5 cores: one engine alone

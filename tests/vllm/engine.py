@@ -65,10 +65,14 @@ class VLLMEngine:
     ``events_port``, replay ROUTER on ``replay_port``, topic ``kv``), pinned to one core."""
 
     def __init__(self, model: Path, port: int, events_port: int, replay_port: int, core: int, blocks: int,
-                 workdir: Path, extra_args: tuple[str, ...] = (), max_model_len: int | None = None):
+                 workdir: Path, extra_args: tuple[str, ...] = (), max_model_len: int | None = None,
+                 new_session: bool = True):
         """``extra_args``: more server flags (e.g. a ``--kv-transfer-config`` for a P/D pair);
         ``max_model_len``: the context limit (default: what ``blocks`` hold, less one block; the
-        tiny model's positions stop at 2,048)."""
+        tiny model's positions stop at 2,048); ``new_session``: start it in a session of its own
+        (on Linux with autogroup scheduling, sched_autogroup_enabled, each session then gets an equal
+        share of the CPU; False: it shares the caller's, as tests/llamacpp's engines do)."""
+        self.new_session = new_session
         self.model, self.port, self.events_port, self.replay_port = model, port, events_port, replay_port
         self.core, self.blocks, self.workdir = core, blocks, workdir
         self.extra_args = extra_args
@@ -95,7 +99,7 @@ class VLLMEngine:
                "--enable-prompt-tokens-details", "--kv-events-config", json.dumps(events), *self.extra_args]
         self.log = open(self.workdir / f"vllm-{self.port}.log", "ab")  # noqa: SIM115 (closed in stop)
         self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT, cwd=self.workdir,
-                                     start_new_session=True)
+                                     start_new_session=self.new_session)
         self.pids = {self.proc.pid}
 
     def wait_ready(self, timeout: float = 400.0) -> None:

@@ -198,6 +198,7 @@ def live_summary(run: LiveRun) -> dict:
     prompt = sum(x.prompt_tokens for x in r)
     t0 = min((x.sent for x in r), default=0.0)
     return {"requests": len(r), "errors": run.errors, "ttft_s": [x.ttft for x in r],
+            "clock_t0": t0,  # the first request's time.perf_counter() (to align other records)
             # per request (for finding what the model lacks): sent (s from the first), TTFT, E2E,
             # prompt and cached tokens, conversation, turn, replica
             "per_request": [[round(x.sent - t0, 4), round(x.ttft, 4), round(x.e2e, 4), x.prompt_tokens,
@@ -366,7 +367,7 @@ def combine_repeats(repeats: list[dict]) -> dict:
     ``repeats`` keeps every repeat's own numbers."""
     row: dict = {"repeats": repeats, "errors": {}, "ttft_p99_pooled": {}}
     for side in ("live", "sim"):
-        numbers = [k for k, v in repeats[0][side].items() if isinstance(v, int | float)]
+        numbers = [k for k, v in repeats[0][side].items() if isinstance(v, int | float) and k != "clock_t0"]
         row[side] = {k: statistics.median(r[side][k] for r in repeats) for k in numbers}
         row[f"{side}_range"] = {k: [min(r[side][k] for r in repeats), max(r[side][k] for r in repeats)]
                                 for k in numbers}

@@ -36,13 +36,13 @@ from dataclasses import dataclass, field, replace
 
 import aiohttp
 
+from kvroute.calibrate.host_cpu import CpuLedger
 from kvroute.calibrate.slot_probe import slot_points
 from kvroute.errors import ServiceError
 
 WORDS = ("the", "a", "of", "and", "to", "in", "is", "for", "on", "that", "with", "as", "it", "at",
          "by", "from", "this", "be", "are", "or", "an", "was", "not", "but", "all", "can", "has",
          "more", "one", "time", "data", "model", "system", "value", "state", "point", "number")
-
 
 LLAMA_SERVER_N_BATCH = 2048  # llama-server's default --batch-size (logical batch of prompt tokens)
 
@@ -113,6 +113,7 @@ class Measurements:
     busy: list[tuple[int, float, int, float, float]] = field(default_factory=list)
     slot_saves: list[tuple[int, float]] = field(default_factory=list)  # calibrate/slot_probe.py
     wall_s: float = 0.0
+    background_cores: float | None = None  # other CPU on the engines' machine meanwhile (host_cpu.py)
     sweep: Sweep | None = None  # what was swept: the asked sweep as the context limit let it run
 
 
@@ -361,6 +362,7 @@ async def measure(urls: list[str], model: str | None = None, sweep: Sweep | None
     sweep = sweep or Sweep()
     say = log or (lambda _msg: None)
     t0 = time.perf_counter()
+    ledger, cpu0 = CpuLedger(urls), time.process_time()
     # a fresh connection per request: llama-server closes after every stream while advertising
     # keep-alive, and a reused dead connection would fail a point
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as session:
@@ -401,6 +403,7 @@ async def measure(urls: list[str], model: str | None = None, sweep: Sweep | None
             for _ in range(sweep.busy_rounds):
                 await _busy_points(engines, ctx, m, say)
     m.wall_s = time.perf_counter() - t0
+    m.background_cores = ledger.background(m.wall_s, time.process_time() - cpu0)
     return m
 
 
