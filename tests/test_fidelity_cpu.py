@@ -8,7 +8,7 @@ import time
 import httpx
 import pytest
 
-from kvroute.bench.fidelity_cpu import CpuLedger, background, listening_pid, machine_busy_s
+from kvroute.bench.fidelity_cpu import CpuLedger, background, listening_pid, machine_busy_s, thread_cpu_s
 from kvroute.ports import free_port
 
 pytestmark = pytest.mark.skipif(machine_busy_s() is None, reason=(
@@ -41,8 +41,12 @@ def test_the_ledger_finds_a_local_engine_by_its_port_and_counts_its_busiest_thre
     assert listening_pid(port) == proc.pid
     ledger = CpuLedger([f"http://127.0.0.1:{port}"])
     t0 = time.perf_counter()
-    for _ in range(40):  # make the "engine" work
-        httpx.get(f"http://127.0.0.1:{port}/", timeout=5)
+    # make the "engine" work until /proc shows it (CPU time counts in clock ticks, 10 ms here: 40
+    # requests sometimes stayed under one), within 20 s
+    start = sum(thread_cpu_s(proc.pid).values())
+    while sum(thread_cpu_s(proc.pid).values()) - start < 0.02 and time.perf_counter() - t0 < 20:
+        for _ in range(20):
+            httpx.get(f"http://127.0.0.1:{port}/", timeout=5)
     wall = time.perf_counter() - t0
     got = ledger.stop(wall, gateway_cpu_s=0.01, client_cpu_s=0.02)
     assert got["engines"][0] is not None and got["engines"][0] > 0
