@@ -12,6 +12,7 @@ from urllib.parse import urlsplit
 
 from pydantic import Field, field_validator, model_validator
 
+from kvroute.policy.adaptive.replica_speed.datasheet import accelerator_key
 from kvroute.schema import StrictModel
 
 
@@ -76,6 +77,11 @@ class ReplicaConfig(StrictModel):
     engine: Literal["auto", "vllm", "sglang", "llamacpp"] = Field(
         "auto", description="which engine's metrics the probes read; auto: detected from /metrics")
     weight: float = Field(1.0, gt=0, description="relative share for policies that weigh replicas")
+    accelerator: str | None = Field(None, description="the GPU the replica runs on (a100-80gb, a100-40gb, h100, h200, "
+                                    "l4, l40s, a10, ... or a node's nvidia.com/gpu.product label, e.g. NVIDIA-L4): "
+                                    "`auto` reads its public datasheet numbers (BF16 TFLOPS, memory bandwidth) as a "
+                                    "prior of the replica's relative speed until it has measured the replica; unset: "
+                                    "learned from measurements alone")
     # the engine's KV-cache capacity in tokens and batch limit; the prefix index of this replica is
     # bounded by the capacity. Unset: learned from vLLM's cache_config_info or SGLang's
     # max_total_num_tokens when probes see them (llama.cpp exports neither: set it, e.g. its -c)
@@ -100,6 +106,11 @@ class ReplicaConfig(StrictModel):
     @classmethod
     def _url(cls, v: str) -> str:
         return base_url(v)
+
+    @field_validator("accelerator")
+    @classmethod
+    def _accelerator(cls, v: str | None) -> str | None:
+        return None if v is None else accelerator_key(v)
 
     def tls_context(self) -> ssl.SSLContext | None:
         """The client TLS settings for an https engine (None for http)."""

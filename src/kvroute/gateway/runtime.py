@@ -92,7 +92,7 @@ class Runtime:
 
     def _add(self, rc: ReplicaConfig) -> None:
         ep = Endpoint(rc.name, region=rc.region, zone=rc.zone, weight=rc.weight, block_size=1,
-                      kv_blocks=rc.kv_tokens or 0, role=rc.role)
+                      kv_blocks=rc.kv_tokens or 0, role=rc.role, accelerator=rc.accelerator)
         if rc.max_running:
             ep.max_running = rc.max_running
         self.router.add_endpoint(ep)

@@ -40,6 +40,10 @@ class Endpoint:
     # the replica's hardware profile when the runtime knows it (the simulator: its HardwareProfile; a
     # profile name works too); None = unknown. The llm_d predictor models the replica with it.
     profile: Any = None  # Any, not object: mypyc's dataclasses cannot name `object` (compiled build)
+    # the accelerator the deployment declares for it (a key of policy/adaptive/replica_speed/datasheet.py:
+    # the config's replicas[].accelerator, a node's nvidia.com/gpu.product); None = not declared. Unlike
+    # ``profile`` it is what a live gateway knows: `auto` reads its datasheet numbers as a speed prior.
+    accelerator: str | None = None
     # static capacity
     kv_blocks: int = 0  # 0 = unknown
     block_size: int = 16

@@ -139,7 +139,7 @@ class SimBalancer:
             p = rep.engine.p
             eps.append(Endpoint(rid, region=rep.region, profile=p, kv_blocks=p.kv_blocks, block_size=p.block_size,
                                 max_running=p.max_running, rtt_s=sim.network.rtt(region, rep.region),
-                                role=getattr(rep, "role", "mixed")))
+                                role=getattr(rep, "role", "mixed"), accelerator=getattr(rep, "accelerator", None)))
         pd = getattr(getattr(sim, "setup", None), "pd", None)
         shared = share_interval_s is not None and pd is None  # the scenario refuses share with pd
         self.router: Router = ((SharedRouter if shared else Router)(build_policy(preset, params, seed=seed), eps,

@@ -23,6 +23,7 @@ class Replica:
     region: str
     engine: Engine
     role: str = "mixed"
+    accelerator: str | None = None  # declared, as a gateway config would (ReplicaGroup.accelerator)
 
 
 class Flight:

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
+from kvroute.policy.adaptive.replica_speed.datasheet import accelerator_key
 from kvroute.schema import StrictModel
 
 
@@ -38,3 +39,13 @@ class ReplicaGroup(StrictModel):
                                          "work on that machine takes while it serves (a gateway, clients, the "
                                          "kernel), which the stepping replicas share the cores with (sim/host.py; "
                                          "`bench fidelity` measures it per live run)")
+    accelerator: str | None = Field(None, description="the accelerator the deployment declares for these "
+                                    "replicas, as a gateway's `replicas[].accelerator` would (e.g. a100-80gb, l4, "
+                                    "h100; policy/adaptive/replica_speed/datasheet.py lists them): `auto` reads its "
+                                    "datasheet numbers as a speed prior until it has measured the replica; unset: "
+                                    "not declared")
+
+    @field_validator("accelerator")
+    @classmethod
+    def _accelerator(cls, v: str | None) -> str | None:
+        return None if v is None else accelerator_key(v)

@@ -42,6 +42,7 @@ class ReplicaSpec:
     host: tuple[str, int, float] | None = None
     role: str = "mixed"  # prefill / decode / mixed (sim/disagg.py)
     noise: NoiseSpec | None = None  # timing noise and reordering (sim/noise.py); None: off
+    accelerator: str | None = None  # the accelerator the deployment declares (ReplicaGroup.accelerator)
 
 
 @dataclass
@@ -109,10 +110,9 @@ class Simulation:
         self.progress = progress
         self.rng = random.Random(setup.seed)
         hosts = {r.host: Host(r.host[1], r.host[2]) for r in setup.replicas if r.host is not None}
-        self.replicas = {r.id: Replica(r.id, r.region, Engine(r.id, r.profile, self.loop,
-                                                              self._first_token, self._finish,
-                                                              host=hosts.get(r.host) if r.host else None), r.role)
-                         for r in setup.replicas}
+        self.replicas = {r.id: Replica(r.id, r.region, Engine(r.id, r.profile, self.loop, self._first_token,
+                                                              self._finish, host=hosts.get(r.host) if r.host else None),
+                                       r.role, r.accelerator) for r in setup.replicas}
         self.api_delay = attach({k: r.engine for k, r in self.replicas.items()},
                                 {r.id: r.noise for r in setup.replicas}, setup.seed)
         # prefill/decode legs (sim/disagg.py): None for an aggregated deployment

@@ -186,6 +186,7 @@ class SpeedFit:
         # recomputed at each observation, never while deciding (Router.decide stays a dry run)
         self._factors: tuple[dict[str, float], dict[str, float]] = ({}, {})
         self.judged_mixed = False  # set once, when both spreads first stood the test
+        self.version = 0  # counts observations (a cache of anything derived from the estimates keys on it)
 
     # ---- observations -------------------------------------------------------------------------
     def dispatched(self, req_id: str, endpoint_id: str, work_tokens: int, rtt_s: float) -> None:
@@ -271,6 +272,7 @@ class SpeedFit:
         return {ep: t / mid for ep, (t, _) in positive.items()}
 
     def _refresh(self) -> None:
+        self.version += 1
         test = not self.judged_mixed
         pf, df = self._relative(self._prefill_est(), test), self._relative(self._decode_est(), test)
         # hardware apart shows in both (compute and memory bandwidth); one measure alone apart is noise
@@ -281,14 +283,16 @@ class SpeedFit:
         """Predicted TTFT − RTT per ``(replica, prefill work queued there with the request's own)``: the
         replica's fitted line at that work; a replica without ``min_samples`` (at least 3) first tokens gets the
         median of the others' predictions (0 when none has them)."""
-        out: list[float | None] = []
-        floor = max(self.min_samples, LINE_FLOOR)
-        for ep, w in work:
-            line = self._prefill.get(ep)
-            out.append(line.at(w) if line is not None and line.n >= floor else None)
+        out = [self.line_at(ep, w) for ep, w in work]
         known = [v for v in out if v is not None]
         mid = median(known) if known else 0.0
         return [mid if v is None else v for v in out]
+
+    def line_at(self, endpoint_id: str, work: float) -> float | None:
+        """The replica's fitted TTFT − RTT at ``work`` prefill tokens; None without ``min_samples`` (at least 3)
+        first tokens."""
+        line = self._prefill.get(endpoint_id)
+        return line.at(work) if line is not None and line.n >= max(self.min_samples, LINE_FLOOR) else None
 
     def factors(self) -> tuple[dict[str, float], dict[str, float]]:
         """(prefill, decode) factors per replica; a replica not listed counts as 1."""

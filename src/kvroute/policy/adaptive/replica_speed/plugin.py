@@ -7,7 +7,9 @@ dispatch, TTFT at first token, decode time at completion); ``SpeedLMetric`` (sco
 from __future__ import annotations
 
 from kvroute.model import Endpoint, Request
+from kvroute.policy.adaptive.replica_speed.datasheet import prior_times
 from kvroute.policy.adaptive.replica_speed.fit import DEFAULT_HALFLIFE, SpeedFit
+from kvroute.policy.adaptive.replica_speed.prior import prior_factors, prior_predict
 from kvroute.policy.catalog import register_plugin
 from kvroute.policy.hooks import Lifecycle
 from kvroute.policy.plugins import DecisionState, Scorer
@@ -88,6 +90,9 @@ class SpeedLMetric(Scorer, SpeedPlugin):
         self.learn, self.live_batch, self.ttft_pick, self.near = learn, live_batch, ttft_pick, near
         self.dispatches = 0
         self.floored = 0  # dispatches whose target counted more requests in flight than its probe showed
+        # caches of pure functions of the candidates' declared accelerators (and of the fit's version)
+        self._declared: tuple[tuple[tuple[str, str], ...], dict[str, tuple[float, float]]] = ((), {})
+        self._prior_cache: tuple[object, tuple[dict[str, float], dict[str, float]]] = (None, ({}, {}))
 
     def on_dispatched(self, req: Request, endpoint: Endpoint, new_prefill_tokens: int) -> None:
         """Learns only with ``learn``; counts how often the in-flight floor was above the probed batch."""
@@ -112,13 +117,35 @@ class SpeedLMetric(Scorer, SpeedPlugin):
         """The fit's state; with ``live_batch``, ``batch_floor_share``: the share of dispatches whose target
         had more of this load balancer's requests in flight than its probe showed (a gauge behind)."""
         out = self.fit.state()
+        prior = self._declared[1] if self.learn else {}
+        if prior:  # the declared accelerators differ: the factors in use are those the prior completes
+            out["prior"] = out["mixed"] = 1.0
+            pf, df = self._factors(prior)
+            for ep in prior:
+                out[f"{ep}.prefill_factor"], out[f"{ep}.decode_factor"] = pf.get(ep, 1.0), df.get(ep, 1.0)
         if self.live_batch:
             out["batch_floor_share"] = round(self.floored / self.dispatches, 4) if self.dispatches else 0.0
         return out
 
+    def prior(self, eps: list[Endpoint]) -> dict[str, tuple[float, float]]:
+        """The datasheet prior of ``eps`` (:func:`~.datasheet.prior_times`): empty unless their declared
+        accelerators differ past ``spread`` in compute and bandwidth alike, or with ``learn: false``."""
+        key = tuple((e.id, e.accelerator) for e in eps if e.accelerator is not None) if self.learn else ()
+        if key != self._declared[0]:
+            self._declared = (key, prior_times(dict(key), self.fit.spread))
+        return self._declared[1]
+
+    def _factors(self, prior: dict[str, tuple[float, float]]) -> tuple[dict[str, float], dict[str, float]]:
+        """The factors the prior completes (:func:`~.prior.prior_factors`), recomputed only after an observation."""
+        key = (self._declared[0], self.fit.version)
+        if self._prior_cache[0] != key:
+            self._prior_cache = (key, prior_factors(self.fit, prior))
+        return self._prior_cache[1]
+
     def values(self, st: DecisionState, eps: list[Endpoint]) -> list[float]:
         """LMetric's score per endpoint, times its prefill and decode factors; lower is better."""
-        pf, df = self.fit.factors()
+        prior = self.prior(eps)
+        pf, df = self._factors(prior) if prior else self.fit.factors()
         base: list[float]
         if self.live_batch:
             base = [(e.queued_prefill_tokens + n) * (max(e.running + e.waiting + e.dispatched_since_probe,
@@ -133,7 +160,10 @@ class SpeedLMetric(Scorer, SpeedPlugin):
             return scaled
         limit = self.near * min(scaled)
         work = [(e.id, float(e.queued_prefill_tokens + n)) for n, e in zip(st.new_prefill(eps), eps)]
-        ttft = self.fit.predict_ttft(work)
+        predicted = prior_predict(self.fit, work, prior) if prior else self.fit.predict_ttft(work)
+        if predicted is None:  # the prior alone: no replica measured yet, no seconds to compare
+            return scaled
+        ttft = predicted
         # seconds; a replica the score ranks out of the near set goes after every one inside it
         return [t + e.rtt_s + (0.0 if v <= limit else OUTSIDE_S) for t, e, v in zip(ttft, eps, scaled)]
 
