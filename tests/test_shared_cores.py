@@ -65,6 +65,17 @@ def test_a_decode_jump_slows_from_the_step_after_another_engine_starts():
     assert done["a"] == pytest.approx(alone + overlap / 2, abs=0.011)
 
 
+def test_a_requests_front_end_time_stretches_with_the_hosts_slowdown():
+    """The time outside the engine's loop runs on the shared cores too: 2 cores, half a core of
+    background, 3 engines stepping: 2x; none or one stepping: as measured alone."""
+    host = Host(2, background=0.5)
+    assert host.front_end_s(0.01) == pytest.approx(0.01)
+    host.stepping = 1
+    assert host.front_end_s(0.01) == pytest.approx(0.01)
+    host.stepping = 3
+    assert host.front_end_s(0.01) == pytest.approx(0.02)
+
+
 def test_a_host_needs_a_core():
     with pytest.raises(ValueError, match="at least one core"):
         Host(0)

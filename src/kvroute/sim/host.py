@@ -59,6 +59,14 @@ class Host:
         free = self.cores - self.background
         return self.stepping / free if self.stepping > free else 1.0
 
+    def front_end_s(self, overhead_s: float) -> float:
+        """A request's time outside the engine's loop (the profile's ``ttft_overhead_s``: HTTP,
+        tokenizing, an API server) on this host now: it runs on the shared cores too, so it stretches
+        as a step does. Calibration divides it by the sweep's sharing as it divides the steps
+        (calibrate/fit.py); left undivided here, vLLM's 6-7 ms came out ~half the live one (issue
+        21f: with it the replay of a quiet two-engine run went from 11 to 16 of 20 ratios within 20 %)."""
+        return overhead_s * self.slowdown
+
     def slowdown_of(self, engine: Stepping) -> float:
         """``engine``'s slowdown now (processor sharing: every stepping engine's is the same)."""
         return self.slowdown

@@ -38,8 +38,7 @@ class ReplicaSpec:
     id: str
     region: str
     profile: HardwareProfile
-    # (machine, cores, background cores) it shares with the replicas naming that machine (sim/host.py)
-    host: tuple[str, int, float] | None = None
+    host: tuple[str, int, float] | None = None  # (machine, cores, background cores) shared (sim/host.py)
     role: str = "mixed"  # prefill / decode / mixed (sim/disagg.py)
     noise: NoiseSpec | None = None  # timing noise and reordering (sim/noise.py); None: off
     accelerator: str | None = None  # the accelerator the deployment declares (ReplicaGroup.accelerator)
@@ -233,13 +232,14 @@ class Simulation:
 
     # -- routing outcomes (called by balancers) -------------------------------------------------
     def dispatch(self, flight: Flight, lb: SimBalancer, replica_id: str, branch: str) -> None:
-        """A balancer sends ``flight`` to ``replica_id`` (branch counted); it reaches the replica after the
-        network delay plus the profile's TTFT overhead."""
+        """A balancer sends ``flight`` to ``replica_id`` (branch counted): it reaches the replica after the
+        network delay plus the profile's TTFT overhead — that of an engine that is stepping where the
+        profile measured one (perf/profile.py), stretched by the host's slowdown where engines share
+        cores (the front end's work shares them too; calibrate/fit.py divided it out as it did the steps)."""
         rep = self._dispatched(flight, lb, replica_id, branch)
-        eng = rep.engine
-        busy = eng.p.ttft_overhead_busy_s
-        # the overhead of an engine that is stepping where the profile measured one (perf/profile.py)
+        eng, busy = rep.engine, rep.engine.p.ttft_overhead_busy_s
         overhead = busy if busy is not None and eng.stepping else eng.p.ttft_overhead_s
+        overhead = eng.host.front_end_s(overhead) if eng.host is not None else overhead
         if self.api_delay is not None:  # a noisy API server: requests may overtake (sim/noise.py)
             overhead = self.api_delay.delay(replica_id, overhead)
         self.loop.at(self.loop.now + self.network.one_way(lb.region, rep.region) + overhead, self._arrive_replica,
