@@ -145,7 +145,12 @@ def test_scope_all_shares_dispatches_across_regions(mesh, natsd):
     assert m.wait_until(lambda: m.inflight("eu1") == 0 and m.mirrored("eu1") == 0, timeout=5)
 
 
-def test_fleet_scope_is_checked():
+def test_fleet_scope_is_checked(monkeypatch):
+    monkeypatch.setenv("KVROUTE_TEST_SCOPE_TOKEN", "t")
     with pytest.raises(ValueError, match="scope"):
         GatewayConfig(region="us", replicas=[{"url": "http://127.0.0.1:1"}],
                       fleet={"nats_url": "nats://127.0.0.1:4222", "scope": "world"})
+    with pytest.raises(ValueError, match="fleet.scope all is for gateways"):  # peers: queues would mix regions
+        GatewayConfig(region="us", replicas=[{"url": "http://127.0.0.1:1"}], routing_mode="skywalker",
+                      peers=[{"name": "eu", "url": "http://127.0.0.1:2", "region": "eu"}],
+                      peer_auth={"token_env": "KVROUTE_TEST_SCOPE_TOKEN"}, fleet={"nats_url": "nats://127.0.0.1:4222", "scope": "all"})

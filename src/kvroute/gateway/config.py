@@ -298,6 +298,10 @@ class GatewayConfig(StrictModel):
         if self.peers and self.peer_auth is None:  # probes without the token are refused: every peer ejected
             raise ValueError("peers need peer_auth (token_env or token_file): the shared token their status "
                              "probes and forwards carry")
+        if self.fleet is not None and self.fleet.scope == "all" and self.routing_mode in PEERING_MODES:
+            # the siblings' queues would count as this region's in the peer status and the forward gate
+            raise ValueError(f"fleet.scope all is for gateways that each route to every region's replicas "
+                             f"(routing_mode local); with routing_mode {self.routing_mode} keep scope: region")
         return self
 
     @model_validator(mode="after")
