@@ -153,4 +153,5 @@ def test_fleet_scope_is_checked(monkeypatch):
     with pytest.raises(ValueError, match="fleet.scope all is for gateways"):  # peers: queues would mix regions
         GatewayConfig(region="us", replicas=[{"url": "http://127.0.0.1:1"}], routing_mode="skywalker",
                       peers=[{"name": "eu", "url": "http://127.0.0.1:2", "region": "eu"}],
-                      peer_auth={"token_env": "KVROUTE_TEST_SCOPE_TOKEN"}, fleet={"nats_url": "nats://127.0.0.1:4222", "scope": "all"})
+                      peer_auth={"token_env": "KVROUTE_TEST_SCOPE_TOKEN"},
+                      fleet={"nats_url": "nats://127.0.0.1:4222", "scope": "all"})
