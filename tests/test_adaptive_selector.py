@@ -162,3 +162,64 @@ def test_a_trial_the_challenger_is_clearly_losing_stops_early():
     sel = TTFTSelector(window=32, exploit=1)
     assert drive(sel, {A: noisy(0.2), B: noisy(0.6)}, {A: 5.0, B: 5.0}, 64) == [A, B] * 32
     assert sel.state()["stopped_early"] == 0 and sel.state()["wins_guarded"] == 1
+
+
+def _feed(plugin, laws: dict[str, tuple[float, float]], n: int = 40) -> None:
+    """Lifecycle events as the Router delivers them; law = (s per queued work token, s per output token)."""
+    from kvroute.model import Request
+
+    for i in range(n):
+        for ep, (b, d) in laws.items():
+            req = Request(id=f"{ep}-{i}", prompt_tokens=1000)
+            work = 500 + 100 * (i % 20)
+            plugin.on_dispatched(req, Endpoint(ep, queued_prefill_tokens=work, rtt_s=0.0), new_prefill_tokens=1000)
+            plugin.on_first_token(req.id, ep, b * work)
+            plugin.on_finished(req.id, ep, b * work + d * 100, 101)
+
+
+def test_uniform_fleet_holds_until_the_learned_speeds_judge_the_fleet_mixed():
+    from kvroute.policy.adaptive.selector import UniformFleet
+
+    class _View:
+        def __init__(self, *rtts_ms):
+            self.endpoints = [Endpoint(f"e{i}", rtt_s=ms / 1000) for i, ms in enumerate(rtts_ms)]
+
+    def st(*rtts_ms):
+        state = _St("x")
+        state.view = _View(*rtts_ms)
+        return state
+
+    one_kind, mixed, blind = UniformFleet(min_samples=2), UniformFleet(min_samples=2), UniformFleet(learn=False)
+    _feed(one_kind, {"a": (1e-4, 0.02), "b": (1.1e-4, 0.021), "c": (1e-4, 0.02)})
+    assert one_kind.holds(st(1, 2, 9), []) and one_kind.state() == {"mixed": 0.0}
+    assert not one_kind.holds(st(1, 2, 90), [])  # a replica regions away: the LB's fleet is not one region
+    for cond in (mixed, blind):
+        _feed(cond, {"fast": (1e-4, 0.01), "slow": (6e-4, 0.06), "slow2": (6e-4, 0.06)})
+    assert not mixed.holds(st(1, 2), []) and mixed.state() == {"mixed": 1.0}  # 6x apart at both: mixed, for good
+    assert blind.holds(st(1, 2), [])  # learn: false (auto's speed: false) learns nothing
+
+
+def test_auto_routes_by_least_work_on_one_kind_and_stands_aside_on_a_mixed_fleet(router_for):
+    """auto's least-work rule: among the near-best, the least queued + uncached tokens; its condition
+    judges with the incumbent's settings, and a mixed fleet goes to the learned speeds instead."""
+    from kvroute.policy.adaptive.selector import UniformFleet
+    from kvroute.policy.presets.auto import ADDITIVE, LEAST_WORK
+    from tests.conftest import make_request
+
+    r = router_for("auto", 3, params={"speed_spread": 2.5, "speed_samples": 3})
+    lmetric = router_for("auto", 3, params={"least_work": False, "select": False})
+    (cond,) = [c for rule in r.policy.rules for c in rule.when if isinstance(c, UniformFleet)]
+    assert (cond.fit.spread, cond.fit.min_samples, cond.learn) == (2.5, 3, True)
+    for router in (r, lmetric):
+        a, b, c = router.view.endpoints
+        a.queued_prefill_tokens, a.inflight, a.running = 300, 3, 3
+        b.queued_prefill_tokens, b.inflight, b.running = 800, 0, 0
+        c.queued_prefill_tokens, c.inflight, c.running = 300, 2, 2
+    req = make_request("q", "hello " * 50)
+    assert lmetric.decide(req).target == b.id  # LMetric's score alone: (800 + n) × 1 is its least
+    d = r.route(req)
+    # LMetric's score (work × (batch + 1)) ranks all three within 2x of b's; the least work (a, c), then the
+    # fewest requests in flight (c) wins
+    assert d.branch == LEAST_WORK and d.target == c.id
+    _feed(cond, {"fast": (1e-4, 0.01), "slow": (6e-4, 0.06), "slow2": (6e-4, 0.06)})
+    assert r.route(make_request("q2", "hello " * 50)).branch == ADDITIVE  # mixed: the trials and learned speeds

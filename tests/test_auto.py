@@ -7,7 +7,7 @@ import httpx
 from kvroute.cli import main
 from kvroute.gateway.config import GatewayConfig
 from kvroute.model import DecisionKind
-from kvroute.policy.presets.auto import ADDITIVE, HOTSPOT, PREFIX_LOAD, RTT_AWARE
+from kvroute.policy.presets.auto import ADDITIVE, LEAST_WORK, PREFIX_LOAD, RTT_AWARE
 from kvroute.sim.runner import run_scenario
 from kvroute.sim.scenario import Scenario, parse_scenario
 from tests.conftest import make_request
@@ -20,11 +20,13 @@ def test_auto_is_the_default_of_the_gateway_and_the_simulator():
     assert [p.label for p in Scenario().policy_list()] == ["auto"]
 
 
-def test_one_region_uses_lmetrics_score_and_regions_apart_the_rtt_aware_cost(router_for):
+def test_one_region_routes_by_least_work_and_regions_apart_by_the_rtt_aware_cost(router_for):
     near = router_for("auto", 3)
     d = near.route(make_request("a", "hello " * 50))
-    assert d.kind == DecisionKind.DISPATCH and d.branch == ADDITIVE  # the selector measures this rule first
-    plain = router_for("auto", 3, params={"select": False})
+    assert d.kind == DecisionKind.DISPATCH and d.branch == LEAST_WORK  # one region, one hardware kind
+    trials = router_for("auto", 3, params={"least_work": False})
+    assert trials.route(make_request("a", "hello " * 50)).branch == ADDITIVE  # the selector measures this rule first
+    plain = router_for("auto", 3, params={"least_work": False, "select": False})
     assert plain.route(make_request("a", "hello " * 50)).branch == PREFIX_LOAD
     far = router_for("auto", 3, params={"local_first": False})
     for i, e in enumerate(far.view.endpoints):
@@ -53,8 +55,7 @@ def test_the_simulation_report_says_which_mechanism_was_in_charge():
               "limits": {"max_requests": 200}, "seed": 2}
     regional = run_scenario(parse_scenario(common))[0].result  # no policy named: auto, one LB per region
     central = run_scenario(parse_scenario({**common, "topology": {"kind": "global", "region": "us"}}))[0].result
-    assert set(regional["branches"]) <= {PREFIX_LOAD, ADDITIVE, HOTSPOT}
-    assert regional["branches"][PREFIX_LOAD] > 0 and regional["branches"][ADDITIVE] > 0  # both measured
+    assert set(regional["branches"]) == {LEAST_WORK}  # each LB sees one region of one hardware kind
     assert central["branches"].get(RTT_AWARE, 0) > 0  # one LB seeing both regions weighs the 90 ms
 
 
@@ -81,14 +82,13 @@ def test_the_gateway_explains_auto_in_the_admin_api_and_metrics(monkeypatch):
                        headers={"Authorization": "Bearer sk-user-auto"})
         assert r.status_code == 200
         info = httpx.get(f"{dep.url}/admin/policy", headers={"Authorization": "Bearer sk-admin-auto"}).json()
-        assert info["name"] == "auto" and info["in_charge"] == ADDITIVE and info["branches"] == {ADDITIVE: 1}
-        # the first request of the first trial went by GORGO's additive cost; LMetric's score routes the next
-        assert info["state"]["ttft_selector.region.trialling"] == 1.0
-        assert info["state"]["ttft_selector.region.serving_guarded"] == 0.0
+        assert info["name"] == "auto" and info["in_charge"] == LEAST_WORK and info["branches"] == {LEAST_WORK: 1}
+        # one region of one hardware kind: the least prefill work among the replicas LMetric ranks near its best
+        assert info["state"]["uniform_fleet.mixed"] == 0.0
         assert info["state"]["lmetric_speed.mixed"] == 0.0  # replica speed: one observation, no factor yet
         text = httpx.get(f"{dep.url}/metrics").text
         assert 'kvroute_policy_state{key="lmetric_speed.mixed"} 0.0' in text
-        assert f'kvroute_policy_branch_total{{branch="{ADDITIVE}",policy="auto"}} 1.0' in text
+        assert f'kvroute_policy_branch_total{{branch="{LEAST_WORK}",policy="auto"}} 1.0' in text
         assert dep.settle() == (0, 0, 0)
     finally:
         dep.close()

@@ -25,7 +25,19 @@ never a step-time model:
    the scaled score ranks within ``trust`` × its best the one with the least TTFT predicted from
    the learned prefill lines — the score keeps the load in proportion to speed, the prediction
    sends each prompt where its first token comes soonest;
-3. **the challenger, GORGO's cost**, trialled online against it (``ttft_selector``, interleaved
+3. **one region, one hardware kind: the least work** (``least_work``, branch ``auto:least-work``): while
+   every replica the load balancer sees is within ``rtt_spread_ms`` of probe RTT and the learned speeds
+   have not judged the fleet mixed (``uniform_fleet``, :mod:`kvroute.policy.adaptive.selector.uniform`),
+   among the replicas the incumbent's score ranks within ``trust`` × its best, the one with the least
+   prefill work ahead of this request's first token (queued + uncached tokens), then the fewest of
+   this LB's requests in flight. llm-d's predicted TTFT (``llm_d``, a step-time model `auto` may not
+   read) is on such a fleet almost all prefill work — a step of the L4 profile costs 0.48 ms per
+   prefill token against 0.4 ms per running sequence (``profiles/l4-llama3.1-8b.yaml``) — and it led
+   TTFT p99 in most one-region cells; LMetric's product lets a replica with a short batch win with
+   twice the prefill ahead. The trust region bounds how far it departs from LMetric's load balance
+   (``llm_d`` alone was unstable on bursty-chat and hot-prefix at 90 % of the knee), and no trials
+   run here (9 seeds per cell: docs/auto.md);
+4. **the challenger, GORGO's cost**, trialled online against it (``ttft_selector``, interleaved
    trials, switching only on evidence of a better mean TTFT, guarded by end-to-end latency):
    across regions — the candidates' probe RTTs spread by more than ``rtt_spread_ms`` — w_rtt·RTT
    + t_p·uncached + w_queue·queued tokens (GORGO v1 §3, v2's weights; branch ``auto:rtt-aware``),
@@ -63,10 +75,15 @@ from kvroute.policy.params import AdmissionName, PolicyParams, admission_field
 # the hotspot route names its decisions itself (Branch.HOTSPOT_FILTERED), whatever the rule says
 HOTSPOT = Branch.HOTSPOT_FILTERED.value
 RTT_AWARE, ADDITIVE, PREFIX_LOAD = "auto:rtt-aware", "auto:additive", "auto:prefix-load"
+LEAST_WORK = "auto:least-work"
 # the challenger's trust region: the incumbent's score with the incumbent's settings
 INCUMBENT = {"lmetric_speed": {"spread": "$speed_spread", "learn": "$speed", "live_batch": "$live_batch",
                                 "min_samples": "$speed_samples", "ttft_pick": "$speed_ttft", "near": "$trust"}}
 TRUST = {"near_best": {"scorer": INCUMBENT, "factor": "$trust"}}
+# one region, one hardware kind: the prefill tokens ahead of the first token, then this LB's requests in flight
+LEAST_WORK_COST = {"new_prefill": 1.0, "inflight": 1.0}
+UNIFORM = {"uniform_fleet": {"spread": "$speed_spread", "learn": "$speed", "min_samples": "$speed_samples",
+                             "ms": "$rtt_spread_ms"}}
 
 
 def _select(scope: str) -> dict[str, dict[str, str]]:
@@ -82,6 +99,8 @@ def _select(scope: str) -> dict[str, dict[str, str]]:
            {"enabled": "$select", "when": [{"rtt_spread_above": "$rtt_spread_ms"}, _select("regions")],
             "branch": RTT_AWARE, "among": TRUST,
             "cost": {"rtt_ms": "$w_rtt", "uncached_tokens": "$t_p", "inflight_tokens": "$w_queue"}},
+           {"enabled": "$least_work", "branch": LEAST_WORK, "among": TRUST, "cost": LEAST_WORK_COST,
+            "when": UNIFORM},
            {"enabled": "$select", "when": [{"rtt_spread_at_most": "$rtt_spread_ms"}, _select("region")],
             "branch": ADDITIVE, "among": TRUST, "cost": {"uncached_tokens": "$t_p", "inflight_tokens": "$w_queue"}},
            {"cost": INCUMBENT, "branch": PREFIX_LOAD}])
@@ -125,5 +144,10 @@ class AutoParams(PolicyParams):
     local_first: bool = Field(True, description="across regions, route among the nearest region's free replicas "
                               "(no prefill of this LB queued, nothing waiting at the probe) while there is one; "
                               "false: every replica competes on every request")
+    least_work: bool = Field(True, description="when the load balancer sees one region (probe RTTs within "
+                             "rtt_spread_ms) of one hardware kind, route among the replicas LMetric's score ranks "
+                             "within trust x its best by the least prefill work ahead of the first token (queued + "
+                             "uncached tokens, then requests in flight), without trials; false: the selector trials "
+                             "GORGO's additive cost against LMetric's score there too")
     speed_spread: float = Field(1.5, ge=1, description="the fleet counts as mixed hardware when learned prefill and "
                                 "decode times both spread past this factor (max / min); else it routes as one kind")
