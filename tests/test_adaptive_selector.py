@@ -197,6 +197,11 @@ def test_uniform_fleet_holds_until_the_learned_speeds_judge_the_fleet_mixed():
         _feed(cond, {"fast": (1e-4, 0.01), "slow": (6e-4, 0.06), "slow2": (6e-4, 0.06)})
     assert not mixed.holds(st(1, 2), []) and mixed.state() == {"mixed": 1.0}  # 6x apart at both: mixed, for good
     assert blind.holds(st(1, 2), [])  # learn: false (auto's speed: false) learns nothing
+    declared = st(1, 2)
+    declared.view.endpoints[0].accelerator, declared.view.endpoints[1].accelerator = "a100-80gb", "l4"
+    assert not UniformFleet().holds(declared, [])  # declared apart: the datasheet prior decides from the start
+    declared.view.endpoints[0].accelerator = "l4"
+    assert UniformFleet().holds(declared, [])  # declared alike
 
 
 def test_auto_routes_by_least_work_on_one_kind_and_stands_aside_on_a_mixed_fleet(router_for):
