@@ -78,7 +78,8 @@ RTT_AWARE, ADDITIVE, PREFIX_LOAD = "auto:rtt-aware", "auto:additive", "auto:pref
 LEAST_WORK = "auto:least-work"
 # the challenger's trust region: the incumbent's score with the incumbent's settings
 INCUMBENT = {"lmetric_speed": {"spread": "$speed_spread", "learn": "$speed", "live_batch": "$live_batch",
-                                "min_samples": "$speed_samples", "ttft_pick": "$speed_ttft", "near": "$trust"}}
+                                "min_samples": "$speed_samples", "ttft_pick": "$speed_ttft", "near": "$trust",
+                                "detour": "$speed_detour"}}
 TRUST = {"near_best": {"scorer": INCUMBENT, "factor": "$trust"}}
 # one region, one hardware kind: the prefill tokens ahead of the first token, then this LB's requests in flight
 LEAST_WORK_COST = {"new_prefill": 1.0, "inflight": 1.0}
@@ -138,6 +139,10 @@ class AutoParams(PolicyParams):
     speed_ttft: bool = Field(True, description="on a fleet judged mixed, pick among the replicas the speed-scaled "
                              "score ranks within trust x its best the one with the least TTFT predicted from the "
                              "learned prefill lines; false: the scaled score alone")
+    speed_detour: bool = Field(True, description="on a fleet judged mixed, a request whose first token would come "
+                               "later than the soonest by more than the fleet's mean TTFT goes where it comes soon, "
+                               "while its predicted TPOT there is no worse than on the score's pick (long prompts "
+                               "to fast replicas, short ones may go to slow ones); false: the near set's pick")
     speed_samples: int = Field(2, ge=1, description="first tokens and completions per replica before its "
                                "learned speed counts (at least 3 first tokens, 2 completions: what a standard error "
                                "needs); the spread must also stand apart by Student's t at 95.45 %")

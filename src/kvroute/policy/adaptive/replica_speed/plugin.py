@@ -8,13 +8,12 @@ from __future__ import annotations
 
 from kvroute.model import Endpoint, Request
 from kvroute.policy.adaptive.replica_speed.datasheet import prior_times
+from kvroute.policy.adaptive.replica_speed.detour import OUTSIDE_S, detour
 from kvroute.policy.adaptive.replica_speed.fit import DEFAULT_HALFLIFE, SpeedFit
 from kvroute.policy.adaptive.replica_speed.prior import prior_factors, prior_predict
 from kvroute.policy.catalog import register_plugin
 from kvroute.policy.hooks import Lifecycle
 from kvroute.policy.plugins import DecisionState, Scorer
-
-OUTSIDE_S = 1e6  # added to the predicted TTFT of a replica outside ``ttft_pick``'s near set
 
 
 class SpeedPlugin(Lifecycle):
@@ -27,7 +26,7 @@ class SpeedPlugin(Lifecycle):
 
     def on_dispatched(self, req: Request, endpoint: Endpoint, new_prefill_tokens: int) -> None:
         """Remember the prefill work queued on the replica (this request's included) and the RTT."""
-        self.fit.dispatched(req.id, endpoint.id, endpoint.queued_prefill_tokens, endpoint.rtt_s)
+        self.fit.dispatched(req.id, endpoint.id, endpoint.queued_prefill_tokens, endpoint.rtt_s, endpoint.inflight)
 
     def on_first_token(self, req_id: str, endpoint_id: str, ttft_s: float) -> None:
         """One prefill observation."""
@@ -83,11 +82,11 @@ class SpeedLMetric(Scorer, SpeedPlugin):
 
     def __init__(self, min_samples: int = 16, halflife: int = DEFAULT_HALFLIFE, spread: float = 1.5,
                  z: float = 2.0, learn: bool = True, live_batch: bool = False, ttft_pick: bool = False,
-                 near: float = 2.0):
+                 near: float = 2.0, detour: bool = False):
         SpeedPlugin.__init__(self, SpeedFit(min_samples=min_samples, halflife=halflife, spread=spread, z=z))
         if near < 1:
             raise ValueError(f"near must be >= 1, got {near}")
-        self.learn, self.live_batch, self.ttft_pick, self.near = learn, live_batch, ttft_pick, near
+        self.learn, self.live_batch, self.ttft_pick, self.near, self.detour = learn, live_batch, ttft_pick, near, detour
         self.dispatches = 0
         self.floored = 0  # dispatches whose target counted more requests in flight than its probe showed
         # caches of pure functions of the candidates' declared accelerators (and of the fit's version)
@@ -163,7 +162,9 @@ class SpeedLMetric(Scorer, SpeedPlugin):
         predicted = prior_predict(self.fit, work, prior) if prior else self.fit.predict_ttft(work)
         if predicted is None:  # the prior alone: no replica measured yet, no seconds to compare
             return scaled
-        ttft = predicted
+        ttft = [t + e.rtt_s for t, e in zip(predicted, eps)]
+        if self.detour:
+            return detour(self.fit, eps, ttft, scaled, limit, df)
         # seconds; a replica the score ranks out of the near set goes after every one inside it
-        return [t + e.rtt_s + (0.0 if v <= limit else OUTSIDE_S) for t, e, v in zip(ttft, eps, scaled)]
+        return [t + (0.0 if v <= limit else OUTSIDE_S) for t, v in zip(ttft, scaled)]
 
