@@ -42,8 +42,8 @@ vLLM CPU engines on 2 cores run an API server and a spinning engine-core process
 worker; over a quiet calibration the workers' main threads ran 0.55-0.60 cores' worth and
 waited for a core 0.38-0.43 (``/proc/.../schedstat``): 1.70x slower while both were runnable,
 which engines / cores (1x) left in the constants while bench fidelity's host added the live
-background on top — the simulated E2E p50 came out 1.35-1.5x the live one. Three llama-servers
-in the same job: 1.57x measured where engines / cores assumed 1.5x.
+background on top — the simulated E2E p50 came out 1.35-1.48x the live one for three of four
+policies. Three llama-servers in the same job: 1.57x measured where engines / cores assumed 1.5x.
 """
 
 from __future__ import annotations
