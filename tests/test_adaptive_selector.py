@@ -199,7 +199,8 @@ def test_uniform_fleet_holds_until_the_learned_speeds_judge_the_fleet_mixed():
     assert blind.holds(st(1, 2), [])  # learn: false (auto's speed: false) learns nothing
     declared = st(1, 2)
     declared.view.endpoints[0].accelerator, declared.view.endpoints[1].accelerator = "a100-80gb", "l4"
-    assert not UniformFleet().holds(declared, [])  # declared apart: the datasheet prior decides from the start
+    apart = UniformFleet()
+    assert not apart.holds(declared, []) and apart.state() == {"mixed": 1.0}  # the datasheet prior decides at once
     declared.view.endpoints[0].accelerator = "l4"
     assert UniformFleet().holds(declared, [])  # declared alike
 

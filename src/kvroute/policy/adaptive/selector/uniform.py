@@ -79,5 +79,6 @@ class UniformFleet(Condition, SpeedPlugin):
             SpeedPlugin.on_finished(self, req_id, endpoint_id, e2e_s, output_tokens)
 
     def state(self) -> dict[str, float]:
-        """``mixed``: 1 once the fleet was judged mixed (the rule it guards then stands aside)."""
-        return {"mixed": float(self.fit.judged_mixed)}
+        """``mixed``: 1 once the learned speeds judged the fleet mixed or while its declared accelerators differ
+        (the rule it guards then stands aside)."""
+        return {"mixed": float(self.learn and (self.fit.judged_mixed or self._declared[1]))}
