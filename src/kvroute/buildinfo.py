@@ -64,6 +64,7 @@ COMPILED: tuple[str, ...] = (
     "kvroute.gateway.outlier",
     "kvroute.gateway.retry",
     "kvroute.gateway.hotconfig",
+    "kvroute.gateway.replica",
     "kvroute.prefix.keys",
     "kvroute.prefix.blocks",
 )

@@ -45,16 +45,16 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 from kvroute.gateway.http import error_object
 from kvroute.gateway.tokens import token_events
 
 Reason = Literal["migrate", "recover"]
-RAW_LIMIT = 64 * 1024  # bytes of first-leg events kept unparsed; beyond, they are parsed and dropped
-GENERATED = ("content", "reasoning_content", "reasoning", "tool_calls", "function_call")  # a chat delta's output
-_STRUCTURED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "json_schema", "regex", "ebnf")
-_STRUCTURED_SET = frozenset(_STRUCTURED)
+RAW_LIMIT: Final = 64 * 1024  # bytes of first-leg events kept unparsed; beyond, they are parsed and dropped
+GENERATED: Final = ("content", "reasoning_content", "reasoning", "tool_calls", "function_call")  # a chat delta's output
+_STRUCTURED: Final = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "json_schema", "regex", "ebnf")
+_STRUCTURED_SET: Final = frozenset(_STRUCTURED)
 
 
 @dataclass

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, Final
 
-TICK = 0.05  # seconds; module level, so a compiled build reads it like the pure one
+TICK: Final = 0.05  # seconds; module level, so a compiled build reads it like the pure one
 
 
 class Deadlines:

@@ -10,7 +10,7 @@ import math
 import socket
 import time
 from collections import deque
-from typing import cast
+from typing import Final, cast
 
 import httptools
 
@@ -20,13 +20,18 @@ from kvroute.gateway.limits import ClientCounts, Rejections
 
 # connection phases, for deadlines: _NEW has sent nothing yet (held to the head deadline, counted
 # from the accept); _IDLE waits between kept-alive requests
-_IDLE, _HEAD, _BODY, _BUSY, _NEW = 0, 1, 2, 3, 4
-LINGER_S = 1.0  # a refused connection is read and discarded this long, so the refusal is not lost to a reset
-MAX_LINGERING = 256  # refused connections lingering at once; beyond, they are closed at once
+# (Final: a compiled build inlines these; a plain module global costs a dict lookup per use)
+_IDLE: Final = 0
+_HEAD: Final = 1
+_BODY: Final = 2
+_BUSY: Final = 3
+_NEW: Final = 4
+LINGER_S: Final = 1.0  # a refused connection is read and discarded this long, so the refusal is not lost to a reset
+MAX_LINGERING: Final = 256  # refused connections lingering at once; beyond, they are closed at once
 # a read this large means the client has more queued: let the other connections (and new ones) have
 # a turn before reading on; otherwise the loop reads up to 32 such buffers per connection per turn
-_BIG_READ = 64 * 1024
-_DETACHED = httptools.HttpRequestParser(object())  # a closed connection's parser: holds no callbacks
+_BIG_READ: Final = 64 * 1024
+_DETACHED: Final = httptools.HttpRequestParser(object())  # a closed connection's parser: holds no callbacks
 
 
 class ServerState:

@@ -9,7 +9,7 @@ import json
 import logging
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Final, Protocol
 
 from kvroute.errors import ClientError
 
@@ -23,8 +23,8 @@ REASONS = {100: "Continue", 200: "OK", 204: "No Content", 400: "Bad Request", 40
 
 
 # response heads are assembled from bytes: the status lines and the usual content types made once
-_STATUS_LINES = {status: f"HTTP/1.1 {status} {reason}\r\n".encode() for status, reason in REASONS.items()}
-_CONTENT_TYPES = {t: f"Content-Type: {t}\r\n".encode() for t in ("application/json", "text/event-stream")}
+_STATUS_LINES: Final = {status: f"HTTP/1.1 {status} {reason}\r\n".encode() for status, reason in REASONS.items()}
+_CONTENT_TYPES: Final = {t: f"Content-Type: {t}\r\n".encode() for t in ("application/json", "text/event-stream")}
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 from kvroute.errors import ClientError
 from kvroute.gateway.config import GatewayConfig
@@ -21,15 +21,19 @@ from kvroute.gateway.tokens import TokenRatio
 from kvroute.model import Request
 from kvroute.prefix import BlockHasher, PromptError, chat_key, completion_key
 
-_fast_loads: Any = None
-_fast_error: type[Exception] = ValueError
-try:  # msgspec (the `events` extra) decodes a typical chat body ~3.5x faster than json (4.7 -> 1.3 us)
-    from msgspec import DecodeError
-    from msgspec.json import Decoder
 
-    _fast_loads, _fast_error = Decoder().decode, DecodeError
-except ImportError:  # pragma: no cover - the base install
-    pass
+def _fast_decoder() -> tuple[Any, type[Exception]]:
+    """msgspec's JSON decoder and its error when the `events` extra is installed (it decodes a
+    typical chat body ~3.5x faster than json: 4.7 -> 1.3 us); None and ValueError otherwise."""
+    try:
+        from msgspec import DecodeError
+        from msgspec.json import Decoder
+    except ImportError:  # pragma: no cover - the base install
+        return None, ValueError
+    return Decoder().decode, DecodeError
+
+
+_FAST: Final = _fast_decoder()  # Final: a C static in a compiled build (a module global is a dict lookup)
 
 
 @dataclass(frozen=True)
@@ -42,7 +46,7 @@ class Kind:
     stream_end: bytes | None = b"[DONE]"
 
 
-PROXIED = {
+PROXIED: Final = {
     "/v1/chat/completions": Kind("chat", ("messages",)),
     "/v1/completions": Kind("completions", ("prompt",)),
     "/v1/embeddings": Kind("embeddings", ("input",)),
@@ -50,8 +54,8 @@ PROXIED = {
     "/tokenize": Kind("tokenize", ("prompt", "messages", "content")),  # vLLM, SGLang / llama.cpp names
     "/detokenize": Kind("detokenize", ("tokens",)),
 }
-MAX_INT32 = 2**31 - 1
-MAX_N = 128  # OpenAI's limit on choices per request
+MAX_INT32: Final = 2**31 - 1
+MAX_N: Final = 128  # OpenAI's limit on choices per request
 
 
 def prompt_key(field: str, value: Any) -> str | list[int]:
@@ -68,10 +72,11 @@ def _loads(raw: bytes) -> Any:
     """The body as Python values: msgspec's decoder when installed, and ``json`` for whatever it
     refuses (NaN, lone surrogates, nesting past its limit, malformed input), so that what is
     accepted and every error message are the standard library's."""
-    if _fast_loads is not None:
+    fast, error = _FAST
+    if fast is not None:
         try:
-            return _fast_loads(raw)
-        except _fast_error:
+            return fast(raw)
+        except error:
             pass
     return json.loads(raw)
 

@@ -213,7 +213,9 @@ class Peering:
         """Fill in what peers need to know about a request: its hops (only authenticated forwards
         reach here with the header), the regions it may not go back to, and its residency zone
         (raises ``ResidencyConflict`` when the header and the key's pin disagree)."""
-        req.residency = request_zone(req.residency, getattr(key, "zone", None))
+        # not getattr(key, "zone", None): with no key that raises and catches an AttributeError, ~3,600
+        # instructions per request (callgrind, issue 25 fifth round)
+        req.residency = request_zone(req.residency, key.zone if key is not None else None)
         path = forwarded_path(headers, self.token) if FORWARDED_HEADER in headers else []
         if path:
             req.hops, req.from_peer = len(path), True

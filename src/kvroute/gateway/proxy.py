@@ -25,7 +25,7 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
+from typing import Any, Final
 
 from kvroute.errors import ClientError
 from kvroute.gateway.auth import KeyState
@@ -52,15 +52,21 @@ from kvroute.gateway.upstream import (
 from kvroute.model import DecisionKind, Request
 
 log = logging.getLogger("kvroute.gateway")
+# Final: a compiled build reads these from C statics, where a module global or a module's attribute is
+# a dict lookup per use (issue 25, fifth round: ~80 of them per request; docs/hot-path.md)
+_OK: Final = Outcome.OK
+_FAILED: Final = Outcome.FAILED
+_NEUTRAL: Final = Outcome.NEUTRAL
+monotonic: Final = time.monotonic
 # never forwarded in either direction (RFC 9110 §7.6.1), plus what the gateway sets itself and its own
 # routing headers (an engine has no use for them; a forward to a peer carries them again: Peering.outbound)
-HOP_HEADERS = frozenset({"host", "content-length", "transfer-encoding", "connection", "keep-alive", "expect",
+HOP_HEADERS: Final = frozenset({"host", "content-length", "transfer-encoding", "connection", "keep-alive", "expect",
                          "accept-encoding", "upgrade", "te", "trailer", "proxy-authorization",
                          "proxy-authenticate", "proxy-connection", "server", "date",
                          RESIDENCY_HEADER, REGION_HEADER}) | PEER_HEADERS
-_HOP_BYTES = frozenset(h.encode() for h in HOP_HEADERS)  # upstream response headers come as bytes
-_HOP_ACCESS = _HOP_BYTES | {b"x-request-id"}
-STREAM_TAIL = 4096  # bytes of a stream kept to find its [DONE] and its final usage chunk
+_HOP_BYTES: Final = frozenset(h.encode() for h in HOP_HEADERS)  # upstream response headers come as bytes
+_HOP_ACCESS: Final = _HOP_BYTES | {b"x-request-id"}
+STREAM_TAIL: Final = 4096  # bytes of a stream kept to find its [DONE] and its final usage chunk
 
 
 def _forwarded(headers: dict[str, str]) -> list[tuple[str, str]]:
@@ -88,7 +94,7 @@ class Proxy(RequestParsing):
         """Answer one proxied request; counted and logged once, whatever happens."""
         rt = self.rt
         route = kind.label
-        t0 = time.monotonic()
+        t0 = monotonic()
         body: dict = {}
         req: Request | None = None
         served: dict[str, Any] = {"excluded": []}  # where it went, for the access line
@@ -103,7 +109,7 @@ class Proxy(RequestParsing):
                 resp.send_error(503, "gateway is draining", "server_error", headers=[("Retry-After", "1")])
                 return
             if key is not None:
-                wait = key.admit(req.prompt_tokens + req.max_output_tokens, time.monotonic())
+                wait = key.admit(req.prompt_tokens + req.max_output_tokens, monotonic())
                 if wait:
                     resp.send_error(429, f"rate limit of key {key.name!r} reached; retry in {wait} s",
                                     "rate_limit_error", code="rate_limit_exceeded",
@@ -138,7 +144,7 @@ class Proxy(RequestParsing):
                 self.estimates.pop(req.id, None)
             rt.metrics.count_request(route, resp.status or 499, rt.policy_name)  # 499: the client left
             if served.get("replica") is not None and resp.started:  # proxied, even if the client left
-                rt.metrics.e2e.observe(time.monotonic() - t0)
+                rt.metrics.e2e.observe(monotonic() - t0)
             if rt.hot.access_log and req is not None and access.isEnabledFor(logging.INFO):
                 access_line(resp, route, body, req, served, t0, request.headers.get("x-request-id"),
                             rt.hot.log_prompts)
@@ -158,7 +164,7 @@ class Proxy(RequestParsing):
         hot = rt.hot
         excluded = served["excluded"]  # replicas that failed this request
         unfit = req.exclude  # replicas that do not serve its model
-        deadline = time.monotonic() + (hot.first_byte_total_s if stream else hot.non_stream_total_s)  # all attempts
+        deadline = monotonic() + (hot.first_byte_total_s if stream else hot.non_stream_total_s)  # all attempts
         failure: Failure | None = None
         for attempt in range(1, hot.max_attempts + 1):
             try:
@@ -198,7 +204,7 @@ class Proxy(RequestParsing):
             failure = result
             excluded.append(result.replica or target)
             req.exclude = (*unfit, *excluded)
-            left = deadline - time.monotonic()
+            left = deadline - monotonic()
             if attempt == hot.max_attempts or left <= 0:
                 break
             rt.metrics.retries.labels(failure.reason).inc()
@@ -223,13 +229,16 @@ class Proxy(RequestParsing):
         replica headers, formatted for the client's response head."""
         hot = self.rt.hot
         skip = _HOP_ACCESS if hot.access_log else _HOP_BYTES  # x-request-id: set by us
-        out = [b"%b: %b\r\n" % kv for kv in upstream.headers if kv[0].lower() not in skip]
+        out: list[bytes] = []
+        for name, value in upstream.headers:  # joined once below: no bytes %-formatting per field
+            if name.lower() not in skip:
+                out += (name, b": ", value, b"\r\n")
         if hot.replica_header and target in self.rt.upstreams:  # a peer's answer names its own
-            out.append(b"x-kvroute-replica: %b\r\n" % target.encode("latin-1"))
+            out += (b"x-kvroute-replica: ", target.encode("latin-1"), b"\r\n")
             ticket = self.rt.router.tickets.get(req.id)
             if ticket is not None:  # the prompt tokens the index predicted cached there (engines report theirs)
                 hit = min(req.prompt_tokens, ticket.matched_blocks * req.block_tokens)
-                out.append(b"x-kvroute-prefix-hit: %d\r\n" % hit)
+                out += (b"x-kvroute-prefix-hit: ", str(hit).encode(), b"\r\n")
         return b"".join(out)
 
     async def _forward(self, request: HTTPRequest, resp: Responder | LegResponder, kind: Kind,
@@ -244,11 +253,11 @@ class Proxy(RequestParsing):
             return Failure(RetryReason.REPLICA_REMOVED, f"replica {target} was removed", 503, "replica_removed")
         hot = rt.hot
         upstream = None
-        outcome = Outcome.NEUTRAL
+        outcome = _NEUTRAL
         served = False  # the engine took the request (so it holds the prompt's prefix now)
         output_tokens = 0  # what this attempt generated (the policy's on_finished hears it)
         # a stream's progress is watched: an engine whose streams all go silent is ejected (gateway/outlier.py)
-        watch = rt.stalls.detector.begin(target, req.prompt_tokens, time.monotonic()) \
+        watch = rt.stalls.detector.begin(target, req.prompt_tokens, monotonic()) \
             if stream and hot.stall_watch and target in rt.upstreams else None
         replica = rt.upstreams.get(target)  # None for a peer gateway
         abort: Callable[[UpstreamError], None] | None = None
@@ -262,7 +271,7 @@ class Proxy(RequestParsing):
                 replica.exchanges.add(fn)
         try:
             try:
-                now = time.monotonic()
+                now = monotonic()
                 attempt_deadline = min(deadline, now + (hot.first_byte_s if stream else hot.non_stream_s))
                 sent = request.body
                 if splice is not None:  # vLLM's running usage counts a continuable stream's tokens exactly
@@ -273,11 +282,11 @@ class Proxy(RequestParsing):
                                               first_byte_s=max(attempt_deadline - now, 0.001),
                                               idle_s=hot.idle_s, on_send=on_send)
                 status = upstream.status
-                budget = max(attempt_deadline - time.monotonic(), 0.001)  # the first body byte counts too
+                budget = max(attempt_deadline - monotonic(), 0.001)  # the first body byte counts too
                 if status in RETRY_STATUSES:
                     await upstream.read(budget)  # read to the end so the connection can be reused
                     if status >= 500:
-                        outcome = Outcome.FAILED
+                        outcome = _FAILED
                     return Failure(RetryReason.STATUS, f"upstream {target} answered {status}",
                                    429 if status == 429 else 502, "upstream_overloaded" if status == 429
                                    else "upstream_error")
@@ -291,17 +300,17 @@ class Proxy(RequestParsing):
                     payload = await upstream.read(budget)
                 served = status < 400  # a body, or a stream's first bytes, came back
             except UpstreamError as exc:  # nothing has reached the client yet: retryable
-                outcome = Outcome.FAILED
+                outcome = _FAILED
                 log.warning("upstream %s failed before responding: %s", target, exc)
                 return failure_of(exc, target)
             if first is not None:
                 outcome, brk, output_tokens = await self._stream(resp, upstream, first, req, target, t0,
                                                                  kind.stream_end, splice, watch)
                 return brk
-            ttft = time.monotonic() - t0
+            ttft = monotonic() - t0
             rt.first_token(req.id, ttft)
             rt.metrics.ttft.observe(ttft)
-            outcome = Outcome.OK if upstream.status < 500 else Outcome.NEUTRAL
+            outcome = _OK if upstream.status < 500 else _NEUTRAL
             if upstream.status == 200:
                 self._count_tokens(target, req.id, payload)
                 output_tokens = reported_completion_tokens(payload) or 0
@@ -312,7 +321,7 @@ class Proxy(RequestParsing):
                 watch.watch.end(watch)
             if replica is not None and abort is not None:
                 replica.exchanges.discard(abort)
-            rt.release(req.id, served, time.monotonic() - t0 if outcome is Outcome.OK else None, output_tokens)
+            rt.release(req.id, served, monotonic() - t0 if outcome is _OK else None, output_tokens)
             rt.attempt_done(target, outcome)
             if upstream is not None:
                 upstream.release()  # kept alive when fully read; closed (cancelling upstream) otherwise
@@ -327,7 +336,7 @@ class Proxy(RequestParsing):
         ``usage.completion_tokens`` when it reports it, else the token events forwarded. A chunk
         that brings tokens is progress for the stall ``watch``."""
         rt = self.rt
-        ttft = time.monotonic() - t0
+        ttft = monotonic() - t0
         rt.first_token(req.id, ttft)
         if not resp.started:  # a continuation leg writes on into the client's stream
             rt.metrics.ttft.observe(ttft)
@@ -358,7 +367,7 @@ class Proxy(RequestParsing):
                 full = resp.push(splice.feed(chunk))
                 new += splice.count
             if new and watch is not None:
-                watch.progressed(time.monotonic())
+                watch.progressed(monotonic())
             tail = (tail + chunk)[-STREAM_TAIL:]
             return not full and (splice is None or (splice.error is None and not splice.outgrown))
 
@@ -370,7 +379,7 @@ class Proxy(RequestParsing):
                         if splice.error is not None:
                             raise UpstreamError(f"error event: {splice.error}")
                         if splice.outgrown:
-                            return Outcome.NEUTRAL, Break("migrate", f"the sequence reached {splice.limit} tokens, "
+                            return _NEUTRAL, Break("migrate", f"the sequence reached {splice.limit} tokens, "
                                                      f"the context limit of {target}"), generated()
                     await resp.drain()
                 chunk = await upstream.next_chunk(relay=step)
@@ -378,10 +387,10 @@ class Proxy(RequestParsing):
                 await resp.write(splice.feed(b"\n\n"))
             if end_marker is not None and end_marker not in tail[-32:]:
                 raise UpstreamError(f"upstream ended the stream without {end_marker.decode()}")
-            outcome = Outcome.OK
+            outcome = _OK
             self._count_tokens(target, req.id, tail)
         except UpstreamError as exc:
-            outcome = Outcome.FAILED
+            outcome = _FAILED
             log.warning("upstream %s failed mid-stream: %s", target, exc)
             if splice is not None and splice.continuable and not splice.done:
                 return outcome, Break("recover", f"upstream {target} failed mid-stream: {exc}"), generated()
@@ -420,13 +429,13 @@ class Proxy(RequestParsing):
             leg.body = json.dumps(body).encode()
             field = "messages" if splice.chat else "prompt"
             hashes, _ = self.hasher(prompt_key(field, body[field]))
-            leg_req = replace(req, id=f"{req.id}.{splice.legs}", arrival_s=time.monotonic(), block_hashes=hashes,
+            leg_req = replace(req, id=f"{req.id}.{splice.legs}", arrival_s=monotonic(), block_hashes=hashes,
                               prompt_tokens=splice.length(),
                               max_output_tokens=max(1, req.max_output_tokens - splice.tokens),
                               exclude=tuple(dict.fromkeys((*req.exclude, *served["excluded"]))))
             served["legs"] = splice.legs
             # the leg's own clock: policies that learn from TTFT and E2E see this leg's, not the request's
-            brk = await self._route_and_forward(leg, leg_resp, kind, True, leg_req, headers, served, time.monotonic(),
+            brk = await self._route_and_forward(leg, leg_resp, kind, True, leg_req, headers, served, monotonic(),
                                                 splice)
             if leg_resp.refusal is not None:
                 rt.metrics.continuations.labels(reason, "failed").inc()

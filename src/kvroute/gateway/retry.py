@@ -12,10 +12,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Final
 
 from kvroute.gateway.upstream import UpstreamConnectError, UpstreamError, UpstreamTimeout
 
-RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
+RETRY_STATUSES: Final = frozenset({408, 429, 500, 502, 503, 504})
 
 
 def backoff_s(attempt: int, base_s: float, max_s: float, draw: float) -> float:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 import aiohttp
 
@@ -27,12 +27,19 @@ from kvroute.gateway.tokens import TokenRatio
 from kvroute.gateway.upstream import UpstreamPool
 from kvroute.model import Decision, DecisionKind, Endpoint, Request
 from kvroute.policy import DispatchPacer
+from kvroute.policy.router import Router
 from kvroute.replicas import ReplicaConfig
 
 if TYPE_CHECKING:
     from kvroute.fleet.sync import FleetSync
 
 log = logging.getLogger("kvroute.gateway")
+# Final: a compiled build reads these from C statics, where a module global or a module's attribute is
+# a dict lookup per use (issue 25, fifth round: ~80 of them per request; docs/hot-path.md)
+_OK: Final = Outcome.OK
+_FAILED: Final = Outcome.FAILED
+_NEUTRAL: Final = Outcome.NEUTRAL
+monotonic: Final = time.monotonic
 
 
 class Runtime:
@@ -43,7 +50,8 @@ class Runtime:
         self.config = config
         self.hot = HotConfig(config)  # what each request reads, as plain attributes (gateway/hotconfig.py)
         self.policy_name = config.policy_label
-        self.router = config.build_router(index_block_tokens=config.block_tokens,
+        # typed, so a compiled build calls it and reads its decisions natively (PDRouter is a Router)
+        self.router: Router = config.build_router(index_block_tokens=config.block_tokens,
                                           max_prefix_blocks=config.max_prefix_blocks)
         self.upstreams: dict[str, Upstream] = {}
         self.events: Any = None  # the KV-event consumer (kvroute.kvevents), made for the first replica with events
@@ -58,7 +66,7 @@ class Runtime:
         self.tokens = TokenRatio()  # engine tokens per estimated token (gateway/tokens.py)
         self.prompt_tokens_routed = 0
         self.hit_tokens_routed = 0
-        self.keys = config.auth.key_ring(time.monotonic())
+        self.keys = config.auth.key_ring(monotonic())
         self.ready = True  # /readyz; false from the moment a drain begins
         self.draining = False
         self.metrics = GatewayMetrics(self)
@@ -241,7 +249,7 @@ class Runtime:
             detector.factor, detector.min_s, detector.max_s = new.stall.factor, new.stall.min_s, new.stall.max_s
             changes.append("stall detection")
         if new.auth != self.config.auth:
-            self.keys = new.auth.key_ring(time.monotonic()).keeping_usage_of(self.keys)
+            self.keys = new.auth.key_ring(monotonic()).keeping_usage_of(self.keys)
             changes.append("api keys")
         if self.peering.reconfigure(new):
             changes.append("peers")
@@ -296,9 +304,9 @@ class Runtime:
         """A queued request gave up after it was dispatched: as a request never sent, the index
         forgets its prompt, and a half-open breaker's trial slot (taken by the dispatch) is handed back."""
         self.release(req.id, served=False)
-        self.attempt_done(d.target or "", Outcome.NEUTRAL)
+        self.attempt_done(d.target or "", _NEUTRAL)
         if d.prefill is not None:
-            self.attempt_done(d.prefill, Outcome.NEUTRAL)
+            self.attempt_done(d.prefill, _NEUTRAL)
 
     def _route(self, req: Request) -> Decision:
         """Decide and commit; a dispatch to a half-open replica takes its single trial slot.
@@ -315,7 +323,7 @@ class Runtime:
                 if up is not None:
                     if up.probe_every_s > self.hot.probe_interval_s:  # idle until now: back to the fast rate
                         up.probe_every_s = self.hot.probe_interval_s
-                        up.next_probe_at = min(up.next_probe_at, time.monotonic() + up.probe_every_s)
+                        up.next_probe_at = min(up.next_probe_at, monotonic() + up.probe_every_s)
                     up.breaker.dispatched()
                     up.endpoint.circuit_open = not up.breaker.allows
                     if self.events is not None:  # until its BlockStored arrives, the prompt counts as cached there
@@ -391,11 +399,11 @@ class Runtime:
             return
         up.requests += 1
         breaker = up.breaker
-        if outcome is Outcome.OK:
+        if outcome is _OK:
             breaker.success()
-        elif outcome is Outcome.FAILED:
+        elif outcome is _FAILED:
             up.errors += 1
-            breaker.failure(time.monotonic())
+            breaker.failure(monotonic())
         else:
             breaker.neutral()
         up.endpoint.circuit_open = not breaker.allows

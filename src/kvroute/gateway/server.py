@@ -11,7 +11,7 @@ import gc
 import json
 import logging
 from collections.abc import Coroutine
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 from kvroute.gateway.admin import handle_admin
 from kvroute.gateway.auth import KeyState, bearer
@@ -27,7 +27,8 @@ from kvroute.shutdown import until_stopped
 
 log = logging.getLogger("kvroute.gateway")
 RESTART_ONLY = ("host", "port", "pd")  # the listening socket and the P/D router; everything else reloads
-ROUTES = {"/v1/chat/completions": "POST", "/v1/completions": "POST", "/v1/embeddings": "POST",
+_STATUS_PATH: Final = STATUS_PATH  # Final: a C static in a compiled build, not a dict lookup per request
+ROUTES: Final = {"/v1/chat/completions": "POST", "/v1/completions": "POST", "/v1/embeddings": "POST",
           "/v1/responses": "POST", "/tokenize": "POST", "/detokenize": "POST", "/v1/models": "GET",
           "/health": "GET", "/livez": "GET", "/readyz": "GET", "/metrics": "GET"}
 
@@ -54,7 +55,7 @@ class Gateway:
             request.method = "GET"  # resp.head_only drops the body; admin and peer paths read GET
         if request.path.startswith("/admin/"):
             handle_admin(self.runtime, request, resp)
-        elif request.path == STATUS_PATH:
+        elif request.path == _STATUS_PATH:
             self.runtime.peering.serve_status(request, resp)
         elif method is None:
             resp.send_error(404, f"unknown path {request.path}", code="not_found")
@@ -62,10 +63,10 @@ class Gateway:
             allowed = "GET, HEAD" if method == "GET" else method
             resp.send_error(405, f"method {request.method} not allowed on {request.path}; allowed: {allowed}",
                             headers=[("Allow", allowed)])
-        elif request.path in PROXIED:
+        elif (kind := PROXIED.get(request.path)) is not None:
             key = self._authenticate(request, resp)
             if key is not False:
-                return self.proxy.handle(request, resp, PROXIED[request.path], key)
+                return self.proxy.handle(request, resp, kind, key)
         elif request.path in ("/health", "/readyz"):
             self._health(resp)
         elif request.path == "/livez":  # the process answers: nothing more is promised

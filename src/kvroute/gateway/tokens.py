@@ -22,20 +22,22 @@ another model does not pull the others' when it is forgotten (removed, restarted
 from __future__ import annotations
 
 import re
+from typing import Final
 
-ALPHA = 0.2  # EWMA weight of a new observation: ~90 % converged after 10 responses
-LOW, HIGH = 0.25, 4.0  # engine tokens per estimated token: 1 to 16 bytes per token
-MIN_TOKENS = 8  # smaller prompts say more about the chat template than about the tokenizer
-RESIZE_STEP = 0.05  # index capacity is recomputed when the ratio moves this much (relative)
+ALPHA: Final = 0.2  # EWMA weight of a new observation: ~90 % converged after 10 responses
+LOW: Final = 0.25  # engine tokens per estimated token: 1 to 16 bytes per token
+HIGH: Final = 4.0
+MIN_TOKENS: Final = 8  # smaller prompts say more about the chat template than about the tokenizer
+RESIZE_STEP: Final = 0.05  # index capacity is recomputed when the ratio moves this much (relative)
 
-_PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
-_COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
-_GENERATED = re.compile(rb'"(?:content|text|reasoning_content|reasoning)"\s*:\s*"')  # a generated piece
-_EMPTY = re.compile(rb'"(?:content|text)"\s*:\s*""')
-_ENDING = re.compile(rb'"finish_reason"\s*:\s*"')
+_PROMPT_TOKENS: Final = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
+_COMPLETION_TOKENS: Final = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+_GENERATED: Final = re.compile(rb'"(?:content|text|reasoning_content|reasoning)"\s*:\s*"')  # a generated piece
+_EMPTY: Final = re.compile(rb'"(?:content|text)"\s*:\s*""')
+_ENDING: Final = re.compile(rb'"finish_reason"\s*:\s*"')
 
 
-_SPACE = b" \t\n\r\f\v"  # what a bytes pattern's \s matches
+_SPACE: Final = b" \t\n\r\f\v"  # what a bytes pattern's \s matches
 
 
 def _last_count(payload: bytes, field: bytes, pattern: re.Pattern[bytes]) -> int | None:

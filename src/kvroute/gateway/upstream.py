@@ -35,7 +35,7 @@ import socket
 import ssl
 from collections import deque
 from collections.abc import Callable
-from typing import cast
+from typing import Final, cast
 from urllib.parse import urlsplit
 
 import httptools
@@ -64,11 +64,15 @@ class _StaleConnection(UpstreamProtocolError):
     """A reused keep-alive connection was closed by the upstream before any response byte."""
 
 
-_IDLE_MESSAGE = "upstream sent nothing for {:g} s"
-MAX_HEAD_BYTES = 64 * 1024  # an upstream response's head, or its trailer section (nginx: 4-32 KiB)
-_EOF = object()
-# connection states
-_IDLE, _WAIT_HEAD, _BODY, _DONE, _BROKEN = range(5)
+_IDLE_MESSAGE: Final = "upstream sent nothing for {:g} s"
+MAX_HEAD_BYTES: Final = 64 * 1024  # an upstream response's head, or its trailer section (nginx: 4-32 KiB)
+_EOF: Final = object()
+# connection states (Final: a compiled build inlines them)
+_IDLE: Final = 0
+_WAIT_HEAD: Final = 1
+_BODY: Final = 2
+_DONE: Final = 3
+_BROKEN: Final = 4
 
 
 Headers = list[tuple[str, str]]

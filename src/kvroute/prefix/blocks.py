@@ -13,14 +13,14 @@ from __future__ import annotations
 
 from array import array
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import xxhash
 
 from kvroute.prefix.keys import CHARS_PER_TOKEN, estimate_tokens
 
-DEFAULT_BLOCK_TOKENS = 64
-_xxh3 = xxhash.xxh3_64_intdigest
+DEFAULT_BLOCK_TOKENS: Final = 64
+_xxh3: Final = xxhash.xxh3_64_intdigest
 
 
 def _chain(data: bytes, block_bytes: int) -> tuple[int, ...]:

@@ -7,11 +7,11 @@ n's key: each message renders on its own and messages are concatenated, with no 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Final
 
 from kvroute.errors import ClientError
 
-CHARS_PER_TOKEN = 4  # GORGO's estimate: tokens ≈ (chars + 3) / 4
+CHARS_PER_TOKEN: Final = 4  # GORGO's estimate: tokens ≈ (chars + 3) / 4
 
 
 class PromptError(ClientError):
@@ -89,7 +89,7 @@ def completion_key(prompt: Any) -> str | list[int]:
     raise PromptError("prompt must be a non-empty string, list of strings or list of token ids")
 
 
-MAX_TOKEN_ID = 2**32 - 1  # ids are hashed as unsigned 32-bit integers
+MAX_TOKEN_ID: Final = 2**32 - 1  # ids are hashed as unsigned 32-bit integers
 
 
 def _token_ids(ids: list[int], where: str) -> list[int]:

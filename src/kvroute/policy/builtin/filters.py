@@ -175,12 +175,19 @@ class LocalFirst(Filter):
         """The nearest region's free endpoints, or all of ``eps`` when they sit in one region or none is free."""
         if not self.on or len(eps) < 2:
             return eps
-        near = min(e.rtt_s for e in eps) + self.ms / 1000.0
-        batch = [max(e.running + e.waiting + e.dispatched_since_probe, e.inflight) for e in eps]
-        far = [b for e, b in zip(eps, batch) if e.rtt_s > near]
-        if not far:  # one region
+        rtts = [e.rtt_s for e in eps]
+        near = min(rtts) + self.ms / 1000.0
+        if max(rtts) <= near:  # one region: nothing is farther, no batch is computed (decision cost, docs/hot-path.md)
             return eps
-        limit = max(far)
-        free = [e for e, b in zip(eps, batch) if e.rtt_s <= near and b <= limit
-                and not e.waiting and not e.queued_prefill_tokens]
+        # the cheap tests first: only a nearby replica with nothing waiting can be free
+        free = [e for e, r in zip(eps, rtts) if r <= near and not e.waiting and not e.queued_prefill_tokens]
+        if not free:
+            return eps
+        far = [e for e, r in zip(eps, rtts) if r > near]
+        if not far:  # (a NaN RTT first in the list makes max() NaN)
+            return eps
+        # the largest batch (max(probed, in flight)) farther away: the max of either term's max
+        limit = max(max([e.running + e.waiting + e.dispatched_since_probe for e in far]),
+                    max([e.inflight for e in far]))
+        free = [e for e in free if e.running + e.waiting + e.dispatched_since_probe <= limit and e.inflight <= limit]
         return free or eps
