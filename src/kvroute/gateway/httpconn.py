@@ -18,18 +18,15 @@ from kvroute.gateway import httpmsg
 from kvroute.gateway.httpmsg import REASONS, BadRequest, Handler, HTTPLimits, Request, Responder, error_body, log
 from kvroute.gateway.limits import ClientCounts, Rejections
 
-# connection phases, for deadlines: _NEW has sent nothing yet (held to the head deadline, counted
-# from the accept); _IDLE waits between kept-alive requests
-# (Final: a compiled build inlines these; a plain module global costs a dict lookup per use)
-_IDLE: Final = 0
+# connection phases, for deadlines (Final: a compiled build inlines them; a module global is a dict lookup per use)
+_IDLE: Final = 0  # waits between kept-alive requests
 _HEAD: Final = 1
 _BODY: Final = 2
 _BUSY: Final = 3
-_NEW: Final = 4
+_NEW: Final = 4  # has sent nothing yet: held to the head deadline, counted from the accept
 LINGER_S: Final = 1.0  # a refused connection is read and discarded this long, so the refusal is not lost to a reset
 MAX_LINGERING: Final = 256  # refused connections lingering at once; beyond, they are closed at once
-# a read this large means the client has more queued: let the other connections (and new ones) have
-# a turn before reading on; otherwise the loop reads up to 32 such buffers per connection per turn
+# a read this large: the client has more queued; others get a turn first (else up to 32 such reads a turn)
 _BIG_READ: Final = 64 * 1024
 _DETACHED: Final = httptools.HttpRequestParser(object())  # a closed connection's parser: holds no callbacks
 
@@ -103,10 +100,9 @@ class _Connection(asyncio.Protocol):
                          f"the address holds its limit of {limits.max_connections_per_client} connections")
             return
         if len(server.connections) >= limits.max_connections:
-            # at the cap, a connection that holds no request (silent since its accept, or idle
-            # between requests) makes room, the longest-held first, as nginx reuses its idle
-            # keep-alive connections: a flood of silent connections from many addresses cannot
-            # lock new clients out; only when every connection is mid-request is the answer 503
+            # at the cap, a connection holding no request (silent since its accept, or idle between requests)
+            # makes room, the longest-held first, as nginx reuses its idle keep-alive connections: a flood of
+            # silent connections from many addresses cannot lock new clients out; all mid-request: 503
             victim = next(iter(server.idle), None)
             if victim is None:
                 server.clients.remove(client)
@@ -164,8 +160,7 @@ class _Connection(asyncio.Protocol):
         if self.lingering:
             self.lingering = False
             server.lingering -= 1
-        # the parser holds this connection's callbacks (a reference cycle): drop it, and any partial
-        # body, now rather than whenever the cyclic GC runs
+        # the parser holds this connection's callbacks (a cycle): drop it and any partial body now, not at a GC
         self.parser = _DETACHED
         self._body = []
         self._req = None
