@@ -124,7 +124,10 @@ def test_llama_server_reuses_a_prefix_only_from_an_idle_slot():
 
 def test_one_idle_slot_serves_two_concurrent_requests_then_its_prefix_is_gone():
     """llama-server: the slot's copy, then the old content it saved to the host cache (measured:
-    two of three concurrent requests for a prefix one idle slot held were served from cache)."""
+    two of three concurrent requests for a prefix one idle slot held were served from cache).
+    a's slot holds much more than the prefix, so b, taking it by its common prefix, keeps under
+    half of it and saves it to the host cache first (server-context.cpp get_available_slot,
+    f_keep < 0.5), whence c, taking an empty slot, loads it (sim/slot_cache.py)."""
     from kvroute.perf.loader import load_profile
     from kvroute.sim.engine import Engine, Seq
     from kvroute.sim.events import EventLoop
@@ -134,7 +137,7 @@ def test_one_idle_slot_serves_two_concurrent_requests_then_its_prefix_is_gone():
     first: dict[str, int] = {}
     engine = Engine("e", profile, loop, lambda s, t: first.setdefault(s.rid, s.cached), lambda s, t: None)
     prefix = tuple(range(1, 33))
-    engine.submit(Seq("a", 600, 2, (*prefix, 100), 16))
+    engine.submit(Seq("a", 1400, 2, (*prefix, *range(100, 150)), 16))
     loop.run()
     for i, rid in enumerate("bcd"):
         engine.submit(Seq(rid, 600, 2, (*prefix, 200 + i), 16))

@@ -42,7 +42,10 @@ def _chain(per_token: float, requests: list[tuple[str, int, int, tuple[int, ...]
 
 def test_off_by_default_and_with_shared_prefix_reuse():
     e, _, _ = _chain(0.0, [("a", 1000, 11, A)])
-    assert e.slot_cache is None
+    assert e.slot_cache is not None and e.slot_cache.copies == 0  # the slot choice, copies free
+    loop = EventLoop()
+    old_model = BASE.model_copy(update={"slot_choice": "any_copy"})
+    assert Engine("o", old_model, loop, lambda s, t: None, lambda s, t: None).slot_cache is None
     loop = EventLoop()
     vllm_like = BASE.model_copy(update={"slot_save_s_per_token": PER_TOKEN, "prefix_reuse": "shared"})
     assert Engine("v", vllm_like, loop, lambda s, t: None, lambda s, t: None).slot_cache is None
@@ -81,3 +84,40 @@ def test_common_prefix_and_the_probes_per_token_fit():
     assert per_token([(1000, 0.006), (3000, 0.012), (2000, 0.010)], 1.0) == pytest.approx(5e-6)
     assert per_token([(1000, 0.006)], 1.5) == pytest.approx(4e-6)
     assert per_token([(1000, -0.002)], 1.0) == 0.0 and per_token([], 1.0) == 0.0
+
+
+def _cached(update: dict, requests: list[tuple[str, int, int, tuple[int, ...]]]) -> dict[str, int]:
+    """Run ``requests`` one after another (each 1 s after the last finished) on one engine of
+    BASE + ``update``; the cached prompt tokens each got."""
+    loop = EventLoop()
+    cached: dict[str, int] = {}
+    todo = list(requests)
+
+    def finish(s, t):
+        cached[s.rid] = s.cached
+        if todo:
+            rid, prompt, output, hashes = todo.pop(0)
+            loop.at(t + 1.0, lambda _: e.submit(Seq(rid, prompt, output, hashes, 16)), None)
+
+    e = Engine("e", BASE.model_copy(update=update), loop, lambda s, t: None, finish)
+    rid, prompt, output, hashes = todo.pop(0)
+    e.submit(Seq(rid, prompt, output, hashes, 16))
+    loop.run()
+    return cached
+
+
+def test_a_request_reuses_only_what_the_slot_llama_server_gives_it_holds():
+    """q shares a's first 20 blocks and takes a's slot by its common prefix (a is saved to the
+    host cache: q keeps under half of it). a's next turn d then finds q's slot similar (320 of
+    1,100 tokens > 10 %) and keeping over half of it, so llama-server does not look in the host
+    cache (get_available_slot: f_keep >= 0.5) and d reuses 320 tokens; any copy would give 992."""
+    q = (*A[:20], *range(4000, 4006))
+    d = (*A, *range(3000, 3006))
+    requests = [("a", 1000, 11, A), ("q", 416, 1, q), ("d", 1100, 1, d)]
+    slots = _cached({}, requests)
+    anywhere = _cached({"slot_choice": "any_copy"}, requests)
+    assert slots["q"] == anywhere["q"] == 320
+    assert slots["d"] == 320 and anywhere["d"] == 992
+    # after an unrelated request took a's slot by LRU, a's next turn loads a back from the host cache
+    b, x = tuple(range(1000, 1006)), tuple(range(2000, 2006))
+    assert _cached({}, [("a", 1000, 11, A), ("b", 100, 1, b), ("x", 100, 1, x), ("d", 1100, 1, d)])["d"] == 992

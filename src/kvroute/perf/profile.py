@@ -104,6 +104,14 @@ class HardwareProfile(StrictModel):
     # the longest idle copy is llama-server's slot choice (--slot-prompt-similarity, 0.10 in
     # 0.3.36: the idle slot with the longest common prefix when it covers > 10 % of the prompt).
     prefix_reuse: Literal["shared", "idle_slots"] = "shared"
+    # With "idle_slots", which copy a new request may reuse. "llama_server": only what the one
+    # slot llama-server gives it holds after its host-cache load (sim/slot_cache.py: the idle slot
+    # sharing > 10 % of the prompt, else the least recently used one, then prompt_load's pick;
+    # server-context.cpp get_available_slot, server-task.cpp server_prompt_cache::load, the
+    # llama.cpp that llama-cpp-python 0.3.36 vendors). "any_copy": the longest prefix any idle
+    # slot or host copy holds (the model before issue 21h; it gave round_robin more cache hits
+    # than llama-server's logs show).
+    slot_choice: Literal["llama_server", "any_copy"] = "llama_server"
     # How the waiting queue is admitted. "vllm": whenever the uncached prompt fits, preempting
     # later when decoding runs out of memory (vLLM v1). "sglang": only if the prompt plus a
     # decaying share of every running request's future output fits (SGLang's new_token_ratio;

@@ -133,6 +133,11 @@ class Batch(KVCache):
             seq = waiting[0]
             hashes = seq.hashes
             m = self._match(hashes)
+            slots = self.slot_cache
+            if slots is not None and slots.limits:  # llama-server: only what its slot holds (sim/slot_cache.py)
+                r = slots.reusable(seq)
+                if r is not None and r < m:
+                    m = r
             matched = min(m * seq.bt, seq.prompt)
             need = seq.prompt - matched
             if admission is not None and not admission(self, seq, need):
@@ -140,6 +145,8 @@ class Batch(KVCache):
             if need > self.capacity - self.used and not self._make_room(need, hashes[:m]):
                 return  # head-of-line: wait for memory
             waiting.popleft()
+            if slots is not None:  # it takes its slot now; the copies' time goes to its first step
+                slots.pending[seq.rid] = slots.launch(seq)
             self._take(hashes, m)
             seq.refs = m
             cached = min(matched, seq.prompt - 1)  # the last prompt token is always computed

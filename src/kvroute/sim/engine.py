@@ -154,7 +154,8 @@ class Engine(Handover):
                 dt += p.c_admit_s * sum(1 for seq, _ in chunks if seq.prompt - seq.prefill_left <= max(seq.cached, 0))
             slots = self.slot_cache
             if slots is not None:  # llama-server copies slots to/from its host prompt cache at a launch
-                dt += sum(slots.launch(seq) for seq, _ in chunks if seq.prompt - seq.prefill_left <= max(seq.cached, 0))
+                dt += sum(slots.pending.pop(seq.rid, 0.0) for seq, _ in chunks
+                          if seq.prompt - seq.prefill_left <= max(seq.cached, 0))
             if noise is not None:
                 dt *= noise(1)
             if host is not None:  # cores shared with other engines (Host)

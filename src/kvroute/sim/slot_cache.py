@@ -22,7 +22,9 @@ So a slot that finished a request since the last launch is copied out at the nex
 new request takes it (the next turn of its conversation does, by its common prefix). Each copy
 costs ``slot_save_s_per_token × tokens`` (perf/profile.py; measured by `kvroute calibrate`),
 added to the step that starts the new sequence (sim/engine.py). The KV cache's prefix reuse is
-sim/kvcache.py's (``idle_slots``); this module only times the copies.
+sim/kvcache.py's (``idle_slots``); with ``slot_choice: llama_server`` (the default) a new
+sequence reuses at most what its slot holds after the load (``reusable``, called at admission,
+where the slot is taken), else this module only times the copies.
 """
 
 from __future__ import annotations
@@ -83,6 +85,8 @@ class SlotCache:
         self.busy: dict[str, _Slot] = {}  # request id → its slot
         self.cached: list[_Content] = []
         self.launches = 0
+        self.limits = p.slot_choice == "llama_server"  # reuse only what the taken slot holds
+        self.pending: dict[str, float] = {}  # request id → seconds of its launch's copies, not yet stepped
         self.copied_tokens = 0  # counters for tests and reports
         self.copies = 0
 
@@ -102,27 +106,48 @@ class SlotCache:
         self.cached.append(_Content(content.hashes, content.bt, content.tokens))
         return self._copy(content.tokens)
 
-    def launch(self, seq: Seq) -> float:
-        """``seq`` takes a slot: the seconds of the copies this costs the engine's loop."""
-        if seq.rid in self.busy or not self.idle:
-            return 0.0  # a preempted sequence back, or more running than slots: no slot to take
-        self.launches += 1
+    def _choose(self, seq: Seq) -> tuple[_Slot, bool, _Content | None]:
+        """The idle slot ``get_available_slot`` gives ``seq``, whether it updates the prompt
+        cache, and the cached prompt ``prompt_load`` would copy into the slot (None: the slot
+        keeps its content). Changes nothing."""
         best, best_sim = None, SIMILARITY
         for slot in self.idle:
             if slot.content is not None:
                 sim = slot.content.lcp(seq) / seq.prompt
                 if sim > best_sim:
                     best, best_sim = slot, sim
-        cost = 0.0
         if best is not None:
             assert best.content is not None
             update = best_sim * seq.prompt / best.content.tokens < KEEP_SAVE
         else:
             best = min(self.idle, key=lambda s: s.used)
             update = True
+        # prompt_save runs first, but what it adds or drops (the slot's own content, prompts it
+        # contains) never holds more of the prompt than the slot does, so the load's pick is the same
+        return best, update, (self._best_cached(best, seq) if update else None)
+
+    def reusable(self, seq: Seq) -> int | None:
+        """Leading prompt blocks of ``seq`` that the slot it would take now holds (after the
+        load from the host cache): all llama-server can reuse for it (server-context.cpp
+        launch_slot_with_task keeps only the slot's common prefix). None: no slot to take."""
+        if seq.rid in self.busy or not self.idle:
+            return None
+        slot, _, load = self._choose(seq)
+        content = load if load is not None else slot.content
+        return 0 if content is None else common_prefix(content.hashes, seq.hashes)
+
+    def launch(self, seq: Seq) -> float:
+        """``seq`` takes a slot: the seconds of the copies this costs the engine's loop."""
+        if seq.rid in self.busy or not self.idle:
+            return 0.0  # a preempted sequence back, or more running than slots: no slot to take
+        self.launches += 1
+        best, update, load = self._choose(seq)
+        cost = 0.0
         if update:
             cost += self._save(best)
-            cost += self._load(best, seq)
+            if load is not None:
+                self.cached.remove(load)
+                cost += self._copy(load.tokens)
         self.idle.remove(best)
         best.used = self.launches
         best.content, best.saved = None, False
@@ -131,7 +156,9 @@ class SlotCache:
             cost += self._save(slot)
         return cost
 
-    def _load(self, slot: _Slot, seq: Seq) -> float:
+    def _best_cached(self, slot: _Slot, seq: Seq) -> _Content | None:
+        """``server_prompt_cache::load``'s pick for ``seq`` in ``slot``: the cached prompt that
+        keeps a larger fraction of itself (at least 0.25) and of the prompt than the slot's own."""
         own = slot.content.lcp(seq) if slot.content is not None else 0
         keep = own / slot.content.tokens if slot.content is not None else -1.0
         sim = own / seq.prompt
@@ -141,13 +168,11 @@ class SlotCache:
             k, s = n / c.tokens, n / seq.prompt
             if k >= KEEP_LOAD and k > keep and s > sim:
                 best, keep, sim = c, k, s
-        if best is None:
-            return 0.0
-        self.cached.remove(best)
-        return self._copy(best.tokens)
+        return best
 
     def release(self, seq: Seq) -> None:
         """``seq`` finished: its slot goes idle holding its prompt and output, not yet cached."""
+        self.pending.pop(seq.rid, None)
         slot = self.busy.pop(seq.rid, None)
         if slot is None:
             return
@@ -157,7 +182,8 @@ class SlotCache:
 
 
 def for_profile(p: HardwareProfile) -> SlotCache | None:
-    """llama-server's slot copies for an engine of profile ``p``, if it measured a cost for them."""
-    if p.prefix_reuse == "idle_slots" and p.slot_save_s_per_token > 0:
+    """llama-server's slots for an engine of profile ``p``: when its slot choice limits reuse
+    (``slot_choice``) or it measured a cost for the copies."""
+    if p.prefix_reuse == "idle_slots" and (p.slot_choice == "llama_server" or p.slot_save_s_per_token > 0):
         return SlotCache(p)
     return None
