@@ -177,7 +177,7 @@ def _feed(plugin, laws: dict[str, tuple[float, float]], n: int = 40) -> None:
             plugin.on_finished(req.id, ep, b * work + d * 100, 101)
 
 
-def test_uniform_fleet_holds_until_the_learned_speeds_judge_the_fleet_mixed():
+def test_uniform_fleet_is_the_trust_region_until_the_fleet_is_mixed_or_regions_apart():
     from kvroute.policy.adaptive.selector import UniformFleet
 
     class _View:
@@ -187,22 +187,33 @@ def test_uniform_fleet_holds_until_the_learned_speeds_judge_the_fleet_mixed():
     def st(*rtts_ms):
         state = _St("x")
         state.view = _View(*rtts_ms)
+        state.new_prefill = lambda eps: [100] * len(eps)  # nothing cached, nothing queued: all near-best
         return state
 
-    one_kind, mixed, blind = UniformFleet(min_samples=2), UniformFleet(min_samples=2), UniformFleet(learn=False)
+    def kept(cond, state):
+        got = [e.id for e in cond.filter(state, state.view.endpoints)]
+        for effect in state.effects:  # Router.route commits the deferred state
+            effect()
+        return got
+
+    def fresh():
+        return UniformFleet(scorer={"lmetric_speed": {"min_samples": 2, "live_batch": True}})
+
+    one_kind, mixed = fresh(), fresh()
+    blind = UniformFleet(scorer={"lmetric_speed": {"learn": False, "live_batch": True}})
     _feed(one_kind, {"a": (1e-4, 0.02), "b": (1.1e-4, 0.021), "c": (1e-4, 0.02)})
-    assert one_kind.holds(st(1, 2, 9), []) and one_kind.state() == {"mixed": 0.0}
-    assert not one_kind.holds(st(1, 2, 90), [])  # a replica regions away: the LB's fleet is not one region
+    assert kept(one_kind, st(1, 2, 9)) == ["e0", "e1", "e2"] and one_kind.state() == {"mixed": 0.0}
+    assert kept(one_kind, st(1, 2, 90)) == []  # a replica regions away: the LB's fleet is not one region
     for cond in (mixed, blind):
         _feed(cond, {"fast": (1e-4, 0.01), "slow": (6e-4, 0.06), "slow2": (6e-4, 0.06)})
-    assert not mixed.holds(st(1, 2), []) and mixed.state() == {"mixed": 1.0}  # 6x apart at both: mixed, for good
-    assert blind.holds(st(1, 2), [])  # learn: false (auto's speed: false) learns nothing
+    assert kept(mixed, st(1, 2)) == [] and mixed.state() == {"mixed": 1.0}  # 6x apart at both: mixed, for good
+    assert kept(blind, st(1, 2)) == ["e0", "e1"]  # learn: false (auto's speed: false) learns nothing
     declared = st(1, 2)
     declared.view.endpoints[0].accelerator, declared.view.endpoints[1].accelerator = "a100-80gb", "l4"
-    apart = UniformFleet()
-    assert not apart.holds(declared, []) and apart.state() == {"mixed": 1.0}  # the datasheet prior decides at once
+    apart = fresh()
+    assert kept(apart, declared) == [] and apart.state() == {"mixed": 1.0}  # the datasheet prior decides at once
     declared.view.endpoints[0].accelerator = "l4"
-    assert UniformFleet().holds(declared, [])  # declared alike
+    assert kept(fresh(), declared) == ["e0", "e1"]  # declared alike
 
 
 def test_auto_routes_by_least_work_on_one_kind_and_stands_aside_on_a_mixed_fleet(router_for):
@@ -214,8 +225,8 @@ def test_auto_routes_by_least_work_on_one_kind_and_stands_aside_on_a_mixed_fleet
 
     r = router_for("auto", 3, params={"speed_spread": 2.5, "speed_samples": 3})
     lmetric = router_for("auto", 3, params={"least_work": False, "select": False})
-    (cond,) = [c for rule in r.policy.rules for c in rule.when if isinstance(c, UniformFleet)]
-    assert (cond.fit.spread, cond.fit.min_samples, cond.learn) == (2.5, 3, True)
+    (cond,) = [f for rule in r.policy.rules for f in rule.among if isinstance(f, UniformFleet)]
+    assert (cond.scorer.fit.spread, cond.scorer.fit.min_samples, cond.scorer.learn, cond.factor) == (2.5, 3, True, 2.0)
     for router in (r, lmetric):
         a, b, c = router.view.endpoints
         a.queued_prefill_tokens, a.inflight, a.running = 300, 3, 3

@@ -83,8 +83,8 @@ INCUMBENT = {"lmetric_speed": {"spread": "$speed_spread", "learn": "$speed", "li
 TRUST = {"near_best": {"scorer": INCUMBENT, "factor": "$trust"}}
 # one region, one hardware kind: the prefill tokens ahead of the first token, then this LB's requests in flight
 LEAST_WORK_COST = {"new_prefill": 1.0, "inflight": 1.0}
-UNIFORM = {"uniform_fleet": {"spread": "$speed_spread", "learn": "$speed", "min_samples": "$speed_samples",
-                             "ms": "$rtt_spread_ms"}}
+# ... among the trust region, while the LB's whole fleet is one region of one hardware kind
+UNIFORM = {"uniform_fleet": {"scorer": INCUMBENT, "factor": "$trust", "ms": "$rtt_spread_ms"}}
 
 
 def _select(scope: str) -> dict[str, dict[str, str]]:
@@ -100,8 +100,7 @@ def _select(scope: str) -> dict[str, dict[str, str]]:
            {"enabled": "$select", "when": [{"rtt_spread_above": "$rtt_spread_ms"}, _select("regions")],
             "branch": RTT_AWARE, "among": TRUST,
             "cost": {"rtt_ms": "$w_rtt", "uncached_tokens": "$t_p", "inflight_tokens": "$w_queue"}},
-           {"enabled": "$least_work", "branch": LEAST_WORK, "among": TRUST, "cost": LEAST_WORK_COST,
-            "when": UNIFORM},
+           {"enabled": "$least_work", "branch": LEAST_WORK, "among": UNIFORM, "cost": LEAST_WORK_COST},
            {"enabled": "$select", "when": [{"rtt_spread_at_most": "$rtt_spread_ms"}, _select("region")],
             "branch": ADDITIVE, "among": TRUST, "cost": {"uncached_tokens": "$t_p", "inflight_tokens": "$w_queue"}},
            {"cost": INCUMBENT, "branch": PREFIX_LOAD}])
