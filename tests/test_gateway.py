@@ -222,11 +222,13 @@ def test_serve_reloads_on_sighup_and_drains_on_sigterm(tmp_path):
         # a long stream in flight survives SIGTERM; the process then exits 0
         with httpx.stream("POST", f"{base}/v1/completions", timeout=20,
                           json={"prompt": "drain me", "max_tokens": 60, "stream": True}) as r:
+            # an error answer is one line: say which (CI once saw nothing after the first line)
+            assert r.status_code == 200, (r.status_code, r.read()[:500])
             lines = r.iter_lines()
-            next(lines)
+            first = next(lines)
             gw.send_signal(signal.SIGTERM)
             rest = list(lines)
-        assert "data: [DONE]" in rest
+        assert "data: [DONE]" in rest, (first, rest)
         assert gw.wait(15) == 0
     finally:
         for p in [gw, *emus]:
