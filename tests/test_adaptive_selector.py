@@ -10,6 +10,7 @@ from kvroute.policy.adaptive.selector import A, B, TTFTSelector
 from kvroute.policy.adaptive.selector.plugin import welch
 from kvroute.policy.builtin.filters import NearBest
 from kvroute.policy.plugins import DecisionState
+from tests.test_adaptive_replica_speed import _learn  # lifecycle events as the Router delivers them
 
 
 class _Req:
@@ -164,19 +165,6 @@ def test_a_trial_the_challenger_is_clearly_losing_stops_early():
     assert sel.state()["stopped_early"] == 0 and sel.state()["wins_guarded"] == 1
 
 
-def _feed(plugin, laws: dict[str, tuple[float, float]], n: int = 40) -> None:
-    """Lifecycle events as the Router delivers them; law = (s per queued work token, s per output token)."""
-    from kvroute.model import Request
-
-    for i in range(n):
-        for ep, (b, d) in laws.items():
-            req = Request(id=f"{ep}-{i}", prompt_tokens=1000)
-            work = 500 + 100 * (i % 20)
-            plugin.on_dispatched(req, Endpoint(ep, queued_prefill_tokens=work, rtt_s=0.0), new_prefill_tokens=1000)
-            plugin.on_first_token(req.id, ep, b * work)
-            plugin.on_finished(req.id, ep, b * work + d * 100, 101)
-
-
 def test_uniform_fleet_is_the_trust_region_until_the_fleet_is_mixed_or_regions_apart():
     from kvroute.policy.adaptive.selector import UniformFleet
 
@@ -201,11 +189,11 @@ def test_uniform_fleet_is_the_trust_region_until_the_fleet_is_mixed_or_regions_a
 
     one_kind, mixed = fresh(), fresh()
     blind = UniformFleet(scorer={"lmetric_speed": {"learn": False, "live_batch": True}})
-    _feed(one_kind, {"a": (1e-4, 0.02), "b": (1.1e-4, 0.021), "c": (1e-4, 0.02)})
+    _learn(one_kind, {"a": (1e-4, 0.02), "b": (1.1e-4, 0.021), "c": (1e-4, 0.02)})
     assert kept(one_kind, st(1, 2, 9)) == ["e0", "e1", "e2"] and one_kind.state() == {"mixed": 0.0}
     assert kept(one_kind, st(1, 2, 90)) == []  # a replica regions away: the LB's fleet is not one region
     for cond in (mixed, blind):
-        _feed(cond, {"fast": (1e-4, 0.01), "slow": (6e-4, 0.06), "slow2": (6e-4, 0.06)})
+        _learn(cond, {"fast": (1e-4, 0.01), "slow": (6e-4, 0.06), "slow2": (6e-4, 0.06)})
     assert kept(mixed, st(1, 2)) == [] and mixed.state() == {"mixed": 1.0}  # 6x apart at both: mixed, for good
     assert kept(blind, st(1, 2)) == ["e0", "e1"]  # learn: false (auto's speed: false) learns nothing
     declared = st(1, 2)
@@ -238,5 +226,5 @@ def test_auto_routes_by_least_work_on_one_kind_and_stands_aside_on_a_mixed_fleet
     # LMetric's score (work × (batch + 1)) ranks all three within 2x of b's; the least work (a, c), then the
     # fewest requests in flight (c) wins
     assert d.branch == LEAST_WORK and d.target == c.id
-    _feed(cond, {"fast": (1e-4, 0.01), "slow": (6e-4, 0.06), "slow2": (6e-4, 0.06)})
+    _learn(cond, {"fast": (1e-4, 0.01), "slow": (6e-4, 0.06), "slow2": (6e-4, 0.06)})
     assert r.route(make_request("q2", "hello " * 50)).branch == ADDITIVE  # mixed: the trials and learned speeds
