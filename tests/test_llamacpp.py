@@ -569,7 +569,10 @@ def test_calibrate_fits_real_llama_servers_loaded_together(engines, tmp_path):
     profile, report = fit_profile(m, "llama-tiny", "this machine", sweep=sweep)
     assert profile.max_running == 4 and profile.max_batched_tokens == 2048  # slots; n_batch
     assert profile.prefix_reuse == "idle_slots"
-    assert profile.slot_save_s_per_token > 0, m.slot_saves
+    # the copy's size is the machine's: 5-20 ms per 1,000 tokens on a busy machine here, ~1 ms on an
+    # idle one, where two points of timing noise can put the median at or below 0 (CI saw +1.0 and
+    # -1.3 ms) -- so the fit is checked for range, its sign in tests/test_slot_cache.py
+    assert 0 <= profile.slot_save_s_per_token < 1e-4, (profile.slot_save_s_per_token, m.slot_saves)
     # its slots reuse any common prefix (cached counts like 1,762): the cache unit is one token
     assert {f.cache_block for f in m.engines} == {1} and profile.block_size == 1
     assert profile.c_prefill_s + profile.c_prefill_attn_s > 0 and profile.c_decode_s + profile.c_attn_s > 0
