@@ -335,3 +335,48 @@ def test_auto_uses_the_live_batch_in_its_incumbent_and_trust_region():
         incumbent = [s for rule in policy.rules for s, _ in rule.scorers if isinstance(s, SpeedLMetric)]
         assert [s.live_batch for s in incumbent] == [want]
         assert [r.scorer.live_batch for r in _trust_regions(policy)] == [want, want]
+
+
+class _Both:
+    """Delivers every lifecycle event to each of ``copies`` in turn, as the Router does to its listeners."""
+
+    def __init__(self, *copies):
+        self.copies = copies
+
+    def __getattr__(self, name):
+        return lambda *args, **kw: [getattr(c, name)(*args, **kw) for c in self.copies]
+
+
+def test_copies_sharing_a_fit_learn_each_event_once():
+    """Copies built in one scope with one ``shared_fit`` name and equal settings hold one fit; told every
+    event by each copy, it learns what a lone copy told once learns (the fit consumes a request's record
+    at its first hearing). Other settings, no name, or no scope: a fit of its own."""
+    from kvroute.policy.shared import sharing
+
+    laws = {"fast": (1e-4, 0.01), "slow": (6e-4, 0.06), "slow2": (6e-4, 0.06)}
+    with sharing():
+        a, b = SpeedLMetric(min_samples=8, shared_fit="x"), SpeedLMetric(min_samples=8, shared_fit="x")
+        other = SpeedLMetric(min_samples=8, spread=3.0, shared_fit="x")
+        unnamed = SpeedLMetric(min_samples=8)
+    assert a.fit is b.fit and other.fit is not a.fit and unnamed.fit is not a.fit
+    assert SpeedLMetric(shared_fit="x").fit is not SpeedLMetric(shared_fit="x").fit  # outside a scope
+    lone = SpeedLMetric(min_samples=8)
+    _learn(_Both(a, b), laws)
+    _learn(lone, laws)
+    assert a.fit.state() == lone.fit.state() and a.fit.state()["mixed"] == 1.0
+    assert a.fit.version == lone.fit.version  # one refresh per event, not one per copy
+
+
+def test_auto_keeps_one_replica_speed_fit_per_policy():
+    """``auto``'s incumbent, its trust regions and the least-work rule's trust region learn into one fit
+    (one refresh per event); a second policy built from the same preset has its own."""
+    from kvroute.policy import build_policy
+
+    def fits(policy):
+        scorers = [s for rule in policy.rules for s, _ in rule.scorers if isinstance(s, SpeedLMetric)]
+        scorers += [getattr(f, "scorer", None) for rule in policy.rules for f in rule.among]
+        return {id(s.fit) for s in scorers if isinstance(s, SpeedLMetric)}, len(scorers)
+
+    one, other = build_policy("auto"), build_policy("auto")
+    (fit_one, copies), (fit_other, _) = fits(one), fits(other)
+    assert copies == 4 and len(fit_one) == 1 and len(fit_other) == 1 and fit_one != fit_other

@@ -17,6 +17,7 @@ from kvroute.policy.catalog import PLUGINS
 from kvroute.policy.compose import PRESET_KEYS, RULE_KEYS, Pipeline, Preset, Rule
 from kvroute.policy.params import PolicyParams
 from kvroute.policy.plugins import Condition, Filter, Picker, Plugin, Route, Scorer, check_inputs
+from kvroute.policy.shared import sharing
 
 Loc = tuple[str | int, ...]
 
@@ -138,7 +139,13 @@ def _typed(items: tuple[Plugin, ...], cls: type[Any]) -> tuple[Any, ...]:
 
 
 def compile_preset(preset: Preset, params: PolicyParams, seed: int = 0) -> Pipeline:
-    """The policy ``preset`` composes, with ``params`` bound into its plugins."""
+    """The policy ``preset`` composes, with ``params`` bound into its plugins; plugins of this policy that
+    ask for shared state by one name get one object (:mod:`kvroute.policy.shared`), other policies their own."""
+    with sharing():
+        return _compile_preset(preset, params, seed)
+
+
+def _compile_preset(preset: Preset, params: PolicyParams, seed: int) -> Pipeline:
     spec = preset.spec
     unknown = sorted(set(spec) - set(PRESET_KEYS))
     if unknown:

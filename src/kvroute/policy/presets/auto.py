@@ -76,10 +76,11 @@ from kvroute.policy.params import AdmissionName, PolicyParams, admission_field
 HOTSPOT = Branch.HOTSPOT_FILTERED.value
 RTT_AWARE, ADDITIVE, PREFIX_LOAD = "auto:rtt-aware", "auto:additive", "auto:prefix-load"
 LEAST_WORK = "auto:least-work"
-# the challenger's trust region: the incumbent's score with the incumbent's settings
+# the challenger's trust region: the incumbent's score with the incumbent's settings; every copy of it (final
+# rule, trust regions) hears the same events and learns into one replica-speed fit (one refresh per event)
 INCUMBENT = {"lmetric_speed": {"spread": "$speed_spread", "learn": "$speed", "live_batch": "$live_batch",
                                 "min_samples": "$speed_samples", "ttft_pick": "$speed_ttft", "near": "$trust",
-                                "detour": "$speed_detour"}}
+                                "detour": "$speed_detour", "shared_fit": "incumbent"}}
 TRUST = {"near_best": {"scorer": INCUMBENT, "factor": "$trust"}}
 # one region, one hardware kind: the prefill tokens ahead of the first token, then this LB's requests in flight
 LEAST_WORK_COST = {"new_prefill": 1.0, "inflight": 1.0}

@@ -14,6 +14,7 @@ from kvroute.policy.adaptive.replica_speed.prior import prior_factors, prior_pre
 from kvroute.policy.catalog import register_plugin
 from kvroute.policy.hooks import Lifecycle
 from kvroute.policy.plugins import DecisionState, Scorer
+from kvroute.policy.shared import shared
 
 
 class SpeedPlugin(Lifecycle):
@@ -75,15 +76,27 @@ class SpeedLMetric(Scorer, SpeedPlugin):
     sends an L4 a 3,000-token prompt (~1.5 s there, ~0.4 s on an A100) whenever the A100s' batch
     factor outweighs their speed; llm-d's predicted TTFT alone (its profile as an oracle) keeps the
     L4s idle at half the knee but overloads the A100s' decode past it (TPOT SLO missed at 70 %,
-    unstable at 90 %). Replicas outside the near set rank after every one inside it."""
+    unstable at 90 %). Replicas outside the near set rank after every one inside it.
+
+    ``shared_fit``: a name; the ``lmetric_speed`` copies of one policy that give the same name and the same
+    fit settings (``min_samples``, ``halflife``, ``spread``, ``z``, ``learn``) learn into one
+    :class:`~.fit.SpeedFit` (:mod:`kvroute.policy.shared`) — ``auto``'s incumbent and its trust regions, which
+    hear the same events and so learned equal fits, one refresh per event instead of one per copy. Every copy
+    sharing a fit must hear the lifecycle events (a rule's scorer, or a ``near_best`` / ``uniform_fleet``
+    forwarding them): one that does not would read what the others learn. Empty (default): a fit of its own."""
 
     name = "lmetric_speed"
     inputs = frozenset({"prefix", "prefill_backlog", "load"})
 
     def __init__(self, min_samples: int = 16, halflife: int = DEFAULT_HALFLIFE, spread: float = 1.5,
                  z: float = 2.0, learn: bool = True, live_batch: bool = False, ttft_pick: bool = False,
-                 near: float = 2.0, detour: bool = False):
-        SpeedPlugin.__init__(self, SpeedFit(min_samples=min_samples, halflife=halflife, spread=spread, z=z))
+                 near: float = 2.0, detour: bool = False, shared_fit: str = ""):
+        def make() -> SpeedFit:
+            return SpeedFit(min_samples=min_samples, halflife=halflife, spread=spread, z=z)
+        # copies of one policy naming the same shared fit (and settings) learn into one: each event is then
+        # learned once, however many copies hear it (the fit consumes a request's record at its first hearing)
+        key = ("lmetric_speed", shared_fit, min_samples, halflife, spread, z)
+        SpeedPlugin.__init__(self, shared(key, make) if shared_fit and learn else make())
         if near < 1:
             raise ValueError(f"near must be >= 1, got {near}")
         self.learn, self.live_batch, self.ttft_pick, self.near, self.detour = learn, live_batch, ttft_pick, near, detour
