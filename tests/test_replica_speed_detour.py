@@ -1,6 +1,6 @@
-"""The detour of ``lmetric_speed``'s TTFT pick (policy/adaptive/replica_speed/detour.py): a request whose
-first token would come late where the speed-scaled score sends it goes where it comes soon, while its
-predicted TPOT there is no worse; and the per-replica TPOT line it reads (``SpeedFit.tpot_at``)."""
+"""The detour of ``lmetric_speed``'s TTFT pick (policy/adaptive/replica_speed/detour.py): among the replicas
+where the request's first token is not late, the speed-scaled score chooses; a replica outside its near set
+qualifies only while its measured decode time per token is no worse than the near set's pick's."""
 
 from __future__ import annotations
 
@@ -18,12 +18,13 @@ def _complete(fit: SpeedFit, ep: str, i: int, ttft: float, tpot: float, inflight
     fit.finished(rid, ep, ttft + tpot * (out - 1), out)
 
 
-def _fleet() -> SpeedFit:
-    """fast: TPOT 10 ms + 2 ms per request in flight; slow: 50 ms flat; every TTFT 0.3 s (the mean wait)."""
+def _fleet(slow_tpot: float = 0.050) -> SpeedFit:
+    """fast: TPOT 10 ms + 2 ms per request in flight (1 to 29 in flight: ~40 ms per token measured); slow: ``slow_tpot``
+    flat; every TTFT 0.3 s (the mean wait)."""
     fit = SpeedFit(min_samples=2)
     for i in range(8):
         _complete(fit, "fast", i, 0.3, 0.010 + 0.002 * (i * 4 + 1), i * 4 + 1)
-        _complete(fit, "slow", i, 0.3, 0.050, 1 + i % 2)
+        _complete(fit, "slow", i, 0.3, slow_tpot, 1 + i % 2)
     return fit
 
 
@@ -34,17 +35,46 @@ def test_the_tpot_line_is_fitted_on_the_requests_in_flight_at_dispatch():
     assert fit.tpot_at("new", 1) is None and fit.mean_wait_s() == pytest.approx(0.3)
 
 
-@pytest.mark.parametrize(("fast_inflight", "ttft", "chosen"), [
-    (10, [0.5, 1.7], "fast"),   # long prompt, late on slow: fast's TPOT at 11 (32 ms) <= slow's 50 ms
-    (25, [0.5, 1.7], "slow"),   # fast at 26 in flight: 62 ms > 50 ms — the detour would slow its decode
-    (10, [0.22, 0.48], "slow"),  # short prompt: slow is not late (0.48 <= 0.22 + 0.3): the near set's pick
+def _pick(values: list[float], names: list[str]) -> str:
+    return names[values.index(min(values))]
+
+
+@pytest.mark.parametrize(("slow_tpot", "ttft", "chosen"), [
+    (0.050, [0.5, 1.7], "fast"),   # long prompt, late on slow; fast decoded ~40 ms per token <= slow's 50 ms
+    (0.015, [0.5, 1.7], "slow"),   # slow's requests decoded faster than fast's: no detour, the late pick stays
+    (0.050, [0.22, 0.48], "slow"),  # short prompt: slow is not late (0.48 <= 0.22 + 0.3) and the score prefers it
 ])
-def test_a_late_request_detours_only_while_its_decode_is_no_slower(fast_inflight, ttft, chosen):
-    fit = _fleet()
-    eps = [Endpoint("fast", inflight=fast_inflight), Endpoint("slow", inflight=0)]
+def test_a_late_request_detours_only_while_the_measured_decode_there_is_no_slower(slow_tpot, ttft, chosen):
+    fit = _fleet(slow_tpot)
+    eps = [Endpoint("fast", inflight=25), Endpoint("slow", inflight=0)]
     scaled = [10.0, 1.0]  # the score puts fast out of the near set (limit 2)
-    values = detour(fit, eps, ttft, scaled, 2.0, {})
-    assert ["fast", "slow"][values.index(min(values))] == chosen
+    assert _pick(detour(fit, eps, ttft, scaled, 2.0, {}), ["fast", "slow"]) == chosen
+
+
+def test_the_score_chooses_among_the_replicas_where_the_first_token_is_not_late():
+    """Two fast replicas in the near set, an idle slow one: a short prompt (not late anywhere) goes where the
+    score ranks best, the slow one; a long one (late on the slow one) to the better-scored fast one, not to the
+    fast one whose first token would come soonest."""
+    fit = _fleet()
+    fit.dispatched("r", "fast2", 1000, 0.0, 1)
+    fit.first_token("r", 0.3)
+    names = ["fast", "fast2", "slow"]
+    eps = [Endpoint(n) for n in names]
+    scaled = [1.6, 1.2, 1.0]  # all within 2x the best: the near set
+    assert _pick(detour(fit, eps, [0.20, 0.25, 0.45], scaled, 2.0, {}), names) == "slow"
+    values = detour(fit, eps, [0.40, 0.45, 1.6], scaled, 2.0, {})
+    assert _pick(values, names) == "fast2"
+    assert values[2] == pytest.approx(1.6 + OUTSIDE_S)  # late, in the near set: after every qualifying one
+
+
+def test_an_unmeasured_replica_is_read_at_its_decode_factor_times_the_median():
+    fit = _fleet()  # fast ~40 ms, slow 50 ms per token measured: median ~45 ms
+    eps = [Endpoint("new"), Endpoint("slow")]
+    scaled = [10.0, 1.0]
+    # new's decode factor 0.5 puts it at ~23 ms <= slow's 50: the late request detours there
+    assert _pick(detour(fit, eps, [0.5, 1.7], scaled, 2.0, {"new": 0.5}), ["new", "slow"]) == "new"
+    # factor 2: ~90 ms > 50 ms: it stays on the (late) near pick
+    assert _pick(detour(fit, eps, [0.5, 1.7], scaled, 2.0, {"new": 2.0}), ["new", "slow"]) == "slow"
 
 
 def test_before_any_completion_the_detour_is_unbounded_and_tiers_keep_their_order():
@@ -53,6 +83,6 @@ def test_before_any_completion_the_detour_is_unbounded_and_tiers_keep_their_orde
     fit.first_token("r", 0.2)
     eps = [Endpoint("fast", inflight=30), Endpoint("slow"), Endpoint("far")]
     values = detour(fit, eps, [0.3, 1.5, 2.0], [10.0, 1.0, 50.0], 2.0, {})
-    assert values[0] == pytest.approx(0.3 + OUTSIDE_S)  # out of the near set, soon, nothing known of TPOT
-    assert values[1] == pytest.approx(1.5 + 2 * OUTSIDE_S)  # the near set's pick, late
-    assert values[2] == pytest.approx(2.0 + 3 * OUTSIDE_S)
+    assert values[0] == pytest.approx(10.0 / 51.0)  # out of the near set, soon, nothing known of TPOT: by score
+    assert values[1] == pytest.approx(1.5 + OUTSIDE_S)  # the near set's pick, late
+    assert values[2] == pytest.approx(2.0 + 2 * OUTSIDE_S)

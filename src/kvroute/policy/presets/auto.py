@@ -139,10 +139,11 @@ class AutoParams(PolicyParams):
     speed_ttft: bool = Field(True, description="on a fleet judged mixed, pick among the replicas the speed-scaled "
                              "score ranks within trust x its best the one with the least TTFT predicted from the "
                              "learned prefill lines; false: the scaled score alone")
-    speed_detour: bool = Field(True, description="on a fleet judged mixed, a request whose first token would come "
-                               "later than the soonest by more than the fleet's mean TTFT goes where it comes soon, "
-                               "while its predicted TPOT there is no worse than on the score's pick (long prompts "
-                               "to fast replicas, short ones may go to slow ones); false: the near set's pick")
+    speed_detour: bool = Field(True, description="on a fleet judged mixed, the score chooses among the replicas "
+                               "where the request's first token comes no later than the soonest by the fleet's mean "
+                               "TTFT: the near set's, and those outside it whose measured decode time per token is no "
+                               "longer than on the near set's pick (short prompts to slow replicas, long ones to "
+                               "fast ones); false: the near set's soonest")
     speed_samples: int = Field(2, ge=1, description="first tokens and completions per replica before its "
                                "learned speed counts (at least 3 first tokens, 2 completions: what a standard error "
                                "needs); the spread must also stand apart by Student's t at 95.45 %")

@@ -1,29 +1,39 @@
 """The detour of ``lmetric_speed``'s TTFT pick (``detour``; ``auto``'s ``speed_detour``): on a fleet judged
-mixed, a request the speed-scaled score would leave to a replica where its first token comes late goes to
-one where it comes soon, unless that would make its decode slower.
+mixed, the first token's lateness is a constraint and the speed-scaled score chooses among the replicas
+that meet it — so the slow replicas take the requests they serve without a late first token (the short
+prompts) and the fast ones keep their capacity for the long ones.
 
 The scaled score keeps each replica's load in proportion to its speed, which is what keeps TPOT and
-stability; among the replicas it ranks within ``near`` × its best, the TTFT pick takes the one whose first
-token the learned lines predict soonest. On 2 A100 + 6 L4 that near set is often the idle L4s alone — the
-A100s' batch factor puts them out of it — and then a 3,500-token prompt waits ~1.7 s on an L4 for a first
-token an A100 would give in ~0.5 s (seed 0 at 70 % of the knee: 113 of 800 requests on the L4s, their TTFT
-p50 0.97 s; those are the TTFT tail). The load the score wants on the L4s can as well be their share of
-the *short* prompts, which an L4 prefills about as fast as an A100 a long one. So:
+stability. On 2 A100 + 6 L4 it often prefers an idle L4 to an A100 with a batch, and a 3,500-token prompt
+then waits ~1.7 s on the L4 for a first token an A100 would give in ~0.5 s (seed 0 at 70 % of the knee:
+113 of 800 requests on the L4s, their TTFT p50 0.97 s; those are the TTFT tail). The load the score wants
+on the L4s can as well be their share of the *short* prompts, which an L4 prefills about as fast as an
+A100 a long one. So:
 
 * a replica is **late** for this request when its predicted TTFT (RTT + learned line, :mod:`.fit`)
   exceeds the soonest one's by more than the fleet's mean TTFT − RTT (``SpeedFit.mean_wait_s``: a request
   sent there would wait a whole typical wait more than it must — a tail request);
-* the pick is, in order: a replica of the near set that is not late (as before); else one outside it that
-  is not late and whose **predicted TPOT** with this request added — its own fitted line of time per
-  output token on the requests in flight at dispatch (``SpeedFit.tpot_at``) — is no worse than on the
-  replica the near set would have picked; else the near set's (late) pick; else the rest.
+* a replica **qualifies** when the request is not late there and the score ranks it within ``near`` × its
+  best (the near set), or — outside the near set — its **measured decode time per token** (the mean over
+  its recent completions, ``SpeedFit.decode_s``) is no longer than that of the replica the near set would
+  have picked (its soonest);
+* the qualifying replicas rank by the score; then the near set's late replicas by TTFT; then the rest.
 
-The TPOT condition bounds the detour without a constant: a fast replica takes the long prompt only
-while the request's decode there is predicted no slower than on the slow replica the score chose, so the
-fast replicas' TPOT stays at the slow ones' at most. Without it (every late request detoured) the A100s'
-TPOT p90 reached 106 ms at 90 % of the knee and goodput fell 10 % (3.73 → 3.36 req/s); measurements in
-docs/auto.md. A replica without 3 completions is read at its decode factor × the fleet's median decode
-time; before any completion the detour is unbounded (the warm-up: the fast replicas are idle). Pure.
+Ranking the qualifying replicas by the score rather than by TTFT (session 7; before, the soonest of the
+near set went first and a replica outside it only when every near one was late) is what sends short prompts
+to the idle slow replicas *before* the fast ones fill up; the long prompts that come next are late on the
+slow replicas and find the fast ones with room. The decode condition bounds the detour without a constant:
+a fast replica outside the near set takes a request only while the requests it served decoded no slower than
+those on the slow replica the score chose. It reads what the replicas' requests measured (the mean over the
+fit's half-life), not session 6's line of TPOT on the requests in flight, read at the count in flight at
+dispatch: that line judged a fast replica with a batch slower than an idle slow one whenever its count
+peaked, and the long prompts arriving then went to the slow ones (70 % of the knee, 9 seeds: TTFT p99
+1.34 s with the line and the TTFT order, 1.19 s with the line and the score's order, 1.08 s now). A
+replica without 2 completions is read at its decode factor × the fleet's median measured time; before any
+completion the detour is unbounded (the warm-up: the fast replicas are idle). Without any decode condition
+(every late request detoured) the A100s' TPOT p90 reached 106 ms at 90 % of the knee and goodput fell 10 %
+(3.73 → 3.36 req/s). The price: at 90 % of the knee goodput 1.2 % lower over 9 seeds (3.65 against 3.70
+req/s; up to 5 % in one seed). Measurements in docs/auto.md. Pure.
 """
 
 from __future__ import annotations
@@ -39,7 +49,9 @@ OUTSIDE_S = 1e6  # added per tier to a predicted TTFT (seconds) that a better ti
 def detour(fit: SpeedFit, eps: list[Endpoint], ttft: list[float], scaled: list[float], limit: float,
            decode_factor: dict[str, float]) -> list[float]:
     """Values (lower is better) ranking ``eps`` as the module says: ``ttft`` the predicted TTFTs (seconds),
-    ``scaled`` the speed-scaled scores, ``limit`` the near set's bound on them."""
+    ``scaled`` the speed-scaled scores, ``limit`` the near set's bound on them, ``decode_factor`` the
+    replicas' decode factors (for a replica whose decode is not measured yet). The replicas that qualify
+    rank by their score (scaled into [0, 1)), then the near set's late ones by TTFT, then the rest."""
     first = min(ttft) + fit.mean_wait_s()
     near = [v <= limit for v in scaled]
     pick = min(range(len(eps)), key=lambda i: ttft[i] + (0.0 if near[i] else OUTSIDE_S))
@@ -47,17 +59,15 @@ def detour(fit: SpeedFit, eps: list[Endpoint], ttft: list[float], scaled: list[f
     mid = median(dec.values()) if dec else None
 
     def tpot(e: Endpoint) -> float | None:
-        t = fit.tpot_at(e.id, e.inflight + 1)
+        t = dec.get(e.id)
         return t if t is not None or mid is None else mid * decode_factor.get(e.id, 1.0)
 
     mine = tpot(eps[pick])
+    top = 1.0 + max(scaled)
     out = []
-    for e, t, n in zip(eps, ttft, near):
-        soon = t <= first
-        if n and soon:
-            out.append(t)
-        elif soon and (mine is None or ((tp := tpot(e)) is not None and tp <= mine)):
-            out.append(t + OUTSIDE_S)
+    for e, t, v, n in zip(eps, ttft, scaled, near):
+        if t <= first and (n or mine is None or ((tp := tpot(e)) is not None and tp <= mine)):
+            out.append(v / top)
         else:
-            out.append(t + (2 if n else 3) * OUTSIDE_S)
+            out.append(t + (1 if n else 2) * OUTSIDE_S)
     return out
