@@ -182,27 +182,25 @@ class SpeedFit:
         self._decode: dict[str, _Ratio] = {}
         self._work = _Ratio()  # the fleet's mean prefill work per request (num: tokens, den: requests)
         self._wait = _Ratio()  # the fleet's mean TTFT − RTT per request (num: seconds, den: requests)
-        self._pending: dict[str, tuple[str, float, float, float]] = {}  # req → (replica, work, rtt, in flight)
-        self._ttft: dict[str, tuple[float, float]] = {}  # req → (measured TTFT, in flight at dispatch)
-        self._tpot: dict[str, _Line] = {}  # per replica: time per output token on requests in flight at dispatch
+        self._pending: dict[str, tuple[str, float, float]] = {}  # req → (replica, work, rtt)
+        self._ttft: dict[str, float] = {}  # req → measured TTFT
         # recomputed at each observation, never while deciding (Router.decide stays a dry run)
         self._factors: tuple[dict[str, float], dict[str, float]] = ({}, {})
         self.judged_mixed = False  # set once, when both spreads first stood the test
         self.version = 0  # counts observations (a cache of anything derived from the estimates keys on it)
 
     # ---- observations -------------------------------------------------------------------------
-    def dispatched(self, req_id: str, endpoint_id: str, work_tokens: int, rtt_s: float, inflight: int = 0) -> None:
-        """``req_id`` went to ``endpoint_id`` with ``work_tokens`` of prefill queued there (its own included) and
-        ``inflight`` requests of this load balancer there (its own included)."""
-        self._pending[req_id] = (endpoint_id, float(work_tokens), rtt_s, float(inflight))
+    def dispatched(self, req_id: str, endpoint_id: str, work_tokens: int, rtt_s: float) -> None:
+        """``req_id`` went to ``endpoint_id`` with ``work_tokens`` of prefill queued there (its own included)."""
+        self._pending[req_id] = (endpoint_id, float(work_tokens), rtt_s)
 
     def first_token(self, req_id: str, ttft_s: float) -> None:
         """The measured TTFT: one prefill observation for the request's replica."""
         p = self._pending.pop(req_id, None)
         if p is None:
             return
-        ep, work, rtt, load = p
-        self._ttft[req_id] = (ttft_s, load)
+        ep, work, rtt = p
+        self._ttft[req_id] = ttft_s
         line = self._prefill.get(ep)
         if line is None:
             line = self._prefill[ep] = _Line()
@@ -214,18 +212,13 @@ class SpeedFit:
     def finished(self, req_id: str, endpoint_id: str, e2e_s: float, output_tokens: int) -> None:
         """A completion: one decode observation when its TTFT was seen and it decoded past one token."""
         self._pending.pop(req_id, None)
-        seen = self._ttft.pop(req_id, None)
-        if seen is None or output_tokens < 2 or e2e_s <= seen[0]:
+        ttft = self._ttft.pop(req_id, None)
+        if ttft is None or output_tokens < 2 or e2e_s <= ttft:
             return
-        ttft, load = seen
         r = self._decode.get(endpoint_id)
         if r is None:
             r = self._decode[endpoint_id] = _Ratio()
         r.add(e2e_s - ttft, float(output_tokens - 1), self.decay)
-        line = self._tpot.get(endpoint_id)
-        if line is None:
-            line = self._tpot[endpoint_id] = _Line()
-        line.add(load, (e2e_s - ttft) / (output_tokens - 1), self.decay)
         self._refresh()
 
     def forget(self, req_id: str) -> None:
@@ -296,12 +289,6 @@ class SpeedFit:
         known = [v for v in out if v is not None]
         mid = median(known) if known else 0.0
         return [mid if v is None else v for v in out]
-
-    def tpot_at(self, endpoint_id: str, inflight: float) -> float | None:
-        """The replica's fitted time per output token with ``inflight`` requests there at dispatch; None without
-        3 completions (and ``min_samples``)."""
-        line = self._tpot.get(endpoint_id)
-        return line.at(inflight) if line is not None and line.n >= max(self.min_samples, LINE_FLOOR) else None
 
     def mean_wait_s(self) -> float:
         """The fleet's exponentially weighted mean TTFT − RTT (0 before any first token)."""

@@ -27,7 +27,7 @@ class SpeedPlugin(Lifecycle):
 
     def on_dispatched(self, req: Request, endpoint: Endpoint, new_prefill_tokens: int) -> None:
         """Remember the prefill work queued on the replica (this request's included) and the RTT."""
-        self.fit.dispatched(req.id, endpoint.id, endpoint.queued_prefill_tokens, endpoint.rtt_s, endpoint.inflight)
+        self.fit.dispatched(req.id, endpoint.id, endpoint.queued_prefill_tokens, endpoint.rtt_s)
 
     def on_first_token(self, req_id: str, endpoint_id: str, ttft_s: float) -> None:
         """One prefill observation."""
