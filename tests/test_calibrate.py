@@ -156,6 +156,7 @@ def test_llama_server_fit_counts_attention_rows_in_64_row_tiles():
             m.decode.append((b, ctx, ctx, true.step_time(decode=b, decode_ctx=b * ctx)))
     fitted, report = fit_profile(m, "llama", "synthetic")
     assert fitted.prefill_attn_tile == 64 and report["max_error"] < 1e-6
+    assert fitted.waiting_gauge == "llama_server"  # its requests_deferred (sim/deferred_gauge.py)
     assert fitted.c_prefill_attn_s == pytest.approx(2e-7, rel=1e-6)
     assert fitted.attn_rows(100) == 128 and fitted.attn_rows(62) == 62 and fitted.attn_rows(512) == 512
     assert KNOWN.attn_rows(100) == 100  # tile 1: rows as they are

@@ -77,6 +77,25 @@ def test_a_request_taking_a_slot_by_lru_loads_the_best_cached_prompt():
     assert [c.tokens for c in e.slot_cache.cached] == [101, 101]  # a moved back into a slot
 
 
+def test_a_request_arriving_during_a_launchs_copies_joins_the_step_they_precede():
+    """llama-server launches every queued task, copying slots, before it steps (server-queue.cpp
+    process_new_tasks, server-context.cpp process_single_task): b's launch saves a's slot (1,001
+    tokens, 0.1001 s); c arrives 50 ms into that copy, is launched too, and both prefill in one
+    step — their first tokens come together, after the copy and the two prompts' 200 ms."""
+    loop = EventLoop()
+    first: dict[str, float] = {}
+    e = Engine("e", BASE.model_copy(update={"slot_save_s_per_token": PER_TOKEN, "max_running": 3}), loop,
+               lambda s, t: first.__setitem__(s.rid, t), lambda s, t: None)
+    e.submit(Seq("a", 1000, 1, A, 16))
+    loop.run()
+    start = loop.now + 1.0
+    loop.at(start, lambda _: e.submit(Seq("b", 100, 1, tuple(range(1000, 1006)), 16)), None)
+    loop.at(start + 0.05, lambda _: e.submit(Seq("c", 100, 1, tuple(range(2000, 2006)), 16)), None)
+    loop.run()
+    assert e.slot_cache is not None and e.slot_cache.copied_tokens == 1001
+    assert first["b"] == first["c"] == pytest.approx(start + 1001 * PER_TOKEN + 0.2)
+
+
 def test_common_prefix_and_the_probes_per_token_fit():
     assert common_prefix((1, 2, 3, 4), (1, 2, 9)) == 2 and common_prefix((), (1,)) == 0
     assert common_prefix((1, 2, 3), (1, 2, 3)) == 3

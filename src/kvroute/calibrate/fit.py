@@ -141,6 +141,7 @@ def fit_profile(m: Measurements, name: str, hardware: str, max_batched_tokens: i
         block_size=block_size, max_running=running, max_batched_tokens=batch,
         # llama-server (it has slots) lends a cached prefix only from a slot serving no request
         prefix_reuse="idle_slots" if any(f.slots for f in facts) else "shared",
+        waiting_gauge="llama_server" if any(f.slots for f in facts) else "live",  # requests_deferred
         noise_step_sigma=sigma, noise_api_delay_s=delay["api_delay_s"], ttft_overhead_busy_s=busy,
         c_admit_s=admit, prefill_attn_tile=tile, slot_save_s_per_token=slot_per_token(m.slot_saves, sharing))
     source = f"measured by kvroute calibrate, {len(facts)} engine(s) loaded together"
@@ -217,6 +218,8 @@ def write_profile(path: str | Path, profile: HardwareProfile, report: dict) -> N
         "# kv_blocks, max_running: from the engines (/props, /metrics) or the command line; "
         "max_batched_tokens: llama-server's n_batch (2048, assumed) or the command line;",
         "# prefix_reuse: idle_slots for llama-server (a prefix is reused only from an idle slot), else shared;",
+        "# waiting_gauge: llama_server for llama-server (requests_deferred: no free slot; sim/deferred_gauge.py), "
+        "else live;",
         "# prefill_attn_tile: 64 for llama-server (ggml's CPU flash attention pads query rows to 64-row tiles), "
         "else 1;",
         "# block_size: the engines' prefix-cache unit (vLLM's cache_config_info block_size; llama-server: 1).",

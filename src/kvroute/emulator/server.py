@@ -211,6 +211,8 @@ class Emulator:
             gauge("sglang:max_total_num_tokens", e.capacity, "KV capacity in tokens.")
             counter("process_start_time_seconds", self.started_at, "Start time of the process.")
         else:  # llama-server's set: no KV-usage gauge, no process metrics
+            if e.gauge is not None:  # requests_deferred: found no free slot (sim/deferred_gauge.py)
+                waiting, running = e.gauge.read(self.clock.now), e.gauge.running
             gauge("llamacpp:requests_processing", running, "Requests being processed.")
             gauge("llamacpp:requests_deferred", waiting, "Requests deferred (queued).")
             counter("llamacpp:prompt_tokens_total", self.prompt_tokens_total, "Prompt tokens processed.")

@@ -121,7 +121,9 @@ class HardwareProfile(StrictModel):
     # "sglang": SGLang's num_queue_reqs gauge, set only when a prefill batch is formed and every
     # 40th decode step (sim/queue_gauge.py). Off by default: with it, SkyWalker trails round robin
     # on issue 7's Mooncake check (the gate pushes into steps it cannot yet see); see issue-21d.
-    waiting_gauge: Literal["live", "sglang"] = "live"
+    # "llama_server": requests_deferred, the requests that found no free slot when the engine's loop
+    # took them up between steps (sim/deferred_gauge.py; `kvroute calibrate` sets it for llama-server).
+    waiting_gauge: Literal["live", "sglang", "llama_server"] = "live"
     # How noisy the engine is, measured by `kvroute calibrate` (calibrate/noise.py): the log-normal
     # sigma of a step's time and the mean extra per-request delay before the engine's queue. The
     # simulator uses them only where a scenario switches noise on (``engine_noise: profile``,

@@ -32,6 +32,7 @@ from kvroute.policy import DEFAULT_TICK_S, DispatchPacer, Router, build_policy, 
 from kvroute.policy.admission import replica_available
 from kvroute.policy.pd import PDRouter, compile_decider
 from kvroute.policy.peering import GorgoWeights, gorgo_peer_choice, peer_router
+from kvroute.sim.deferred_gauge import DeferredGauge
 from kvroute.sim.events import Scheduler
 from kvroute.sim.queue_gauge import SGLangQueueGauge
 from kvroute.sim.share import SharedRouter, Sharer
@@ -58,8 +59,8 @@ class EngineState(Protocol):
         """Sequences waiting for admission."""
 
     @property
-    def gauge(self) -> SGLangQueueGauge | None:
-        """The waiting count as the engine exports it when that is not live (SGLang), else None."""
+    def gauge(self) -> SGLangQueueGauge | DeferredGauge | None:
+        """The waiting count as the engine exports it when that is not live (SGLang, llama-server), else None."""
 
     def kv_usage(self, now: float) -> float:
         """Share of KV capacity held by requests."""

@@ -27,6 +27,7 @@ from collections import deque
 from collections.abc import Callable
 
 from kvroute.perf.profile import HardwareProfile
+from kvroute.sim.deferred_gauge import DeferredGauge
 from kvroute.sim.events import Scheduler
 from kvroute.sim.kvcache import KVCache
 from kvroute.sim.queue_gauge import SGLangQueueGauge
@@ -47,7 +48,8 @@ class Batch(KVCache):
         self.on_first_token = on_first_token
         self.on_finish = on_finish
         self.admission: Admission | None = None
-        self.gauge: SGLangQueueGauge | None = None  # what a probe reads as waiting (None: the live queue)
+        # what a probe reads as waiting (None: the live queue)
+        self.gauge: SGLangQueueGauge | DeferredGauge | None = None
         self.slot_cache: SlotCache | None = None  # llama-server's slot copies (sim/slot_cache.py)
         self.waiting: deque[Seq] = deque()
         self.prefilling: list[Seq] = []

@@ -33,6 +33,7 @@ import heapq
 from collections.abc import Callable
 
 from kvroute.perf.profile import HardwareProfile
+from kvroute.sim.deferred_gauge import DeferredGauge
 from kvroute.sim.events import Scheduler
 from kvroute.sim.handover import Handover
 from kvroute.sim.host import Host
@@ -70,8 +71,11 @@ class Engine(Handover):
         self.step_noise: Callable[[int], float] | None = None
         self._version = 0
         self._chunks: list[tuple[Seq, int]] = []  # the prefill chunks of the step in progress
+        self._copying = False  # llama-server's launch copies in progress (before a step, _copy)
         self.busy_s = 0.0
         install_admission(self)  # SGLang's token budget when the profile says so (sim/sglang_admission.py)
+        if profile.waiting_gauge == "llama_server":  # requests_deferred (sim/deferred_gauge.py)
+            self.gauge = DeferredGauge(self)
         self.slot_cache = slot_cache(profile)  # llama-server's prompt-cache copies when measured (sim/slot_cache.py)
 
     _steps_done = staticmethod(steps_done)
@@ -101,6 +105,12 @@ class Engine(Handover):
             self._admit()
         if self.gauge is not None:  # SGLang's num_queue_reqs moves only at some passes (sim/queue_gauge.py)
             self.gauge.passed()
+        slots = self.slot_cache
+        if slots is not None and slots.pending:  # llama-server: the launches' copies come before the step
+            copy_s = sum(slots.pending.values())
+            slots.pending.clear()
+            if copy_s > 0:
+                return self._copy(copy_s)
         n_dec = len(decoding)
         prefilling = self.prefilling
         host = self.host
@@ -152,10 +162,6 @@ class Engine(Handover):
             dt = p.step_time(tokens, n_dec, ctx_sum, attn, p.heterogeneity(n_all, len_sum, len_sq))
             if p.c_admit_s:  # a new sequence's first chunk stalls the step (perf/profile.py)
                 dt += p.c_admit_s * sum(1 for seq, _ in chunks if seq.prompt - seq.prefill_left <= max(seq.cached, 0))
-            slots = self.slot_cache
-            if slots is not None:  # llama-server copies slots to/from its host prompt cache at a launch
-                dt += sum(slots.pending.pop(seq.rid, 0.0) for seq, _ in chunks
-                          if seq.prompt - seq.prefill_left <= max(seq.cached, 0))
             if noise is not None:
                 dt *= noise(1)
             if host is not None:  # cores shared with other engines (Host)
@@ -201,6 +207,36 @@ class Engine(Handover):
         self.busy_s += dt
         loop.at(now + dt, self._end_step, (self._version, K))
 
+    def _copy(self, dt: float) -> None:
+        """llama-server's loop copying slots to and from its host prompt cache for the tasks it just
+        launched (sim/slot_cache.py), before it steps: tools/server/server-queue.cpp
+        ``process_new_tasks`` launches every task in its queue, each launch saving the idle slots
+        (server-context.cpp ``process_single_task``, ``cache_idle_slots``), and only then runs
+        ``update_slots``, so a request that arrives during the copies is launched too and joins the
+        step they precede (issue 21g: four warm turns launched 40 ms apart on one engine all began
+        their prompt in one batch). The copies use the host's cores like a step."""
+        host = self.host
+        if host is not None and not self._busy:
+            self._busy = True
+            host.stepping_changed(self, True)
+        self._busy = True
+        self._version += 1
+        self._jump = None
+        self._copying = True
+        loop = self.loop
+        if host is not None:
+            self._slow = host.slowdown_of(self)
+            dt *= self._slow
+            self._step_end = loop.now + dt
+        self.busy_s += dt
+        loop.at(loop.now + dt, self._end_copy, self._version)
+
+    def _end_copy(self, version: int) -> None:
+        if version != self._version:
+            return  # re-timed by the host (_rescale)
+        self._copying = False
+        self._plan()
+
     def _rescale(self) -> None:
         """The host's slowdown changed mid-step: a decode jump stops at its next step boundary
         (the next plan is timed with the new slowdown); a single step's remaining time stretches
@@ -219,7 +255,10 @@ class Engine(Handover):
         self._step_end = now + new
         self.busy_s += new - left
         self._version += 1
-        self.loop.at(self._step_end, self._end_step, (self._version, 1))
+        if self._copying:
+            self.loop.at(self._step_end, self._end_copy, self._version)
+        else:
+            self.loop.at(self._step_end, self._end_step, (self._version, 1))
 
     def _interrupt(self, jump: Jump) -> None:
         start, K, alpha, beta, n_dec = jump

@@ -21,7 +21,8 @@ off). Launching a task, on the one loop every slot waits for:
 So a slot that finished a request since the last launch is copied out at the next one unless the
 new request takes it (the next turn of its conversation does, by its common prefix). Each copy
 costs ``slot_save_s_per_token × tokens`` (perf/profile.py; measured by `kvroute calibrate`),
-added to the step that starts the new sequence (sim/engine.py). The KV cache's prefix reuse is
+spent on the engine's loop before its next step, during which newly arrived requests are
+launched too and join that step (sim/engine.py ``_copy``). The KV cache's prefix reuse is
 sim/kvcache.py's (``idle_slots``); with ``slot_choice: llama_server`` (the default) a new
 sequence reuses at most what its slot holds after the load (``reusable``, called at admission,
 where the slot is taken), else this module only times the copies.
