@@ -1,11 +1,8 @@
 """llama-server's waiting gauge (sim/deferred_gauge.py): requests_deferred counts only requests that
 found no free slot when the engine's loop took them up between steps, not arrivals during a step
-that will take a free slot at its end; and `bench fidelity` tells the live gateway the batch limit
-and KV capacity the simulated balancer knows (bench/fidelity_gateway.py)."""
+that will take a free slot at its end; and a simulated balancer knows an engine's batch limit only
+where the deployment says it (``batch_limit_known``: a gateway learns none from llama-server)."""
 
-import yaml
-
-from kvroute.bench.fidelity_gateway import GatewayProcess, gateway_facts
 from kvroute.perf.profile import HardwareProfile
 from kvroute.sim.deferred_gauge import DeferredGauge
 from kvroute.sim.engine import Engine, Seq
@@ -42,12 +39,18 @@ def test_the_gauge_is_the_profiles_choice():
                   lambda s, t: None, lambda s, t: None).gauge is None
 
 
-def test_the_live_gateway_gets_the_simulated_balancers_facts(tmp_path):
-    path = tmp_path / "p.yaml"
-    path.write_text(yaml.safe_dump(LLAMA.model_dump(mode="json")))
-    facts = gateway_facts(str(path))
-    assert facts == {"max_running": 2, "kv_tokens": 160000}
-    gw = GatewayProcess(["http://127.0.0.1:1", "http://127.0.0.1:2"], "skywalker", tmp_path, facts)
-    conf = yaml.safe_load(gw.config.read_text())
-    assert [r["max_running"] for r in conf["replicas"]] == [2, 2]
-    assert [r["kv_tokens"] for r in conf["replicas"]] == [160000, 160000]
+def test_a_balancer_told_no_batch_limit_assumes_none():
+    from kvroute.sim.scenario import parse_scenario
+    from kvroute.sim.simulation import Simulation
+
+    def limits(known: bool | None) -> list[int]:
+        group = {"region": "us", "count": 2, "profile": "l4-llama3.1-8b", "max_running": 4}
+        if known is not None:
+            group["batch_limit_known"] = known
+        sc = parse_scenario({"replicas": [group], "workload": {"kind": "chat", "clients": {"us": 2}},
+                             "policies": ["skywalker"], "seed": 1})
+        sim = Simulation(sc.setup(None), "skywalker", None, sc.make_workload())
+        return [e.max_running for lb in sim.lbs for e in lb.router.all_endpoints]
+
+    assert limits(None) == limits(True) == [4, 4]  # the default: the profile's (or group's) limit
+    assert limits(False) == [256, 256]  # Endpoint's default: none known

@@ -25,22 +25,27 @@ gateway learns online), so both count the engine's tokens.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import random
+import signal
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import aiohttp
+import yaml
 
 from kvroute.bench.fidelity_cpu import CpuLedger, background
 from kvroute.bench.fidelity_engines import describe, engine_side
 from kvroute.bench.fidelity_engines import scrape as engine_metrics
-from kvroute.bench.fidelity_gateway import GatewayProcess, gateway_facts
 from kvroute.calibrate.measure import WORDS, Sweep
+from kvroute.ports import free_port
 from kvroute.prefix import chat_key, estimate_tokens
 from kvroute.stats import percentile
 
@@ -208,6 +213,65 @@ def live_summary(run: LiveRun) -> dict:
                         [x.cached_tokens for x in r])}
 
 
+class GatewayProcess:
+    """`kvroute serve` in its own process, stopped by its PID."""
+
+    def __init__(self, urls: list[str], policy: str, folder: Path):
+        self.config = folder / f"gateway-{policy}.yaml"
+        self.port = free_port()
+        self.config.write_text(yaml.safe_dump({
+            "host": "127.0.0.1", "port": self.port, "policy": policy, "access_log": False,
+            "replicas": [{"url": u, "id": f"engine-{i}"} for i, u in enumerate(urls)]}))
+        self.log = folder / f"gateway-{policy}.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        """The gateway's base URL on 127.0.0.1."""
+        return f"http://127.0.0.1:{self.port}"
+
+    async def start(self, timeout_s: float = 20) -> None:
+        """Start `kvroute serve` and return once /health reports a healthy replica; RuntimeError with the
+        log's tail when it exits or times out."""
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "kvroute.cli", "serve", "--config", str(self.config),
+                                          "--log-level", "WARNING"], stdout=log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout_s
+        async with aiohttp.ClientSession() as s:
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    break
+                with contextlib.suppress(aiohttp.ClientError, TimeoutError):  # not up yet
+                    async with s.get(f"{self.url}/health", timeout=aiohttp.ClientTimeout(total=1)) as r:
+                        if r.status == 200 and (await r.json()).get("healthy"):
+                            return
+                await asyncio.sleep(0.1)
+        self.stop()
+        raise RuntimeError(f"the gateway did not become healthy; log: {self.log.read_text()[-800:]}")
+
+    def cpu_s(self) -> float:
+        """CPU seconds the gateway process has used so far (user + system, from /proc)."""
+        assert self.proc is not None
+        try:
+            fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            return 0.0
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def stop(self) -> None:
+        """SIGTERM by PID (a graceful drain), SIGKILL if it has not exited 10 s later; nothing when it already
+        ended."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        os.kill(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(5)
+
+
 def simulate(convs: list[list[dict]], policy: str, profile: str, replicas: int, token_ratio: float,
              max_tokens: int, folder: Path, seed: int = 0, host_cores: int | None = None,
              noise: bool = False, host_background: float = 0.0) -> dict:
@@ -222,7 +286,9 @@ def simulate(convs: list[list[dict]], policy: str, profile: str, replicas: int, 
     trace = folder / f"conversations-{policy}.jsonl"
     trace.write_text("".join(json.dumps({"messages": c, "user": f"u{i}", "max_tokens": max_tokens}) + "\n"
                              for i, c in enumerate(convs)))
-    group = {"region": "local", "count": replicas, "profile": profile}
+    # the live gateway is given the engines' URLs only, and no engine's /metrics says its batch limit
+    # (replicas.py): its pending gate (SkyWalker's) assumes none, so the simulated balancers do too
+    group = {"region": "local", "count": replicas, "profile": profile, "batch_limit_known": False}
     if host_cores:
         group["host_cores"] = host_cores
         if host_background:
@@ -326,10 +392,8 @@ async def run_fidelity(urls: list[str], profile: str, policies: tuple[str, ...] 
     w = workload or Workload()
     say = log or (lambda _msg: None)
     model, bpt = await _engine_facts(urls[0])
-    facts = gateway_facts(profile)
     out: dict = {"workload": w.__dict__, "engines": urls, "profile": profile, "bytes_per_token": bpt,
-                 "host_cores": host_cores, "repeats": repeats, "engine_noise": noise, "gateway_facts": facts,
-                 "policies": {}}
+                 "host_cores": host_cores, "repeats": repeats, "engine_noise": noise, "policies": {}}
     runs: dict[str, list[dict]] = {p: [] for p in policies}
     with tempfile.TemporaryDirectory(prefix="kvroute-fidelity-") as tmp:
         folder = Path(tmp)
@@ -338,7 +402,7 @@ async def run_fidelity(urls: list[str], profile: str, policies: tuple[str, ...] 
             for policy in policies:
                 salt = f"{policy}-{time.time_ns()}"
                 convs = conversations(wi, bpt, salt=salt)
-                gw = GatewayProcess(urls, policy, folder, facts)
+                gw = GatewayProcess(urls, policy, folder)
                 await gw.start()
                 try:
                     metrics0 = await engine_metrics(urls)

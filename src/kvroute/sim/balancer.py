@@ -138,9 +138,12 @@ class SimBalancer:
         for rid in replica_ids:
             rep = sim.replicas[rid]
             p = rep.engine.p
-            eps.append(Endpoint(rid, region=rep.region, profile=p, kv_blocks=p.kv_blocks, block_size=p.block_size,
-                                max_running=p.max_running, rtt_s=sim.network.rtt(region, rep.region),
-                                role=getattr(rep, "role", "mixed"), accelerator=getattr(rep, "accelerator", None)))
+            ep = Endpoint(rid, region=rep.region, profile=p, kv_blocks=p.kv_blocks, block_size=p.block_size,
+                          rtt_s=sim.network.rtt(region, rep.region),
+                          role=getattr(rep, "role", "mixed"), accelerator=getattr(rep, "accelerator", None))
+            if getattr(rep, "batch_limit_known", True):  # else Endpoint's default: none known (ReplicaGroup)
+                ep.max_running = p.max_running
+            eps.append(ep)
         pd = getattr(getattr(sim, "setup", None), "pd", None)
         shared = share_interval_s is not None and pd is None  # the scenario refuses share with pd
         self.router: Router = ((SharedRouter if shared else Router)(build_policy(preset, params, seed=seed), eps,

@@ -24,6 +24,7 @@ class Replica:
     engine: Engine
     role: str = "mixed"
     accelerator: str | None = None  # declared, as a gateway config would (ReplicaGroup.accelerator)
+    batch_limit_known: bool = True  # the balancers know its engine's max_running (ReplicaGroup.batch_limit_known)
 
 
 class Flight:

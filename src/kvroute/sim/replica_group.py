@@ -40,6 +40,10 @@ class ReplicaGroup(StrictModel):
                                          "work on that machine takes while it serves (a gateway, clients, the "
                                          "kernel), which the stepping replicas share the cores with (sim/host.py; "
                                          "`bench fidelity` measures it per live run)")
+    batch_limit_known: bool = Field(True, description="whether the load balancers know these engines' batch limit "
+                                    "(the profile's max_running), as a gateway given `replicas[].max_running` or "
+                                    "reading it from the engine does; false: they assume none (256), as a gateway in "
+                                    "front of llama-server without that field (llama.cpp exports no batch limit)")
     accelerator: str | None = Field(None, description="the accelerator the deployment declares for these "
                                     "replicas, as a gateway's `replicas[].accelerator` would (e.g. a100-80gb, l4, "
                                     "h100; policy/adaptive/replica_speed/datasheet.py lists them): `auto` reads its "

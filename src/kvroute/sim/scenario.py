@@ -328,7 +328,8 @@ class Scenario(StrictModel):
             host = (f"group-{len(replicas)}", g.host_cores, g.host_background_cores) if g.host_cores else None
             role = "" if g.role == "mixed" else f"{g.role[0]}-"  # p-us-0, d-us-0: the role in the id
             replicas += [ReplicaSpec(f"{role}{g.region}-{n0 + i}", g.region, prof, host, g.role,
-                                     resolve(self.engine_noise, prof), g.accelerator) for i in range(g.count)]
+                                     resolve(self.engine_noise, prof), g.accelerator, g.batch_limit_known)
+                         for i in range(g.count)]
         groups = self.balancer_groups(topology)
         self._check_client_regions(groups)
         balancers = []

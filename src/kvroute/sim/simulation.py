@@ -42,12 +42,12 @@ class ReplicaSpec:
     role: str = "mixed"  # prefill / decode / mixed (sim/disagg.py)
     noise: NoiseSpec | None = None  # timing noise and reordering (sim/noise.py); None: off
     accelerator: str | None = None  # the accelerator the deployment declares (ReplicaGroup.accelerator)
+    batch_limit_known: bool = True  # the balancers know the engine's max_running (ReplicaGroup.batch_limit_known)
 
 
 @dataclass
 class BalancerSpec:
-    """One simulated load balancer: its region, the replicas it manages, probe interval, whether it forwards
-    to peers, queue pacing."""
+    """One simulated load balancer: its region, replicas it manages, probe interval, forwarding, pacing."""
 
     id: str
     region: str
@@ -111,7 +111,7 @@ class Simulation:
         hosts = {r.host: Host(r.host[1], r.host[2]) for r in setup.replicas if r.host is not None}
         self.replicas = {r.id: Replica(r.id, r.region, Engine(r.id, r.profile, self.loop, self._first_token,
                                                               self._finish, host=hosts.get(r.host) if r.host else None),
-                                       r.role, r.accelerator) for r in setup.replicas}
+                                       r.role, r.accelerator, r.batch_limit_known) for r in setup.replicas}
         self.api_delay = attach({k: r.engine for k, r in self.replicas.items()},
                                 {r.id: r.noise for r in setup.replicas}, setup.seed)
         # prefill/decode legs (sim/disagg.py): None for an aggregated deployment
