@@ -65,6 +65,7 @@ COMPILED: tuple[str, ...] = (
     "kvroute.gateway.retry",
     "kvroute.gateway.hotconfig",
     "kvroute.gateway.replica",
+    "kvroute.gateway.hops",
     "kvroute.prefix.keys",
     "kvroute.prefix.blocks",
 )

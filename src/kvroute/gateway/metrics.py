@@ -21,8 +21,11 @@ disable_created_metrics()  # *_created series double the exposition for no opera
 
 _bisect_left: Final = bisect.bisect_left  # Final: a C static in a compiled build, not a dict lookup
 # floats: bisect compares a float with a float on its fast path (an int bound took CPython's slow mixed
-# compare); the exposition writes str(float(bound)) either way
-LATENCY_BUCKETS: Final = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+# compare); the exposition writes str(float(bound)) either way. Typed tuple[float, ...]: a fixed-length tuple
+# type is a C struct in the compiled build, boxed into a new tuple of 14 new floats at every use (each
+# observe: ~2,000 instructions; sixth round, docs/hot-path.md)
+LATENCY_BUCKETS: Final[tuple[float, ...]] = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+                                             60.0, 120.0)
 
 
 class GatewayMetrics:
@@ -32,7 +35,8 @@ class GatewayMetrics:
     def __init__(self, runtime) -> None:
         self.registry = r = CollectorRegistry()
         # the hot path's: plain counts, exported at scrape time (_HotCollector)
-        self.request_counts: dict[tuple[str, str, str], int] = {}  # (route, status, policy) -> requests
+        # (route, status, policy) -> requests; the status as a number (str() at scrape time, not per request)
+        self.request_counts: dict[tuple[str, int, str], int] = {}
         self.branch_by_policy: dict[tuple[str, str], int] = {}  # (policy, branch) -> decisions
         self.ttft = LocalHistogram("kvroute_ttft_seconds", "Time to first byte of the response body, at the gateway")
         self.e2e = LocalHistogram("kvroute_e2e_seconds", "Request latency at the gateway")
@@ -67,7 +71,7 @@ class GatewayMetrics:
 
     def count_request(self, route: str, status: int, policy: str) -> None:
         """Count one answered request by route, status code and policy."""
-        key = (route, str(status), policy)
+        key = (route, status, policy)
         counts = self.request_counts
         counts[key] = counts.get(key, 0) + 1
 
@@ -125,8 +129,8 @@ class _HotCollector:
         m = self.m
         requests = CounterMetricFamily("kvroute_requests", "Requests by route, status code and policy",
                                        labels=["route", "status", "policy"])
-        for labels, n in sorted(m.request_counts.items()):
-            requests.add_metric(list(labels), n)
+        for (route, status, policy), n in sorted(m.request_counts.items()):
+            requests.add_metric([route, str(status), policy], n)
         yield requests
         branches = CounterMetricFamily("kvroute_policy_branch", "Routing decisions by policy branch",
                                        labels=["policy", "branch"])

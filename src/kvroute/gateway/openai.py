@@ -110,6 +110,7 @@ class RequestParsing:
             self.session_headers = [h.lower() for h in config.session_headers]
             changes.append("session headers")
         self.config = config
+        self.tokenizer_path = config.tokenizer_path  # read per request: a plain attribute, not pydantic's
         return changes if old is not None else []
 
     def parse(self, raw: bytes, kind: Kind, headers: dict[str, str]) -> tuple[dict, Request]:
@@ -133,15 +134,16 @@ class RequestParsing:
         else:
             names = " or ".join(f"'{f}'" for f in kind.prompt_fields)
             raise ClientError(f"missing required field {names}", param=kind.prompt_fields[0])
-        get = body.get
-        model, stream, user = get("model"), get("stream"), get("user")
+        # body.get written out each time: a compiled build turns it into a dict primitive, where a bound
+        # ``get`` is a generic call (sixth round, docs/hot-path.md)
+        model, stream, user = body.get("model"), body.get("stream"), body.get("user")
         # the common case (a str model, a bool or no stream, no user) in one test; else field by field
         if model.__class__ is not str or (stream is not None and stream.__class__ is not bool) or user is not None:
             for name, typ in (("model", str), ("stream", bool), ("user", str)):
                 if body.get(name) is not None and not isinstance(body[name], typ):
                     raise ClientError(f"field '{name}' must be a {typ.__name__}, got {type(body[name]).__name__}",
                                       param=name)
-        max_tokens, max_completion, n = get("max_tokens"), get("max_completion_tokens"), get("n")
+        max_tokens, max_completion, n = body.get("max_tokens"), body.get("max_completion_tokens"), body.get("n")
         if max_tokens is not None or max_completion is not None or n is not None:
             for name, top in (("max_tokens", MAX_INT32), ("max_completion_tokens", MAX_INT32), ("n", MAX_N)):
                 v = body.get(name)
@@ -160,7 +162,7 @@ class RequestParsing:
         hashes, tokens = self.hasher(key)
         block_tokens = self.hasher.block_tokens
         estimated = 0  # the bytes/4 estimate, when that is what counted the prompt
-        if isinstance(key, str) and not self.config.tokenizer_path:
+        if isinstance(key, str) and not self.tokenizer_path:
             ratio = self.tokens  # corrected online from the engines' usage (gateway/tokens.py)
             estimated, tokens, block_tokens = tokens, ratio.tokens(tokens), ratio.block_tokens(block_tokens)
         routing_key = None

@@ -31,15 +31,15 @@ from kvroute.errors import ClientError
 from kvroute.gateway.auth import KeyState
 from kvroute.gateway.continuation import Break, Splice, error_event
 from kvroute.gateway.holdqueue import PolicyError, QueueFull, QueueTimeout
+from kvroute.gateway.hops import forwarded, response_fields
 from kvroute.gateway.http import Request as HTTPRequest
 from kvroute.gateway.http import Responder
 from kvroute.gateway.legs import LegResponder
 from kvroute.gateway.openai import Kind, RequestParsing, prompt_key
 from kvroute.gateway.outlier import Attempt
 from kvroute.gateway.pd import forward_split
-from kvroute.gateway.peers import PEER_HEADERS
 from kvroute.gateway.replica import Outcome
-from kvroute.gateway.residency import REGION_HEADER, RESIDENCY_HEADER, ResidencyConflict
+from kvroute.gateway.residency import ResidencyConflict
 from kvroute.gateway.retry import RETRY_STATUSES, Failure, RetryReason, backoff_s, failure_of
 from kvroute.gateway.runtime import Runtime
 from kvroute.gateway.tokens import reported_completion_tokens, reported_prompt_tokens, token_events
@@ -58,23 +58,7 @@ _OK: Final = Outcome.OK
 _FAILED: Final = Outcome.FAILED
 _NEUTRAL: Final = Outcome.NEUTRAL
 monotonic: Final = time.monotonic
-# never forwarded in either direction (RFC 9110 §7.6.1), plus what the gateway sets itself and its own
-# routing headers (an engine has no use for them; a forward to a peer carries them again: Peering.outbound)
-HOP_HEADERS: Final = frozenset({"host", "content-length", "transfer-encoding", "connection", "keep-alive", "expect",
-                         "accept-encoding", "upgrade", "te", "trailer", "proxy-authorization",
-                         "proxy-authenticate", "proxy-connection", "server", "date",
-                         RESIDENCY_HEADER, REGION_HEADER}) | PEER_HEADERS
-_HOP_BYTES: Final = frozenset(h.encode() for h in HOP_HEADERS)  # upstream response headers come as bytes
-_HOP_ACCESS: Final = _HOP_BYTES | {b"x-request-id"}
 STREAM_TAIL: Final = 4096  # bytes of a stream kept to find its [DONE] and its final usage chunk
-
-
-def _forwarded(headers: dict[str, str]) -> list[tuple[str, str]]:
-    """End-to-end headers only: hop-by-hop ones and those the client's Connection names are dropped."""
-    drop = HOP_HEADERS
-    if "connection" in headers:
-        drop = drop | {t.strip().lower() for t in headers["connection"].split(",")}
-    return [(k, v) for k, v in headers.items() if k not in drop]
 
 
 class Proxy(RequestParsing):
@@ -131,7 +115,7 @@ class Proxy(RequestParsing):
             except ResidencyConflict as conflict:
                 resp.send_error(403, str(conflict), "permission_error", code="residency_conflict")
                 return
-            headers = _forwarded(request.headers)
+            headers = forwarded(request.headers)
             if rt.keys.enabled and not rt.hot.forward_authorization:
                 headers = [(k, v) for k, v in headers if k != "authorization"]  # the client's key is ours
             splice = Splice.open(kind.label, body, req.prompt_tokens) if rt.hot.continuable else None
@@ -228,11 +212,7 @@ class Proxy(RequestParsing):
         """The upstream's end-to-end response headers as they came (bytes, not decoded), and the
         replica headers, formatted for the client's response head."""
         hot = self.rt.hot
-        skip = _HOP_ACCESS if hot.access_log else _HOP_BYTES  # x-request-id: set by us
-        out: list[bytes] = []
-        for name, value in upstream.headers:  # joined once below: no bytes %-formatting per field
-            if name.lower() not in skip:
-                out += (name, b": ", value, b"\r\n")
+        out = response_fields(upstream.headers, hot.access_log)
         if hot.replica_header and target in self.rt.upstreams:  # a peer's answer names its own
             out += (b"x-kvroute-replica: ", target.encode("latin-1"), b"\r\n")
             ticket = self.rt.router.tickets.get(req.id)

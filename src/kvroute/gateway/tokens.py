@@ -37,7 +37,17 @@ _EMPTY: Final = re.compile(rb'"(?:content|text)"\s*:\s*""')
 _ENDING: Final = re.compile(rb'"finish_reason"\s*:\s*"')
 
 
+# builtins used per request, as C statics in the compiled build (a builtin is otherwise looked up in the
+# builtins module at every call: sixth round, docs/hot-path.md)
+_round: Final = round
+_sum: Final = sum
 _SPACE: Final = b" \t\n\r\f\v"  # what a bytes pattern's \s matches
+
+
+def _is_space(c: int) -> bool:
+    """``c`` is one of ``_SPACE``'s bytes (compared as ints: native arithmetic in the compiled build, where
+    ``c in _SPACE`` is a generic containment call per byte)."""
+    return c == 32 or 9 <= c <= 13
 
 
 def _last_count(payload: bytes, field: bytes, pattern: re.Pattern[bytes]) -> int | None:
@@ -51,11 +61,11 @@ def _last_count(payload: bytes, field: bytes, pattern: re.Pattern[bytes]) -> int
     if at < 0:
         return None
     n, i = len(payload), at + len(field)
-    while i < n and payload[i] in _SPACE:
+    while i < n and _is_space(payload[i]):
         i += 1
     if i < n and payload[i] == 58:  # ":"
         i += 1
-        while i < n and payload[i] in _SPACE:
+        while i < n and _is_space(payload[i]):
             i += 1
         value = -1
         while i < n and 48 <= payload[i] <= 57:  # ASCII digits, as \d in a bytes pattern
@@ -120,12 +130,12 @@ class TokenRatio:
 
     def _update(self) -> None:
         r = self.ratios
-        self.scale = sum(r.values()) / len(r) if r else 1.0
+        self.scale = _sum(r.values()) / len(r) if r else 1.0
 
     def tokens(self, estimated: int) -> int:
         """An estimate in the engines' units."""
-        return max(1, round(estimated * self.scale)) if estimated else 0
+        return max(1, _round(estimated * self.scale)) if estimated else 0
 
     def block_tokens(self, nominal: int) -> int:
         """How many engine tokens one prefix block (``nominal × 4`` bytes) holds."""
-        return max(1, round(nominal * self.scale))
+        return max(1, _round(nominal * self.scale))

@@ -15,12 +15,16 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Final
 
 from kvroute.model import Decision, DecisionKind, Endpoint, Request
 from kvroute.native import mypyc_attr
 from kvroute.policy.base import Policy, View
+from kvroute.policy.selection import decide as _decide
 from kvroute.prefix import DEFAULT_BLOCK_TOKENS, HashRing, PrefixIndex
 from kvroute.prefix.index import DEFAULT_MAX_BLOCKS
+
+_POLICY_DECIDE: Final = Policy.decide  # Router.route calls its steps directly when a policy keeps it
 
 
 @dataclass(slots=True, init=False)  # __init__ written out, as Request's (model/request.py says why)
@@ -156,7 +160,11 @@ class Router:
         """Decide for ``req`` and, when the decision dispatches, commit it (the plugins' deferred
         state changes, counters, index, ticket, ``on_dispatched`` to the policy's listeners)
         before returning."""
-        decision = self.policy.decide(req, self.view)
+        policy = self.policy
+        # Policy.decide's steps called directly unless a subclass overrides them: the interpreted method is
+        # one Python frame per decision around a compiled function (sixth round, docs/hot-path.md)
+        decision = _decide(policy, req, self.view) if type(policy).decide is _POLICY_DECIDE \
+            else policy.decide(req, self.view)
         if decision.kind is DecisionKind.DISPATCH and decision.target is not None:  # it always has one
             for effect in decision.effects:  # before the listeners hear of the dispatch
                 effect()
