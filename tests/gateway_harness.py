@@ -6,9 +6,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+import time
 from collections.abc import Iterator
 
 import aiohttp
+import httpx
 
 from kvroute.live.embedded import start_deployment
 
@@ -62,6 +64,19 @@ class LiveDeployment:
         self.call(self.dep.stop())
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(5)
+
+
+def wait_healthy(url: str, n: int, timeout: float = 10.0) -> int:
+    """Poll a gateway's ``/health`` until it counts ``n`` healthy replicas (bounded); the last count.
+    Its 200 says only that one replica is healthy: a gateway started beside its engines probes them
+    before they listen and re-admits each after ``probe.healthy_after`` answered probes, so a test
+    that needs every replica routable waits for this."""
+    deadline = time.monotonic() + timeout
+    while True:
+        healthy = httpx.get(f"{url}/health", timeout=5).json()["healthy"]
+        if healthy == n or time.monotonic() > deadline:
+            return healthy
+        time.sleep(0.05)
 
 
 @contextlib.contextmanager

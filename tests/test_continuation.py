@@ -26,7 +26,7 @@ from kvroute.policy.base import Policy, View
 from kvroute.ports import free_ports, wait_for_http
 from kvroute.prefix import chat_key, estimate_tokens
 from kvroute.replicas import ReplicaConfig
-from tests.gateway_harness import LiveDeployment, settled
+from tests.gateway_harness import LiveDeployment, settled, wait_healthy
 
 CHAT = [{"role": "system", "content": "You summarise incident reports."},
         {"role": "user", "content": "Summarise the outage of the storage cluster on Tuesday."}]
@@ -207,6 +207,9 @@ def test_a_replica_process_killed_mid_stream_leaves_the_client_a_whole_stream():
                                          for i, p in enumerate(ports)])
         gw = Gateway(config)
         port = asyncio.run_coroutine_threadsafe(gw.start(), loop).result(10)
+        # the stream needs the other replica to recover on: a start-up probe that timed out on a
+        # loaded machine leaves one ejected until it answers two more
+        assert wait_healthy(f"http://127.0.0.1:{port}", 2) == 2
         raw = client(f"http://127.0.0.1:{port}").completions.with_raw_response.create(
             model="emulated", prompt=PROMPT, max_tokens=30, stream=True)
         victim = emus[int(raw.headers["x-kvroute-replica"][1:])]
@@ -303,9 +306,11 @@ def test_cascadeinfer_in_kvroute_serve_routes_by_length_and_migrates_a_growing_s
                                   stderr=subprocess.DEVNULL))
     url = f"http://127.0.0.1:{gw_port}"
     try:
-        for p in ports:  # an engine not listening yet would send the first request on to the other stage
-            wait_for_http(f"http://127.0.0.1:{p}/health", 9)
-        wait_for_http(f"{url}/health", 9)
+        # both stages routable: the gateway probed its engines before they listened, and a stage it
+        # has not re-admitted yet would send the first request on to the other one (or leave no
+        # stage to migrate to); its /health answers 200 once one replica is healthy
+        wait_for_http(f"{url}/health", 20)
+        assert wait_healthy(url, 2, 20) == 2
         raw = client(url).chat.completions.with_raw_response.create(model="emulated", messages=CHAT, max_tokens=16,
                                                                     stream=True)
         assert raw.headers["x-kvroute-replica"] == "stage1"

@@ -14,7 +14,7 @@ import pytest
 from kvroute.emulator.text import emulated_text
 from kvroute.ports import free_ports, wait_for_http
 from kvroute.prefix import chat_key
-from tests.gateway_harness import LiveDeployment, settled
+from tests.gateway_harness import LiveDeployment, settled, wait_healthy
 
 LONG = "You are the on-call assistant for the storage team. " * 60
 
@@ -111,24 +111,15 @@ def test_failing_replica_is_retried_then_circuit_opens(live):
     assert "kvroute_retries_total" in metrics
 
 
-def _wait_healthy(dep, n: int, timeout: float = 10.0) -> int:
-    deadline = time.time() + timeout
-    while True:
-        healthy = httpx.get(f"{dep.url}/health").json()["healthy"]
-        if healthy == n or time.time() > deadline:
-            return healthy
-        time.sleep(0.05)
-
-
 def test_probe_timeouts_eject_and_readmit(live):
     live.fault(2, probe_hang=True)
-    assert _wait_healthy(live, 2) == 2  # after two probe timeouts of 0.3 s
+    assert wait_healthy(live.url, 2) == 2  # after two probe timeouts of 0.3 s
     c = client(live)
     for i in range(4):
         raw = c.completions.with_raw_response.create(model="emulated", prompt=f"z{i}", max_tokens=2)
         assert raw.headers["x-kvroute-replica"] != live.replica_id(2)
     live.fault(2, probe_hang=False)
-    assert _wait_healthy(live, 3) == 3
+    assert wait_healthy(live.url, 3) == 3
     assert 'kvroute_probe_failures_total{replica="emulated-2"}' in httpx.get(f"{live.url}/metrics").text
 
 
@@ -215,10 +206,7 @@ def test_serve_reloads_on_sighup_and_drains_on_sigterm(tmp_path):
         assert httpx.get(f"{base}/health").json()["replicas"] == 1
         cfg.write_text(cfg.read_text() + f"  - {{url: http://127.0.0.1:{ports[1]}}}\n")
         gw.send_signal(signal.SIGHUP)
-        deadline = time.time() + 10
-        while time.time() < deadline and httpx.get(f"{base}/health").json()["healthy"] != 2:
-            time.sleep(0.1)
-        assert httpx.get(f"{base}/health").json()["healthy"] == 2
+        assert wait_healthy(base, 2) == 2
         # a long stream in flight survives SIGTERM; the process then exits 0
         with httpx.stream("POST", f"{base}/v1/completions", timeout=20,
                           json={"prompt": "drain me", "max_tokens": 60, "stream": True}) as r:

@@ -217,18 +217,20 @@ class FleetSync:
                        asyncio.create_task(self._ticker())]
 
     async def stop(self) -> None:
-        """Say ``bye`` (siblings forget us at once; a killed instance is forgotten after ``timeout_s``),
-        then close the connection."""
-        if self.connected and self.nc is not None:
-            with contextlib.suppress(Exception):
-                await self.nc.publish(self.subject, encode(simple_message("bye", self.name, next(self.seq))))
-                await asyncio.wait_for(self.nc.flush(), 1.0)
+        """Stop the heartbeats and the publisher, say ``bye`` (siblings forget us at once; a killed
+        instance is forgotten after ``timeout_s``), then close the connection. The bye is the last
+        message: one published after it (a heartbeat while NATS confirmed the bye) would bring this
+        instance back at its siblings until their timeout forgot it again."""
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         self._tasks = []
+        if self.connected and self.nc is not None:
+            with contextlib.suppress(Exception):
+                await self.nc.publish(self.subject, encode(simple_message("bye", self.name, next(self.seq))))
+                await asyncio.wait_for(self.nc.flush(), 1.0)
         if self.nc is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self.nc.close(), 2.0)
