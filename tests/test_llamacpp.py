@@ -555,7 +555,9 @@ def test_calibrate_fits_real_llama_servers_loaded_together(engines, tmp_path):
     from kvroute.perf.loader import load_profile
 
     eng = engines(2)
-    sweep = Sweep(prefill_lengths=(128, 512, 1024), batch_sizes=(1, 2), contexts=(128, 512), decode_tokens=12,
+    # 200 decode tokens: a window of ~60 ms per stream, where 12 (~4 ms) let one time slice lost to
+    # other work on a loaded machine swing a decode point by 20-40 % (once both decode slopes fit to 0)
+    sweep = Sweep(prefill_lengths=(128, 512, 1024), batch_sizes=(1, 2), contexts=(128, 512), decode_tokens=200,
                   repeats=1, timeout_s=CLIENT_TIMEOUT, warm_contexts=(512,), warm_lengths=(64, 256), noise_probes=4,
                   slot_sizes=(1024,), slot_rounds=1)
     m = asyncio.run(asyncio.wait_for(measure([e.url for e in eng], sweep=sweep), 60))
@@ -577,7 +579,14 @@ def test_calibrate_fits_real_llama_servers_loaded_together(engines, tmp_path):
     assert {f.cache_block for f in m.engines} == {1} and profile.block_size == 1
     assert profile.c_prefill_s + profile.c_prefill_attn_s > 0 and profile.c_decode_s + profile.c_attn_s > 0
     assert profile.prefill_time(1024) > profile.prefill_time(128)
-    # a noisy shared machine: the model still describes what it measured
-    assert report["rms_error"] < 0.25, report["points"]
+    # the model describes what it measured: within 25 % RMS where the engines had the cores to
+    # themselves -- the sweep measured the machine's other load meanwhile (m.background_cores, host_cpu.py;
+    # ~0 on an idle CI machine). Where other work took more than half a core, two one-thread
+    # engines time-sliced with it and every point carries that load's swings: at 1.1-1.6 busy
+    # cores of 2 (load 3-11) single points came out up to 57 % off the fit and the RMS was
+    # 0.02-0.33 in 106 of 107 sweeps (2-3 repeats or 4-16x longer decode windows did not narrow
+    # it), 0.58 in one where three decode points stalled 100x; the bound is then 0.5
+    loaded = (m.background_cores or 0.0) > 0.5
+    assert report["rms_error"] < (0.5 if loaded else 0.25), (m.background_cores, report["points"])
     write_profile(tmp_path / "llama.yaml", profile, report)
     assert load_profile(str(tmp_path / "llama.yaml")).points == report["points"]

@@ -332,15 +332,20 @@ async def run_policy(run: LiveRun, entry: PolicyEntry, *, max_requests: int | No
         if child is None:
             fault_log.append({"fault": f.describe(), "skipped": f"no gateway in {f.target} in this topology"})
         else:
-            injectors.append(asyncio.create_task(inject(child, f, t0, fault_log)))
+            injectors.append((asyncio.create_task(inject(child, f, t0, fault_log)), f))
     try:
         await driver.run(drain_s)
     finally:
         stop.set()
-        for t in injectors:
-            t.cancel()
-        await asyncio.gather(sampler, *injectors, return_exceptions=True)
-    wall = time.monotonic() - t0
+        wall = time.monotonic() - t0
+        # a fault already applied is undone before the run ends (bounded by the restart's own
+        # timeout), so the report says how it ended: a restart that outlasted the workload (a loaded
+        # machine) was cancelled and left out. One not due yet is dropped.
+        applied = {e["fault"] for e in fault_log if "pid" in e}
+        for t, f in injectors:
+            if f.describe() not in applied:
+                t.cancel()
+        await asyncio.gather(sampler, *(t for t, _ in injectors), return_exceptions=True)
     forwards, branches = await gateway_counts([c.url for c in pol.gateways.values() if c.alive])
     for c in [*pol.gateways.values(), pol.controller]:
         await c.stop()
