@@ -228,3 +228,28 @@ def test_auto_routes_by_least_work_on_one_kind_and_stands_aside_on_a_mixed_fleet
     assert d.branch == LEAST_WORK and d.target == c.id
     _learn(cond, {"fast": (1e-4, 0.01), "slow": (6e-4, 0.06), "slow2": (6e-4, 0.06)})
     assert r.route(make_request("q2", "hello " * 50)).branch == ADDITIVE  # mixed: the trials and learned speeds
+
+
+def test_auto_least_work_counts_an_uncached_prefill_again_while_the_candidates_are_busy(router_for):
+    """busy_uncached: while every candidate has prefill queued, a prefill the cache would have saved is work a
+    queue waits for, so auto's least work counts the uncached tokens once more; with an idle one, in proportion."""
+    from kvroute.policy.presets.auto import LEAST_WORK
+    from tests.conftest import make_request
+
+    req = make_request("turn2", "hello " * 800)  # 18 blocks, 1,204 tokens
+    old = router_for("auto", 3, params={"busy_prefill": 0.0})
+    new = router_for("auto", 3)
+    for router in (old, new):
+        a, b, c = router.view.endpoints
+        router.prefix.insert(a.id, req.block_hashes[:-2])  # a caches 16 blocks: 180 tokens uncached there
+        a.queued_prefill_tokens, b.queued_prefill_tokens, c.queued_prefill_tokens = 1600, 50, 2000
+        for e in (a, b, c):
+            e.inflight = e.running = 2
+    # the trust region is a and b (LMetric's (2,000 + 1,204) x 3 for c is more than twice b's 1,254 x 3).
+    # Least work alone: b (50 + 1,204) before a (1,600 + 180); both busy, the uncached tokens count twice:
+    # a (1,600 + 2 x 180) before b (50 + 2 x 1,204) — the request stays with its cache
+    d_old, d_new = old.decide(req), new.decide(req)
+    assert (d_old.branch, d_old.target, d_new.branch, d_new.target) == (LEAST_WORK, "e1", LEAST_WORK, "e0")
+    for router in (old, new):  # b idle: half the candidates busy, b (1,204 x 1.5) before a (1,600 + 180 x 1.5)
+        router.view.endpoints[1].queued_prefill_tokens = 0
+    assert old.decide(req).target == new.decide(req).target == "e1"

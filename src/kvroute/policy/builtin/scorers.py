@@ -166,6 +166,21 @@ class UncachedTokens(Scorer):
 
 
 @register_plugin
+class BusyUncached(Scorer):
+    """This request's uncached tokens × the share of the candidates that have prefill queued (as this
+    router counts it): while every replica is busy, a prefill the cache would have saved is work some
+    queue waits for; while some are idle, sending it there costs nobody (``auto``, docs/auto.md)."""
+
+    name = "busy_uncached"
+    inputs = frozenset({"prefix", "prefill_backlog"})
+
+    def values(self, st: DecisionState, eps: list[Endpoint]) -> list[float]:
+        """Uncached tokens per endpoint, times the share of ``eps`` whose queued prefill is above 0."""
+        busy = sum(1 for e in eps if e.queued_prefill_tokens > 0) / len(eps) if eps else 0.0
+        return [n * busy for n in st.new_prefill(eps)]
+
+
+@register_plugin
 class RTT(Scorer):
     """Round trip to the endpoint in seconds (probed)."""
 

@@ -36,7 +36,11 @@ never a step-time model:
    TTFT p99 in most one-region cells; LMetric's product lets a replica with a short batch win with
    twice the prefill ahead. The trust region bounds how far it departs from LMetric's load balance
    (``llm_d`` alone was unstable on bursty-chat and hot-prefix at 90 % of the knee), and no trials
-   run here (9 seeds per cell: docs/auto.md);
+   run here (9 seeds per cell: docs/auto.md). The request's uncached tokens count once more in proportion
+   to the share of the candidates that have prefill queued (``busy_prefill``, scorer ``busy_uncached``):
+   while every replica is busy, a prefill the cache would have saved is work some queue waits for (a tree
+   or conversation then stays with its cached replica); while some replica is idle, sending it there costs
+   nobody (the least work alone);
 4. **the challenger, GORGO's cost**, trialled online against it (``ttft_selector``, interleaved
    trials, switching only on evidence of a better mean TTFT, guarded by end-to-end latency):
    across regions — the candidates' probe RTTs spread by more than ``rtt_spread_ms`` — w_rtt·RTT
@@ -82,8 +86,10 @@ INCUMBENT = {"lmetric_speed": {"spread": "$speed_spread", "learn": "$speed", "li
                                 "min_samples": "$speed_samples", "ttft_pick": "$speed_ttft", "near": "$trust",
                                 "detour": "$speed_detour", "shared_fit": "incumbent"}}
 TRUST = {"near_best": {"scorer": INCUMBENT, "factor": "$trust"}}
-# one region, one hardware kind: the prefill tokens ahead of the first token, then this LB's requests in flight
-LEAST_WORK_COST = {"new_prefill": 1.0, "inflight": 1.0}
+# one region, one hardware kind: the prefill tokens ahead of the first token (uncached ones once more as far as
+# the candidates are busy: a prefill the cache would have saved is then work a queue waits for), then this LB's
+# requests in flight
+LEAST_WORK_COST = {"new_prefill": 1.0, "busy_uncached": "$busy_prefill", "inflight": 1.0}
 # ... among the trust region, while the LB's whole fleet is one region of one hardware kind
 UNIFORM = {"uniform_fleet": {"scorer": INCUMBENT, "factor": "$trust", "ms": "$rtt_spread_ms"}}
 
@@ -155,5 +161,9 @@ class AutoParams(PolicyParams):
                              "within trust x its best by the least prefill work ahead of the first token (queued + "
                              "uncached tokens, then requests in flight), without trials; false: the selector trials "
                              "GORGO's additive cost against LMetric's score there too")
+    busy_prefill: float = Field(1.0, ge=0, description="in the least-work rule, this request's uncached tokens count "
+                                "once more times this weight x the share of the candidates with prefill queued (while "
+                                "every replica is busy a prefill the cache would have saved is work a queue waits for; "
+                                "an idle replica costs nobody); 0: the least work alone")
     speed_spread: float = Field(1.5, ge=1, description="the fleet counts as mixed hardware when learned prefill and "
                                 "decode times both spread past this factor (max / min); else it routes as one kind")
