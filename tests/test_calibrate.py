@@ -2,8 +2,11 @@
 recover it. (tests/test_llamacpp.py calibrates real llama-servers.)"""
 
 import asyncio
+import subprocess
+import sys
 
 import pytest
+import yaml
 
 from kvroute.calibrate import Sweep, fit_profile, measure, write_profile
 from kvroute.calibrate.fit import nonneg_lstsq
@@ -12,27 +15,44 @@ from kvroute.cli import main
 from kvroute.emulator.server import Faults, start_emulator
 from kvroute.perf.loader import load_profile
 from kvroute.perf.profile import HardwareProfile
+from kvroute.ports import free_ports, wait_for_http
 
 # CPU-engine-like costs: steps of milliseconds, so the emulator's real-time clock resolves them
 KNOWN = HardwareProfile(name="known", hardware="test", model="test", c0_s=0.004, c_prefill_s=8e-5,
                         c_decode_s=1.5e-3, c_attn_s=2e-6, c_prefill_attn_s=4e-8, kv_blocks=20000,
                         block_size=16, max_running=8)
+# two repeats on two engines: every prefill and warm point is the median of four, so one stalled
+# request on a loaded machine moves none (with one repeat a point was the mean of two: one stall
+# put a point 48-56 % off its fit at load 4-6); decode points are measured once per engine
 SWEEP = Sweep(prefill_lengths=(256, 512, 1024, 2048), batch_sizes=(1, 2, 4), contexts=(128, 1024),
-              decode_tokens=16, repeats=1, timeout_s=20)
+              decode_tokens=16, repeats=2, timeout_s=20)
 
 
-async def _calibrate():
-    emus = [await start_emulator("127.0.0.1", 0, KNOWN, "llamacpp", Faults()) for _ in range(2)]
+def _calibrate(tmp_path):
+    """The sweep against two emulators of KNOWN, each a `kvroute emulate` process of its own, as
+    engines are: an emulated step ends on a timer, and in this process's event loop, shared with
+    the other emulator and the measuring client, the timers fired 2.6-12.6 ms late on average at
+    load 4-8 (fitted decode steps of 6-16 ms for the profile's 5.8; the test passed 4 of 9 runs
+    at load 4-7 so, 12 of 15 with the emulators in processes of their own, 10 of 10 at load 3-5
+    with two repeats as well)."""
+    profile = tmp_path / "known.yaml"
+    profile.write_text(yaml.safe_dump(KNOWN.model_dump(exclude_none=True)))
+    ports = free_ports(2)
+    procs = [subprocess.Popen([sys.executable, "-m", "kvroute.cli", "emulate", "--port", str(p), "--profile",
+                               str(profile), "--engine", "llamacpp"], stderr=subprocess.DEVNULL) for p in ports]
     try:
-        return await measure([f"http://127.0.0.1:{port}" for _, _, port in emus], sweep=SWEEP)
+        for p in ports:
+            wait_for_http(f"http://127.0.0.1:{p}/health", 30)
+        return asyncio.run(asyncio.wait_for(measure([f"http://127.0.0.1:{p}" for p in ports], sweep=SWEEP), 60))
     finally:
-        for runner, _, _ in emus:
-            await runner.cleanup()
+        for proc in procs:
+            proc.terminate()
+            proc.wait(10)
 
 
 def test_fit_recovers_the_emulators_known_profile(tmp_path):
-    m = asyncio.run(asyncio.wait_for(_calibrate(), 30))
-    assert len(m.prefill) == 8 and len(m.decode) == 12  # every point on both engines
+    m = _calibrate(tmp_path)
+    assert len(m.prefill) == 16 and len(m.decode) == 12  # every point on both engines (prefills twice)
     # the engines listen on this machine: the sweep measured the other CPU here meanwhile (host_cpu.py)
     assert (m.background_cores or 0.0) >= 0 and (m.background_cores is not None or machine_busy_s() is None)
     fitted, report = fit_profile(m, "mine", "emulated", sweep=SWEEP)
@@ -52,7 +72,7 @@ def test_fit_recovers_the_emulators_known_profile(tmp_path):
         assert fitted.ttft_overhead_s + fitted.prefill_time(n) == pytest.approx(KNOWN.prefill_time(n), rel=0.25,
                                                                                 abs=0.01), n
     # warm prefills (new tokens over a cached prefix) are predicted too, not only cold ones
-    assert len(m.warm) == 8 and all(cached > 0 for _, _, cached, _, _ in m.warm)
+    assert len(m.warm) == 16 and all(cached > 0 for _, _, cached, _, _ in m.warm)
     for n, ctx in ((64, 1500), (256, 500)):
         assert fitted.ttft_overhead_s + fitted.step_time(n, prefill_attn=n * (ctx + n / 2)) == pytest.approx(
             KNOWN.step_time(n, prefill_attn=n * (ctx + n / 2)), rel=0.25, abs=0.01), (n, ctx)
@@ -156,7 +176,6 @@ def test_llama_server_fit_counts_attention_rows_in_64_row_tiles():
             m.decode.append((b, ctx, ctx, true.step_time(decode=b, decode_ctx=b * ctx)))
     fitted, report = fit_profile(m, "llama", "synthetic")
     assert fitted.prefill_attn_tile == 64 and report["max_error"] < 1e-6
-    assert fitted.waiting_gauge == "llama_server"  # its requests_deferred (sim/deferred_gauge.py)
     assert fitted.c_prefill_attn_s == pytest.approx(2e-7, rel=1e-6)
     assert fitted.attn_rows(100) == 128 and fitted.attn_rows(62) == 62 and fitted.attn_rows(512) == 512
     assert KNOWN.attn_rows(100) == 100  # tile 1: rows as they are
