@@ -4,6 +4,7 @@ bytes over the link plus RTT, decode admission bounded by KV, and the scenario's
 from __future__ import annotations
 
 import pytest
+from conftest import needs_trace
 
 from kvroute.perf.loader import load_profile
 from kvroute.policy.pd import kv_transfer_s
@@ -126,6 +127,7 @@ def test_a_one_sided_scenario_is_one_line_naming_its_line(tmp_path, replicas, pd
     assert "\n" not in msg and fragment in msg and f"{path}:" in msg, msg
 
 
+@needs_trace  # the long workload is the Mooncake trace (a lone clone has no shared/ beside it)
 def test_bench_pd_disaggregation_removes_decode_interference_on_long_prompts():
     """`kvroute bench pd`'s rows: at a high load of long prompts, splitting keeps prefills out of
     the decode batches (lower TPOT p99) and pays a transfer in TTFT; at a low load nobody misses."""
