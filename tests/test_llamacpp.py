@@ -31,6 +31,7 @@ import pytest
 from kvroute.gateway.config import GatewayConfig
 from kvroute.gateway.server import Gateway
 from kvroute.replicas import ReplicaConfig
+from tests.gateway_harness import wait_healthy
 from tests.llamacpp import build
 from tests.llamacpp.engine import MODEL_ALIAS, LlamaServer
 from tests.llamacpp.tiny_model import WORDS, write_tiny_gguf
@@ -107,12 +108,7 @@ class LiveGateway:
         return httpx.get(f"{self.url}/metrics", timeout=5).text
 
     def wait_healthy(self, n: int, timeout: float = 10.0) -> int:
-        deadline = time.monotonic() + timeout
-        while True:
-            healthy = httpx.get(f"{self.url}/health", timeout=5).json()["healthy"]
-            if healthy == n or time.monotonic() > deadline:
-                return healthy
-            time.sleep(0.05)
+        return wait_healthy(self.url, n, timeout)
 
     def close(self) -> None:
         if not self.thread.is_alive():
