@@ -201,7 +201,7 @@ def test_a_replica_process_killed_mid_stream_leaves_the_client_a_whole_stream():
     gw = None
     try:
         for p in ports:
-            wait_for_http(f"http://127.0.0.1:{p}/health", 8)
+            wait_for_http(f"http://127.0.0.1:{p}/health", 30)  # a loaded machine starts Python slowly
         config = GatewayConfig(port=0, policy="round_robin", probe={"interval_s": 0.05},
                                replicas=[ReplicaConfig(url=f"http://127.0.0.1:{p}", id=f"r{i}", engine="vllm")
                                          for i, p in enumerate(ports)])
@@ -212,13 +212,19 @@ def test_a_replica_process_killed_mid_stream_leaves_the_client_a_whole_stream():
         assert wait_healthy(f"http://127.0.0.1:{port}", 2) == 2
         raw = client(f"http://127.0.0.1:{port}").completions.with_raw_response.create(
             model="emulated", prompt=PROMPT, max_tokens=30, stream=True)
-        victim = emus[int(raw.headers["x-kvroute-replica"][1:])]
+        idx = int(raw.headers["x-kvroute-replica"][1:])
+        victim = emus[idx]
+        # the kill must land while the victim still owes tokens: at slowdown 6 it makes the 30 in ~0.5 s,
+        # and a client lagging that far behind (its gateway shares this process) saw the whole stream
+        # before it killed at token five (once at load ~6); ten times slower from now on, the 25 tokens
+        # left take ~3.6 s — what the survivor then makes keeps the usual pace
+        httpx.post(f"http://127.0.0.1:{ports[idx]}/_fault", json={"slowdown": 60}, timeout=10).raise_for_status()
         text = ""
         for chunk in raw.parse():
             text += chunk.choices[0].text if chunk.choices else ""
             if len(text) == 4 * 5 and victim.poll() is None:  # five tokens in: the engine dies
                 os.kill(victim.pid, signal.SIGKILL)
-        assert victim.poll() is not None
+        assert victim.wait(10) == -signal.SIGKILL  # killed (it may take a moment to be reaped)
         assert text == emulated_text(PROMPT, 30)
         assert continuations(f"http://127.0.0.1:{port}") == {("recover", "continued"): 1.0}
     finally:

@@ -197,9 +197,13 @@ def test_serve_reloads_on_sighup_and_drains_on_sigterm(tmp_path):
     emus = [subprocess.Popen([sys.executable, "-m", "kvroute.cli", "emulate", "--port", str(p),
                               "--profile", "h100-llama3.2-3b"], stderr=subprocess.DEVNULL) for p in ports]
     cfg = tmp_path / "gw.yaml"
-    cfg.write_text(f"port: {gw_port}\npolicy: least_request\nreplicas:\n  - {{url: http://127.0.0.1:{ports[0]}}}\n")
-    gw = subprocess.Popen([sys.executable, "-m", "kvroute.cli", "serve", "--config", str(cfg)],
-                          stderr=subprocess.PIPE, text=True)
+    # patient probes: this test is about reload and drain, and three 0.5 s probe timeouts in a row (the
+    # default) on a starved machine eject a replica — with both out, the stream is one 503 line
+    cfg.write_text(f"port: {gw_port}\npolicy: least_request\nprobe: {{timeout_s: 5.0}}\n"
+                   f"replicas:\n  - {{url: http://127.0.0.1:{ports[0]}}}\n")
+    log = tmp_path / "gw.log"  # a file, not an unread pipe that blocks the gateway once full
+    with log.open("w") as err:
+        gw = subprocess.Popen([sys.executable, "-m", "kvroute.cli", "serve", "--config", str(cfg)], stderr=err)
     try:
         base = f"http://127.0.0.1:{gw_port}"
         wait_for_http(f"{base}/health", 20)
@@ -211,13 +215,13 @@ def test_serve_reloads_on_sighup_and_drains_on_sigterm(tmp_path):
         with httpx.stream("POST", f"{base}/v1/completions", timeout=20,
                           json={"prompt": "drain me", "max_tokens": 60, "stream": True}) as r:
             # an error answer is one line: say which (CI once saw nothing after the first line)
-            assert r.status_code == 200, (r.status_code, r.read()[:500])
+            assert r.status_code == 200, (r.status_code, r.read()[:500], log.read_text()[-2000:])
             lines = r.iter_lines()
             first = next(lines)
             gw.send_signal(signal.SIGTERM)
             rest = list(lines)
-        assert "data: [DONE]" in rest, (first, rest)
-        assert gw.wait(15) == 0
+        assert "data: [DONE]" in rest, (first, rest, log.read_text()[-2000:])
+        assert gw.wait(15) == 0, log.read_text()[-2000:]
     finally:
         for p in [gw, *emus]:
             if p.poll() is None:
