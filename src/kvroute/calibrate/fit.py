@@ -56,9 +56,10 @@ from pathlib import Path
 import yaml
 
 from kvroute.calibrate.measure import Measurements, Sweep
+from kvroute.calibrate.newcomer_probe import factors as newcomer_factors
 from kvroute.calibrate.noise import api_delay, step_sigma
 from kvroute.calibrate.slot_probe import per_token as slot_per_token
-from kvroute.perf.profile import HardwareProfile
+from kvroute.perf.profile import HardwareProfile, NewcomerPoint
 
 
 def nonneg_lstsq(rows: list[list[float]], y: list[float]) -> list[float]:
@@ -143,7 +144,10 @@ def fit_profile(m: Measurements, name: str, hardware: str, max_batched_tokens: i
         prefix_reuse="idle_slots" if any(f.slots for f in facts) else "shared",
         waiting_gauge="llama_server" if any(f.slots for f in facts) else "live",  # requests_deferred
         noise_step_sigma=sigma, noise_api_delay_s=delay["api_delay_s"], ttft_overhead_busy_s=busy,
-        c_admit_s=admit, prefill_attn_tile=tile, slot_save_s_per_token=slot_per_token(m.slot_saves, sharing))
+        c_admit_s=admit, prefill_attn_tile=tile, slot_save_s_per_token=slot_per_token(m.slot_saves, sharing),
+        # the per-core transient beyond processor sharing: only where the cores are shared (sim/host.py)
+        newcomer_slowdown=[NewcomerPoint(others=k, solo_s=t, factor=f) for k, t, f in
+                           newcomer_factors(m.newcomer, host_cores, background)] if host_cores else [])
     source = f"measured by kvroute calibrate, {len(facts)} engine(s) loaded together"
     if sharing > 1:
         source += f", divided by {sharing:.3g} for {host_cores} shared cores"
@@ -173,6 +177,7 @@ def fit_profile(m: Measurements, name: str, hardware: str, max_batched_tokens: i
               "sharing": sharing, "background_cores": background,
               "sweep": (sweep or Sweep()).__dict__, "raw_prefill": len(m.prefill), "raw_decode": len(m.decode),
               "raw_warm": len(m.warm), "busy_probes": len(m.busy), "slot_probes": len(m.slot_saves),
+              "newcomer_probes": len(m.newcomer),
               "noise": {"step_sigma": sigma, "step_points": sigma_points, **delay}}
     return profile, report
 
@@ -234,6 +239,10 @@ def write_profile(path: str | Path, profile: HardwareProfile, report: dict) -> N
         header.append(f"# slot_save_s_per_token: from {report.get('slot_probes', 0)} tiny prompts sent after a slot "
                       "of N fresh tokens (the sweep's slot_sizes) went idle, against the next tiny prompt "
                       "(llama-server copies idle slots to its host prompt cache; calibrate/slot_probe.py)")
+    if profile.newcomer_slowdown:
+        header.append(f"# newcomer_slowdown: from {report.get('newcomer_probes', 0)} warm and cold prefills sent "
+                      "beside 1..N-1 engines each running a long prefill, against the same alone: the median of "
+                      "beside / (alone x max(1, (others + 1) / (cores - background))) (calibrate/newcomer_probe.py)")
     if noise:
         header.append(f"# engine noise (used only where a scenario says `engine_noise: profile`): step time "
                       f"log-sigma {noise['step_sigma']:.3f} from {noise['step_points']} prefill repeats; extra "

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field, replace
 import aiohttp
 
 from kvroute.calibrate.host_cpu import CpuLedger
+from kvroute.calibrate.newcomer_probe import newcomer_points
 from kvroute.calibrate.slot_probe import slot_points
 from kvroute.errors import ServiceError
 
@@ -65,20 +66,19 @@ class Sweep:
     decode_tokens: int = 24
     repeats: int = 2
     timeout_s: float = 120.0  # any one request
-    # warm prefills: a prompt of ``ctx`` tokens, then the same prompt plus ``n`` new tokens (its
-    # prefix cached): the attention of new tokens over a cached context, which a cold prefill
-    # alone cannot tell apart from the per-token cost (see fit.py). 96 and 256 new tokens: both past
-    # llama.cpp's 64-row attention tile (below it a chunk runs another, row-by-row kernel that the
-    # step model does not have: perf/profile.py prefill_attn_tile), like a chat turn's new part
+    # warm prefills: a prompt of ``ctx`` tokens, then it plus ``n`` new tokens (its prefix cached):
+    # new tokens' attention over a cached context, which cold prefills cannot tell apart from the
+    # per-token cost (fit.py). 96 and 256 new tokens, like a chat turn's new part: past llama.cpp's
+    # 64-row attention tile (below it a row-by-row kernel the model lacks: profile prefill_attn_tile)
     warm_contexts: tuple[int, ...] = (512, 1536)
     warm_lengths: tuple[int, ...] = (96, 256)
     noise_probes: int = 8  # rounds of a tiny prompt, for the per-request delay's spread (noise.py)
-    # rounds of a tiny prompt beside a decoding batch per decode context (fit.py's c_admit_s, the
-    # median): one round gave a llama-server stall of 2.4 ms in one quiet calibration, 0.05 ms in
-    # the next, which moved 4 of the 20 fidelity ratios across the 20 % line (issue 21)
+    # rounds of a tiny prompt beside a decoding batch per decode context (fit.py's c_admit_s, the median):
+    # one round gave a stall of 2.4 ms, then 0.05 ms: 4 of 20 fidelity ratios crossed the 20 % line (issue 21)
     busy_rounds: int = 3
     slot_sizes: tuple[int, ...] = (1024, 3072)  # llama-server's slot copies (calibrate/slot_probe.py)
     slot_rounds: int = 3
+    newcomer_rounds: int = 0  # prefills started beside busy engines (calibrate/newcomer_probe.py; --host-cores: 2)
 
 
 @dataclass
@@ -112,15 +112,15 @@ class Measurements:
     # prompt beside a decoding batch
     busy: list[tuple[int, float, int, float, float]] = field(default_factory=list)
     slot_saves: list[tuple[int, float]] = field(default_factory=list)  # calibrate/slot_probe.py
+    newcomer: list[tuple[int, str, float, float]] = field(default_factory=list)  # calibrate/newcomer_probe.py
     wall_s: float = 0.0
     background_cores: float | None = None  # other CPU on the engines' machine meanwhile (host_cpu.py)
     sweep: Sweep | None = None  # what was swept: the asked sweep as the context limit let it run
 
 
 def _text(n_bytes: int, rng: random.Random) -> str:
-    """A fresh prompt of ``n_bytes`` UTF-8 bytes, the nonce included (never shorter than the nonce).
-    The last word is cut to fit: whole words overshoot by up to a word, several tokens at the
-    byte-per-token ratios of small vocabularies, which would miss the sweep's length targets."""
+    """A fresh prompt of ``n_bytes`` UTF-8 bytes, the nonce included (never shorter than it), the
+    last word cut to fit (a whole word is several tokens of a small vocabulary: targets missed)."""
     out = [f"calibration {uuid.uuid4().hex}."]
     nonce = len(out[0])
     size = nonce
@@ -191,9 +191,8 @@ class _Engine:
 
     async def sized(self, tokens: int, max_tokens: int = 1) -> tuple[float, int]:
         """:meth:`complete` on a fresh prompt of about ``tokens`` tokens, 10 % shorter after each
-        answer that it overflowed the context (up to 3 times): a tokenizer whose bytes per token
-        drift with length (vLLM's tiny test model: 1.72 at 500 tokens, 1.50 at the margin past
-        1,000) makes the first prompt near the limit overshoot the sweep's 2 % margin."""
+        context overflow (up to 3 times): bytes per token drift with length (vLLM's tiny test model:
+        1.72 at 500 tokens, 1.50 past 1,000), so a prompt near the limit may overshoot the margin."""
         for _ in range(3):
             try:
                 return await self.complete(self.prompt(tokens), max_tokens)
@@ -388,6 +387,7 @@ async def measure(urls: list[str], model: str | None = None, sweep: Sweep | None
             got = await asyncio.gather(*(e.complete(e.prompt(16), 1) for e in engines))
             m.probes.extend((i, s) for i, (s, _) in enumerate(got))
         m.slot_saves = await slot_points(engines, facts, sweep.slot_sizes, sweep.slot_rounds, say)
+        m.newcomer = await newcomer_points(engines, sweep, say)
         for ctx in sweep.contexts:
             for batch in sweep.batch_sizes:
                 prompts = [[e.prompt(ctx) for _ in range(batch)] for e in engines]

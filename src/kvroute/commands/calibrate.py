@@ -24,7 +24,9 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         return error(f"--out {args.out}: cannot write there: {why}")
     sweep = Sweep(args.prefill_lengths, args.batch_sizes, args.contexts, args.decode_tokens, args.repeats,
                   args.timeout, warm_contexts=args.warm_contexts, warm_lengths=args.warm_lengths,
-                  noise_probes=args.noise_probes)
+                  noise_probes=args.noise_probes,
+                  # engines sharing cores: how a step started beside busy ones runs (calibrate/newcomer_probe.py)
+                  newcomer_rounds=2 if args.host_cores else 0)
     import asyncio
 
     try:

@@ -44,6 +44,18 @@ from pydantic import ConfigDict, Field
 from kvroute.schema import StrictModel
 
 
+class NewcomerPoint(StrictModel):
+    """How much slower than processor sharing a step runs whose engine starts stepping while
+    ``others`` engines of its machine already step (sim/host.py ``newcomer_factor``), for a step of
+    ``solo_s`` seconds alone; measured by `kvroute calibrate` (calibrate/newcomer_probe.py)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    others: int = Field(ge=1)
+    solo_s: float = Field(gt=0)
+    factor: float = Field(ge=1)
+
+
 class HardwareProfile(StrictModel):
     """One engine on one machine as the simulator models it: step-time constants (fixed, per prefill token,
     per decode, attention), KV capacity, batch limits, how prefixes are reused, and the published points it
@@ -81,6 +93,12 @@ class HardwareProfile(StrictModel):
     # the copied state, measured by `kvroute calibrate` (a tiny prompt after a slot of N fresh
     # tokens went idle, against one after a tiny slot did; sim/slot_cache.py). 0: no copies.
     slot_save_s_per_token: float = Field(0.0, ge=0)
+    # Engines sharing a machine's cores (scenario host_cores): an engine that starts stepping while
+    # others step runs its first step this much slower than processor sharing gives it (Linux
+    # queues it on a busy core until its load balancing moves a thread; sim/host.py), per number of
+    # others stepping and step length alone, interpolated. Measured by `kvroute calibrate --host-cores`
+    # (calibrate/newcomer_probe.py: a warm and a cold prefill started beside busy engines); empty: none.
+    newcomer_slowdown: list[NewcomerPoint] = Field(default_factory=list)
     # Query rows per prefill attention tile. llama.cpp's CPU flash attention (ggml-cpu/ops.cpp,
     # ggml_compute_forward_flash_attn_ext_tiled; GGML_FA_TILE_Q = 64 in ggml-cpu/common.h, the
     # source llama-cpp-python 0.3.36 vendors) runs a chunk of >= 64 query tokens of one sequence in

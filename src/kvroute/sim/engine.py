@@ -15,8 +15,10 @@ worth at most block_size − 1 tokens per running sequence.
 
 Engines that share a machine's cores (``Host``, sim/host.py) slow each other down: a step's time
 scales by ``max(1, stepping engines / (cores - background))``, the background being the other
-work on the machine, re-timed whenever an engine on the host starts or stops stepping. Engines
-without a host run as if each had its own machine.
+work on the machine, re-timed whenever an engine on the host starts or stops stepping; the first
+step of an engine that starts stepping beside others also by the profile's measured
+``newcomer_slowdown`` (sim/host.py ``newcomer_factor``). Engines without a host run as if each had
+its own machine.
 
 Modules (split by idea, issue 22): seq.py (a request, the states, the jump), kvcache.py (KV
 accounting and prefix cache), batch.py (queue, admission, transitions), handover.py (migration),
@@ -36,7 +38,7 @@ from kvroute.perf.profile import HardwareProfile
 from kvroute.sim.deferred_gauge import DeferredGauge
 from kvroute.sim.events import Scheduler
 from kvroute.sim.handover import Handover
-from kvroute.sim.host import Host
+from kvroute.sim.host import Host, newcomer_factor
 from kvroute.sim.seq import DECODE, DONE, PREFILL, WAITING, Jump, Seq, steps_done
 from kvroute.sim.sglang_admission import install as install_admission
 from kvroute.sim.slot_cache import for_profile as slot_cache
@@ -62,6 +64,8 @@ class Engine(Handover):
         if host is not None:
             host.engines.append(self)
         self._slow = 1.0  # the host's slowdown the step in progress was timed with
+        self._joined = 0  # engines of the host stepping when this one started to (its first step: sim/host.py)
+        self._nf = 1.0  # the newcomer factor of the step in progress (host.newcomer_factor)
         self._step_end = 0.0  # when the single step in progress (not a decode jump) ends
         self.on_step = on_step
         self.max_jump_steps = max_jump_steps
@@ -124,6 +128,7 @@ class Engine(Handover):
         if host is not None and not self._busy:
             self._busy = True
             host.stepping_changed(self, True)
+            self._joined = host.stepping - 1
         self._busy = True
         self._version += 1
         p = self.p
@@ -164,8 +169,10 @@ class Engine(Handover):
                 dt += p.c_admit_s * sum(1 for seq, _ in chunks if seq.prompt - seq.prefill_left <= max(seq.cached, 0))
             if noise is not None:
                 dt *= noise(1)
-            if host is not None:  # cores shared with other engines (Host)
-                self._slow = host.slowdown_of(self)
+            if host is not None:  # cores shared with other engines (Host); a newcomer's first step more so
+                nf = newcomer_factor(p.newcomer_slowdown, self._joined, dt) if self._joined else 1.0
+                self._joined, self._nf = 0, nf
+                self._slow = host.slowdown_of(self) * nf
                 dt *= self._slow
                 self._step_end = loop.now + dt
             self.busy_s += dt
@@ -196,6 +203,7 @@ class Engine(Handover):
             alpha *= f
             beta *= f
         if host is not None:  # cores shared with other engines (Host)
+            self._joined, self._nf = 0, 1.0  # the newcomer transient: prefill steps only (sim/host.py)
             self._slow = slow = host.slowdown_of(self)
             alpha *= slow
             beta *= slow
@@ -219,12 +227,14 @@ class Engine(Handover):
         if host is not None and not self._busy:
             self._busy = True
             host.stepping_changed(self, True)
+            self._joined = host.stepping - 1
         self._busy = True
         self._version += 1
         self._jump = None
         self._copying = True
         loop = self.loop
         if host is not None:
+            self._nf = 1.0
             self._slow = host.slowdown_of(self)
             dt *= self._slow
             self._step_end = loop.now + dt
@@ -242,7 +252,7 @@ class Engine(Handover):
         (the next plan is timed with the new slowdown); a single step's remaining time stretches
         or shrinks by the ratio of the slowdowns."""
         assert self.host is not None
-        slow = self.host.slowdown_of(self)
+        slow = self.host.slowdown_of(self) * self._nf
         if self._jump is not None:
             self._interrupt(self._jump)
             return

@@ -3,7 +3,10 @@ Split out of sim/engine.py (issue 22)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
+
+from kvroute.perf.profile import NewcomerPoint
 
 
 class Stepping(Protocol):
@@ -31,14 +34,18 @@ class Host:
     where sharing the cores among the engines alone allows 1.40x at that run's occupancy; the
     background measured in later runs was 0.12-0.19 cores.
 
-    Not modelled, measured (issue 21g, `quiet`): Linux schedules per core, so an engine that
-    starts a step while both others step shares one core with one of them — a warm ~100-token
-    prefill took 2.02x its time alone while the other two ran prefills back to back (1.82x while
-    they decoded), not 1.5x; its own CPU time rose only 6-10 % (``/proc/.../schedstat``: the
-    rest was run-queue wait). Over longer spans the kernel's balancing evens this out (decode
-    phases in the fourth round's logs: 1.45-1.86x), and a per-core model without that rotation
-    (k engines on a core: k x) matched two quiet fidelity runs worse than processor sharing
-    (15 and 9 of 20 ratios within 10 % against 17 and 13)."""
+    Linux schedules per core, so an engine that starts a step while both others step shares one
+    core with one of them (issue 21g, `quiet`): a warm ~100-token prefill took 2.02x its time alone
+    while the other two ran prefills back to back (1.82x while they decoded), not 1.5x; its own CPU
+    time rose only 6-10 % (``/proc/.../schedstat``: the rest was run-queue wait). Over longer spans
+    the kernel's balancing evens this out (decode phases in the fourth round's logs: 1.45-1.86x),
+    and a per-core model without that rotation (k engines on a core: k x) matched two quiet
+    fidelity runs worse than processor sharing (15 and 9 of 20 ratios within 10 % against 17 and
+    13). So the transient alone is modelled (issue 21i): an engine's first step after it starts
+    stepping beside others takes :func:`newcomer_factor` times the sharing above, the factor measured
+    by `kvroute calibrate` (profile ``newcomer_slowdown``; the engine applies it, sim/engine.py).
+    The engines already stepping keep processor sharing meanwhile (per core, one of them would
+    slow down as much and another speed up: not measured, not modelled)."""
 
     __slots__ = ("cores", "background", "engines", "stepping")
 
@@ -79,3 +86,26 @@ class Host:
             for other in self.engines:
                 if other is not engine and other._busy:
                     other._rescale()
+
+
+def newcomer_factor(points: Sequence[NewcomerPoint], others: int, solo_s: float) -> float:
+    """The measured slowdown beyond processor sharing of a step of ``solo_s`` seconds alone whose
+    engine started stepping while ``others`` engines of its host stepped (perf/profile.py
+    ``newcomer_slowdown``; 1 where nothing was measured or ``others`` is 0). Points for the largest
+    measured count up to ``others``; between two step lengths the factor is interpolated linearly;
+    below the shortest it is the shortest's (the kernel's transient outlasts it); beyond the longest
+    the longest's excess time stays the same (a transient of fixed length: a long step dilutes it)."""
+    if others < 1 or not points:
+        return 1.0
+    counts = [p.others for p in points if p.others <= others]
+    if not counts:
+        return 1.0
+    k = max(counts)
+    row = sorted((p.solo_s, p.factor) for p in points if p.others == k)
+    if solo_s <= row[0][0]:
+        return row[0][1]
+    for (t0, f0), (t1, f1) in zip(row, row[1:]):
+        if solo_s <= t1:
+            return f0 + (f1 - f0) * (solo_s - t0) / (t1 - t0)
+    t, f = row[-1]
+    return 1.0 + (f - 1.0) * t / solo_s
