@@ -80,3 +80,29 @@ def test_before_any_completion_the_detour_is_unbounded_and_tiers_keep_their_orde
     assert values[0] == pytest.approx(10.0 / 51.0)  # out of the near set, soon, nothing known of TPOT: by score
     assert values[1] == pytest.approx(1.5 + OUTSIDE_S)  # the near set's pick, late
     assert values[2] == pytest.approx(2.0 + 2 * OUTSIDE_S)
+
+
+@pytest.mark.parametrize(("slo_ms", "chosen"), [
+    (0.0, "slow"),    # no SLO: slow's requests decoded faster (15 ms) than fast's (~40 ms): the late pick stays
+    (100.0, "fast"),  # the SLO given: fast's p90 (~65 ms) leaves headroom under 100 ms, the long prompt goes there
+    (50.0, "slow"),   # ~65 ms > 50 ms: no headroom, no detour
+])
+def test_with_a_tpot_slo_a_late_request_detours_while_the_p90_there_is_within_it(slo_ms, chosen):
+    fit = _fleet(0.015)
+    p90 = fit.decode_p90_s()
+    assert 0.060 < p90["fast"] < 0.070 and p90["slow"] == pytest.approx(0.015)  # mean + 1.28 sd of 12..68 ms
+    eps = [Endpoint("fast", inflight=25), Endpoint("slow", inflight=0)]
+    values = detour(fit, eps, [0.5, 1.7], [10.0, 1.0], 2.0, {}, slo_ms / 1000.0)
+    assert _pick(values, ["fast", "slow"]) == chosen
+
+
+def test_auto_hands_its_tpot_slo_to_every_copy_of_its_score():
+    from kvroute.policy import build_policy
+    from kvroute.policy.adaptive.replica_speed import SpeedLMetric
+
+    def slos(policy) -> list[float]:
+        scorers = [s for rule in policy.rules for s, _ in rule.scorers]
+        scorers += [getattr(f, "scorer", None) for rule in policy.rules for f in rule.among]
+        return [s.slo_tpot_s for s in scorers if isinstance(s, SpeedLMetric)]
+    assert slos(build_policy("auto")) == [0.0] * 4
+    assert slos(build_policy("auto", {"slo_tpot_ms": 80})) == [0.08] * 4

@@ -201,3 +201,32 @@ def test_the_markdown_table_marks_cells_below_the_target_and_saturated_ones():
     assert md[2].startswith("| s | 50% of x1.5 (slo) | **0.900** [0.90–0.90] | x | 1.000")
     assert "**saturated**: x" in md[3]
     assert "0 of 1 cells within 3 %" in md[5] and "worst cell: s at 50% — 0.900 of the best (goodput)" in md[6]
+
+
+def test_bench_auto_gives_auto_the_scenarios_tpot_slo_and_the_presets_none():
+    """auto runs as a user configures it, told the objective goodput is judged on (slo_tpot_ms); the presets
+    take no SLO."""
+    from kvroute.bench import auto
+
+    class Stop(Exception):
+        pass
+
+    class Fake:
+        calls: list = []
+
+        def map(self, fn, tasks, *a):
+            if fn.__name__ == "knee_task":
+                return [{"slo": {"factor": 1.0}, "stability": {"factor": 1.0}} for _ in tasks]
+            self.calls.extend(tasks)
+            raise Stop
+
+        def describe(self) -> str:
+            return "fake"
+
+    ex = Fake()
+    with pytest.raises(Stop):
+        auto.run(("mixed-hardware",), ("lmetric",), 1, 50, ex)
+    labels = {label for _, label, _ in ex.calls}
+    assert labels == {"auto(slo_tpot_ms=100.0)", "lmetric"}
+    data = ex.calls[0][0]
+    assert data["policies"] == [{"preset": "auto", "params": {"slo_tpot_ms": 100.0}}, "lmetric"]

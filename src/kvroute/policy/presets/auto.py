@@ -84,7 +84,7 @@ LEAST_WORK = "auto:least-work"
 # rule, trust regions) hears the same events and learns into one replica-speed fit (one refresh per event)
 INCUMBENT = {"lmetric_speed": {"spread": "$speed_spread", "learn": "$speed", "live_batch": "$live_batch",
                                 "min_samples": "$speed_samples", "ttft_pick": "$speed_ttft", "near": "$trust",
-                                "detour": "$speed_detour", "shared_fit": "incumbent"}}
+                                "detour": "$speed_detour", "shared_fit": "incumbent", "slo_tpot_ms": "$slo_tpot_ms"}}
 TRUST = {"near_best": {"scorer": INCUMBENT, "factor": "$trust"}}
 # one region, one hardware kind: the prefill tokens ahead of the first token (uncached ones once more as far as
 # the candidates are busy: a prefill the cache would have saved is then work a queue waits for), then this LB's
@@ -150,6 +150,10 @@ class AutoParams(PolicyParams):
                                "TTFT: the near set's, and those outside it whose measured decode time per token is no "
                                "longer than on the near set's pick (short prompts to slow replicas, long ones to "
                                "fast ones); false: the near set's soonest")
+    slo_tpot_ms: float = Field(0.0, ge=0, description="the deployment's TPOT objective in ms (0: none given): on a "
+                               "fleet judged mixed, the detour sends a request to a replica outside the near set "
+                               "while that replica's measured p90 time per output token is within it (headroom, as "
+                               "llm-d's SLO scorer), instead of while it is no slower than the near set's pick")
     speed_samples: int = Field(2, ge=1, description="first tokens and completions per replica before its "
                                "learned speed counts (at least 3 first tokens, 2 completions: what a standard error "
                                "needs); the spread must also stand apart by Student's t at 95.45 %")

@@ -33,7 +33,16 @@ replica without 2 completions is read at its decode factor × the fleet's median
 completion the detour is unbounded (the warm-up: the fast replicas are idle). Without any decode condition
 (every late request detoured) the A100s' TPOT p90 reached 106 ms at 90 % of the knee and goodput fell 10 %
 (3.73 → 3.36 req/s). The price: at 90 % of the knee goodput 1.2 % lower over 9 seeds (3.65 against 3.70
-req/s; up to 5 % in one seed). Measurements in docs/auto.md. Pure.
+req/s; up to 5 % in one seed). Measurements in docs/auto.md.
+
+**With a TPOT SLO** (``slo_tpot_s`` > 0; ``auto``'s ``slo_tpot_ms``, session 8): the decode condition reads
+the user's objective instead of the near set's pick — a replica outside the near set qualifies while its
+measured 90th percentile time per output token (:meth:`~.fit.SpeedFit.decode_p90_s`) is within the SLO:
+it has TPOT headroom, as llm-d's SLO scorer has it (a predicted p90 TPOT against the request's
+``x-slo-tpot-ms``; llm-d's guide *Predicted Latency based Load Balancing*). Without the SLO the bound
+must be relative (no worse than where the score would send it) and keeps long prompts on the slow
+replicas whenever a fast one's batch has grown; with it a fast replica takes them while its TPOT
+leaves room. Pure.
 """
 
 from __future__ import annotations
@@ -47,11 +56,12 @@ OUTSIDE_S = 1e6  # added per tier to a predicted TTFT (seconds) that a better ti
 
 
 def detour(fit: SpeedFit, eps: list[Endpoint], ttft: list[float], scaled: list[float], limit: float,
-           decode_factor: dict[str, float]) -> list[float]:
+           decode_factor: dict[str, float], slo_tpot_s: float = 0.0) -> list[float]:
     """Values (lower is better) ranking ``eps`` as the module says: ``ttft`` the predicted TTFTs (seconds),
     ``scaled`` the speed-scaled scores, ``limit`` the near set's bound on them, ``decode_factor`` the
-    replicas' decode factors (for a replica whose decode is not measured yet). The replicas that qualify
-    rank by their score (scaled into [0, 1)), then the near set's late ones by TTFT, then the rest."""
+    replicas' decode factors (for a replica whose decode is not measured yet), ``slo_tpot_s`` the TPOT SLO
+    (0: none). The replicas that qualify rank by their score (scaled into [0, 1)), then the near set's late
+    ones by TTFT, then the rest."""
     first = min(ttft) + fit.mean_wait_s()
     near = [v <= limit for v in scaled]
     pick = min(range(len(eps)), key=lambda i: ttft[i] + (0.0 if near[i] else OUTSIDE_S))
@@ -62,11 +72,17 @@ def detour(fit: SpeedFit, eps: list[Endpoint], ttft: list[float], scaled: list[f
         t = dec.get(e.id)
         return t if t is not None or mid is None else mid * decode_factor.get(e.id, 1.0)
 
-    mine = tpot(eps[pick])
+    # with the SLO: headroom under it (the measured p90, else as above); without: no worse than the near set's pick
+    p90 = fit.decode_p90_s() if slo_tpot_s > 0 else {}
+    bound = slo_tpot_s if slo_tpot_s > 0 else tpot(eps[pick])
+
+    def decode(e: Endpoint) -> float | None:
+        return p90[e.id] if e.id in p90 else tpot(e)
+
     top = 1.0 + max(scaled)
     out = []
     for e, t, v, n in zip(eps, ttft, scaled, near):
-        if t <= first and (n or mine is None or ((tp := tpot(e)) is not None and tp <= mine)):
+        if t <= first and (n or bound is None or (tp := decode(e)) is None or tp <= bound):
             out.append(v / top)
         else:
             out.append(t + (1 if n else 2) * OUTSIDE_S)

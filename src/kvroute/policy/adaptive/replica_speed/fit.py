@@ -54,6 +54,7 @@ from statistics import median
 DEFAULT_HALFLIFE = 128  # observations per replica over which an old one's weight halves
 # the fewest observations a standard error needs: a line through 2 points, a mean of 1, has no residual
 LINE_FLOOR, RATIO_FLOOR = 3, 2
+Z90 = 1.2815515655446004  # the standard normal's 90th percentile (a replica's p90 TPOT, as llm-d predicts it)
 
 
 @lru_cache(maxsize=256)
@@ -152,6 +153,13 @@ class _Ratio:
         self.w = self.w * decay + 1.0
         self.r = self.r * decay + q
         self.rr = self.rr * decay + q * q
+
+    def sd(self) -> float:
+        """Weighted standard deviation of the per-observation ratios; 0 for one observation."""
+        if self.w <= 1.0 + 1e-9:
+            return 0.0
+        m = self.r / self.w
+        return math.sqrt(max(0.0, self.rr / self.w - m * m) * self.w / (self.w - 1.0))
 
     def se(self) -> float:
         """Standard error of the mean per-observation ratio; inf for one observation."""
@@ -257,6 +265,13 @@ class SpeedFit:
     def decode_s(self) -> dict[str, float]:
         """Per replica with ``min_samples`` completions: its mean time per output token."""
         return {ep: t for ep, (t, _) in self._decode_est().items()}
+
+    def decode_p90_s(self) -> dict[str, float]:
+        """Per replica with ``min_samples`` completions: its 90th percentile time per output token, read as
+        the mean + 1.28 standard deviations of its recent requests' own times per token (normal law;
+        llm-d's SLO scorer likewise compares a predicted p90 TPOT with the request's SLO)."""
+        floor = max(self.min_samples, RATIO_FLOOR)
+        return {ep: r.num / r.den + Z90 * r.sd() for ep, r in self._decode.items() if r.n >= floor and r.den > 0}
 
     def _relative(self, est: dict[str, tuple[float, float]], test: bool = True) -> dict[str, float]:
         """Each time over the median; with ``test``, empty (all 1) unless some replica's time, ``z``

@@ -78,6 +78,9 @@ class SpeedLMetric(Scorer, SpeedPlugin):
     L4s idle at half the knee but overloads the A100s' decode past it (TPOT SLO missed at 70 %,
     unstable at 90 %). Replicas outside the near set rank after every one inside it.
 
+    ``slo_tpot_ms`` (0: none): the user's TPOT objective; with ``detour``, a replica outside the near set takes
+    a request while its measured p90 time per output token is within it (:mod:`.detour`).
+
     ``shared_fit``: a name; the ``lmetric_speed`` copies of one policy that give the same name and the same
     fit settings (``min_samples``, ``halflife``, ``spread``, ``z``, ``learn``) learn into one
     :class:`~.fit.SpeedFit` (:mod:`kvroute.policy.shared`) — ``auto``'s incumbent and its trust regions, which
@@ -90,7 +93,7 @@ class SpeedLMetric(Scorer, SpeedPlugin):
 
     def __init__(self, min_samples: int = 16, halflife: int = DEFAULT_HALFLIFE, spread: float = 1.5,
                  z: float = 2.0, learn: bool = True, live_batch: bool = False, ttft_pick: bool = False,
-                 near: float = 2.0, detour: bool = False, shared_fit: str = ""):
+                 near: float = 2.0, detour: bool = False, shared_fit: str = "", slo_tpot_ms: float = 0.0):
         def make() -> SpeedFit:
             return SpeedFit(min_samples=min_samples, halflife=halflife, spread=spread, z=z)
         # copies of one policy naming the same shared fit (and settings) learn into one: each event is then
@@ -99,6 +102,9 @@ class SpeedLMetric(Scorer, SpeedPlugin):
         SpeedPlugin.__init__(self, shared(key, make) if shared_fit and learn else make())
         if near < 1:
             raise ValueError(f"near must be >= 1, got {near}")
+        if slo_tpot_ms < 0:
+            raise ValueError(f"slo_tpot_ms must be >= 0, got {slo_tpot_ms}")
+        self.slo_tpot_s = slo_tpot_ms / 1000.0
         self.learn, self.live_batch, self.ttft_pick, self.near, self.detour = learn, live_batch, ttft_pick, near, detour
         self.dispatches = 0
         self.floored = 0  # dispatches whose target counted more requests in flight than its probe showed
@@ -177,7 +183,7 @@ class SpeedLMetric(Scorer, SpeedPlugin):
             return scaled
         ttft = [t + e.rtt_s for t, e in zip(predicted, eps)]
         if self.detour:
-            return detour(self.fit, eps, ttft, scaled, limit, df)
+            return detour(self.fit, eps, ttft, scaled, limit, df, self.slo_tpot_s)
         # seconds; a replica the score ranks out of the near set goes after every one inside it
         return [t + (0.0 if v <= limit else OUTSIDE_S) for t, v in zip(ttft, scaled)]
 
