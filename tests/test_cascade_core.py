@@ -73,12 +73,15 @@ def skewed(n: int, seed: int = 1) -> list[tuple[int, int]]:
 
 
 def test_sixteen_instances_at_128k_partition_fast_and_split_skewed_lengths():
-    t0 = time.perf_counter()
+    # the planner's own CPU time (this thread's: no other test's leftover thread counts), as
+    # reproduce/cascadeinfer.py reports it: wall time counts the machine's other tenants too
+    # (0.46 s of wall for 0.09 s of CPU at load ~10)
+    t0 = time.thread_time()
     running = partition.period_set(skewed(2000))
     costs = partition.StageCosts(MODEL, running, partition.cut_points(131072, 64, per_octave=2), 114688 / 25e9)
     plan = partition.heuristic(costs, 16)
-    took = time.perf_counter() - t0
-    assert took < 1.0
+    took = time.thread_time() - t0
+    assert took < 1.0, took
     assert sum(plan.sizes) == 16 and len(plan.stages) > 1
     exact = partition.exact(costs, 16)
     assert exact.cost <= plan.cost <= partition.single_stage(costs, 16).cost
