@@ -97,6 +97,9 @@ class _Fake:
     def suffix(self, tokens: int) -> str:
         return "y " * tokens
 
+    async def sized(self, tokens: int, max_tokens: int = 1) -> tuple[float, int]:
+        return await self.complete(self.prompt(tokens), max_tokens)
+
     async def complete(self, prompt: str, max_tokens: int) -> tuple[float, int]:
         tokens = len(prompt.split())
         seconds = 0.1 * (tokens / 1000) ** 2 * (2 if _Fake.busy else 1)
