@@ -131,11 +131,19 @@ def test_all_replicas_busy_queue_then_429():
         for i in range(2):
             dep.fault(i, slowdown=20.0)
         body = {"model": "emulated", "prompt": "busy " * 50, "max_tokens": 10}
+        rt = dep.runtime
+        # each request is sent once the one before holds its place (dispatched, dispatched, queued), not
+        # after a fixed 0.1 s: on a starved machine a late fourth could find the first done (~0.5 s each)
+        placed = [lambda: sum(e.inflight for e in rt.router.endpoints) == 1,
+                  lambda: sum(e.inflight for e in rt.router.endpoints) == 2, lambda: len(rt.queue) == 1]
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
             futs = []
-            for _ in range(4):
+            for i in range(4):
                 futs.append(pool.submit(httpx.post, f"{dep.url}/v1/completions", json=body, timeout=30))
-                time.sleep(0.1)
+                deadline = time.monotonic() + 10
+                while i < 3 and not placed[i]():
+                    assert time.monotonic() < deadline and not futs[-1].done(), f"request {i} not placed"
+                    time.sleep(0.005)
             codes = sorted(f.result().status_code for f in futs)
             rejected = next(f.result() for f in futs if f.result().status_code == 429)
         assert codes == [200, 200, 200, 429]  # two dispatched, one queued then served, one refused

@@ -11,13 +11,17 @@ from tests.fake_upstream import FaultyDeployment, http_response, replies
 
 
 def test_readiness_goes_false_before_the_drain_while_requests_are_still_served():
-    dep = FaultyDeployment([replies(http_response())], drain_delay_s=1.0)
+    # the checks below must all land inside the delay: 3 s of it, polled, instead of 1 s less a fixed
+    # 0.3 s sleep, which left 0.7 s for three requests from a test thread on a possibly starved machine
+    dep = FaultyDeployment([replies(http_response())], drain_delay_s=3.0)
     try:
         assert httpx.get(f"{dep.url}/livez").status_code == 200
         assert httpx.get(f"{dep.url}/readyz").status_code == 200
+        started = time.monotonic()
         draining = asyncio.run_coroutine_threadsafe(dep.gateway.drain(), dep.loop)
-        time.sleep(0.3)
-        assert httpx.get(f"{dep.url}/readyz").status_code == 503  # the front LB stops sending
+        while httpx.get(f"{dep.url}/readyz").status_code != 503:  # the front LB stops sending
+            assert not draining.done() and time.monotonic() - started < 3.0, "readiness never went false"
+            time.sleep(0.02)
         assert httpx.get(f"{dep.url}/livez").status_code == 200
         r = httpx.post(f"{dep.url}/v1/completions", json={"prompt": "late", "max_tokens": 1})
         assert r.status_code == 200  # but what still arrives is served
