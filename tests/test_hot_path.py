@@ -138,3 +138,27 @@ def test_local_histogram_exposition_equals_prometheus_clients():
         ref.observe(v)
         local.observe(v)
     assert generate_latest(local_registry) == generate_latest(ref_registry)
+
+
+def test_field_names_are_lowered_once_and_the_cache_is_bounded():
+    from kvroute.gateway import httpmsg
+
+    assert httpmsg.field_name(b"Content-Type") == "content-type"
+    assert httpmsg.field_name(b"X-\xe9t\xc9") == "x-\xe9t\xe9"  # latin-1, lowered as str.lower does
+    assert httpmsg.field_name(b"Content-Type") is httpmsg.field_name(b"Content-Type")  # from the cache
+    for i in range(2 * httpmsg._NAMES_MAX):  # a client inventing names cannot grow it past its bound
+        assert httpmsg.field_name(b"X-Made-Up-%d" % i) == f"x-made-up-{i}"
+    assert len(httpmsg._NAMES) <= httpmsg._NAMES_MAX
+
+
+@pytest.mark.parametrize("body", [b'{"model": "m", "messages": [], "max_tokens": 0}',
+                                  b'{"model": "m", "messages": [], "max_completion_tokens": true}',
+                                  b'{"model": "m", "messages": [], "n": 129}',
+                                  b'{"model": "m", "messages": [], "max_tokens": 2147483648}'])
+def test_count_fields_are_refused_with_their_name(body):
+    from kvroute.gateway.openai import PROXIED, RequestParsing
+
+    with pytest.raises(ClientError) as bad:
+        RequestParsing.parse(RequestParsing.__new__(RequestParsing), body, PROXIED["/v1/chat/completions"], {})
+    name = json.loads(body).keys() - {"model", "messages"}
+    assert bad.value.param in name and "must be an integer from 1 to" in str(bad.value)

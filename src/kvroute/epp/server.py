@@ -162,7 +162,7 @@ class Picker(ep_grpc.ExternalProcessorServicer):
             ex.route = kind.label
             model = body.get("model")
         else:  # no prompt to key (a GET, another path): routed by load, as a one-token request
-            req = Request(id=f"{proxy.id_prefix}{next(proxy.ids)}", arrival_s=time.monotonic(), prompt_tokens=1,
+            req = Request(id=proxy.next_id(), arrival_s=time.monotonic(), prompt_tokens=1,
                           max_output_tokens=1)
             model = None
         exclude = rt.excluded_for(model)

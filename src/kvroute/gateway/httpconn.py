@@ -255,7 +255,7 @@ class _Connection(asyncio.Protocol):
             raise BadRequest(431, f"more than {limits.max_headers} header fields", "too_many_headers")
         if self._in_trailers:
             return  # legal, counted against the head limits, not used
-        key = name.decode("latin-1").lower()
+        key = httpmsg.field_name(name)
         text = value.decode("latin-1")
         prior = self._headers.get(key)
         if prior is not None:
@@ -288,8 +288,7 @@ class _Connection(asyncio.Protocol):
             raise BadRequest(413, f"request body exceeds the limit of {limits.max_body_bytes} bytes",
                              "body_too_large")
         self._in_trailers = True
-        self._head_seen = 0
-        self._stall = 0
+        self._head_seen = self._stall = 0
         self.phase = _BODY
         self.deadline = self.server.now + limits.body_timeout_s
         self._req = Request(parser.get_method().decode("ascii"), self._url.decode("latin-1"), headers,

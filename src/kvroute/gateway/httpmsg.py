@@ -26,6 +26,21 @@ REASONS = {100: "Continue", 200: "OK", 204: "No Content", 400: "Bad Request", 40
 _STATUS_LINES: Final = {status: f"HTTP/1.1 {status} {reason}\r\n".encode() for status, reason in REASONS.items()}
 _CONTENT_TYPES: Final = {t: f"Content-Type: {t}\r\n".encode() for t in ("application/json", "text/event-stream")}
 
+# a field name as it came → its lowered text: clients send the same few names on every request, and a lookup
+# costs less than a decode and a lower (and the key's hash is then cached). Bounded: later names are lowered each time
+_NAMES: Final[dict[bytes, str]] = {}
+_NAMES_MAX: Final = 256
+
+
+def field_name(name: bytes) -> str:
+    """A request header field's name as the handlers see it: decoded (latin-1) and lowered."""
+    key = _NAMES.get(name)
+    if key is None:
+        key = name.decode("latin-1").lower()
+        if len(_NAMES) < _NAMES_MAX:
+            _NAMES[name] = key
+    return key
+
 
 @dataclass(frozen=True)
 class HTTPLimits:

@@ -6,7 +6,6 @@ is a :class:`~kvroute.errors.ClientError` naming the field (answered 400).
 
 from __future__ import annotations
 
-import itertools
 import json
 import time
 import uuid
@@ -34,6 +33,9 @@ def _fast_decoder() -> tuple[Any, type[Exception]]:
 
 
 _FAST: Final = _fast_decoder()  # Final: a C static in a compiled build (a module global is a dict lookup)
+_REGION: Final = REGION_HEADER  # an imported name is a module global too: read per request
+_RESIDENCY: Final = RESIDENCY_HEADER
+monotonic: Final = time.monotonic
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,12 @@ def prompt_key(field: str, value: Any) -> str | list[int]:
     return completion_key(value)  # text, texts (the first decides), or token ids
 
 
+def _check_count(name: str, v: Any, top: int) -> None:
+    """A count field (``max_tokens``, ``n``, ...) set to anything but an integer from 1 to ``top``: a 400."""
+    if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= top:
+        raise ClientError(f"field '{name}' must be an integer from 1 to {top}", param=name)
+
+
 def _loads(raw: bytes) -> Any:
     """The body as Python values: msgspec's decoder when installed, and ``json`` for whatever it
     refuses (NaN, lone surrogates, nesting past its limit, malformed input), so that what is
@@ -90,7 +98,7 @@ class RequestParsing:
 
     def __init__(self) -> None:
         self.id_prefix = f"{uuid.uuid4().hex[:8]}-"  # request ids: unique per process, cheap per request
-        self.ids = itertools.count(1)
+        self.issued = 0  # the last request number given out (a plain int: ``next`` of a counter is a generic call)
         self.estimates: dict[str, int] = {}  # request id → its unscaled token estimate, while it runs
 
     def reconfigure(self, config: GatewayConfig) -> list[str]:
@@ -112,6 +120,11 @@ class RequestParsing:
         self.config = config
         self.tokenizer_path = config.tokenizer_path  # read per request: a plain attribute, not pydantic's
         return changes if old is not None else []
+
+    def next_id(self) -> str:
+        """A new request id, unique in this process."""
+        self.issued += 1
+        return f"{self.id_prefix}{self.issued}"
 
     def parse(self, raw: bytes, kind: Kind, headers: dict[str, str]) -> tuple[dict, Request]:
         """Validate the body (the fields routing reads; the rest passes through) and key it."""
@@ -138,17 +151,22 @@ class RequestParsing:
         # ``get`` is a generic call (sixth round, docs/hot-path.md)
         model, stream, user = body.get("model"), body.get("stream"), body.get("user")
         # the common case (a str model, a bool or no stream, no user) in one test; else field by field
-        if model.__class__ is not str or (stream is not None and stream.__class__ is not bool) or user is not None:
+        # (isinstance: a type check in a compiled build, where ``x.__class__`` is a generic attribute read;
+        # JSON gives no subclasses of str or bool, so the two tests agree)
+        if not isinstance(model, str) or (stream is not None and not isinstance(stream, bool)) or user is not None:
             for name, typ in (("model", str), ("stream", bool), ("user", str)):
                 if body.get(name) is not None and not isinstance(body[name], typ):
                     raise ClientError(f"field '{name}' must be a {typ.__name__}, got {type(body[name]).__name__}",
                                       param=name)
         max_tokens, max_completion, n = body.get("max_tokens"), body.get("max_completion_tokens"), body.get("n")
-        if max_tokens is not None or max_completion is not None or n is not None:
-            for name, top in (("max_tokens", MAX_INT32), ("max_completion_tokens", MAX_INT32), ("n", MAX_N)):
-                v = body.get(name)
-                if v is not None and (not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= top):
-                    raise ClientError(f"field '{name}' must be an integer from 1 to {top}", param=name)
+        # each checked written out, not by a loop over (name, limit) pairs: a compiled build boxed the
+        # pairs into a tuple and iterated it generically on every request that sets max_tokens
+        if max_tokens is not None:
+            _check_count("max_tokens", max_tokens, MAX_INT32)
+        if max_completion is not None:
+            _check_count("max_completion_tokens", max_completion, MAX_INT32)
+        if n is not None:
+            _check_count("n", n, MAX_N)
         try:
             key = prompt_key(field, body[field])
         except PromptError as exc:
@@ -159,7 +177,7 @@ class RequestParsing:
             ids = self.engine_tokens.prompt_ids(field, body)
             if ids:
                 key = ids
-        hashes, tokens = self.hasher(key)
+        hashes, tokens = self.hasher.of(key)
         block_tokens = self.hasher.block_tokens
         estimated = 0  # the bytes/4 estimate, when that is what counted the prompt
         if isinstance(key, str) and not self.tokenizer_path:
@@ -173,10 +191,10 @@ class RequestParsing:
         if routing_key is None and isinstance(user, str):
             routing_key = user
         max_out = max_completion or max_tokens or 256
-        req = Request(id=f"{self.id_prefix}{next(self.ids)}", arrival_s=time.monotonic(),
+        req = Request(id=self.next_id(), arrival_s=monotonic(),
                       routing_key=routing_key, block_hashes=hashes, block_tokens=block_tokens,
                       prompt_tokens=tokens, max_output_tokens=max_out,
-                      region=headers.get(REGION_HEADER), residency=headers.get(RESIDENCY_HEADER))
+                      region=headers.get(_REGION), residency=headers.get(_RESIDENCY))
         if estimated:
             self.estimates[req.id] = estimated
         return body, req

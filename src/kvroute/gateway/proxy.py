@@ -71,6 +71,7 @@ class Proxy(RequestParsing):
         self.tokens = runtime.tokens
         self.rng = random.Random()
         self.tracer = Tracer(runtime.config.tracing.enabled)
+        self._replica_lines: dict[str, bytes] = {}  # replica id → its x-kvroute-replica header line
         self.reconfigure(runtime.config)
 
     # -- the handler ----------------------------------------------------------------------------
@@ -214,7 +215,12 @@ class Proxy(RequestParsing):
         hot = self.rt.hot
         out = response_fields(upstream.headers, hot.access_log)
         if hot.replica_header and target in self.rt.upstreams:  # a peer's answer names its own
-            out += (b"x-kvroute-replica: ", target.encode("latin-1"), b"\r\n")
+            line = self._replica_lines.get(target)
+            if line is None:  # the replica's header line, made once per replica (discovery may bring new
+                line = b"x-kvroute-replica: " + target.encode("latin-1") + b"\r\n"  # ones: bounded)
+                if len(self._replica_lines) < 1024:
+                    self._replica_lines[target] = line
+            out.append(line)
             ticket = self.rt.router.tickets.get(req.id)
             if ticket is not None:  # the prompt tokens the index predicted cached there (engines report theirs)
                 hit = min(req.prompt_tokens, ticket.matched_blocks * req.block_tokens)
@@ -408,7 +414,7 @@ class Proxy(RequestParsing):
             leg = HTTPRequest(request.method, request.path, request.headers, request.keep_alive)
             leg.body = json.dumps(body).encode()
             field = "messages" if splice.chat else "prompt"
-            hashes, _ = self.hasher(prompt_key(field, body[field]))
+            hashes, _ = self.hasher.of(prompt_key(field, body[field]))
             leg_req = replace(req, id=f"{req.id}.{splice.legs}", arrival_s=monotonic(), block_hashes=hashes,
                               prompt_tokens=splice.length(),
                               max_output_tokens=max(1, req.max_output_tokens - splice.tokens),

@@ -90,6 +90,11 @@ class BlockHasher:
         return self._tokenizer
 
     def __call__(self, key: str | list[int]) -> tuple[tuple[int, ...], int]:
+        return self.of(key)
+
+    def of(self, key: str | list[int]) -> tuple[tuple[int, ...], int]:
+        """``(block_hashes, prompt_tokens)`` of a prompt key (``hasher(key)`` is the same; the gateway
+        calls this name because a compiled build calls a method directly and ``__call__`` generically)."""
         if isinstance(key, list):
             return hash_token_ids(key, self.block_tokens), len(key)
         if self._tokenizer is not None:
