@@ -7,8 +7,9 @@ comprehensions over plain attributes: they run for every endpoint of every decis
 
 from __future__ import annotations
 
-from kvroute.model import Endpoint
+from kvroute.model import Endpoint, Request
 from kvroute.policy.catalog import register_plugin
+from kvroute.policy.hooks import Lifecycle
 from kvroute.policy.plugins import DecisionState, Scorer
 
 
@@ -178,6 +179,50 @@ class BusyUncached(Scorer):
         """Uncached tokens per endpoint, times the share of ``eps`` whose queued prefill is above 0."""
         busy = sum(1 for e in eps if e.queued_prefill_tokens > 0) / len(eps) if eps else 0.0
         return [n * busy for n in st.new_prefill(eps)]
+
+
+@register_plugin
+class WaitingUncached(Scorer, Lifecycle):
+    """This request's uncached tokens × the fewest of this router's requests waiting for their first token on
+    any candidate. An engine prefills first come, first served: a prefill the cache would have saved delays
+    the requests that arrive during its wait, about as many as were waiting when it came (Little's law), so
+    at least that many wherever it goes while every candidate has a queue (``auto``, docs/auto.md). The
+    count is the router's own (dispatched, no first token yet), kept from the lifecycle events."""
+
+    name = "waiting_uncached"
+    inputs = frozenset({"prefix"})
+
+    def __init__(self) -> None:
+        self.waiting: dict[str, int] = {}  # endpoint id → this router's requests without a first token
+        self.at: dict[str, str] = {}  # request id → its endpoint, until its first token (or its end)
+
+    def values(self, st: DecisionState, eps: list[Endpoint]) -> list[float]:
+        """Uncached tokens per endpoint, times the fewest requests waiting for a first token on any of ``eps``."""
+        get = self.waiting.get
+        depth = min((get(e.id, 0) for e in eps), default=0)
+        return [n * depth for n in st.new_prefill(eps)] if depth else [0.0] * len(eps)
+
+    def on_dispatched(self, req: Request, endpoint: Endpoint, new_prefill_tokens: int) -> None:
+        """One more request waiting for its first token there."""
+        self.at[req.id] = endpoint.id
+        self.waiting[endpoint.id] = self.waiting.get(endpoint.id, 0) + 1
+
+    def _done(self, req_id: str) -> None:
+        eid = self.at.pop(req_id, None)
+        if eid is not None:
+            self.waiting[eid] -= 1
+
+    def on_first_token(self, req_id: str, endpoint_id: str, ttft_s: float) -> None:
+        """No longer waiting."""
+        self._done(req_id)
+
+    def on_finished(self, req_id: str, endpoint_id: str, e2e_s: float, output_tokens: int) -> None:
+        """Finished without a first token reported (a runtime that does not stream): no longer waiting."""
+        self._done(req_id)
+
+    def on_failed(self, req_id: str, endpoint_id: str) -> None:
+        """Left the endpoint: no longer waiting."""
+        self._done(req_id)
 
 
 @register_plugin

@@ -40,7 +40,11 @@ never a step-time model:
    to the share of the candidates that have prefill queued (``busy_prefill``, scorer ``busy_uncached``):
    while every replica is busy, a prefill the cache would have saved is work some queue waits for (a tree
    or conversation then stays with its cached replica); while some replica is idle, sending it there costs
-   nobody (the least work alone);
+   nobody (the least work alone). And once more per request this LB has waiting for a first token on every
+   candidate (``behind_prefill``, scorer ``waiting_uncached``): first come, first served, about as many requests
+   arrive behind a prefill during its wait as were waiting when it came (Little's law), and each of them waits
+   for the tokens the cache would have saved — in a burst (a tree-of-thought run's first roots, all at once),
+   a shared system prompt then stays where it is being prefilled rather than being prefilled again elsewhere;
 4. **the challenger, GORGO's cost**, trialled online against it (``ttft_selector``, interleaved
    trials, switching only on evidence of a better mean TTFT, guarded by end-to-end latency):
    across regions — the candidates' probe RTTs spread by more than ``rtt_spread_ms`` — w_rtt·RTT
@@ -87,9 +91,11 @@ INCUMBENT = {"lmetric_speed": {"spread": "$speed_spread", "learn": "$speed", "li
                                 "detour": "$speed_detour", "shared_fit": "incumbent", "slo_tpot_ms": "$slo_tpot_ms"}}
 TRUST = {"near_best": {"scorer": INCUMBENT, "factor": "$trust"}}
 # one region, one hardware kind: the prefill tokens ahead of the first token (uncached ones once more as far as
-# the candidates are busy: a prefill the cache would have saved is then work a queue waits for), then this LB's
+# the candidates are busy: a prefill the cache would have saved is then work a queue waits for — and once more per
+# request every candidate has waiting for its first token: about that many will arrive behind it), then this LB's
 # requests in flight
-LEAST_WORK_COST = {"new_prefill": 1.0, "busy_uncached": "$busy_prefill", "inflight": 1.0}
+LEAST_WORK_COST = {"new_prefill": 1.0, "busy_uncached": "$busy_prefill", "waiting_uncached": "$behind_prefill",
+                   "inflight": 1.0}
 # ... among the trust region, while the LB's whole fleet is one region of one hardware kind
 UNIFORM = {"uniform_fleet": {"scorer": INCUMBENT, "factor": "$trust", "ms": "$rtt_spread_ms"}}
 
@@ -169,5 +175,11 @@ class AutoParams(PolicyParams):
                                 "once more times this weight x the share of the candidates with prefill queued (while "
                                 "every replica is busy a prefill the cache would have saved is work a queue waits for; "
                                 "an idle replica costs nobody); 0: the least work alone")
+    behind_prefill: float = Field(1.0, ge=0, description="in the least-work rule, this request's uncached tokens "
+                                  "count once more times this weight per request of this load balancer waiting for "
+                                  "its first token on every candidate (the fewest on any): first come, first served, "
+                                  "about as many requests arrive behind a prefill during its wait as were waiting "
+                                  "when it came (Little's law), and each waits for the tokens the cache would have "
+                                  "saved; 0: off")
     speed_spread: float = Field(1.5, ge=1, description="the fleet counts as mixed hardware when learned prefill and "
                                 "decode times both spread past this factor (max / min); else it routes as one kind")
