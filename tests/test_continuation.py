@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 import httpx
 import openai
@@ -64,14 +65,22 @@ def client(url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=10)
 
 
-def continuations(url: str) -> dict[tuple[str, str], float]:
-    out = {}
-    for line in httpx.get(f"{url}/metrics").text.splitlines():
-        if line.startswith("kvroute_continuations_total{"):
-            labels, value = line[len("kvroute_continuations_total{"):].split("} ")
-            parts = dict(p.split("=") for p in labels.split(","))
-            out[(parts["reason"].strip('"'), parts["result"].strip('"'))] = float(value)
-    return out
+def continuations(url: str, expect: dict[tuple[str, str], float] | None = None,
+                  timeout_s: float = 5.0) -> dict[tuple[str, str], float]:
+    """kvroute_continuations_total by (reason, result). With ``expect``: read until it equals that
+    (or ``timeout_s`` passed) — a continuation is counted when its leg returns, which is after that
+    leg ended the client's stream, so a read at the client's [DONE] can come first."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        out = {}
+        for line in httpx.get(f"{url}/metrics").text.splitlines():
+            if line.startswith("kvroute_continuations_total{"):
+                labels, value = line[len("kvroute_continuations_total{"):].split("} ")
+                parts = dict(p.split("=") for p in labels.split(","))
+                out[(parts["reason"].strip('"'), parts["result"].strip('"'))] = float(value)
+        if expect is None or out == expect or time.monotonic() > deadline:
+            return out
+        time.sleep(0.02)
 
 
 def requests_served(dep: LiveDeployment) -> list[int]:
@@ -93,7 +102,8 @@ def test_a_migrated_chat_stream_equals_an_unmigrated_one(live):
     before = requests_served(live)
     moved = chat_stream(live.url, 20)
     assert [b - a for a, b in zip(before, requests_served(live))] == [1, 1]  # one leg on each stage
-    assert continuations(live.url) == {("migrate", "continued"): 1.0}
+    want = {("migrate", "continued"): 1.0}
+    assert continuations(live.url, want) == want
 
     def text(chunks):
         return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -121,7 +131,8 @@ def test_a_migrated_completion_stream_equals_an_unmigrated_one(live):
     assert len({c["id"] for c in chunks}) == 1
     assert chunks[-1]["usage"]["prompt_tokens"] == estimate_tokens(PROMPT)  # the original prompt
     assert chunks[-1]["usage"]["completion_tokens"] == 15
-    assert continuations(live.url) == {("migrate", "continued"): 1.0}
+    want = {("migrate", "continued"): 1.0}
+    assert continuations(live.url, want) == want
 
 
 def test_non_stream_requests_are_not_continued(live):
@@ -140,7 +151,8 @@ def test_a_stream_cut_mid_way_recovers_on_another_replica(live, caplog):
         live.settle()
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == emulated_text(chat_key(CHAT), 18)
     assert next(c.usage for c in chunks if c.usage).completion_tokens == 18
-    assert continuations(live.url) == {("recover", "continued"): 1.0}
+    want = {("recover", "continued"): 1.0}
+    assert continuations(live.url, want) == want
     line = next(r.fields for r in caplog.records if r.name == "kvroute.access")
     assert line["legs"] == 2 and line["replica"] == "emulated-1" and line["failed_on"] == ["emulated-0"]
 
@@ -159,7 +171,8 @@ def test_a_stream_whose_later_stage_is_down_stays_where_it_is(live):
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == emulated_text(chat_key(CHAT), 16)
     assert [b - a for a, b in zip(before, requests_served(live))] == [2, 0]  # one migration, back to stage 1
-    assert continuations(live.url) == {("migrate", "continued"): 1.0}
+    want = {("migrate", "continued"): 1.0}
+    assert continuations(live.url, want) == want
 
 
 def test_the_continuation_bound_ends_the_stream_with_one_sse_error(live):
@@ -177,7 +190,8 @@ def test_the_continuation_bound_ends_the_stream_with_one_sse_error(live):
     assert error["code"] == "upstream_stream_error" and "1 continuation(s) already made" in error["message"]
     text = "".join(json.loads(e)["choices"][0]["delta"].get("content", "") for e in events[:-2])
     assert text == emulated_text(chat_key(CHAT), 6)  # 3 tokens from each leg, none lost or repeated
-    assert continuations(live.url) == {("recover", "continued"): 1.0, ("recover", "refused"): 1.0}
+    want = {("recover", "continued"): 1.0, ("recover", "refused"): 1.0}
+    assert continuations(live.url, want) == want
 
 
 def test_emulated_engines_refuse_a_continuation_with_a_generation_prompt(live):
@@ -226,7 +240,8 @@ def test_a_replica_process_killed_mid_stream_leaves_the_client_a_whole_stream():
                 os.kill(victim.pid, signal.SIGKILL)
         assert victim.wait(10) == -signal.SIGKILL  # killed (it may take a moment to be reaped)
         assert text == emulated_text(PROMPT, 30)
-        assert continuations(f"http://127.0.0.1:{port}") == {("recover", "continued"): 1.0}
+        want = {("recover", "continued"): 1.0}
+        assert continuations(f"http://127.0.0.1:{port}", want) == want
     finally:
         if gw is not None:
             asyncio.run_coroutine_threadsafe(gw.stop(), loop).result(10)
@@ -322,7 +337,8 @@ def test_cascadeinfer_in_kvroute_serve_routes_by_length_and_migrates_a_growing_s
         assert raw.headers["x-kvroute-replica"] == "stage1"
         text = "".join(c.choices[0].delta.content or "" for c in raw.parse() if c.choices)
         assert text == emulated_text(chat_key(CHAT), 16)
-        assert continuations(url) == {("migrate", "continued"): 1.0}
+        want = {("migrate", "continued"): 1.0}
+        assert continuations(url, want) == want
         long_chat = [*CHAT, {"role": "user", "content": "And list every affected volume. " * 4}]
         raw = client(url).chat.completions.with_raw_response.create(model="emulated", messages=long_chat,
                                                                     max_tokens=4)

@@ -7,6 +7,7 @@ spliced stream, whether the stream migrated between stages or its engine was kil
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 
@@ -15,6 +16,17 @@ from kvroute.policy.base import Policy, View
 from tests.test_llamacpp import MODEL, engines, gateway, llama_server_binary, sample, tiny_gguf  # noqa: F401
 
 MESSAGES = [{"role": "user", "content": "please route this request to the storage team"}]
+
+
+def _continued(gw, reason: str, timeout_s: float = 5.0) -> float | None:
+    """kvroute_continuations_total{reason, continued}, read until it is 1 (or ``timeout_s``): it is
+    counted when the leg returns, after that leg ended the client's stream."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = sample(gw.metrics(), "kvroute_continuations_total", f'reason="{reason}",result="continued"')
+        if got == 1.0 or time.monotonic() > deadline:
+            return got
+        time.sleep(0.02)
 
 
 class FirstUntil(Policy):
@@ -64,7 +76,7 @@ def test_llama_server_continues_a_migrated_chat_stream(engines, gateway):  # noq
     plain = _sse(gw, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 24})
     gw.runtime.router.policy = FirstUntil(eng[0].name, 5)  # five tokens in, the sequence changes stage
     moved = _sse(gw, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 24})
-    assert sample(gw.metrics(), "kvroute_continuations_total", 'reason="migrate",result="continued"') == 1.0
+    assert _continued(gw, "migrate") == 1.0
     assert "error" not in json.dumps(moved)
     assert len({c["id"] for c in moved}) == 1
     assert sum(1 for c in moved if c.get("choices") and c["choices"][0]["delta"].get("role")) == 1
@@ -93,4 +105,4 @@ def test_a_killed_llama_server_mid_stream_leaves_the_client_a_whole_stream(engin
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 400
     assert sum(1 for ch in chunks if ch.choices and ch.choices[0].text) == 400
     assert len({ch.id for ch in chunks}) == 1
-    assert sample(gw.metrics(), "kvroute_continuations_total", 'reason="recover",result="continued"') == 1.0
+    assert _continued(gw, "recover") == 1.0
