@@ -106,3 +106,46 @@ def test_auto_hands_its_tpot_slo_to_every_copy_of_its_score():
         return [s.slo_tpot_s for s in scorers if isinstance(s, SpeedLMetric)]
     assert slos(build_policy("auto")) == [0.0] * 4
     assert slos(build_policy("auto", {"slo_tpot_ms": 80})) == [0.08] * 4
+
+
+def test_the_busy_term_stands_aside_while_the_cached_replica_has_no_tpot_headroom():
+    """busy_uncached_headroom: busy_uncached as is, unless the replica with the longest cached prefix measured a
+    p90 TPOT past the SLO (then 0 for the decision); without an SLO, busy_uncached exactly."""
+    import random
+
+    from kvroute.policy import Router, build_policy
+    from kvroute.policy.adaptive.replica_speed import BusyUncachedHeadroom
+    from kvroute.policy.adaptive.replica_speed.plugin import speed_fit
+    from kvroute.policy.builtin.scorers import BusyUncached
+    from kvroute.policy.plugins import DecisionState
+    from kvroute.policy.shared import sharing
+    from tests.conftest import make_request
+
+    with sharing():  # one policy's plugins naming one fit read the same one
+        assert speed_fit("x", 2, 128, 1.5, 2.0) is speed_fit("x", 2, 128, 1.5, 2.0)
+    fit = _fleet(0.120)  # "slow" decodes at 120 ms per token, "fast" at a p90 of ~65 ms
+    with_slo, without = BusyUncachedHeadroom(slo_tpot_ms=100), BusyUncachedHeadroom()
+    with_slo.fit = without.fit = fit
+    req = make_request("turn2", "hello " * 800)
+    for cached, stands_aside in (("slow", True), ("fast", False)):
+        router = Router(build_policy("round_robin"), [Endpoint("fast"), Endpoint("slow")])
+        eps = router.view.endpoints
+        for e in eps:
+            e.queued_prefill_tokens = 10
+        router.prefix.insert(cached, req.block_hashes[:-2])
+        st = DecisionState(req, router.view, random.Random(0))
+        plain = BusyUncached().values(st, eps)
+        assert without.values(st, eps) == plain and max(plain) > 0
+        assert with_slo.values(st, eps) == ([0.0, 0.0] if stands_aside else plain)
+
+
+def test_auto_hands_its_tpot_slo_to_the_busy_term_which_reads_the_incumbents_fit():
+    from kvroute.policy import build_policy
+    from kvroute.policy.adaptive.replica_speed import BusyUncachedHeadroom, SpeedLMetric
+
+    for params, slo in (({}, 0.0), ({"slo_tpot_ms": 80}, 0.08)):
+        policy = build_policy("auto", params)
+        scorers = [s for rule in policy.rules for s, _ in rule.scorers]
+        busy = [s for s in scorers if isinstance(s, BusyUncachedHeadroom)]
+        fits = {id(s.fit) for s in scorers if isinstance(s, SpeedLMetric)}
+        assert len(busy) == 1 and busy[0].slo_tpot_s == slo and fits == {id(busy[0].fit)}

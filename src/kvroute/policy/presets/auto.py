@@ -40,7 +40,10 @@ never a step-time model:
    to the share of the candidates that have prefill queued (``busy_prefill``, scorer ``busy_uncached``):
    while every replica is busy, a prefill the cache would have saved is work some queue waits for (a tree
    or conversation then stays with its cached replica); while some replica is idle, sending it there costs
-   nobody (the least work alone). And once more per request this LB has waiting for a first token on every
+   nobody (the least work alone). Given the TPOT SLO (``slo_tpot_ms``), not while the replica with the longest
+   cached prefix has no TPOT headroom (its measured p90 past the SLO: it keeps the decodes too;
+   ``busy_uncached_headroom``, :mod:`kvroute.policy.adaptive.replica_speed.headroom`). And once more per request
+   this LB has waiting for a first token on every
    candidate (``behind_prefill``, scorer ``waiting_uncached``): first come, first served, about as many requests
    arrive behind a prefill during its wait as were waiting when it came (Little's law), and each of them waits
    for the tokens the cache would have saved — in a burst (a tree-of-thought run's first roots, all at once),
@@ -94,7 +97,13 @@ TRUST = {"near_best": {"scorer": INCUMBENT, "factor": "$trust"}}
 # the candidates are busy: a prefill the cache would have saved is then work a queue waits for — and once more per
 # request every candidate has waiting for its first token: about that many will arrive behind it), then this LB's
 # requests in flight
-LEAST_WORK_COST = {"new_prefill": 1.0, "busy_uncached": "$busy_prefill", "waiting_uncached": "$behind_prefill",
+# (busy_prefill not while the best-cached replica's measured p90 TPOT is past the TPOT SLO, when one is given: it
+# keeps the decodes too; replica_speed/headroom.py)
+LEAST_WORK_COST = {"new_prefill": 1.0,
+                   "busy_uncached_headroom": {"weight": "$busy_prefill", "slo_tpot_ms": "$slo_tpot_ms",
+                                              "shared_fit": "incumbent", "min_samples": "$speed_samples",
+                                              "spread": "$speed_spread"},
+                   "waiting_uncached": "$behind_prefill",
                    "inflight": 1.0}
 # ... among the trust region, while the LB's whole fleet is one region of one hardware kind
 UNIFORM = {"uniform_fleet": {"scorer": INCUMBENT, "factor": "$trust", "ms": "$rtt_spread_ms"}}
@@ -159,7 +168,8 @@ class AutoParams(PolicyParams):
     slo_tpot_ms: float = Field(0.0, ge=0, description="the deployment's TPOT objective in ms (0: none given): on a "
                                "fleet judged mixed, the detour sends a request to a replica outside the near set "
                                "while that replica's measured p90 time per output token is within it (headroom, as "
-                               "llm-d's SLO scorer), instead of while it is no slower than the near set's pick")
+                               "llm-d's SLO scorer), instead of while it is no slower than the near set's pick; "
+                               "and busy_prefill stands aside while the best-cached replica's p90 is past it")
     speed_samples: int = Field(2, ge=1, description="first tokens and completions per replica before its "
                                "learned speed counts (at least 3 first tokens, 2 completions: what a standard error "
                                "needs); the spread must also stand apart by Student's t at 95.45 %")

@@ -17,6 +17,16 @@ from kvroute.policy.plugins import DecisionState, Scorer
 from kvroute.policy.shared import shared
 
 
+def speed_fit(shared_fit: str, min_samples: int, halflife: int, spread: float, z: float) -> SpeedFit:
+    """The replica-speed fit for these settings: with a ``shared_fit`` name, the one every plugin of the policy
+    giving the same name and settings uses (:mod:`kvroute.policy.shared`) — each event is then learned once,
+    however many copies hear it (the fit consumes a request's record at its first hearing); else a new one."""
+    def make() -> SpeedFit:
+        return SpeedFit(min_samples=min_samples, halflife=halflife, spread=spread, z=z)
+    key = ("lmetric_speed", shared_fit, min_samples, halflife, spread, z)
+    return shared(key, make) if shared_fit else make()
+
+
 class SpeedPlugin(Lifecycle):
     """Feeds the replica-speed fit from the Router's lifecycle events."""
 
@@ -94,12 +104,7 @@ class SpeedLMetric(Scorer, SpeedPlugin):
     def __init__(self, min_samples: int = 16, halflife: int = DEFAULT_HALFLIFE, spread: float = 1.5,
                  z: float = 2.0, learn: bool = True, live_batch: bool = False, ttft_pick: bool = False,
                  near: float = 2.0, detour: bool = False, shared_fit: str = "", slo_tpot_ms: float = 0.0):
-        def make() -> SpeedFit:
-            return SpeedFit(min_samples=min_samples, halflife=halflife, spread=spread, z=z)
-        # copies of one policy naming the same shared fit (and settings) learn into one: each event is then
-        # learned once, however many copies hear it (the fit consumes a request's record at its first hearing)
-        key = ("lmetric_speed", shared_fit, min_samples, halflife, spread, z)
-        SpeedPlugin.__init__(self, shared(key, make) if shared_fit and learn else make())
+        SpeedPlugin.__init__(self, speed_fit(shared_fit if learn else "", min_samples, halflife, spread, z))
         if near < 1:
             raise ValueError(f"near must be >= 1, got {near}")
         if slo_tpot_ms < 0:
