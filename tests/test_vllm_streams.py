@@ -117,7 +117,12 @@ def test_a_frozen_engine_is_ejected_within_5_s_and_its_stream_goes_on(pair, capl
     s = Stream(gw.url)
     s.started.wait(120)
     s.wait_events(100)
-    idx = int(s.replica[1:])  # type: ignore[index]
+    # freeze the engine the long stream is on now: its first replica, unless a leg already moved it
+    # (CI once froze the first replica while the stream ran on the other: its watch held 1 stream)
+    serving = gw.read(lambda: [n for n, up in gw.rt.upstreams.items() if up.endpoint.inflight])
+    assert len(serving) == 1, serving
+    replica = serving[0]
+    idx = int(replica[1:])
     frozen = engines[idx]
     core = engine_core(frozen)
     os.kill(core, signal.SIGSTOP)
@@ -144,24 +149,27 @@ def test_a_frozen_engine_is_ejected_within_5_s_and_its_stream_goes_on(pair, capl
         shorts = [threading.Thread(target=short) for _ in range(2)]  # round robin: one lands on the frozen one
         for t in shorts:
             t.start()
-        breaker = gw.rt.upstreams[s.replica].breaker  # type: ignore[index]
+        breaker = gw.rt.upstreams[replica].breaker
         while not breaker.held:
             assert time.monotonic() - t0 < 5.0, "the frozen engine was not ejected within 5 s"
             time.sleep(0.02)
-        assert gw.rt.upstreams[s.replica].endpoint.healthy  # type: ignore[index]  # its probes still pass
+        assert gw.rt.upstreams[replica].endpoint.healthy  # its probes still pass
         for t in shorts:
             t.join(60)
         assert len(times) == 2, times  # both answered, [DONE] included
         # the short that landed on the frozen engine (none if the gateway was too slow to route both
         # before the ejection) was moved off it within 5 s of being sent, whatever came after
-        moved = _moved_off(caplog.records, f"upstream {s.replica} failed before responding")
+        moved = _moved_off(caplog.records, f"upstream {replica} failed before responding")
         assert len(moved) <= 1 and all(m - wall - min(sent) <= 5.0 for m in moved), (moved, sent, wall, times)
         s.thread.join(120)
         assert s.finish == "length" and s.usage is not None and s.usage["completion_tokens"] == 900
-        # the long stream was cut off the frozen engine (and continued) within 5 s of the freeze
-        cut = _moved_off(caplog.records, f"upstream {s.replica} failed mid-stream")
+        # the long stream was cut off the frozen engine (and continued) within 5 s of the freeze — or,
+        # where the gateway logged no cut (CI once: the frozen engine's watch held only the short, the
+        # stream went on with gaps of at most 1.6 s), it never waited there 5 s by its own token gaps
+        cut = _moved_off(caplog.records, f"upstream {replica} failed mid-stream")
         gaps = [b - a for (a, _), (b, _) in zip(s.events, s.events[1:])]
-        assert len(cut) == 1 and cut[0] - wall - t0 <= 5.0, (cut, t0, wall, max(gaps))
+        assert len(cut) <= 1 and all(c - wall - t0 <= 5.0 for c in cut), (cut, t0, wall, max(gaps))
+        assert cut or max(gaps) <= 5.0, (t0, wall, max(gaps))
         assert sum(1 for _, text in s.events if text == "") > 0  # vLLM's empty events, counted
     finally:
         os.kill(core, signal.SIGCONT)
