@@ -558,8 +558,11 @@ def test_calibrate_fits_real_llama_servers_loaded_together(engines, tmp_path):
                   slot_sizes=(1024,), slot_rounds=1)
     m = asyncio.run(asyncio.wait_for(measure([e.url for e in eng], sweep=sweep), 60))
     assert {f.slots for f in m.engines} == {4} and all(f.kv_tokens == 16384 for f in m.engines)  # from /props
-    # a warm prefill reuses its prompt from the idle slot that just served it (llama-server says so)
-    assert len(m.warm) == 4 and all(cached >= 0.9 * ctx for ctx, _, cached, _, _ in m.warm), m.warm
+    # a warm prefill reuses its prompt from the idle slot that just served it (llama-server says so):
+    # only about the n appended tokens are prefilled again. The prompt is sized from a bytes-per-token
+    # estimate, so its real length is the target's +-15 % (CI: 454 cached of a 512 target, 57 new of 64)
+    assert len(m.warm) == 4, m.warm
+    assert all(new <= 1.25 * n + 16 and cached >= 0.75 * ctx for ctx, n, cached, new, _ in m.warm), m.warm
     assert len(m.probes) == 8
     # a tiny prompt after a slot of 1,024 fresh tokens went idle pays llama-server's copy of that
     # slot to its host prompt cache (calibrate/slot_probe.py): ~5-20 ms here, ~0 with --cache-ram 0
