@@ -12,7 +12,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 
 import httpx
 import openai
@@ -65,22 +64,16 @@ def client(url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=10)
 
 
-def continuations(url: str, expect: dict[tuple[str, str], float] | None = None,
-                  timeout_s: float = 5.0) -> dict[tuple[str, str], float]:
-    """kvroute_continuations_total by (reason, result). With ``expect``: read until it equals that
-    (or ``timeout_s`` passed) — a continuation is counted when its leg returns, which is after that
-    leg ended the client's stream, so a read at the client's [DONE] can come first."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        out = {}
-        for line in httpx.get(f"{url}/metrics").text.splitlines():
-            if line.startswith("kvroute_continuations_total{"):
-                labels, value = line[len("kvroute_continuations_total{"):].split("} ")
-                parts = dict(p.split("=") for p in labels.split(","))
-                out[(parts["reason"].strip('"'), parts["result"].strip('"'))] = float(value)
-        if expect is None or out == expect or time.monotonic() > deadline:
-            return out
-        time.sleep(0.02)
+def continuations(url: str) -> dict[tuple[str, str], float]:
+    """kvroute_continuations_total by (reason, result), read once: a leg is counted as it passes
+    its first bytes on, so a read at the client's [DONE] sees every continuation of that stream."""
+    out = {}
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        if line.startswith("kvroute_continuations_total{"):
+            labels, value = line[len("kvroute_continuations_total{"):].split("} ")
+            parts = dict(p.split("=") for p in labels.split(","))
+            out[(parts["reason"].strip('"'), parts["result"].strip('"'))] = float(value)
+    return out
 
 
 def requests_served(dep: LiveDeployment) -> list[int]:
@@ -103,7 +96,7 @@ def test_a_migrated_chat_stream_equals_an_unmigrated_one(live):
     moved = chat_stream(live.url, 20)
     assert [b - a for a, b in zip(before, requests_served(live))] == [1, 1]  # one leg on each stage
     want = {("migrate", "continued"): 1.0}
-    assert continuations(live.url, want) == want
+    assert continuations(live.url) == want
 
     def text(chunks):
         return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -132,7 +125,7 @@ def test_a_migrated_completion_stream_equals_an_unmigrated_one(live):
     assert chunks[-1]["usage"]["prompt_tokens"] == estimate_tokens(PROMPT)  # the original prompt
     assert chunks[-1]["usage"]["completion_tokens"] == 15
     want = {("migrate", "continued"): 1.0}
-    assert continuations(live.url, want) == want
+    assert continuations(live.url) == want
 
 
 def test_non_stream_requests_are_not_continued(live):
@@ -152,9 +145,31 @@ def test_a_stream_cut_mid_way_recovers_on_another_replica(live, caplog):
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == emulated_text(chat_key(CHAT), 18)
     assert next(c.usage for c in chunks if c.usage).completion_tokens == 18
     want = {("recover", "continued"): 1.0}
-    assert continuations(live.url, want) == want
+    assert continuations(live.url) == want
     line = next(r.fields for r in caplog.records if r.name == "kvroute.access")
     assert line["legs"] == 2 and line["replica"] == "emulated-1" and line["failed_on"] == ["emulated-0"]
+
+
+def test_a_continuation_is_counted_while_its_leg_still_streams(live):
+    """The count comes as the new leg passes its first bytes on: a scrape while it still streams
+    sees it (it used to come when the leg returned, after the client's [DONE], whose relay waits
+    for the engine's end of stream — so a scrape right after [DONE] could miss it)."""
+    live.runtime.router.policy = TwoStages(None)  # emulated-0 while it is up
+    live.fault(0, close_after_tokens=3)
+    live.fault(1, slowdown=20.0)  # the second leg's 9 tokens take about a second
+    seen, tokens, lines = None, 0, []
+    with httpx.stream("POST", f"{live.url}/v1/chat/completions", timeout=20,
+                      json={"model": "emulated", "messages": CHAT, "max_tokens": 12, "stream": True}) as r:
+        for line in r.iter_lines():
+            if line:
+                lines.append(line)
+            if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["delta"].get("content"):
+                tokens += 1
+                if tokens == 5:  # the second leg's second token: that leg is streaming
+                    seen = continuations(live.url)
+    assert lines[-1] == "data: [DONE]" and tokens == 12
+    assert seen == {("recover", "continued"): 1.0}
+    assert continuations(live.url) == seen
 
 
 def test_a_stream_whose_later_stage_is_down_stays_where_it_is(live):
@@ -172,7 +187,7 @@ def test_a_stream_whose_later_stage_is_down_stays_where_it_is(live):
     assert text == emulated_text(chat_key(CHAT), 16)
     assert [b - a for a, b in zip(before, requests_served(live))] == [2, 0]  # one migration, back to stage 1
     want = {("migrate", "continued"): 1.0}
-    assert continuations(live.url, want) == want
+    assert continuations(live.url) == want
 
 
 def test_the_continuation_bound_ends_the_stream_with_one_sse_error(live):
@@ -191,7 +206,7 @@ def test_the_continuation_bound_ends_the_stream_with_one_sse_error(live):
     text = "".join(json.loads(e)["choices"][0]["delta"].get("content", "") for e in events[:-2])
     assert text == emulated_text(chat_key(CHAT), 6)  # 3 tokens from each leg, none lost or repeated
     want = {("recover", "continued"): 1.0, ("recover", "refused"): 1.0}
-    assert continuations(live.url, want) == want
+    assert continuations(live.url) == want
 
 
 def test_emulated_engines_refuse_a_continuation_with_a_generation_prompt(live):
@@ -241,7 +256,7 @@ def test_a_replica_process_killed_mid_stream_leaves_the_client_a_whole_stream():
         assert victim.wait(10) == -signal.SIGKILL  # killed (it may take a moment to be reaped)
         assert text == emulated_text(PROMPT, 30)
         want = {("recover", "continued"): 1.0}
-        assert continuations(f"http://127.0.0.1:{port}", want) == want
+        assert continuations(f"http://127.0.0.1:{port}") == want
     finally:
         if gw is not None:
             asyncio.run_coroutine_threadsafe(gw.stop(), loop).result(10)
@@ -338,7 +353,7 @@ def test_cascadeinfer_in_kvroute_serve_routes_by_length_and_migrates_a_growing_s
         text = "".join(c.choices[0].delta.content or "" for c in raw.parse() if c.choices)
         assert text == emulated_text(chat_key(CHAT), 16)
         want = {("migrate", "continued"): 1.0}
-        assert continuations(url, want) == want
+        assert continuations(url) == want
         long_chat = [*CHAT, {"role": "user", "content": "And list every affected volume. " * 4}]
         raw = client(url).chat.completions.with_raw_response.create(model="emulated", messages=long_chat,
                                                                     max_tokens=4)

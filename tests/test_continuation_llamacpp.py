@@ -7,7 +7,6 @@ spliced stream, whether the stream migrated between stages or its engine was kil
 from __future__ import annotations
 
 import json
-import time
 
 import httpx
 
@@ -18,15 +17,10 @@ from tests.test_llamacpp import MODEL, engines, gateway, llama_server_binary, sa
 MESSAGES = [{"role": "user", "content": "please route this request to the storage team"}]
 
 
-def _continued(gw, reason: str, timeout_s: float = 5.0) -> float | None:
-    """kvroute_continuations_total{reason, continued}, read until it is 1 (or ``timeout_s``): it is
-    counted when the leg returns, after that leg ended the client's stream."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        got = sample(gw.metrics(), "kvroute_continuations_total", f'reason="{reason}",result="continued"')
-        if got == 1.0 or time.monotonic() > deadline:
-            return got
-        time.sleep(0.02)
+def _continued(gw, reason: str) -> float | None:
+    """kvroute_continuations_total{reason, continued}, read once (counted as the leg passes its
+    first bytes on, before the client can see that leg's [DONE])."""
+    return sample(gw.metrics(), "kvroute_continuations_total", f'reason="{reason}",result="continued"')
 
 
 class FirstUntil(Policy):
@@ -94,6 +88,11 @@ def test_a_killed_llama_server_mid_stream_leaves_the_client_a_whole_stream(engin
     gw = gateway(eng)
     gw.runtime.router.policy = FirstUntil(eng[0].name, None)
     c = gw.client()
+    # the kill must land while the engine still decodes: unthrottled it makes the 400 tokens in
+    # 0.4-0.6 s (load ~6 here), and a client lagging that long behind (its gateway shares this
+    # process) would see the whole stream before it kills at chunk three; at a tenth of its speed
+    # that takes seconds, and the survivor makes the rest at its own pace
+    eng[0].throttle()
     stream = c.completions.create(model=MODEL, prompt="the storage team will", max_tokens=400, temperature=0,
                                   stream=True, stream_options={"include_usage": True})
     chunks, text = [], ""

@@ -63,7 +63,7 @@ def test_a_vllm_shaped_stream_cut_mid_way_is_continued_for_exactly_the_tokens_le
     assert second == 140  # the continuation asked for exactly the 200 - 60 tokens left
     assert 60 <= first <= 62  # what the cut leg generated before its connection dropped
     want = {("recover", "continued"): 1.0}
-    assert continuations(live.url, want) == want
+    assert continuations(live.url) == want
 
 
 def test_a_vllm_shaped_chat_stream_keeps_its_empty_events_and_one_role_on_every_leg(live):

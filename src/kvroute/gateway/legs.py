@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 
@@ -16,6 +17,18 @@ class LegResponder:
         self.started = True
         self.refusal: tuple[str, str] | None = None  # (message, code)
         self.extra_headers = resp.extra_headers
+        self._on_first: Callable[[], None] | None = None
+
+    def next_leg(self, on_first: Callable[[], None]) -> None:
+        """A new leg begins: ``on_first`` runs once, when it passes its first bytes on (or at
+        ``begun``), so what counts the continuation does so before the client sees that leg."""
+        self._on_first = on_first
+
+    def begun(self) -> None:
+        """The leg has started its stream: run ``next_leg``'s callback if it has not run yet."""
+        on_first, self._on_first = self._on_first, None
+        if on_first is not None:
+            on_first()
 
     @property
     def status(self) -> int:
@@ -32,10 +45,14 @@ class LegResponder:
 
     async def write(self, data: bytes) -> None:
         """Pass a chunk to the client's stream."""
+        if self._on_first is not None:
+            self.begun()
         await self.resp.write(data)
 
     def push(self, data: bytes) -> bool:
         """Pass a chunk on without waiting; True when the client's buffer is full."""
+        if self._on_first is not None:
+            self.begun()
         return bool(self.resp.push(data))
 
     async def drain(self) -> None:

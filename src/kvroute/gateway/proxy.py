@@ -420,6 +420,8 @@ class Proxy(RequestParsing):
                               max_output_tokens=max(1, req.max_output_tokens - splice.tokens),
                               exclude=tuple(dict.fromkeys((*req.exclude, *served["excluded"]))))
             served["legs"] = splice.legs
+            # counted as the leg passes its first bytes on: before the client can see its [DONE]
+            leg_resp.next_leg(rt.metrics.continuations.labels(reason, "continued").inc)
             # the leg's own clock: policies that learn from TTFT and E2E see this leg's, not the request's
             brk = await self._route_and_forward(leg, leg_resp, kind, True, leg_req, headers, served, monotonic(),
                                                 splice)
@@ -429,5 +431,5 @@ class Proxy(RequestParsing):
                 await resp.write(error_event(f"{cause}; the stream could not be continued: {message} "
                                              f"({code})", "upstream_stream_error"))
                 break
-            rt.metrics.continuations.labels(reason, "continued").inc()
+            leg_resp.begun()  # (a leg that passed nothing on, its client gone, is counted as before)
         await resp.end()
