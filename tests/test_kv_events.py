@@ -383,6 +383,16 @@ class EventDeployment:
             assert time.monotonic() < deadline, "condition not reached"
             time.sleep(0.05)
 
+    def caught_up(self) -> bool:
+        """(On the loop.) Every batch each emulator published has been applied by the gateway,
+        and no event waits to be published."""
+        for i, (_, emu, _) in enumerate(self.dep.emulators):
+            ranks = self.rt.kv_source(f"e{i}").get("ranks") or [{}]
+            applied = ranks[0].get("seq")
+            if emu.events._pending or (-1 if applied is None else applied) != emu.events.publisher.seq - 1:
+                return False
+        return True
+
     def close(self):
         self.call(self.dep.stop())
         self.loop.call_soon_threadsafe(self.loop.stop)
@@ -410,7 +420,10 @@ def test_emulator_events_build_the_gateways_index(generation, hash_bytes):
             predicted = int(raw_resp.headers["x-kvroute-prefix-hit"])
             cached = resp.usage.prompt_tokens_details.cached_tokens
             wrong += predicted != cached
-            time.sleep(0.25)  # the events of this request arrive before the next decision
+            # the events of this request reach the gateway before the next decision (waited for: a
+            # loaded machine may take longer than any fixed sleep), and its speculative entries expire
+            d.wait(d.caught_up)
+            time.sleep(0.25)
         removed = d.on_loop(lambda: sum(r["removed"] for n in names for r in d.rt.kv_source(n)["ranks"]))
         assert removed > 0, "the small caches should have evicted"
         assert wrong == 0

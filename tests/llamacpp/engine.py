@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -35,6 +36,7 @@ class LlamaServer:
         self.log_path = log_dir / f"{name}.log"
         self.proc: subprocess.Popen[bytes] | None = None
         self.port = 0
+        self._throttle: tuple[threading.Thread, threading.Event] | None = None
 
     @property
     def url(self) -> str:
@@ -79,8 +81,37 @@ class LlamaServer:
     def signal(self, sig: signal.Signals) -> None:
         os.kill(self.pid, sig)
 
+    def throttle(self, run_s: float = 0.002, period_s: float = 0.02) -> None:
+        """Slow the engine down from outside, as ``cpulimit`` does: it runs ``run_s`` of every
+        ``period_s`` (SIGCONT, then SIGSTOP) until ``kill`` or ``stop``. The tiny model decodes
+        a token in ~0.3 ms, so a test that must act while it still decodes (a kill mid-stream)
+        would otherwise race a client that shares its process with the gateway."""
+        done = threading.Event()
+        pid = self.pid
+
+        def run() -> None:
+            while True:
+                os.kill(pid, signal.SIGCONT)
+                time.sleep(run_s)
+                os.kill(pid, signal.SIGSTOP)
+                if done.wait(period_s - run_s):
+                    return  # left stopped: whoever ended the throttle acts on it next
+
+        thread = threading.Thread(target=run, daemon=True)
+        self._throttle = (thread, done)
+        thread.start()
+
+    def _end_throttle(self) -> None:
+        """Stop throttling (before any other signal: the PID is signalled only while it lives)."""
+        if self._throttle is not None:
+            thread, done = self._throttle
+            done.set()
+            thread.join(5)
+            self._throttle = None
+
     def kill(self) -> None:
         """SIGKILL, as a crash would."""
+        self._end_throttle()
         self.signal(signal.SIGKILL)
         assert self.proc is not None
         self.proc.wait(10)
@@ -93,6 +124,7 @@ class LlamaServer:
 
     def stop(self) -> None:
         """Terminate (after a thaw, in case it is frozen); SIGKILL if it does not exit in 5 s."""
+        self._end_throttle()
         proc = self.proc
         if proc is None or proc.poll() is not None:
             return
