@@ -331,10 +331,11 @@ def fidelity_sweep(props: object) -> Sweep:
     for cores, delivered a batch's tokens in bursts (one point 5 µs a step), which set the fit's
     c0 and c_decode to 0 and the simulated decode phase to ~10 ms where vLLM's own histograms said
     ~80 (issue 21); their longest context is 1,536, so that 8 fresh prompts and their output fit
-    tests/vllm/fidelity.py's 16K-token cache without preemption. Both probe steps started beside busy engines."""
+    tests/vllm/fidelity.py's 16K-token cache without preemption. Both probe new steps beside busy ones and h_cv."""
     if isinstance(props, dict) and props.get("total_slots"):
-        return Sweep(contexts=(128, 1024, 2048), newcomer_rounds=2)
-    return Sweep(batch_sizes=(1, 2, 4, 8), decode_tokens=96, contexts=(128, 1024, 1536), newcomer_rounds=2)
+        return Sweep(contexts=(128, 1024, 2048), newcomer_rounds=2, mixed_rounds=3)
+    return Sweep(batch_sizes=(1, 2, 4, 8), decode_tokens=96, contexts=(128, 1024, 1536),
+                 newcomer_rounds=2, mixed_rounds=3)
 
 
 async def calibrate_engines(urls: list[str], host_cores: int | None) -> str:

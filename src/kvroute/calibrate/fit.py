@@ -56,6 +56,7 @@ from pathlib import Path
 import yaml
 
 from kvroute.calibrate.measure import Measurements, Sweep
+from kvroute.calibrate.mixed_probe import fit_h_cv
 from kvroute.calibrate.newcomer_probe import factors as newcomer_factors
 from kvroute.calibrate.noise import api_delay, step_sigma
 from kvroute.calibrate.slot_probe import per_token as slot_per_token
@@ -148,6 +149,11 @@ def fit_profile(m: Measurements, name: str, hardware: str, max_batched_tokens: i
         # the per-core transient beyond processor sharing: only where the cores are shared (sim/host.py)
         newcomer_slowdown=[NewcomerPoint(others=k, solo_s=t, factor=f) for k, t, f in
                            newcomer_factors(m.newcomer, host_cores, background)] if host_cores else [])
+    # the batch-heterogeneity coefficient, where two prompts in one step were timed against one (mixed_probe.py);
+    # else the default (CascadeInfer §2.2, a GPU decode pass)
+    h_cv = fit_h_cv(m.mixed, profile)
+    if h_cv is not None:
+        profile = profile.model_copy(update={"h_cv": h_cv})
     source = f"measured by kvroute calibrate, {len(facts)} engine(s) loaded together"
     if sharing > 1:
         source += f", divided by {sharing:.3g} for {host_cores} shared cores"
@@ -177,7 +183,7 @@ def fit_profile(m: Measurements, name: str, hardware: str, max_batched_tokens: i
               "sharing": sharing, "background_cores": background,
               "sweep": (sweep or Sweep()).__dict__, "raw_prefill": len(m.prefill), "raw_decode": len(m.decode),
               "raw_warm": len(m.warm), "busy_probes": len(m.busy), "slot_probes": len(m.slot_saves),
-              "newcomer_probes": len(m.newcomer),
+              "newcomer_probes": len(m.newcomer), "mixed_probes": len(m.mixed), "h_cv_measured": h_cv,
               "noise": {"step_sigma": sigma, "step_points": sigma_points, **delay}}
     return profile, report
 
@@ -243,6 +249,10 @@ def write_profile(path: str | Path, profile: HardwareProfile, report: dict) -> N
         header.append(f"# newcomer_slowdown: from {report.get('newcomer_probes', 0)} warm and cold prefills sent "
                       "beside 1..N-1 engines each running a long prefill, against the same alone: the median of "
                       "beside / (alone x max(1, (others + 1) / (cores - background))) (calibrate/newcomer_probe.py)")
+    if report.get("h_cv_measured") is not None:
+        header.append(f"# h_cv: from {report['mixed_probes']} waits for two prompts started in one step against one "
+                      "(a 1,536-token prompt with a 448-token one, behind a blocker): the h_cv at which the model's "
+                      "ratio of the two is the measured median (calibrate/mixed_probe.py)")
     if noise:
         header.append(f"# engine noise (used only where a scenario says `engine_noise: profile`): step time "
                       f"log-sigma {noise['step_sigma']:.3f} from {noise['step_points']} prefill repeats; extra "

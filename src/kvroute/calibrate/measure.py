@@ -1,15 +1,14 @@
-"""Measure live engines for `kvroute calibrate`: prefill time against prompt length, decode step
-time against batch size and context — every point on all listed engines at once, because engines
-that share a machine (cores, memory bandwidth, the network stack) slow each other down, and that
-contention is part of what a deployment's profile must describe.
+"""Measure live engines for `kvroute calibrate`: prefill time against prompt length, decode step time against batch
+size and context — every point on all listed engines at once, because engines that share a machine (cores, memory
+bandwidth, the network stack) slow each other down, and that contention is part of what a deployment's profile must
+describe. Further probes: calibrate/slot_probe.py, newcomer_probe.py, mixed_probe.py.
 
-Prompts are fresh text (a unique nonce first, so no engine has any of it cached) sized from each
-engine's own token count, so a point's length is in the engine's tokens, never an estimate. Two
-first requests of different sizes give a line — a fixed cost per prompt (the nonce, a BOS) plus
-bytes per token — refitted on every answer's ``usage.prompt_tokens``; one size alone put every
-point ~40 tokens over its target against a real vLLM, whose tokenizer spent more tokens on the
-nonce than on the words. The engines' context limit (vLLM's ``max_model_len`` in /v1/models)
-bounds the sweep: the first requests stay below half of it, and lengths the limit cannot hold are
+Prompts are fresh text (a unique nonce first, so no engine has any of it cached) sized from each engine's own token
+count, so a point's length is in the engine's tokens, never an estimate. Two first requests of different sizes give
+a line — a fixed cost per prompt (the nonce, a BOS) plus bytes per token — refitted on every answer's
+``usage.prompt_tokens``; one size alone put every point ~40 tokens over its target against a real vLLM, whose
+tokenizer spent more tokens on the nonce than on the words. The engines' context limit (vLLM's ``max_model_len`` in
+/v1/models) bounds the sweep: the first requests stay below half of it, and lengths the limit cannot hold are
 replaced by the longest that fits (:func:`fit_sweep`), with a line saying so.
 
 * **Prefill**: a non-streamed request with ``max_tokens: 1``; its latency is the time to the first
@@ -37,13 +36,14 @@ from dataclasses import dataclass, field, replace
 import aiohttp
 
 from kvroute.calibrate.host_cpu import CpuLedger
+from kvroute.calibrate.mixed_probe import mixed_points
 from kvroute.calibrate.newcomer_probe import newcomer_points
 from kvroute.calibrate.slot_probe import slot_points
 from kvroute.errors import ServiceError
 
-WORDS = ("the", "a", "of", "and", "to", "in", "is", "for", "on", "that", "with", "as", "it", "at",
-         "by", "from", "this", "be", "are", "or", "an", "was", "not", "but", "all", "can", "has",
-         "more", "one", "time", "data", "model", "system", "value", "state", "point", "number")
+WORDS = ("the", "a", "of", "and", "to", "in", "is", "for", "on", "that", "with", "as", "it", "at", "by", "from", "this",
+         "be", "are", "or", "an", "was", "not", "but", "all", "can", "has", "more", "one", "time", "data", "model",
+         "system", "value", "state", "point", "number")
 
 LLAMA_SERVER_N_BATCH = 2048  # llama-server's default --batch-size (logical batch of prompt tokens)
 
@@ -79,6 +79,7 @@ class Sweep:
     slot_sizes: tuple[int, ...] = (1024, 3072)  # llama-server's slot copies (calibrate/slot_probe.py)
     slot_rounds: int = 3
     newcomer_rounds: int = 0  # prefills started beside busy engines (calibrate/newcomer_probe.py; --host-cores: 2)
+    mixed_rounds: int = 0  # two prompts in one step against one (calibrate/mixed_probe.py: h_cv)
 
 
 @dataclass
@@ -113,6 +114,7 @@ class Measurements:
     busy: list[tuple[int, float, int, float, float]] = field(default_factory=list)
     slot_saves: list[tuple[int, float]] = field(default_factory=list)  # calibrate/slot_probe.py
     newcomer: list[tuple[int, str, float, float]] = field(default_factory=list)  # calibrate/newcomer_probe.py
+    mixed: list[tuple[int, float, int, int, float]] = field(default_factory=list)  # calibrate/mixed_probe.py
     wall_s: float = 0.0
     background_cores: float | None = None  # other CPU on the engines' machine meanwhile (host_cpu.py)
     sweep: Sweep | None = None  # what was swept: the asked sweep as the context limit let it run
@@ -221,8 +223,8 @@ class _Engine:
         return times
 
     async def facts(self, max_model_len: int | None = None) -> EngineFacts:
-        """Its tokenizer's bytes per token and fixed cost per prompt (from two first requests, below
-        half of ``max_model_len``: even one token per byte fits) and capacity, where it says."""
+        """Its tokenizer's bytes per token and fixed cost per prompt (from two first requests, below half of
+        ``max_model_len``: even one token per byte fits) and capacity, where it says."""
         size = 2000 if max_model_len is None else max(64, min(2000, max_model_len // 2))
         for n_bytes in (size // 2, size):
             await self.complete(_text(n_bytes, self.rng), 1)
@@ -258,10 +260,9 @@ class _Engine:
 
 
 async def _warm_point(engines: list[_Engine], ctx: int, n: int, m: Measurements, say) -> None:
-    """One warm prefill on every engine at once: a fresh prompt of ``ctx`` tokens, then that
-    prompt plus ``n`` fresh tokens; the second's time is a prefill of its uncached tokens over the
-    cached context, both as the engine counts them (an engine that does not report cached tokens
-    gives no point)."""
+    """One warm prefill on every engine at once: a fresh prompt of ``ctx`` tokens, then that prompt plus ``n`` fresh
+    tokens; the second's time is a prefill of its uncached tokens over the cached context, both as the engine counts
+    them (an engine that does not report cached tokens gives no point)."""
     bases = [e.prompt(ctx) for e in engines]
     await asyncio.gather(*(e.complete(b, 1) for e, b in zip(engines, bases, strict=True)))
 
@@ -277,12 +278,11 @@ async def _warm_point(engines: list[_Engine], ctx: int, n: int, m: Measurements,
 
 
 def _step_time(streams: list[list[float]]) -> float | None:
-    """Time per token while every stream decodes together (see the module docstring): per stream,
-    the span between its first and last token inside that window over the tokens between; the
-    median over streams. Spans, not single gaps: an engine or the network may deliver tokens in
-    bursts, and the median gap of a bursty stream is far below the step time. A stream whose
-    tokens inside the window all came in one burst (a span under 1 µs) says nothing about the
-    step and is left out: against vLLM on a loaded machine such streams gave 0.0 ms "steps"."""
+    """Time per token while every stream decodes together (see the module docstring): per stream, the span between its
+    first and last token inside that window over the tokens between; the median over streams. Spans, not single gaps:
+    an engine or the network may deliver tokens in bursts, and the median gap of a bursty stream is far below the step
+    time. A stream whose tokens inside the window all came in one burst (a span under 1 µs) says nothing about the step
+    and is left out: against vLLM on a loaded machine such streams gave 0.0 ms "steps"."""
     start, end = max(t[0] for t in streams), min(t[-1] for t in streams)
     steps = []
     for t in streams:
@@ -293,9 +293,9 @@ def _step_time(streams: list[list[float]]) -> float | None:
 
 
 def token_line(seen: list[tuple[int, int]]) -> tuple[float, float] | None:
-    """(overhead tokens, bytes per token) of the least-squares line tokens = overhead + bytes /
-    bytes_per_token through (prompt bytes, prompt tokens) points; None when they do not span two
-    sizes or give a line no tokenizer has (a negative overhead is clamped to 0)."""
+    """(overhead tokens, bytes per token) of the least-squares line tokens = overhead + bytes / bytes_per_token through
+    (prompt bytes, prompt tokens) points; None when they do not span two sizes or give a line no tokenizer has (a
+    negative overhead is clamped to 0)."""
     n = len(seen)
     xs = [float(b) for b, _ in seen]
     ys = [float(t) for _, t in seen]
@@ -313,9 +313,9 @@ def token_line(seen: list[tuple[int, int]]) -> tuple[float, float] | None:
 
 
 def fit_sweep(sweep: Sweep, max_model_len: int | None) -> tuple[Sweep, list[str]]:
-    """The sweep the engines' context limit can hold, and what was changed: a prefill length (plus
-    its one output token) or a decode context (plus ``decode_tokens``) over the limit, less a
-    margin of 2 % for how closely prompts hit their length, is replaced by the longest that fits."""
+    """The sweep the engines' context limit can hold, and what was changed: a prefill length (plus its one output token)
+    or a decode context (plus ``decode_tokens``) over the limit, less a margin of 2 % for how closely prompts hit their
+    length, is replaced by the longest that fits."""
     if max_model_len is None:
         return sweep, []
     margin = max(4, max_model_len // 50)
@@ -387,7 +387,7 @@ async def measure(urls: list[str], model: str | None = None, sweep: Sweep | None
             got = await asyncio.gather(*(e.complete(e.prompt(16), 1) for e in engines))
             m.probes.extend((i, s) for i, (s, _) in enumerate(got))
         m.slot_saves = await slot_points(engines, facts, sweep.slot_sizes, sweep.slot_rounds, say)
-        m.newcomer = await newcomer_points(engines, sweep, say)
+        m.newcomer, m.mixed = await newcomer_points(engines, sweep, say), await mixed_points(engines, sweep, say)
         for ctx in sweep.contexts:
             for batch in sweep.batch_sizes:
                 prompts = [[e.prompt(ctx) for _ in range(batch)] for e in engines]

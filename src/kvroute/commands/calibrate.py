@@ -26,7 +26,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
                   args.timeout, warm_contexts=args.warm_contexts, warm_lengths=args.warm_lengths,
                   noise_probes=args.noise_probes,
                   # engines sharing cores: how a step started beside busy ones runs (calibrate/newcomer_probe.py)
-                  newcomer_rounds=2 if args.host_cores else 0)
+                  newcomer_rounds=2 if args.host_cores else 0,
+                  mixed_rounds=3)  # two prompts in one step against one: h_cv (calibrate/mixed_probe.py)
     import asyncio
 
     try:
