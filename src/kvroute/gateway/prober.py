@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from typing import Any, Protocol
-
-import aiohttp
+from urllib.parse import urlsplit
 
 from kvroute.gateway.config import GatewayConfig
 from kvroute.gateway.metrics import GatewayMetrics
@@ -30,7 +30,8 @@ from kvroute.gateway.probes import (
 from kvroute.gateway.replica import Upstream
 from kvroute.gateway.settings import ProbeConfig
 from kvroute.gateway.tokens import RESIZE_STEP, TokenRatio
-from kvroute.gateway.upstream import UpstreamConnectError
+from kvroute.gateway.upstream import UpstreamConnectError, UpstreamError
+from kvroute.gateway.upstream_get import get
 from kvroute.model import Endpoint
 from kvroute.policy import Router
 
@@ -46,7 +47,6 @@ class ProbeHost(Protocol):
     events: Any  # the KV-event consumer (kvroute.kvevents), or None
     tokens: TokenRatio
     metrics: GatewayMetrics
-    session: aiohttp.ClientSession | None
 
     def drain_queue(self) -> None:
         """Let queued requests go where a replica freed up."""
@@ -120,15 +120,13 @@ class Prober:
             up.next_probe_at = t0 + up.probe_every_s
 
     async def _scrape(self, up: Upstream, path: str, timeout_s: float) -> str:
-        """One GET of the replica's metrics at ``path``; its text (ProbeError unless 200)."""
-        assert self.host.session is not None, "probing before start()"
+        """One GET of the replica's metrics at ``path``; its text (ProbeError unless 200). Over the
+        replica's own lean pool (gateway/upstream_get.py), not aiohttp: a fraction of the CPU."""
         # identity: prometheus_client's app (vLLM's /metrics/) gzips for a client that accepts it
-        async with self.host.session.get(f"{up.config.url}{path}", timeout=aiohttp.ClientTimeout(total=timeout_s),
-                                    headers={"Accept-Encoding": "identity"},
-                                    ssl=up.pool.tls if up.pool.tls is not None else True) as resp:
-            if resp.status != 200:
-                raise ProbeError(f"{path.split('?')[0]} answered {resp.status}")
-            text = await resp.text()
+        got = await get(up.pool, urlsplit(up.config.url).path + path, timeout_s)
+        if got.status != 200:
+            raise ProbeError(f"{path.split('?')[0]} answered {got.status}")
+        text = got.text()
         up.probe_bytes += len(text)
         return text
 
@@ -149,14 +147,14 @@ class Prober:
                 reading = read_indicators(parse_prometheus(text), up.engine)
             if reading.kv_tokens is None:
                 reading.kv_tokens = kv_capacity(text)
-        except (TimeoutError, aiohttp.ClientError, ProbeError, UnicodeDecodeError) as exc:
+        except (TimeoutError, UpstreamError, ProbeError, UnicodeDecodeError) as exc:
             self.host.metrics.probe_failures.labels(ep.id).inc()
             if up.streak.failed(ep.healthy, pc.unhealthy_after):
                 ep.healthy = False
                 why = str(exc) or ("timed out" if isinstance(exc, TimeoutError) else exc.__class__.__name__)
                 log.warning("replica %s (%s) ejected after %d failed probes: %s", ep.id, up.config.url,
                             up.streak.fails, why)
-                if isinstance(exc, aiohttp.ClientConnectorError) and up.exchanges:
+                if isinstance(exc, UpstreamConnectError) and up.exchanges:
                     # nothing listens there (the engine died or restarted): the exchanges still open
                     # to it cannot be answered, whether or not their connection's close reached us;
                     # failed now, they are retried elsewhere (a non-streamed one would otherwise wait
@@ -202,13 +200,11 @@ class Prober:
 
     async def read_models(self, up: Upstream) -> None:
         """What the replica serves, from its /v1/models (kept as it was when the read fails)."""
-        assert self.host.session is not None
         try:
-            async with self.host.session.get(f"{up.config.url}/v1/models",
-                                        ssl=up.pool.tls if up.pool.tls is not None else True,
-                                        timeout=aiohttp.ClientTimeout(total=self.host.config.probe.timeout_s)) as r:
-                data = (await r.json(content_type=None)).get("data") if r.status == 200 else None
-        except (TimeoutError, aiohttp.ClientError, ValueError, AttributeError):
+            got = await get(up.pool, urlsplit(up.config.url).path + "/v1/models", self.host.config.probe.timeout_s,
+                            b"")
+            data = json.loads(got.text()).get("data") if got.status == 200 else None
+        except (TimeoutError, UpstreamError, ValueError, AttributeError):
             return
         if isinstance(data, list):
             cards = [c for c in data if isinstance(c, dict) and isinstance(c.get("id"), str)]

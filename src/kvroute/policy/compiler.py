@@ -120,13 +120,15 @@ def compile_rule(spec: Mapping[str, Any], params: PolicyParams, loc: Loc, keys: 
             w = w.get("weight", 1.0)
         if not isinstance(w, int | float) or isinstance(w, bool):
             raise ConfigError(f"{'.'.join(map(str, at))}: weight must be a number, got {w!r}", at)
-        s = make_plugin("scorer", {name: args} if args else name, params, at, seed)
+        s = make_plugin("scorer", {name: args} if args else name, params, at, seed)  # checked even when off
         assert isinstance(s, Scorer)
+        if w == 0:  # adds 0 × its value: not scored, and its lifecycle hooks not called (issue 25: auto's
+            continue  # behind_prefill, 0 by default, kept waiting counts on every request otherwise)
         scorers.append((s, float(w)))
     default_picker = "argmax" if normalised else "argmin"
     picker = make_plugin("picker", spec.get("picker", default_picker), params, (*loc, "picker"), seed)
     assert isinstance(picker, Picker)
-    if picker.needs_values and not scorers:
+    if picker.needs_values and not weights:  # terms all weighted 0 still score: all equal
         raise ConfigError(f"{'.'.join(map(str, loc)) or 'policy'}: picker {picker.name!r} needs scores: "
                           "add cost or score", (*loc, "picker"))
     return Rule(branch, _typed(when, Condition), _typed(among, Filter), tuple(scorers), normalised, picker,

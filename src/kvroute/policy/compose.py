@@ -14,8 +14,9 @@ A preset (built in, from a YAML file, or from an entry point) is one mapping::
 A rule routes unless a ``when`` condition fails, its ``among`` filters leave no candidate, or
 its picker declines; then the next rule tries. ``cost`` sums raw scorer values times weights
 (lower wins, argmin by default); ``score`` sums scorer outputs normalised to [0, 1] (higher
-wins, argmax by default); ``picker`` overrides the default; ``route`` names a rule written in
-code; ``enabled: $flag`` keeps a rule only when a parameter says so. A plugin is named as
+wins, argmax by default); a term weighted 0 is left out when compiled (policy/compiler.py);
+``picker`` overrides the default; ``route`` names a rule written in code; ``enabled: $flag``
+keeps a rule only when a parameter says so. A plugin is named as
 ``name``, ``{name: value}`` or ``{name: {arg: value}}``, and ``$param`` anywhere refers to one
 of the preset's parameters, so a user's overrides reach the plugins.
 """
