@@ -85,7 +85,10 @@ def test_before_any_completion_the_detour_is_unbounded_and_tiers_keep_their_orde
 @pytest.mark.parametrize(("slo_ms", "chosen"), [
     (0.0, "slow"),    # no SLO: slow's requests decoded faster (15 ms) than fast's (~40 ms): the late pick stays
     (100.0, "fast"),  # the SLO given: fast's p90 (~65 ms) leaves headroom under 100 ms, the long prompt goes there
-    (50.0, "slow"),   # ~65 ms > 50 ms: no headroom, no detour
+    # ~65 ms > 50 ms: no headroom, so fast does not qualify — but the request is late on slow by more than a mean
+    # wait, and fast's predicted mean (~40 ms) is within 50 ms: the soonest of those keeps it
+    (50.0, "fast"),
+    (30.0, "slow"),   # even fast's mean is past 30 ms: the near set's late pick, slow
 ])
 def test_with_a_tpot_slo_a_late_request_detours_while_the_p90_there_is_within_it(slo_ms, chosen):
     fit = _fleet(0.015)
@@ -149,3 +152,56 @@ def test_auto_hands_its_tpot_slo_to_the_busy_term_which_reads_the_incumbents_fit
         busy = [s for s in scorers if isinstance(s, BusyUncachedHeadroom)]
         fits = {id(s.fit) for s in scorers if isinstance(s, SpeedLMetric)}
         assert len(busy) == 1 and busy[0].slo_tpot_s == slo and fits == {id(busy[0].fit)}
+
+
+def _load(fit: SpeedFit, ep: str, n: int, tpot_of, tag: str) -> None:
+    """``n`` requests in flight on ``ep`` at once, then completed in order; the j-th decodes at ``tpot_of`` (its mean
+    count in flight — at dispatch and at completion, averaged —, j): a decode step growing with the batch."""
+    rids = [f"{ep}-{tag}-{i}" for i in range(n)]
+    for rid in rids:
+        fit.dispatched(rid, ep, 1000, 0.0)
+        fit.dispatched(rid, ep, 1000, 0.0)  # a shared fit hears each dispatch once per copy: counted once
+        fit.first_token(rid, 0.4)
+    for j, rid in enumerate(rids):
+        x = ((j + 1) + (n - j)) / 2.0
+        fit.finished(rid, ep, 0.4 + tpot_of(x, j) * 100, 101)
+
+
+def _loaded_fleet() -> SpeedFit:
+    """fast: 20 ms per output token + 2 ms per request in flight (±8 ms); slow: 50 ms at any count; every wait
+    (TTFT − RTT) 0.4 s, so the fleet's mean and p90 wait are both 0.4 s."""
+    fit = SpeedFit(min_samples=2)
+    for k, n in enumerate((4, 12, 20, 28, 36, 44)):
+        _load(fit, "fast", n, lambda x, j: 0.020 + 0.002 * x + (0.008 if j % 2 else -0.008), f"a{k}")
+        _load(fit, "slow", 2, lambda x, j: 0.050, f"b{k}")
+    return fit
+
+
+def test_the_fit_learns_tpot_on_the_count_in_flight_counting_each_request_once():
+    fit = _loaded_fleet()
+    mean, p90 = fit.tpot_at("fast", 30)
+    assert mean == pytest.approx(0.080, abs=0.006) and p90 > mean + 0.005
+    mean, p90 = fit.tpot_at("fast", 36)  # the count the cases below put fast at: p90 past 100 ms, the mean not
+    assert mean < 0.100 < p90
+    assert fit.tpot_at("fast", 10)[0] == pytest.approx(0.040, abs=0.006)
+    assert fit.tpot_at("slow", 30)[0] == pytest.approx(0.050)
+    assert fit.tpot_at("nobody", 1) is None
+    assert fit._count == {"fast": 0, "slow": 0}  # every request left: dispatched twice, counted once
+    assert fit.mean_wait_s() == pytest.approx(0.4) and fit.wait_p90_s() == pytest.approx(0.4)
+
+
+@pytest.mark.parametrize(("fast_inflight", "ttft", "chosen"), [
+    (10, [0.30, 0.38], "slow"),  # short: not a tail first token on slow (0.38 <= the p90 wait), the score's pick
+    (10, [0.30, 0.60], "fast"),  # medium: by the mean-wait margin slow qualified (0.60 <= 0.3 + 0.4); not now
+    (35, [0.30, 0.60], "slow"),  # fast has no TPOT headroom at 36 in flight (p90 > 100 ms): slow takes the medium
+    (35, [0.30, 1.20], "fast"),  # long, late on slow by more than a mean wait: fast's predicted mean still fits
+    (60, [0.30, 1.20], "slow"),  # at 61 in flight even fast's predicted mean (~142 ms) is past the SLO
+])
+def test_with_a_tpot_slo_slow_replicas_take_what_is_no_tail_first_token_and_fast_ones_shed_at_their_count(
+        fast_inflight, ttft, chosen):
+    fit = _loaded_fleet()
+    eps = [Endpoint("fast", inflight=fast_inflight), Endpoint("slow", inflight=0)]
+    scaled = [1.5, 1.0]  # both in the near set; the score prefers the idle slow replica
+    assert _pick(detour(fit, eps, ttft, scaled, 2.0, {}, 0.100), ["fast", "slow"]) == chosen
+    # without the SLO, session 7's rule: the mean-wait margin, the score's order
+    assert _pick(detour(fit, eps, ttft, scaled, 2.0, {}), ["fast", "slow"]) == ("slow" if ttft[1] <= 0.7 else "fast")

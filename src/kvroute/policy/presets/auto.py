@@ -168,10 +168,12 @@ class AutoParams(PolicyParams):
                                "longer than on the near set's pick (short prompts to slow replicas, long ones to "
                                "fast ones); false: the near set's soonest")
     slo_tpot_ms: float = Field(0.0, ge=0, description="the deployment's TPOT objective in ms (0: none given): on a "
-                               "fleet judged mixed, the detour sends a request to a replica outside the near set "
-                               "while that replica's measured p90 time per output token is within it (headroom, as "
-                               "llm-d's SLO scorer), instead of while it is no slower than the near set's pick; "
-                               "and busy_prefill stands aside while the best-cached replica's p90 is past it")
+                               "fleet judged mixed, a replica has TPOT headroom while the p90 time per output token "
+                               "predicted at its count in flight (a learned line) is within it; a slow replica then "
+                               "takes only first tokens that are not tail ones (no later than the soonest or the "
+                               "fleet's p90 wait) unless the soonest has no headroom, and one outside the near set "
+                               "only while its measured p90 is within it; and busy_prefill stands aside while the "
+                               "best-cached replica's p90 is past it")
     speed_samples: int = Field(2, ge=1, description="first tokens and completions per replica before its "
                                "learned speed counts (at least 3 first tokens, 2 completions: what a standard error "
                                "needs); the spread must also stand apart by Student's t at 95.45 %")

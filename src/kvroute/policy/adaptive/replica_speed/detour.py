@@ -35,18 +35,37 @@ completion the detour is unbounded (the warm-up: the fast replicas are idle). Wi
 (3.73 → 3.36 req/s). The price: at 90 % of the knee goodput 1.2 % lower over 9 seeds (3.65 against 3.70
 req/s; up to 5 % in one seed). Measurements in docs/auto.md.
 
-**With a TPOT SLO** (``slo_tpot_s`` > 0; ``auto``'s ``slo_tpot_ms``, session 8): the decode condition reads
-the user's objective instead of the near set's pick — a replica outside the near set qualifies while its
-measured 90th percentile time per output token (:meth:`~.fit.SpeedFit.decode_p90_s`) is within the SLO:
-it has TPOT headroom, as llm-d's SLO scorer has it (a predicted p90 TPOT against the request's
-``x-slo-tpot-ms``; llm-d's guide *Predicted Latency based Load Balancing*). Without the SLO the bound
-must be relative (no worse than where the score would send it) and keeps long prompts on the slow
-replicas whenever a fast one's batch has grown; with it a fast replica takes them while its TPOT
-leaves room. Pure.
+**With a TPOT SLO** (``slo_tpot_s`` > 0; ``auto``'s ``slo_tpot_ms``; :func:`detour_slo`). Session 8 read the
+user's objective in the decode condition — a replica outside the near set qualified while its measured 90th
+percentile time per output token (:meth:`~.fit.SpeedFit.decode_p90_s`) was within it: TPOT headroom, as
+llm-d's SLO scorer has it (a predicted p90 TPOT against the request's ``x-slo-tpot-ms``; llm-d's guide
+*Predicted Latency based Load Balancing*). Session 9 (22y) found two faults in that rule on 2 A100 + 6 L4 at
+70 % of the knee: the mean-wait margin let the L4s take 2,000–2,800-token prompts (first tokens of 0.9–1.4 s,
+the whole TTFT tail) while the A100s had TPOT to spare (p90 26–55 ms; in seed 1 ``llm_d``, all on the A100s,
+kept every TPOT), and a p90 measured at completion lags the load by a request's lifetime, so it cannot say
+*when* the fast replicas must shed load. An A100's time per token follows its batch (a decode step grows with
+the requests it serves: over 800 requests at 70 % the correlation of a request's TPOT with its replica's mean
+count in flight was 0.95), and the load balancer's own count in flight is always current. So, given the SLO:
+
+* a replica has **TPOT headroom** while the p90 time per output token predicted at its count in flight with
+  this request added (:meth:`~.fit.SpeedFit.tpot_at`: a learned line of TPOT on the count, + 1.28 residual
+  standard deviations) is within the SLO (unknown before 3 completions: headroom);
+* a first token is **not a tail one** when it comes no later than the soonest or the fleet's p90 wait
+  (:meth:`~.fit.SpeedFit.wait_p90_s`) — or, while the soonest replica has no headroom, no later than the soonest
+  by a mean wait (the rule above: the fast way must shed load, the slow replicas take medium prompts);
+* a replica **qualifies** when the first token is not a tail one there, it has headroom, and it is in the near
+  set or its measured p90 TPOT is within the SLO; the qualifying ones rank by the score;
+* a request no replica qualifies for (late on every slow replica, the fast ones without headroom) goes to the
+  soonest replica whose predicted *mean* TPOT at its count is within the SLO — a long prompt stays on a fast
+  replica while its requests' typical decode still meets the objective, and leaves only when it would not —
+  then to the near set's by TTFT, then the rest.
+
+Without the SLO every decision is as before. Pure.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from statistics import median
 
 from kvroute.model import Endpoint
@@ -60,30 +79,63 @@ def detour(fit: SpeedFit, eps: list[Endpoint], ttft: list[float], scaled: list[f
     """Values (lower is better) ranking ``eps`` as the module says: ``ttft`` the predicted TTFTs (seconds),
     ``scaled`` the speed-scaled scores, ``limit`` the near set's bound on them, ``decode_factor`` the
     replicas' decode factors (for a replica whose decode is not measured yet), ``slo_tpot_s`` the TPOT SLO
-    (0: none). The replicas that qualify rank by their score (scaled into [0, 1)), then the near set's late
-    ones by TTFT, then the rest."""
+    (0: none; given, :func:`detour_slo` ranks). The replicas that qualify rank by their score (scaled into
+    [0, 1)), then the near set's late ones by TTFT, then the rest."""
+    if slo_tpot_s > 0:
+        return detour_slo(fit, eps, ttft, scaled, limit, decode_factor, slo_tpot_s)
     first = min(ttft) + fit.mean_wait_s()
     near = [v <= limit for v in scaled]
     pick = min(range(len(eps)), key=lambda i: ttft[i] + (0.0 if near[i] else OUTSIDE_S))
+    tpot = _decode_reader(fit, decode_factor)
+    bound = tpot(eps[pick])  # no worse than the near set's pick
+    top = 1.0 + max(scaled)
+    out = []
+    for e, t, v, n in zip(eps, ttft, scaled, near):
+        if t <= first and (n or bound is None or (tp := tpot(e)) is None or tp <= bound):
+            out.append(v / top)
+        else:
+            out.append(t + (1 if n else 2) * OUTSIDE_S)
+    return out
+
+
+def _decode_reader(fit: SpeedFit, decode_factor: dict[str, float]) -> Callable[[Endpoint], float | None]:
+    """A replica's measured mean time per output token; unmeasured, its decode factor × the fleet's median
+    measured one; None before any replica is measured."""
     dec = fit.decode_s()
     mid = median(dec.values()) if dec else None
 
     def tpot(e: Endpoint) -> float | None:
         t = dec.get(e.id)
         return t if t is not None or mid is None else mid * decode_factor.get(e.id, 1.0)
+    return tpot
 
-    # with the SLO: headroom under it (the measured p90, else as above); without: no worse than the near set's pick
-    p90 = fit.decode_p90_s() if slo_tpot_s > 0 else {}
-    bound = slo_tpot_s if slo_tpot_s > 0 else tpot(eps[pick])
+
+def detour_slo(fit: SpeedFit, eps: list[Endpoint], ttft: list[float], scaled: list[float], limit: float,
+               decode_factor: dict[str, float], slo_tpot_s: float) -> list[float]:
+    """:func:`detour` given the TPOT SLO (the module's last section): a replica qualifies when its first token is
+    not a tail one (no later than the soonest or the fleet's p90 wait — the mean wait past the soonest while the
+    soonest replica has no TPOT headroom), it has TPOT headroom at its count in flight, and it is in the near set
+    or its measured p90 TPOT is within the SLO; the qualifying ones rank by score, then the soonest of those
+    whose predicted mean TPOT is within the SLO, then the near set's by TTFT, then the rest."""
+    soonest = min(range(len(eps)), key=lambda i: ttft[i])
+    now = [fit.tpot_at(e.id, e.inflight + 1) for e in eps]  # (mean, p90) at this load, this request added
+    headroom = [p is None or p[1] <= slo_tpot_s for p in now]
+    if headroom[soonest]:
+        first = max(ttft[soonest], fit.wait_p90_s())
+    else:  # the fast way must shed load: the slow replicas take what is late by less than a typical wait
+        first = ttft[soonest] + fit.mean_wait_s()
+    near = [v <= limit for v in scaled]
+    tpot = _decode_reader(fit, decode_factor)
+    p90 = fit.decode_p90_s()
 
     def decode(e: Endpoint) -> float | None:
         return p90[e.id] if e.id in p90 else tpot(e)
 
     top = 1.0 + max(scaled)
     out = []
-    for e, t, v, n in zip(eps, ttft, scaled, near):
-        if t <= first and (n or bound is None or (tp := decode(e)) is None or tp <= bound):
+    for e, t, v, n, h, p in zip(eps, ttft, scaled, near, headroom, now):
+        if t <= first and h and (n or (tp := decode(e)) is None or tp <= slo_tpot_s):
             out.append(v / top)
         else:
-            out.append(t + (1 if n else 2) * OUTSIDE_S)
+            out.append(t + (1 if p is None or p[0] <= slo_tpot_s else 2 if n else 3) * OUTSIDE_S)
     return out

@@ -119,6 +119,15 @@ class _Line:
         mx, my, slope, _ = self._slope()
         return max(0.0, my + slope * (x - mx))
 
+    def resid_sd(self) -> float:
+        """Standard deviation of the residuals around the line (inf for two observations or fewer)."""
+        if self.w <= 2.0 + 1e-9:
+            return float("inf")
+        mx, my, slope, var = self._slope()
+        vy = self.syy / self.w - my * my
+        cov = self.sxy / self.w - mx * my
+        return math.sqrt(max(0.0, vy - 2.0 * slope * cov + slope * slope * var) * self.w / (self.w - 2.0))
+
     def se_at(self, x: float) -> float:
         """Standard error of :meth:`at` (the sum of weights standing for the sample size); inf for two
         observations or fewer (a line through them has no residual)."""
@@ -192,6 +201,13 @@ class SpeedFit:
         self._wait = _Ratio()  # the fleet's mean TTFT − RTT per request (num: seconds, den: requests)
         self._pending: dict[str, tuple[str, float, float]] = {}  # req → (replica, work, rtt)
         self._ttft: dict[str, float] = {}  # req → measured TTFT
+        # the load: this fit's requests in flight per replica, each request's count at dispatch (its own included),
+        # and per replica a line of time per output token on that count (read as the requests' mean count over
+        # their lifetime: the count at dispatch and at completion, averaged)
+        self._where: dict[str, str] = {}
+        self._count: dict[str, int] = {}
+        self._n0: dict[str, int] = {}
+        self._tpot: dict[str, _Line] = {}
         # recomputed at each observation, never while deciding (Router.decide stays a dry run)
         self._factors: tuple[dict[str, float], dict[str, float]] = ({}, {})
         self.judged_mixed = False  # set once, when both spreads first stood the test
@@ -200,6 +216,10 @@ class SpeedFit:
     # ---- observations -------------------------------------------------------------------------
     def dispatched(self, req_id: str, endpoint_id: str, work_tokens: int, rtt_s: float) -> None:
         """``req_id`` went to ``endpoint_id`` with ``work_tokens`` of prefill queued there (its own included)."""
+        if req_id not in self._where:  # a shared fit hears each dispatch once per copy: count it once
+            self._where[req_id] = endpoint_id
+            n = self._count[endpoint_id] = self._count.get(endpoint_id, 0) + 1
+            self._n0[req_id] = n
         self._pending[req_id] = (endpoint_id, float(work_tokens), rtt_s)
 
     def first_token(self, req_id: str, ttft_s: float) -> None:
@@ -221,8 +241,15 @@ class SpeedFit:
         """A completion: one decode observation when its TTFT was seen and it decoded past one token."""
         self._pending.pop(req_id, None)
         ttft = self._ttft.pop(req_id, None)
+        n1 = self._count.get(endpoint_id, 0)
+        n0 = self._leave(req_id)
         if ttft is None or output_tokens < 2 or e2e_s <= ttft:
             return
+        if n0 is not None:
+            line = self._tpot.get(endpoint_id)
+            if line is None:
+                line = self._tpot[endpoint_id] = _Line()
+            line.add((n0 + n1) / 2.0, (e2e_s - ttft) / (output_tokens - 1), self.decay)
         r = self._decode.get(endpoint_id)
         if r is None:
             r = self._decode[endpoint_id] = _Ratio()
@@ -233,6 +260,14 @@ class SpeedFit:
         """The request failed or was re-routed: no observation."""
         self._pending.pop(req_id, None)
         self._ttft.pop(req_id, None)
+        self._leave(req_id)
+
+    def _leave(self, req_id: str) -> int | None:
+        """The request is no longer in flight: its replica's count drops; returns its count at dispatch."""
+        ep = self._where.pop(req_id, None)
+        if ep is not None:
+            self._count[ep] -= 1
+        return self._n0.pop(req_id, None)
 
     # ---- estimates ----------------------------------------------------------------------------
     def _prefill_est(self) -> dict[str, tuple[float, float]]:
@@ -272,6 +307,22 @@ class SpeedFit:
         llm-d's SLO scorer likewise compares a predicted p90 TPOT with the request's SLO)."""
         floor = max(self.min_samples, RATIO_FLOOR)
         return {ep: r.num / r.den + Z90 * r.sd() for ep, r in self._decode.items() if r.n >= floor and r.den > 0}
+
+    def tpot_at(self, endpoint_id: str, inflight: float) -> tuple[float, float] | None:
+        """The replica's time per output token predicted at ``inflight`` requests in flight: (mean, p90 — the
+        line + 1.28 residual standard deviations); None before 3 completions. A replica's decode step grows with
+        its batch (the requests it serves at once), which the load balancer's own count in flight is, always
+        current — while a time measured at completion lags the load sent since by a request's lifetime."""
+        line = self._tpot.get(endpoint_id)
+        if line is None or line.n < LINE_FLOOR:
+            return None
+        mean = line.at(inflight)
+        return mean, mean + Z90 * line.resid_sd()
+
+    def wait_p90_s(self) -> float:
+        """The fleet's 90th percentile TTFT − RTT, read as the weighted mean + 1.28 standard deviations of the
+        measured waits (0 before any first token)."""
+        return self.mean_wait_s() + Z90 * self._wait.sd() if self._wait.den > 0 else 0.0
 
     def _relative(self, est: dict[str, tuple[float, float]], test: bool = True) -> dict[str, float]:
         """Each time over the median; with ``test``, empty (all 1) unless some replica's time, ``z``

@@ -88,8 +88,9 @@ class SpeedLMetric(Scorer, SpeedPlugin):
     L4s idle at half the knee but overloads the A100s' decode past it (TPOT SLO missed at 70 %,
     unstable at 90 %). Replicas outside the near set rank after every one inside it.
 
-    ``slo_tpot_ms`` (0: none): the user's TPOT objective; with ``detour``, a replica outside the near set takes
-    a request while its measured p90 time per output token is within it (:mod:`.detour`).
+    ``slo_tpot_ms`` (0: none): the user's TPOT objective; with ``detour``, a slow replica takes only first tokens
+    that are not tail ones while the fast ones have TPOT headroom at their count in flight, and a replica outside
+    the near set only while its measured p90 time per output token is within it (:func:`~.detour.detour_slo`).
 
     ``shared_fit``: a name; the ``lmetric_speed`` copies of one policy that give the same name and the same
     fit settings (``min_samples``, ``halflife``, ``spread``, ``z``, ``learn``) learn into one
