@@ -103,6 +103,18 @@ def _moved_off(records: list[logging.LogRecord], phrase: str) -> list[float]:
     return [r.created for r in records if phrase in r.getMessage() and "made no progress" in r.getMessage()]
 
 
+def _watch(gw, replica: str) -> dict:
+    """What the gateway's stall detector holds for ``replica`` now (for failure messages): its
+    learned prefill speed, peak token gap, prompts waiting for a first token, silence, threshold."""
+    def read() -> dict:
+        w, cfg, now = gw.rt.stalls.detector.watch(replica), gw.rt.config.stall, time.monotonic()
+        return {"s_per_token": w.s_per_token, "peak_gap_s": round(w.peak_gap_s, 3), "attempts": len(w.attempts),
+                "waiting_prompts": [a.prompt_tokens for a in w.attempts if not a.first_token],
+                "silent_s": round(now - w.silent_since(), 3),
+                "threshold_s": round(w.threshold(now, cfg.factor, cfg.min_s, cfg.max_s), 3)}
+    return gw.read(read)
+
+
 def test_a_frozen_engine_is_ejected_within_5_s_and_its_stream_goes_on(pair, caplog):
     """The issue's bound is on the gateway: the frozen engine out within 5 s, and no request left
     waiting on it longer (the stall sweep aborts what waits there and it goes on elsewhere). What the
@@ -125,6 +137,7 @@ def test_a_frozen_engine_is_ejected_within_5_s_and_its_stream_goes_on(pair, capl
     idx = int(replica[1:])
     frozen = engines[idx]
     core = engine_core(frozen)
+    made, seen = generated(frozen) - before[idx], len(s.events)  # how far the engine is ahead of the client
     os.kill(core, signal.SIGSTOP)
     try:
         t0 = time.monotonic()
@@ -151,7 +164,8 @@ def test_a_frozen_engine_is_ejected_within_5_s_and_its_stream_goes_on(pair, capl
             t.start()
         breaker = gw.rt.upstreams[replica].breaker
         while not breaker.held:
-            assert time.monotonic() - t0 < 5.0, "the frozen engine was not ejected within 5 s"
+            assert time.monotonic() - t0 < 5.0, ("the frozen engine was not ejected within 5 s", _watch(gw, replica),
+                                                 f"{made} tokens made by the engine, {seen} seen at the freeze")
             time.sleep(0.02)
         assert gw.rt.upstreams[replica].endpoint.healthy  # its probes still pass
         for t in shorts:
