@@ -81,7 +81,9 @@ def test_headless_service_re_resolved(tmp_path, caplog):
         port, engines = await engines_on(["127.0.0.2", "127.0.0.3", "127.0.0.4"])
         gw = Gateway(GatewayConfig(port=0, policy="round_robin", probe={"interval_s": 0.05}, discovery=[{
             "kind": "dns", "name": NAME, "port": port, "nameserver": f"127.0.0.1:{dns.port}", "interval_s": 0.1,
-            "timeout_s": 0.3, "defaults": {"engine": "vllm", "region": "us"}}]))
+            # 2 s per query, not 0.3: the first resolution (three queries) must succeed before the gateway
+            # listens, and dnsmasq, another process, may wait that long for a core on a loaded machine
+            "timeout_s": 2.0, "defaults": {"engine": "vllm", "region": "us"}}]))
         await gw.start()
         rt = gw.runtime
         names = lambda: set(rt.upstreams)  # noqa: E731

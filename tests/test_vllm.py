@@ -164,36 +164,57 @@ def test_vllm_and_emulator_frames_decode_alike(fleet):
     from kvroute.perf.loader import load_profile
 
     engines, gw, _ = fleet
+    # a SUB socket misses what is published before its connection is up (ZeroMQ's "slow joiner"): a
+    # fresh prompt at a time until one's events arrive — one prompt after a fixed 0.5 s (0.3 s for the
+    # emulator) was lost here at load ~12, and the emulator was then left running
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
-    sub.setsockopt(zmq.RCVTIMEO, 5000)
+    sub.setsockopt(zmq.RCVTIMEO, 2000)
     sub.connect(f"tcp://127.0.0.1:{engines[0].events_port}")
-    time.sleep(0.5)
-    engines[0].post("/v1/completions", {"model": "tiny", "prompt": "fresh prompt for the wire check " * 8,
-                                        "max_tokens": 2})
-    vllm_frames = [sub.recv_multipart()]
-    while not _first_stored(vllm_frames):  # evictions may come first
-        vllm_frames.append(sub.recv_multipart())
-    sub.close(linger=0)
+    vllm_frames: list = []
+    try:
+        for attempt in range(10):
+            engines[0].post("/v1/completions", {"model": "tiny", "max_tokens": 2,
+                                                "prompt": f"fresh prompt {attempt} for the wire check " * 8})
+            try:
+                vllm_frames.append(sub.recv_multipart())
+                break
+            except zmq.Again:
+                continue
+        assert vllm_frames, "vLLM published no KV event that reached a subscriber"
+        while not _first_stored(vllm_frames):  # evictions may come first
+            vllm_frames.append(sub.recv_multipart())
+    finally:
+        sub.close(linger=0)
+        ctx.term()
 
     async def emulated():
         opts = KVEventsOptions("tcp://127.0.0.1:*", None, "kv", "map")
         runner, emu, port = await start_emulator("127.0.0.1", 0, load_profile("h100-llama3.2-3b"), kv_events=opts,
                                                  block_tokens=vllm.BLOCK)
         esub = zmq.asyncio.Context.instance().socket(zmq.SUB)
-        esub.setsockopt(zmq.SUBSCRIBE, b"")
-        esub.connect(emu.events.publisher.bound_endpoint())
-        await asyncio.sleep(0.3)
-        async with aiohttp.ClientSession() as s:
-            await (await s.post(f"http://127.0.0.1:{port}/v1/completions",
-                                json={"model": "emulated", "prompt": "x" * 600, "max_tokens": 2})).read()
-        frames = [await asyncio.wait_for(esub.recv_multipart(), 5)]
-        while not _first_stored(frames):
-            frames.append(await asyncio.wait_for(esub.recv_multipart(), 5))
-        esub.close(linger=0)
-        await runner.cleanup()
-        return frames
+        try:
+            esub.setsockopt(zmq.SUBSCRIBE, b"")
+            esub.connect(emu.events.publisher.bound_endpoint())
+            frames: list = []
+            async with aiohttp.ClientSession() as s:
+                for attempt in range(10):
+                    await (await s.post(f"http://127.0.0.1:{port}/v1/completions",
+                                        json={"model": "emulated", "prompt": f"{attempt} " + "x" * 600,
+                                              "max_tokens": 2})).read()
+                    try:
+                        frames.append(await asyncio.wait_for(esub.recv_multipart(), 2))
+                        break
+                    except TimeoutError:
+                        continue
+            assert frames, "the emulator published no KV event that reached a subscriber"
+            while not _first_stored(frames):
+                frames.append(await asyncio.wait_for(esub.recv_multipart(), 5))
+            return frames
+        finally:
+            esub.close(linger=0)
+            await runner.cleanup()
 
     emu_frames = asyncio.run(emulated())
     shapes = []

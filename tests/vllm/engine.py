@@ -79,6 +79,7 @@ class VLLMEngine:
         self.max_model_len = max_model_len or (blocks - 1) * BLOCK
         self.proc: subprocess.Popen | None = None
         self.pids: set[int] = set()
+        self.started: dict[int, int] = {}  # pid -> its start time: a PID names our process only while they match
 
     @property
     def url(self) -> str:
@@ -100,7 +101,8 @@ class VLLMEngine:
         self.log = open(self.workdir / f"vllm-{self.port}.log", "ab")  # noqa: SIM115 (closed in stop)
         self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT, cwd=self.workdir,
                                      start_new_session=self.new_session)
-        self.pids = {self.proc.pid}
+        self.pids, self.started = set(), {}
+        self._track()
 
     def wait_ready(self, timeout: float = 400.0) -> None:
         """Until /health answers 200 (a cold start takes 20 s on an idle machine, minutes on a busy one)."""
@@ -109,16 +111,27 @@ class VLLMEngine:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"vLLM on port {self.port} exited {self.proc.returncode}:\n{self.log_tail()}")
-            self.pids |= set(descendants(self.proc.pid))
+            self._track()
             try:
                 with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
                     if r.status == 200:
-                        self.pids |= set(descendants(self.proc.pid))
+                        self._track()
                         return
             except OSError:
                 pass
             time.sleep(1.0)
         raise TimeoutError(f"vLLM on port {self.port} not ready within {timeout:g} s:\n{self.log_tail()}")
+
+    def _track(self) -> None:
+        """Remember the server and every process below it now, each with its start time: children
+        outlive a killed server (re-parented, so no longer found below it), and this machine's PIDs
+        wrap at 32,768, so by the time a short-lived child's PID is signalled it may be another's."""
+        assert self.proc is not None
+        for pid in (self.proc.pid, *descendants(self.proc.pid)):
+            start = _start_time(pid)
+            if start is not None:
+                self.started[pid] = start
+                self.pids.add(pid)
 
     def log_tail(self, lines: int = 25) -> str:
         """The end of the engine's log (its folder is removed after the tests)."""
@@ -129,22 +142,23 @@ class VLLMEngine:
         """SIGTERM the server and every process it spawned (by PID), SIGKILL what is left after 15 s."""
         if self.proc is None:
             return
-        self.pids |= set(descendants(self.proc.pid))
-        for pid in sorted(self.pids):
+        self._track()
+        ours = {pid: start for pid, start in self.started.items() if _start_time(pid) == start}
+        for pid in sorted(ours):
             _signal(pid, signal.SIGTERM)
         deadline = time.monotonic() + 15
-        while time.monotonic() < deadline and any(_alive(p) for p in self.pids):
+        while time.monotonic() < deadline and any(_alive(p, s) for p, s in ours.items()):
             if self.proc.poll() is None:
                 time.sleep(0.2)
             else:
                 time.sleep(0.2)
                 self._reap()
-        for pid in self.pids:
-            if _alive(pid):
+        for pid, start in ours.items():
+            if _alive(pid, start):
                 _signal(pid, signal.SIGKILL)
         self.proc.wait(timeout=15)
         self.proc = None
-        self.pids = set()
+        self.pids, self.started = set(), {}
         self.log.close()
 
     def _reap(self) -> None:
@@ -183,12 +197,23 @@ def running_engines(n: int, blocks: int, prefix: str) -> Iterator[tuple[Path, li
         shutil.rmtree(root, ignore_errors=True)
 
 
-def _alive(pid: int) -> bool:
+def _start_time(pid: int) -> int | None:
+    """When ``pid`` started (clock ticks after boot, /proc/PID/stat field 22); None if it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat[stat.rindex(")") + 2:].split()[19])
+
+
+def _alive(pid: int, start: int) -> bool:
+    """Whether the process that started at ``start`` still runs as ``pid`` (not a zombie)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return False
-    return stat[stat.rindex(")") + 2] != "Z"
+    fields = stat[stat.rindex(")") + 2:].split()
+    return fields[0] != "Z" and int(fields[19]) == start
 
 
 def _signal(pid: int, sig: int) -> None:
