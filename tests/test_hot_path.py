@@ -162,3 +162,22 @@ def test_count_fields_are_refused_with_their_name(body):
         RequestParsing.parse(RequestParsing.__new__(RequestParsing), body, PROXIED["/v1/chat/completions"], {})
     name = json.loads(body).keys() - {"model", "messages"}
     assert bad.value.param in name and "must be an integer from 1 to" in str(bad.value)
+
+
+def test_branch_totals_are_summed_from_the_per_policy_counts_in_first_decided_order():
+    """One count per decision (issue 25h): /admin/policy's per-branch totals are summed when read."""
+    from kvroute.gateway.metrics import GatewayMetrics
+
+    m = GatewayMetrics(None)  # the runtime is read only at scrape time
+    for policy, branch in [("auto", "b"), ("auto", "a"), ("auto", "b"), ("lmetric", "a"), ("lmetric", "c")]:
+        m.count_branch(policy, branch)
+    assert m.branch_by_policy == {("auto", "b"): 2, ("auto", "a"): 1, ("lmetric", "a"): 1, ("lmetric", "c"): 1}
+    assert list(m.branch_counts.items()) == [("b", 2), ("a", 2), ("c", 1)] and m.last_branch == "c"
+
+
+def test_token_ratio_scale_is_the_plain_mean_of_the_replicas_ratios():
+    r = tokens.TokenRatio(alpha=0.3)
+    rng = random.Random(5)
+    for _ in range(200):
+        r.observe(f"r{rng.randrange(5)}", rng.randrange(20, 400), rng.randrange(10, 900))
+    assert r.scale == sum(r.ratios.values()) / len(r.ratios)

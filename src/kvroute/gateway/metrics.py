@@ -58,8 +58,7 @@ class GatewayMetrics:
                                 registry=r)
         r.register(_LiveCollector(runtime))
         self._children: dict[tuple, object] = {}  # label lookups cost more than the increment
-        # decisions per branch and the latest one: which mechanism is in charge (GET /admin/policy)
-        self.branch_counts: dict[str, int] = {}
+        # the latest decision's branch: which mechanism is in charge (GET /admin/policy)
         self.last_branch = ""
 
     def _child(self, metric, *labels):
@@ -76,11 +75,21 @@ class GatewayMetrics:
         counts[key] = counts.get(key, 0) + 1
 
     def count_branch(self, policy: str, branch: str) -> None:
-        """Count one routing decision by the policy branch that made it."""
+        """Count one routing decision by the policy branch that made it (one count per decision:
+        the per-branch totals are summed when read, ``branch_counts``)."""
         pair = (policy, branch)
-        self.branch_by_policy[pair] = self.branch_by_policy.get(pair, 0) + 1
-        self.branch_counts[branch] = self.branch_counts.get(branch, 0) + 1
+        counts = self.branch_by_policy
+        counts[pair] = counts.get(pair, 0) + 1
         self.last_branch = branch
+
+    @property
+    def branch_counts(self) -> dict[str, int]:
+        """Decisions per branch over every policy that ran, in the order the branches first
+        decided (GET /admin/policy)."""
+        out: dict[str, int] = {}
+        for (_, branch), n in self.branch_by_policy.items():
+            out[branch] = out.get(branch, 0) + n
+        return out
 
     def watch_http(self, server) -> None:
         """Export the HTTP server's refusals (``HTTPServer.rejections``) as ``kvroute_http_rejected``."""
