@@ -258,24 +258,29 @@ def test_auto_least_work_counts_an_uncached_prefill_again_while_the_candidates_a
 def test_auto_least_work_counts_an_uncached_prefill_once_more_per_request_waiting_on_every_candidate(router_for):
     """waiting_uncached: first come, first served, about as many requests arrive behind a prefill as were waiting
     when it came, so while every candidate has requests of this LB waiting for a first token, auto's least work
-    counts the uncached tokens once more per request waiting on the least-waited candidate; a first token ends
+    counts the uncached tokens once more per request waiting on the least-waited candidate — but that term moves
+    the pick only to a replica that then queues no more prefill than the longest queue now; a first token ends
     the wait."""
     from kvroute.policy.presets.auto import LEAST_WORK
     from tests.conftest import make_request
 
     req = make_request("turn2", "hello " * 800)  # 18 blocks, 1,204 tokens
-    old = router_for("auto", 3)  # behind_prefill 0 by default
-    new = router_for("auto", 3, params={"behind_prefill": 1.0})
+    old = router_for("auto", 3, params={"behind_prefill": 0.0})
+    new = router_for("auto", 3)  # behind_prefill 1 by default
     for router in (old, new):
         for i, e in enumerate(router.view.endpoints):  # one request of this LB waiting on each
             router.commit(make_request(f"wait{i}", f"other {i} " * 40), e.id)
         a, b, c = router.view.endpoints
-        router.prefix.insert(a.id, req.block_hashes[:-2])  # a caches 16 blocks: 180 tokens uncached there
-        a.queued_prefill_tokens, b.queued_prefill_tokens, c.queued_prefill_tokens = 3100, 600, 4000
-    # trust region a and b (c: (4,000 + 1,204) is more than twice b's 1,804, batches equal); every candidate busy.
-    # Before: a 3,100 + 2 x 180 = 3,460 against b 600 + 2 x 1,204 = 3,008: b. One request waiting everywhere:
-    # a 3,100 + 3 x 180 = 3,640 against b 600 + 3 x 1,204 = 4,212: the request stays with its cache
+        for cached in (a, c):  # a and c cache 16 blocks: 180 tokens uncached there
+            router.prefix.insert(cached.id, req.block_hashes[:-2])
+        a.queued_prefill_tokens, b.queued_prefill_tokens, c.queued_prefill_tokens = 3100, 600, 3400
+    # every candidate busy. The least work: b 600 + 2 x 1,204 = 3,008 before a 3,100 + 2 x 180 = 3,460 and c 3,760.
+    # One request waiting everywhere: a 3,640 before c 3,940 and b 4,212 — and a would then queue 3,280 tokens, no
+    # more than c's 3,400 now: the request stays with its cache
     d_old, d_new = old.decide(req), new.decide(req)
     assert (d_old.branch, d_old.target, d_new.branch, d_new.target) == (LEAST_WORK, "e1", LEAST_WORK, "e0")
+    new.view.endpoints[2].queued_prefill_tokens = 3200  # a would now hold the longest queue: the least work decides
+    assert new.decide(req).target == "e1"
+    new.view.endpoints[2].queued_prefill_tokens = 3400
     new.on_first_token("wait1", 0.5)  # b's request got its first token: nothing waiting there, the term is 0
     assert new.decide(req).target == "e1"

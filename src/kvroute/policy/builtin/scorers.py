@@ -187,20 +187,43 @@ class WaitingUncached(Scorer, Lifecycle):
     any candidate. An engine prefills first come, first served: a prefill the cache would have saved delays
     the requests that arrive during its wait, about as many as were waiting when it came (Little's law), so
     at least that many wherever it goes while every candidate has a queue (``auto``, docs/auto.md). The
-    count is the router's own (dispatched, no first token yet), kept from the lifecycle events."""
+    count is the router's own (dispatched, no first token yet), kept from the lifecycle events.
+
+    With ``guard`` (the default) the term may change the least work's pick (queued + uncached tokens × (1 + ``busy``
+    × the share of candidates with prefill queued), ``auto``'s least-work rule without this term) only to a replica
+    that would then queue no more prefill than the longest queue among the candidates now: in a burst (every
+    client's first request at once) the slowest first tokens are the last ones on the longest queue, and keeping
+    a prefix where it is cached must not make that queue longer; otherwise the least work decides alone
+    (docs/auto.md, session 9)."""
 
     name = "waiting_uncached"
-    inputs = frozenset({"prefix"})
+    inputs = frozenset({"prefix", "prefill_backlog"})
 
-    def __init__(self) -> None:
+    def __init__(self, guard: bool = True, busy: float = 1.0) -> None:
+        if busy < 0:
+            raise ValueError(f"busy must be >= 0, got {busy}")
+        self.guard, self.busy = guard, busy
         self.waiting: dict[str, int] = {}  # endpoint id → this router's requests without a first token
         self.at: dict[str, str] = {}  # request id → its endpoint, until its first token (or its end)
 
     def values(self, st: DecisionState, eps: list[Endpoint]) -> list[float]:
-        """Uncached tokens per endpoint, times the fewest requests waiting for a first token on any of ``eps``."""
+        """Uncached tokens per endpoint, times the fewest requests waiting for a first token on any of ``eps``
+        (0 everywhere where the guard holds: the pick it would move to would become the longest queue)."""
         get = self.waiting.get
         depth = min((get(e.id, 0) for e in eps), default=0)
-        return [n * depth for n in st.new_prefill(eps)] if depth else [0.0] * len(eps)
+        if not depth:
+            return [0.0] * len(eps)
+        new = st.new_prefill(eps)
+        term = [n * depth for n in new]
+        if self.guard:
+            queued = [e.queued_prefill_tokens for e in eps]
+            share = 1.0 + self.busy * sum(1 for q in queued if q > 0) / len(eps)
+            work = [q + n * share for q, n in zip(queued, new)]
+            before = min(range(len(eps)), key=work.__getitem__)
+            after = min(range(len(eps)), key=lambda i: work[i] + term[i])
+            if after != before and queued[after] + new[after] > max(queued):
+                return [0.0] * len(eps)
+        return term
 
     def on_dispatched(self, req: Request, endpoint: Endpoint, new_prefill_tokens: int) -> None:
         """One more request waiting for its first token there."""
