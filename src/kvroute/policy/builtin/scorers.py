@@ -214,7 +214,7 @@ class WaitingUncached(Scorer, Lifecycle):
         if not depth:
             return [0.0] * len(eps)
         new = st.new_prefill(eps)
-        term = [n * depth for n in new]
+        term: list[float] = [float(n * depth) for n in new]
         if self.guard:
             queued = [e.queued_prefill_tokens for e in eps]
             share = 1.0 + self.busy * sum(1 for q in queued if q > 0) / len(eps)
