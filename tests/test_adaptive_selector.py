@@ -265,8 +265,8 @@ def test_auto_least_work_counts_an_uncached_prefill_once_more_per_request_waitin
     from tests.conftest import make_request
 
     req = make_request("turn2", "hello " * 800)  # 18 blocks, 1,204 tokens
-    old = router_for("auto", 3, params={"behind_prefill": 0.0})
-    new = router_for("auto", 3)  # behind_prefill 1 by default
+    old = router_for("auto", 3)  # behind_prefill 0 by default
+    new = router_for("auto", 3, params={"behind_prefill": 1.0})
     for router in (old, new):
         for i, e in enumerate(router.view.endpoints):  # one request of this LB waiting on each
             router.commit(make_request(f"wait{i}", f"other {i} " * 40), e.id)

@@ -1,7 +1,6 @@
 """A term weighted 0 is left out when a preset compiles (policy/compiler.py): not scored, its lifecycle hooks not
 called — and every decision is the one the composition with the term kept makes (issue 25: auto's
-``waiting_uncached``, weight ``behind_prefill`` = 0 by default in session 8, was scored and counted on every request;
-it is 1 by default since session 9, and 0 turns it off)."""
+``waiting_uncached``, weight ``behind_prefill`` = 0 by default, was scored and counted on every request)."""
 
 from __future__ import annotations
 
@@ -33,10 +32,10 @@ def _kept(policy: Pipeline, seed: int) -> Pipeline:
 
 
 def test_auto_compiles_without_its_zero_weight_term():
-    policy = compile_preset(PRESETS["auto"], parse_params(PRESETS["auto"], {"behind_prefill": 0.0}))
+    policy = compile_preset(PRESETS["auto"], parse_params(PRESETS["auto"], None))
     assert all(w != 0 for r in policy.rules for _, w in r.scorers)
     assert not any(isinstance(p, WaitingUncached) for p in (*policy.plugins, *policy.listeners))
-    on = compile_preset(PRESETS["auto"], parse_params(PRESETS["auto"], None))  # behind_prefill 1 by default
+    on = compile_preset(PRESETS["auto"], parse_params(PRESETS["auto"], {"behind_prefill": 1.0}))
     assert any(isinstance(p, WaitingUncached) for p in on.listeners)  # a weight other than 0 keeps it
 
 

@@ -42,14 +42,15 @@ never a step-time model:
    or conversation then stays with its cached replica); while some replica is idle, sending it there costs
    nobody (the least work alone). Given the TPOT SLO (``slo_tpot_ms``), not while the replica with the longest
    cached prefix has no TPOT headroom (its measured p90 past the SLO: it keeps the decodes too;
-   ``busy_uncached_headroom``, :mod:`kvroute.policy.adaptive.replica_speed.headroom`). And once more per request
-   this LB has waiting for a first token on every candidate (``behind_prefill``, scorer ``waiting_uncached``):
-   first come, first served, about as many requests arrive behind a prefill during its wait as were waiting when
-   it came (Little's law), and each of them waits for the tokens the cache would have saved — a shared system
-   prompt stays where it is being prefilled rather than being prefilled again elsewhere. That term may move the
-   pick only to a replica that then queues no more prefill than the longest queue among the candidates now: in
-   the burst of every client's first request the slowest first tokens are the last on the longest queue
-   (session 8 had it unguarded, and off: it lengthened tot's TTFT p99 at 70 % of the knee by 3 %);
+   ``busy_uncached_headroom``, :mod:`kvroute.policy.adaptive.replica_speed.headroom`). Optionally
+   (``behind_prefill``, off by default), once more per request this LB has waiting for a first token on every
+   candidate (scorer ``waiting_uncached``): first come, first served, about as many requests arrive behind a
+   prefill during its wait as were waiting when it came (Little's law), and each of them waits for the tokens the
+   cache would have saved — a shared system prompt stays where it is being prefilled. That term may move the pick
+   only to a replica that then queues no more prefill than the longest queue among the candidates now: in the
+   burst of every client's first request the slowest first tokens are the last on the longest queue (session 8's
+   unguarded term lengthened tot's TTFT p99 at 70 % of the knee by 3 %; guarded, not — but over 9 seeds it costs
+   live-3region-skewed 1–2 % of goodput, so it stays off: docs/auto.md);
 4. **the challenger, GORGO's cost**, trialled online against it (``ttft_selector``, interleaved
    trials, switching only on evidence of a better mean TTFT, guarded by end-to-end latency):
    across regions — the candidates' probe RTTs spread by more than ``rtt_spread_ms`` — w_rtt·RTT
@@ -97,8 +98,9 @@ INCUMBENT = {"lmetric_speed": {"spread": "$speed_spread", "learn": "$speed", "li
 TRUST = {"near_best": {"scorer": INCUMBENT, "factor": "$trust"}}
 # one region, one hardware kind: the prefill tokens ahead of the first token (uncached ones once more as far as
 # the candidates are busy: a prefill the cache would have saved is then work a queue waits for — and once more per
-# request every candidate has waiting for its first token: about that many will arrive behind it; that term never
-# moves the pick to a replica that would then have the longest queue), then this LB's requests in flight
+# request every candidate has waiting for its first token, with behind_prefill > 0: about that many will arrive
+# behind it; that term never moves the pick to a replica that would then have the longest queue), then this LB's
+# requests in flight
 # (busy_prefill not while the best-cached replica's measured p90 TPOT is past the TPOT SLO, when one is given: it
 # keeps the decodes too; replica_speed/headroom.py)
 LEAST_WORK_COST = {"new_prefill": 1.0,
@@ -189,13 +191,14 @@ class AutoParams(PolicyParams):
                                 "once more times this weight x the share of the candidates with prefill queued (while "
                                 "every replica is busy a prefill the cache would have saved is work a queue waits for; "
                                 "an idle replica costs nobody); 0: the least work alone")
-    behind_prefill: float = Field(1.0, ge=0, description="in the least-work rule, this request's uncached tokens "
+    behind_prefill: float = Field(0.0, ge=0, description="in the least-work rule, this request's uncached tokens "
                                   "count once more times this weight per request of this load balancer waiting for "
                                   "its first token on every candidate (the fewest on any): first come, first served, "
                                   "about as many requests arrive behind a prefill during its wait as were waiting "
                                   "when it came (Little's law), and each waits for the tokens the cache would have "
                                   "saved — but it may move the pick only to a replica that then queues no more "
-                                  "prefill than the longest queue now (a burst's tail); 0: off (docs/auto.md, "
-                                  "sessions 8 and 9)")
+                                  "prefill than the longest queue now (a burst's tail); 0 (default): off — on, it "
+                                  "trades goodput on trees for 1-2 % of goodput behind SkyWalker's two layers "
+                                  "(docs/auto.md, sessions 8 and 9)")
     speed_spread: float = Field(1.5, ge=1, description="the fleet counts as mixed hardware when learned prefill and "
                                 "decode times both spread past this factor (max / min); else it routes as one kind")
