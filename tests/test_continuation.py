@@ -357,7 +357,8 @@ def test_cascadeinfer_in_kvroute_serve_routes_by_length_and_migrates_a_growing_s
         long_chat = [*CHAT, {"role": "user", "content": "And list every affected volume. " * 4}]
         raw = client(url).chat.completions.with_raw_response.create(model="emulated", messages=long_chat,
                                                                     max_tokens=4)
-        assert raw.headers["x-kvroute-replica"] == "stage2"  # past the cut: the second stage
+        # past the cut: the second stage (a failure says what the gateway held: stage health, token scale)
+        assert raw.headers["x-kvroute-replica"] == "stage2", (cut, httpx.get(f"{url}/admin/replicas").text)
     finally:
         for p in procs:
             if p.poll() is None:
