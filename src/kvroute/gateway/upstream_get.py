@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import codecs
+import contextlib
 from typing import NamedTuple
 from urllib.parse import quote, urljoin, urlsplit
 
@@ -61,10 +62,8 @@ class Fetched(NamedTuple):
             for param in ctype.decode("latin-1").split(";")[1:]:
                 key, _, value = param.partition("=")
                 if key.strip().lower() == "charset" and value.strip():
-                    try:
+                    with contextlib.suppress(LookupError):  # a charset Python does not know: UTF-8
                         encoding = codecs.lookup(value.strip().strip('"')).name
-                    except LookupError:
-                        pass
         return self.body.decode(encoding)
 
 
