@@ -64,6 +64,7 @@ def run(scenarios: tuple[str, ...] | None = None, presets=PRESETS, seeds: int = 
     out: dict = {"requests_per_run": requests, "seeds": seeds, "presets": labels, "scenarios": {},
                  "skipped": skipped}
     jobs = []
+    tail = 0.01 * seeds + 0.01  # each run's slowest first tokens: enough for the seeds' pooled p99 (auto_cells)
     for i, name in enumerate(scenarios):
         ks = dict(zip(KNEE_PRESETS, knees[i * len(KNEE_PRESETS):(i + 1) * len(KNEE_PRESETS)]))
         ref = capacity_knee(ks, closed[name])
@@ -77,7 +78,7 @@ def run(scenarios: tuple[str, ...] | None = None, presets=PRESETS, seeds: int = 
         for level in LEVELS:
             for seed in range(seeds):
                 data = dict(base[name], policies=policies, seed=base[name].get("seed", 0) + seed)
-                jobs += [((name, level, lbl), (data, entry, ref["factor"] * level))
+                jobs += [((name, level, lbl), (data, entry, ref["factor"] * level, tail))
                          for lbl, entry in zip(labels, entries)]
     if progress:
         progress(f"knees found; {len(jobs)} runs on {ex.describe()}")

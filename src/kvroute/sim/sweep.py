@@ -54,7 +54,8 @@ def scaled(sc: Scenario, f: float, policy: str | dict | None = None) -> Scenario
     return parse_scenario(data, "sweep")
 
 
-def _run(sc: Scenario, f: float, entry, preset: str, params, topology: str | None = None) -> dict:
+def _run(sc: Scenario, f: float, entry, preset: str, params, topology: str | None = None,
+         tail_share: float = 0.02) -> dict:
     s = scaled(sc, f, entry)
     sim = Simulation(s.setup(topology), preset, params, s.make_workload())
     r = sim.run()
@@ -65,9 +66,10 @@ def _run(sc: Scenario, f: float, entry, preset: str, params, topology: str | Non
     r["_ttft_attainment"] = round(int(np.count_nonzero(ttft <= sc.slo.ttft_s)) / issued, 6) if issued else 0.0
     r["_tpot_attainment"] = round(int(np.count_nonzero(tpot <= sc.slo.tpot_s)) / issued, 6) if issued else 0.0
     r["_window_goodput"] = window_goodput(sim, sc.slo.ttft_s, sc.slo.tpot_s)
-    # the slowest 2 % of first tokens: enough to pool the p99 of several runs exactly (bench auto)
+    # the slowest ``tail_share`` of first tokens (+ 1): the pooled p99 of k runs of n requests each needs up to
+    # 1 % of k·n from one run, when that run holds the whole tail (bench auto passes 1 % × its seeds)
     r["_served"] = int(ttft.size)
-    r["_ttft_tail"] = np.sort(ttft)[::-1][:math.ceil(0.02 * ttft.size) + 1].round(6).tolist()
+    r["_ttft_tail"] = np.sort(ttft)[::-1][:math.ceil(tail_share * ttft.size) + 1].round(6).tolist()
     return r
 
 
@@ -284,12 +286,13 @@ def knee_task(task: tuple[dict, str]) -> dict:
     return find_knee(sc, entry, preset, params, topology=topo, why_slo=slo_diagnosis(sc)[0])
 
 
-def compare_task(task: tuple[dict, str, float]) -> dict:
-    """One policy at one load factor from ``(scenario data, policy label, factor)``, as a comparison row."""
-    data, label, f = task
+def compare_task(task: tuple[dict, str, float] | tuple[dict, str, float, float]) -> dict:
+    """One policy at one load factor from ``(scenario data, policy label, factor[, tail share])``, as a comparison
+    row; ``ttft_tail`` holds the slowest ``tail share`` (default 2 %) of its first tokens, + 1."""
+    data, label, f = task[:3]
     sc = parse_scenario(data, "sweep")
     entry, preset, params, topo = _entry(sc, label)
-    r = _run(sc, f, entry, preset, params, topo)
+    r = _run(sc, f, entry, preset, params, topo, *task[3:])
     return _point(f, r) | {"tpot_p50_s": r["tpot_s"]["p50"], "prefix_hit_rate": r["prefix_hit_rate"],
                            "window_goodput_rps": r["_window_goodput"], "served": r["_served"],
                            "ttft_tail": r["_ttft_tail"]}
