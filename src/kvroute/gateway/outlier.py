@@ -15,11 +15,19 @@ does the same with *progress* as the signal:
   longer than its threshold: ``factor ×`` the longest gap between progress events it normally
   shows (a peak that decays with a half-life of ``PEAK_HALF_LIFE_S``), bounded to
   [``min_s``, ``max_s``], plus the prefill time the prompts still waiting for their first token
-  are expected to take at the replica's learned seconds per prompt token (time to first token
-  over prompt tokens, every first token; never assumed faster than ``PRIOR_S_PER_TOKEN``) — a
-  long prompt is allowed its prefill, a short one on a frozen engine is not. A replica that has
-  never produced a first token is not judged while all its streams wait for one: nothing says
-  yet how long its prefill takes (a CPU engine's first 1,500-token prompt took seconds here);
+  are expected to take at the replica's learned seconds per prompt token (never assumed faster
+  than ``PRIOR_S_PER_TOKEN``) — a long prompt is allowed its prefill, a short one on a frozen
+  engine is not. The rate is learned only from the first tokens of prompts of at least
+  ``RATE_MIN_TOKENS``, as the median of the last ``RATE_SAMPLES``: a short prompt's time to first
+  token is its fixed costs (scheduling, a forward pass, a cold engine's warm-up), not prefill — a
+  vLLM CPU engine's cold first reply to a short prompt read as 0.12-0.14 s per token, and
+  allowed a short prompt on the frozen engine 1.7 s more (tests/test_vllm_streams.py missed its
+  5 s bound 1 run in 4 at load 14). Until a long prompt has
+  taught a rate, a waiting long prompt is allowed the short prompts' time to first token per
+  token (an upper bound: it errs toward waiting) and a waiting short one only the prior: the base
+  threshold already covers its fixed costs. A replica that has never produced a first token is
+  not judged while all its streams wait for one: nothing says yet how long its prefill takes (a
+  CPU engine's first 1,500-token prompt took seconds here);
 - a stalled replica is ejected (its breaker held open) and every watched attempt on it aborted
   — unless no other replica could take its requests (Envoy's ``max_ejection_percent`` in its
   simplest form: ejecting the last one only turns slow answers into errors);
@@ -37,13 +45,19 @@ bounds them).
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from statistics import median
 from typing import Any
 
 PEAK_HALF_LIFE_S = 60.0  # how fast a long gap seen once stops widening the threshold
-RATE_WEIGHT = 0.2  # EWMA weight of a new seconds-per-prompt-token sample
 PRIOR_S_PER_TOKEN = 1e-4  # prefill assumed no faster than 10,000 tokens/s: 100 K tokens are allowed 10 s
+# a prompt this long is prefill-dominated on the engines measured here (a loaded CPU llama-server took
+# ~1 ms per token over its first 1,500, dd9185f); a shorter one's prefill fits in stall.min_s (1 s) at
+# any speed above 128 tokens/s, so its time to first token is mostly fixed costs and teaches no rate
+RATE_MIN_TOKENS = 128
+RATE_SAMPLES = 5  # the rate is the median of this many recent samples: one cold or queued reply moves it little
 
 Abort = Callable[[Any], None]  # raises the exception it is given in whoever waits on the attempt
 
@@ -78,9 +92,13 @@ class ReplicaWatch:
     last_progress: float = 0.0
     peak_gap_s: float = 0.0  # the longest recent gap between progress events while busy (decaying)
     peak_at: float = 0.0
-    s_per_token: float | None = None  # learned prefill seconds per prompt token
+    s_per_token: float | None = None  # learned prefill seconds per prompt token (long prompts only)
+    short_s_per_token: float | None = None  # short prompts' time to first token per token: an upper bound
+    first_tokens: int = 0  # first tokens seen from it
     stalled: bool = False  # ejected for stalling, until it progresses again
     stalls: int = 0  # times ejected
+    _samples: deque[float] = field(default_factory=lambda: deque(maxlen=RATE_SAMPLES))
+    _short: deque[float] = field(default_factory=lambda: deque(maxlen=RATE_SAMPLES))
 
     def begin(self, attempt: Attempt, now: float) -> None:
         """An attempt was sent."""
@@ -104,20 +122,31 @@ class ReplicaWatch:
             self.peak_gap_s, self.peak_at = gap, now
         if not attempt.first_token:
             attempt.first_token = True
-            if attempt.prompt_tokens > 0:  # short prompts overstate it (overheads): errs on the safe side
+            self.first_tokens += 1
+            if attempt.prompt_tokens > 0:
                 sample = (now - attempt.started) / attempt.prompt_tokens
-                old = self.s_per_token
-                self.s_per_token = sample if old is None else old + RATE_WEIGHT * (sample - old)
+                if attempt.prompt_tokens >= RATE_MIN_TOKENS:
+                    self._samples.append(sample)
+                    self.s_per_token = median(self._samples)
+                else:  # mostly fixed costs: kept only as a bound for long prompts until one teaches the rate
+                    self._short.append(sample)
+                    self.short_s_per_token = median(self._short)
         self.last_progress = now
 
     def threshold(self, now: float, factor: float, min_s: float, max_s: float) -> float:
         """How long the replica may stay silent now (see the module docstring)."""
         peak = self.peak_gap_s * 0.5 ** ((now - self.peak_at) / PEAK_HALF_LIFE_S)
         base = min(max_s, max(min_s, factor * peak))
-        pending = sum(a.prompt_tokens for a in self.attempts if not a.first_token)
-        if self.s_per_token is None and all(not a.first_token for a in self.attempts):
+        if self.first_tokens == 0 and all(not a.first_token for a in self.attempts):
             return math.inf  # no first token seen from it yet: its prefill speed is unknown
-        return base + pending * max(self.s_per_token or 0.0, PRIOR_S_PER_TOKEN)
+        rate = self.s_per_token
+        long_rate = max(rate if rate is not None else self.short_s_per_token or 0.0, PRIOR_S_PER_TOKEN)
+        short_rate = max(rate or 0.0, PRIOR_S_PER_TOKEN)
+        allowance = 0.0
+        for a in self.attempts:
+            if not a.first_token:
+                allowance += a.prompt_tokens * (long_rate if a.prompt_tokens >= RATE_MIN_TOKENS else short_rate)
+        return base + allowance
 
 
 class StallDetector:
