@@ -45,6 +45,9 @@ from kvroute.bench.fidelity_cpu import CpuLedger, background
 from kvroute.bench.fidelity_engines import describe, engine_side
 from kvroute.bench.fidelity_engines import scrape as engine_metrics
 from kvroute.calibrate.measure import WORDS, Sweep
+from kvroute.calibrate.speed_probe import Speed
+from kvroute.calibrate.speed_probe import factors as speed_factors
+from kvroute.calibrate.speed_probe import probe as probe_speed
 from kvroute.ports import free_port
 from kvroute.prefix import chat_key, estimate_tokens
 from kvroute.stats import percentile
@@ -274,15 +277,23 @@ class GatewayProcess:
 
 def simulate(convs: list[list[dict]], policy: str, profile: str, replicas: int, token_ratio: float,
              max_tokens: int, folder: Path, seed: int = 0, host_cores: int | None = None,
-             noise: bool = False, host_background: float = 0.0) -> dict:
+             noise: bool = False, host_background: float = 0.0, speed: dict[str, float] | None = None) -> dict:
     """The same conversations through `kvroute simulate` (an OpenAI-messages trace); ``host_cores``:
     the replicas share one machine with that many cores (scenario ``host_cores``), where other work
     took ``host_background`` cores' worth (``host_background_cores``); ``noise``: the engines get
-    the profile's measured timing noise and reordering (``engine_noise: profile``)."""
+    the profile's measured timing noise and reordering (``engine_noise: profile``); ``speed``: the
+    engines' speed around the live run against the calibration's (calibrate/speed_probe.py
+    ``factors``), by which the profile's time terms are scaled (None: as calibrated)."""
     from kvroute.perf.loader import load_profile
     from kvroute.sim.runner import run_scenario
     from kvroute.sim.scenario import parse_scenario
 
+    if speed is not None:
+        from kvroute.calibrate.speed_probe import scaled
+
+        path = folder / f"profile-{policy}-speed.yaml"
+        path.write_text(yaml.safe_dump(scaled(load_profile(profile), speed).model_dump(), sort_keys=False))
+        profile = str(path)
     trace = folder / f"conversations-{policy}.jsonl"
     trace.write_text("".join(json.dumps({"messages": c, "user": f"u{i}", "max_tokens": max_tokens}) + "\n"
                              for i, c in enumerate(convs)))
@@ -331,11 +342,12 @@ def fidelity_sweep(props: object) -> Sweep:
     for cores, delivered a batch's tokens in bursts (one point 5 µs a step), which set the fit's
     c0 and c_decode to 0 and the simulated decode phase to ~10 ms where vLLM's own histograms said
     ~80 (issue 21); their longest context is 1,536, so that 8 fresh prompts and their output fit
-    tests/vllm/fidelity.py's 16K-token cache without preemption. Both probe new steps beside busy ones and h_cv."""
+    tests/vllm/fidelity.py's 16K-token cache without preemption. Both probe new steps beside busy ones, h_cv,
+    and a warm prefill joining a decoding batch (calibrate/mixed_decode_probe.py: the workload's own steps)."""
     if isinstance(props, dict) and props.get("total_slots"):
-        return Sweep(contexts=(128, 1024, 2048), newcomer_rounds=2, mixed_rounds=3)
+        return Sweep(contexts=(128, 1024, 2048), newcomer_rounds=2, mixed_rounds=3, mixed_decode_rounds=3)
     return Sweep(batch_sizes=(1, 2, 4, 8), decode_tokens=96, contexts=(128, 1024, 1536),
-                 newcomer_rounds=2, mixed_rounds=3)
+                 newcomer_rounds=2, mixed_rounds=3, mixed_decode_rounds=3)
 
 
 async def calibrate_engines(urls: list[str], host_cores: int | None) -> str:
@@ -382,19 +394,39 @@ def combine_repeats(repeats: list[dict]) -> dict:
     return row
 
 
+async def speed_probe(urls: list[str], model: str) -> Speed:
+    """The engines' speed now (calibrate/speed_probe.py ``probe``), all at once, each engine's prompts sized
+    by its own tokenizer."""
+    from kvroute.calibrate.measure import _Engine, _model_card
+
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s:
+        limits = [limit for _, limit in await asyncio.gather(*(_model_card(s, u, model) for u in urls))]
+        engines = [_Engine(s, u, model, Sweep(), None) for u in urls]
+        await asyncio.gather(*(e.facts(limit) for e, limit in zip(engines, limits, strict=True)))
+        return await probe_speed(engines)
+
+
 async def run_fidelity(urls: list[str], profile: str, policies: tuple[str, ...] = POLICIES,
                        workload: Workload | None = None, log=None, host_cores: int | None = None,
-                       repeats: int = 3, noise: bool = True) -> dict:
+                       repeats: int = 3, noise: bool = True, speed: bool = False) -> dict:
     """``repeats`` live and simulated runs of every policy (repeat i: seed ``workload.seed + i``,
     the policies interleaved within it); returns every repeat, the medians with their spread and
     the ratios of the medians. ``host_cores``: the cores the engines share (None: the simulator
     gives every engine a machine of its own). ``noise``: simulate with the profile's measured engine
-    noise (a real engine has it; its p99 does not come from the mean model alone)."""
+    noise (a real engine has it; its p99 does not come from the mean model alone). ``speed``: the
+    profile was calibrated just now; probe the engines' speed now (the reference) and before and after
+    every live run, and simulate each run with the profile scaled by its factors
+    (calibrate/speed_probe.py: the machine's speed drifts within minutes)."""
     w = workload or Workload()
     say = log or (lambda _msg: None)
     model, bpt = await _engine_facts(urls[0])
     out: dict = {"workload": w.__dict__, "engines": urls, "profile": profile, "bytes_per_token": bpt,
                  "host_cores": host_cores, "repeats": repeats, "engine_noise": noise, "policies": {}}
+    reference = await speed_probe(urls, model) if speed else None
+    if reference is not None:
+        out["speed_reference"] = reference.as_dict()
+        say(f"speed probe (reference): cold prefill {reference.prefill_s * 1000:.0f} ms, decode step "
+            f"{(reference.decode_s or 0) * 1000:.2f} ms")
     runs: dict[str, list[dict]] = {p: [] for p in policies}
     with tempfile.TemporaryDirectory(prefix="kvroute-fidelity-") as tmp:
         folder = Path(tmp)
@@ -403,6 +435,7 @@ async def run_fidelity(urls: list[str], profile: str, policies: tuple[str, ...] 
             for policy in policies:
                 salt = f"{policy}-{time.time_ns()}"
                 convs = conversations(wi, bpt, salt=salt)
+                before = await speed_probe(urls, model) if reference is not None else None
                 gw = GatewayProcess(urls, policy, folder)
                 await gw.start()
                 try:
@@ -421,15 +454,41 @@ async def run_fidelity(urls: list[str], profile: str, policies: tuple[str, ...] 
                     live["load_average"] = os.getloadavg()[0]
                 finally:
                     gw.stop()
+                factors = None
+                if reference is not None and before is not None:
+                    after = await speed_probe(urls, model)
+                    factors = speed_factors(reference, before, after)
+                    live["speed"] = {"before": before.as_dict(), "after": after.as_dict(), "factors": factors}
                 sim = simulate(convs, policy, profile, len(urls), live["token_ratio"], w.max_tokens, folder,
-                               wi.seed, host_cores, noise, background(live, host_cores))
+                               wi.seed, host_cores, noise, background(live, host_cores), factors)
                 ratio = {k: _ratio(sim[k], live[k]) for k, _ in METRICS}
-                runs[policy].append({"seed": wi.seed, "salt": salt, "live": live, "sim": sim, "sim_over_live": ratio})
+                rec = {"seed": wi.seed, "salt": salt, "live": live, "sim": sim, "sim_over_live": ratio}
+                if factors:  # the same without the speed factors, to say what they changed
+                    rec["sim_as_calibrated"] = simulate(convs, policy, profile, len(urls), live["token_ratio"],
+                                                        w.max_tokens, folder, wi.seed, host_cores, noise,
+                                                        background(live, host_cores))
+                runs[policy].append(rec)
                 say(f"repeat {i + 1}/{repeats} {policy}: TTFT p99 live {live['ttft_p99'] * 1000:.0f} ms, "
-                    f"sim {sim['ttft_p99'] * 1000:.0f} ms")
+                    f"sim {sim['ttft_p99'] * 1000:.0f} ms" + (
+                        f" (engines' speed x{factors['prefill']:.2f} prefill, x{factors['decode']:.2f} decode)"
+                        if factors else ""))
                 if live["engine_side"]:
                     say(f"  {describe(live['engine_side'], live['ttft_mean'], live['e2e_mean'])}")
-    return summarize(out, runs)
+    return with_as_calibrated(summarize(out, runs), runs)
+
+
+def with_as_calibrated(out: dict, runs: dict[str, list[dict]]) -> dict:
+    """``out`` plus ``as_calibrated``: the counts the same runs give simulated with the profile as calibrated
+    (no speed factors), where every repeat kept that simulation (``sim_as_calibrated``)."""
+    if runs and all("sim_as_calibrated" in r for rs in runs.values() for r in rs):
+        plain = {p: [{**r, "sim": r["sim_as_calibrated"],
+                      "sim_over_live": {k: _ratio(r["sim_as_calibrated"][k], r["live"][k]) for k, _ in METRICS}}
+                     for r in rs] for p, rs in runs.items()}
+        got = summarize({"policies": {}}, plain)
+        out["as_calibrated"] = {k: got[k] for k in ("within_20pct", "within_10pct", "compared",
+                                                    "pooled_p99_within_20pct", "pooled_p99_compared")}
+        out["as_calibrated"]["sim_over_live"] = {p: row["sim_over_live"] for p, row in got["policies"].items()}
+    return out
 
 
 def summarize(out: dict, runs: dict[str, list[dict]]) -> dict:

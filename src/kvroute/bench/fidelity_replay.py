@@ -14,17 +14,18 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
-from kvroute.bench.fidelity import METRICS, Workload, conversations, simulate, summarize
+from kvroute.bench.fidelity import METRICS, Workload, conversations, simulate, summarize, with_as_calibrated
 from kvroute.bench.fidelity_cpu import background
 
 
 def replay(stored: dict, profile: str, noise: bool | None = None, salt: str = "",
-           with_background: bool = True) -> dict:
+           with_background: bool = True, with_speed: bool = True) -> dict:
     """``stored`` (a fidelity JSON) with its simulated side run again with ``profile``; ``noise``:
     the profile's engine noise on or off (None: as the stored run had it); ``salt``: for runs
     stored without their salts (older JSONs), what opens the rebuilt system prompts;
     ``with_background``: the host's background load each live run measured (bench/fidelity.py
-    ``background``), or none.
+    ``background``), or none; ``with_speed``: the engines' speed factors each live run measured
+    (calibrate/speed_probe.py; runs stored before it have none), or none.
     A different salt shifts the prompts by a few tokens, and a 60-request run's simulated
     medians move with it (by up to ~30 % per repeat on issue 21's llama.cpp run): compare
     profiles over several salts, not one."""
@@ -43,10 +44,15 @@ def replay(stored: dict, profile: str, noise: bool | None = None, salt: str = ""
                 opening = rep.get("salt", f"{policy}{salt}")
                 convs = conversations(replace(w, seed=rep["seed"]), stored["bytes_per_token"], salt=opening)
                 cores = stored.get("host_cores")
+                bg = background(live, cores) if with_background else 0.0
+                factors = (live.get("speed") or {}).get("factors") if with_speed else None
                 sim = simulate(convs, policy, profile, len(stored["engines"]), live["token_ratio"],
-                               w.max_tokens, Path(tmp), rep["seed"], cores, noise,
-                               background(live, cores) if with_background else 0.0)
+                               w.max_tokens, Path(tmp), rep["seed"], cores, noise, bg, factors)
                 ratio = {k: sim[k] / live[k] if live[k] else None for k, _ in METRICS}
-                runs[policy].append({"seed": rep["seed"], "salt": opening, "live": live, "sim": sim,
-                                     "sim_over_live": ratio})
-    return summarize(out, runs)
+                rec = {"seed": rep["seed"], "salt": opening, "live": live, "sim": sim, "sim_over_live": ratio}
+                if factors:
+                    rec["sim_as_calibrated"] = simulate(convs, policy, profile, len(stored["engines"]),
+                                                        live["token_ratio"], w.max_tokens, Path(tmp), rep["seed"],
+                                                        cores, noise, bg)
+                runs[policy].append(rec)
+    return with_as_calibrated(summarize(out, runs), runs)

@@ -56,6 +56,7 @@ from pathlib import Path
 import yaml
 
 from kvroute.calibrate.measure import Measurements, Sweep
+from kvroute.calibrate.mixed_decode_probe import fit_mixed_prefill
 from kvroute.calibrate.mixed_probe import fit_h_cv
 from kvroute.calibrate.newcomer_probe import factors as newcomer_factors
 from kvroute.calibrate.noise import api_delay, step_sigma
@@ -154,6 +155,10 @@ def fit_profile(m: Measurements, name: str, hardware: str, max_batched_tokens: i
     h_cv = fit_h_cv(m.mixed, profile)
     if h_cv is not None:
         profile = profile.model_copy(update={"h_cv": h_cv})
+    # a warm prefill joining a decoding batch, against the model's time for that step (mixed_decode_probe.py)
+    mixed, mixed_report = fit_mixed_prefill(m.mixed_decode, profile, sharing)
+    if mixed is not None:
+        profile = profile.model_copy(update={"c_prefill_mixed_s": mixed})
     source = f"measured by kvroute calibrate, {len(facts)} engine(s) loaded together"
     if sharing > 1:
         source += f", divided by {sharing:.3g} for {host_cores} shared cores"
@@ -184,6 +189,7 @@ def fit_profile(m: Measurements, name: str, hardware: str, max_batched_tokens: i
               "sweep": (sweep or Sweep()).__dict__, "raw_prefill": len(m.prefill), "raw_decode": len(m.decode),
               "raw_warm": len(m.warm), "busy_probes": len(m.busy), "slot_probes": len(m.slot_saves),
               "newcomer_probes": len(m.newcomer), "mixed_probes": len(m.mixed), "h_cv_measured": h_cv,
+              "mixed_decode": mixed_report,
               "noise": {"step_sigma": sigma, "step_points": sigma_points, **delay}}
     return profile, report
 
@@ -253,6 +259,15 @@ def write_profile(path: str | Path, profile: HardwareProfile, report: dict) -> N
         header.append(f"# h_cv: from {report['mixed_probes']} waits for two prompts started in one step against one "
                       "(a 1,536-token prompt with a 448-token one, behind a blocker): the h_cv at which the model's "
                       "ratio of the two is the measured median (calibrate/mixed_probe.py)")
+    mixed = report.get("mixed_decode")
+    if mixed:
+        header.append(f"# c_prefill_mixed_s: from {mixed['points']} warm prefills ({mixed['new_tokens']:.0f} new "
+                      f"after {mixed['cached_tokens']:.0f} cached) joining a decoding batch of {mixed['batch']:.0f}: "
+                      "the joined "
+                      f"step {mixed['joined_step_s'] * 1000:.2f} ms (median) where the model without the term gives "
+                      f"{mixed['model_joined_step_s'] * 1000:.2f} ms, the excess per new token "
+                      "(calibrate/mixed_decode_probe.py); the decode step before it "
+                      f"{mixed['decode_step_s'] * 1000:.2f} ms, modelled {mixed['model_decode_step_s'] * 1000:.2f} ms")
     if noise:
         header.append(f"# engine noise (used only where a scenario says `engine_noise: profile`): step time "
                       f"log-sigma {noise['step_sigma']:.3f} from {noise['step_points']} prefill repeats; extra "

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field, replace
 import aiohttp
 
 from kvroute.calibrate.host_cpu import CpuLedger
+from kvroute.calibrate.mixed_decode_probe import mixed_decode_points
 from kvroute.calibrate.mixed_probe import mixed_points
 from kvroute.calibrate.newcomer_probe import newcomer_points
 from kvroute.calibrate.slot_probe import slot_points
@@ -80,6 +81,7 @@ class Sweep:
     slot_rounds: int = 3
     newcomer_rounds: int = 0  # prefills started beside busy engines (calibrate/newcomer_probe.py; --host-cores: 2)
     mixed_rounds: int = 0  # two prompts in one step against one (calibrate/mixed_probe.py: h_cv)
+    mixed_decode_rounds: int = 0  # a warm prefill joining a decoding batch (calibrate/mixed_decode_probe.py)
 
 
 @dataclass
@@ -115,6 +117,8 @@ class Measurements:
     slot_saves: list[tuple[int, float]] = field(default_factory=list)  # calibrate/slot_probe.py
     newcomer: list[tuple[int, str, float, float]] = field(default_factory=list)  # calibrate/newcomer_probe.py
     mixed: list[tuple[int, float, int, int, float]] = field(default_factory=list)  # calibrate/mixed_probe.py
+    # calibrate/mixed_decode_probe.py: (batch, mean context, cached, new, decode step s, joined step s, latency s)
+    mixed_decode: list[tuple[int, float, int, int, float, float, float]] = field(default_factory=list)
     wall_s: float = 0.0
     background_cores: float | None = None  # other CPU on the engines' machine meanwhile (host_cpu.py)
     sweep: Sweep | None = None  # what was swept: the asked sweep as the context limit let it run
@@ -202,9 +206,9 @@ class _Engine:
                 tokens = int(tokens * 0.9)
         return await self.complete(self.prompt(tokens), max_tokens)
 
-    async def stream_times(self, prompt: str, max_tokens: int,
-                           on_first: Callable[[], None] | None = None) -> list[float]:
-        """Streamed: the arrival time of every token event; ``on_first()`` at the first."""
+    async def stream_times(self, prompt: str, max_tokens: int, on_first: Callable[[], None] | None = None,
+                           on_token: Callable[[], None] | None = None) -> list[float]:
+        """Streamed: the arrival time of every token event; ``on_first()`` at the first, ``on_token()`` at each."""
         body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                 "stream": True}
         times = []
@@ -218,6 +222,8 @@ class _Engine:
                         times.append(time.perf_counter())
                         if on_first is not None and len(times) == 1:
                             on_first()
+                        if on_token is not None:
+                            on_token()
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise CalibrationError(f"{self.url}: {exc.__class__.__name__}: {exc}") from None
         return times
@@ -388,6 +394,8 @@ async def measure(urls: list[str], model: str | None = None, sweep: Sweep | None
             m.probes.extend((i, s) for i, (s, _) in enumerate(got))
         m.slot_saves = await slot_points(engines, facts, sweep.slot_sizes, sweep.slot_rounds, say)
         m.newcomer, m.mixed = await newcomer_points(engines, sweep, say), await mixed_points(engines, sweep, say)
+        m.mixed_decode = await mixed_decode_points(engines, sweep, say,
+                                                   slots=min((f.slots for f in facts if f.slots), default=None))
         for ctx in sweep.contexts:
             for batch in sweep.batch_sizes:
                 prompts = [[e.prompt(ctx) for _ in range(batch)] for e in engines]

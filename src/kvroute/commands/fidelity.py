@@ -38,7 +38,8 @@ def cmd_bench_fidelity(args: argparse.Namespace) -> int:
         return _replay(args)
     if not args.url:
         return error("bench fidelity: give the engines (--url, one per engine) or a stored run (--replay FILE)")
-    if args.profile is None:  # self-contained: calibrate these engines first, sharing counted
+    calibrated = args.profile is None
+    if calibrated:  # self-contained: calibrate these engines first, sharing counted
         args.host_cores = args.host_cores or os.cpu_count() or 1
         try:
             args.profile = asyncio.run(calibrate_engines(args.url, args.host_cores))
@@ -55,7 +56,8 @@ def cmd_bench_fidelity(args: argparse.Namespace) -> int:
     try:
         out = asyncio.run(run_fidelity(args.url, args.profile, policies, w, log=lambda line: err.print(line),
                                        host_cores=args.host_cores, repeats=args.repeats,
-                                       noise=args.engine_noise == "profile"))
+                                       noise=args.engine_noise == "profile",
+                                       speed=calibrated and args.speed == "probe"))
     except (RuntimeError, OSError) as exc:
         return error(f"bench fidelity: {exc}")
     return _report(args, out)
@@ -74,7 +76,7 @@ def _replay(args: argparse.Namespace) -> int:
         load_profile(args.profile)
         stored = json.loads(open(args.replay).read())
         out = replay(stored, args.profile, args.engine_noise == "profile",
-                     with_background=args.host_background == "measured")
+                     with_background=args.host_background == "measured", with_speed=args.speed == "probe")
     except ProfileError as exc:
         return error(str(exc))
     except (OSError, ValueError, KeyError, TypeError) as exc:
@@ -115,6 +117,11 @@ def _report(args: argparse.Namespace, out: dict) -> int:
     console.print(f"{out['within_20pct']} of {out['compared']} sim/live ratios of the medians within 20 % "
                   f"({out['within_10pct']} within 10 %); "
                   f"pooled TTFT p99: {out['pooled_p99_within_20pct']} of {out['pooled_p99_compared']}")
+    plain = out.get("as_calibrated")
+    if plain:
+        console.print(f"without the speed probes' factors (the profile as calibrated): {plain['within_20pct']} of "
+                      f"{plain['compared']} within 20 % ({plain['within_10pct']} within 10 %); pooled TTFT p99: "
+                      f"{plain['pooled_p99_within_20pct']} of {plain['pooled_p99_compared']}")
     failed = {p: row["errors"] for p, row in out["policies"].items() if any(row["errors"].values())}
     if failed:
         err.print(f"failed requests (summed over the repeats): {failed}")
@@ -152,5 +159,11 @@ def add_parser(bench: argparse._SubParsersAction) -> None:
     bf.add_argument("--engine-noise", choices=("profile", "off"), default="profile", dest="engine_noise",
                     help="simulate with the profile's measured engine noise (timing spread, API-server delay: "
                          "sim/noise.py) or without (default profile; a profile that measured none has none)")
+    bf.add_argument("--speed", choices=("probe", "off"), default="probe",
+                    help="where the bench calibrates the engines itself: probe their speed right after (the "
+                         "reference) and around every live run, and simulate each run with the profile's time terms "
+                         "scaled by the ratio (calibrate/speed_probe.py: the machine's speed drifts within minutes); "
+                         "with --replay: use the factors the stored run measured. Off: as calibrated (default probe; "
+                         "a given --profile is never scaled live)")
     bf.add_argument("--json", metavar="FILE")
     bf.set_defaults(func=cmd_bench_fidelity)

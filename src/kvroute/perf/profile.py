@@ -85,6 +85,11 @@ class HardwareProfile(StrictModel):
     # a tiny prompt joined it): llama-server 0.3.36 stalled three decoding slots for 13-24 ms where
     # the step model gave ~3 ms (issue 21); 0: none.
     c_admit_s: float = Field(0.0, ge=0)
+    # Extra seconds per prefill token of a step that also decodes, beyond the step model (issue 21k):
+    # measured by `kvroute calibrate` from a warm prefill (the sweep's shortest warm length after its
+    # longest warm context) joining a decoding batch, its step against the model's time for that step
+    # (calibrate/mixed_decode_probe.py); 0: a mixed step costs what its parts cost.
+    c_prefill_mixed_s: float = Field(0.0, ge=0)
     # llama-server's host prompt cache (--cache-ram, 8 GiB by default; tools/server/
     # server-context.cpp): launching a request copies, on the loop every slot waits for, each idle
     # slot whose content is not yet cached into host memory (--cache-idle-slots, on by default) and,

@@ -167,6 +167,8 @@ class Engine(Handover):
             dt = p.step_time(tokens, n_dec, ctx_sum, attn, p.heterogeneity(n_all, len_sum, len_sq))
             if p.c_admit_s:  # a new sequence's first chunk stalls the step (perf/profile.py)
                 dt += p.c_admit_s * sum(1 for seq, _ in chunks if seq.prompt - seq.prefill_left <= max(seq.cached, 0))
+            if n_dec and p.c_prefill_mixed_s:  # prefill beside decodes, as measured (perf/profile.py)
+                dt += p.c_prefill_mixed_s * tokens
             if noise is not None:
                 dt *= noise(1)
             if host is not None:  # cores shared with other engines (Host); a newcomer's first step more so

@@ -1,0 +1,99 @@
+"""The engines' speed around each live fidelity run against the calibration's (issue 21k,
+calibrate/speed_probe.py): the probe against emulated engines slowed at run time, the factors, the
+scaled profile, and a stored run's factors used again by ``--replay``."""
+
+import asyncio
+import json
+import subprocess
+import sys
+
+import aiohttp
+import pytest
+import yaml
+from test_calibrate import KNOWN
+
+from kvroute.bench.fidelity import speed_probe
+from kvroute.calibrate.speed_probe import DECODE_TERMS, PREFILL_TERMS, Speed, factors, scaled
+from kvroute.perf.profile import NewcomerPoint
+from kvroute.ports import free_ports, wait_for_http
+
+
+def test_the_probe_sees_an_engine_slowed_twofold(tmp_path):
+    """Two `kvroute emulate` processes of KNOWN (prefill of 1,024 tokens ~105 ms, a decode step ~7.5 ms):
+    probed, then slowed to half speed through their fault endpoint and probed again; both factors
+    come out near 2 (the emulator's timers are late by a few ms on a loaded machine, which the slowdown does
+    not double: a wide band)."""
+    profile = tmp_path / "known.yaml"
+    profile.write_text(yaml.safe_dump(KNOWN.model_dump(exclude_none=True)))
+    ports = free_ports(2)
+    procs = [subprocess.Popen([sys.executable, "-m", "kvroute.cli", "emulate", "--port", str(p), "--profile",
+                               str(profile), "--engine", "llamacpp"], stderr=subprocess.DEVNULL) for p in ports]
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+
+    async def run() -> tuple[Speed, Speed]:
+        first = await speed_probe(urls, "test")
+        async with aiohttp.ClientSession() as s:
+            for u in urls:
+                async with s.post(f"{u}/_fault", json={"slowdown": 2.0}) as r:
+                    assert r.status == 200
+        return first, await speed_probe(urls, "test")
+
+    try:
+        for u in urls:
+            wait_for_http(f"{u}/health", 30)
+        reference, slow = asyncio.run(asyncio.wait_for(run(), 60))
+    finally:
+        for proc in procs:
+            proc.terminate()
+            proc.wait(10)
+    assert reference.points == slow.points == 6  # 3 rounds x 2 engines
+    # the model's own times: a cold prefill of ~1,024 tokens and a batch-1 decode step at ~1,040
+    assert 0.08 < reference.prefill_s < 0.25 and reference.decode_s is not None and 0.005 < reference.decode_s < 0.02
+    f = factors(reference, slow)
+    assert 1.4 < f["prefill"] < 2.6 and 1.4 < f["decode"] < 2.6
+
+
+def test_factors_average_the_probes_around_a_run():
+    ref = Speed(0.100, 0.010, 6)
+    f = factors(ref, Speed(0.110, 0.012, 6), Speed(0.130, 0.014, 6))
+    assert f == pytest.approx({"prefill": 1.2, "decode": 1.3})
+    assert factors(ref, Speed(0.090, None, 6)) == pytest.approx({"prefill": 0.9, "decode": 0.9})  # no decode: prefill's
+
+
+def test_scaled_profile_moves_each_term_with_its_probe():
+    p = KNOWN.model_copy(update={"ttft_overhead_s": 0.002, "c_admit_s": 0.001, "ttft_overhead_busy_s": None,
+                                 "newcomer_slowdown": [NewcomerPoint(others=1, solo_s=0.1, factor=1.3)]})
+    q = scaled(p, {"prefill": 1.5, "decode": 0.8})
+    for name in PREFILL_TERMS:
+        before = getattr(p, name)
+        assert getattr(q, name) == (None if before is None else pytest.approx(before * 1.5))
+    for name in DECODE_TERMS:
+        assert getattr(q, name) == pytest.approx(getattr(p, name) * 0.8)
+    assert q.newcomer_slowdown[0].solo_s == pytest.approx(0.15) and q.newcomer_slowdown[0].factor == 1.3
+    assert q.h_cv == p.h_cv and q.kv_blocks == p.kv_blocks  # ratios and capacities stay
+
+
+def test_replay_uses_a_stored_runs_speed_factors(tmp_path):
+    """A stored run whose live side measured the engines 1.5x slower: replayed with its factors, the
+    simulated TTFT and E2E grow against the profile as calibrated, which the JSON keeps beside them."""
+    from kvroute.bench.fidelity import Workload, conversations, simulate
+    from kvroute.bench.fidelity_replay import replay
+
+    profile = tmp_path / "known.yaml"
+    profile.write_text(yaml.safe_dump(KNOWN.model_dump(exclude_none=True)))
+    w = Workload(users=4, groups=2, system_tokens=300, turns=(2, 3), max_tokens=8)
+    convs = conversations(w, 4.0, salt="s")
+    sim = simulate(convs, "round_robin", str(profile), 2, 1.0, 8, tmp_path)
+    live = {**sim, "token_ratio": 1.0, "speed": {"factors": {"prefill": 1.5, "decode": 1.5}}}
+    stored = {"workload": {**w.__dict__, "turns": list(w.turns)}, "engines": ["a", "b"], "bytes_per_token": 4.0,
+              "host_cores": None, "repeats": 1, "engine_noise": False, "profile": str(profile),
+              "policies": {"round_robin": {"repeats": [{"seed": 0, "salt": "s", "live": live}]}}}
+    stored = json.loads(json.dumps(stored))
+    out = replay(stored, str(profile))
+    rep = out["policies"]["round_robin"]["repeats"][0]
+    assert rep["sim_as_calibrated"]["per_request"] == sim["per_request"]  # unscaled: the stored run itself
+    assert rep["sim"]["ttft_p50"] > 1.3 * sim["ttft_p50"] and rep["sim"]["e2e_p50"] > 1.3 * sim["e2e_p50"]
+    assert out["as_calibrated"]["within_10pct"] == out["as_calibrated"]["compared"] == 5  # sim == live without
+    plain = replay(stored, str(profile), with_speed=False)
+    assert "as_calibrated" not in plain and plain["policies"]["round_robin"]["repeats"][0]["sim"]["per_request"] \
+        == sim["per_request"]
