@@ -89,11 +89,11 @@ def test_replay_uses_a_stored_runs_speed_factors(tmp_path):
               "host_cores": None, "repeats": 1, "engine_noise": False, "profile": str(profile),
               "policies": {"round_robin": {"repeats": [{"seed": 0, "salt": "s", "live": live}]}}}
     stored = json.loads(json.dumps(stored))
-    out = replay(stored, str(profile))
+    out = replay(stored, str(profile), with_speed=True)
     rep = out["policies"]["round_robin"]["repeats"][0]
     assert rep["sim_as_calibrated"]["per_request"] == sim["per_request"]  # unscaled: the stored run itself
     assert rep["sim"]["ttft_p50"] > 1.3 * sim["ttft_p50"] and rep["sim"]["e2e_p50"] > 1.3 * sim["e2e_p50"]
     assert out["as_calibrated"]["within_10pct"] == out["as_calibrated"]["compared"] == 5  # sim == live without
-    plain = replay(stored, str(profile), with_speed=False)
+    plain = replay(stored, str(profile))  # by default as calibrated, as the CLI's --speed off
     assert "as_calibrated" not in plain and plain["policies"]["round_robin"]["repeats"][0]["sim"]["per_request"] \
         == sim["per_request"]

@@ -19,7 +19,7 @@ from kvroute.bench.fidelity_cpu import background
 
 
 def replay(stored: dict, profile: str, noise: bool | None = None, salt: str = "",
-           with_background: bool = True, with_speed: bool = True) -> dict:
+           with_background: bool = True, with_speed: bool = False) -> dict:
     """``stored`` (a fidelity JSON) with its simulated side run again with ``profile``; ``noise``:
     the profile's engine noise on or off (None: as the stored run had it); ``salt``: for runs
     stored without their salts (older JSONs), what opens the rebuilt system prompts;

@@ -20,6 +20,12 @@ live run is (probe before + probe after) / 2 over the reference, per kind (:func
 per-request terms, the decode factor the per-step and decode terms. Nothing is fitted to the live
 run: the probe's prompts are not the workload's, and the factors are fixed before the live run's
 numbers are known.
+
+Measured (issue 21k, `quiet`, two vLLM CPU engines, 3 repeats): the probe's own spread between runs
+was larger than the drift it was to correct — the same 1,024-token prefill took 166-289 ms around
+the 12 live runs (the reference 193 ms), a 6-9 ms decode step 6.3-13.7 ms — and the factors
+(x1.1-1.3) made the comparison worse: 7 of 20 ratios within 20 % with them, 14 without, in the same
+run. So `bench fidelity` leaves it off unless asked (``--speed probe``).
 """
 
 from __future__ import annotations
