@@ -40,6 +40,7 @@ from kvroute.calibrate.mixed_decode_probe import mixed_decode_points
 from kvroute.calibrate.mixed_probe import mixed_points
 from kvroute.calibrate.newcomer_probe import newcomer_points
 from kvroute.calibrate.slot_probe import slot_points
+from kvroute.calibrate.stream_steps import _stall, _step_time
 from kvroute.errors import ServiceError
 
 WORDS = ("the", "a", "of", "and", "to", "in", "is", "for", "on", "that", "with", "as", "it", "at", "by", "from", "this",
@@ -283,21 +284,6 @@ async def _warm_point(engines: list[_Engine], ctx: int, n: int, m: Measurements,
         f"{s * 1000:.1f} ms ({c} cached)" for s, _, c in got))
 
 
-def _step_time(streams: list[list[float]]) -> float | None:
-    """Time per token while every stream decodes together (see the module docstring): per stream, the span between its
-    first and last token inside that window over the tokens between; the median over streams. Spans, not single gaps:
-    an engine or the network may deliver tokens in bursts, and the median gap of a bursty stream is far below the step
-    time. A stream whose tokens inside the window all came in one burst (a span under 1 µs) says nothing about the step
-    and is left out: against vLLM on a loaded machine such streams gave 0.0 ms "steps"."""
-    start, end = max(t[0] for t in streams), min(t[-1] for t in streams)
-    steps = []
-    for t in streams:
-        inside = [x for x in t if start <= x <= end]
-        if len(inside) >= 3 and inside[-1] - inside[0] > 1e-6:
-            steps.append((inside[-1] - inside[0]) / (len(inside) - 1))
-    return statistics.median(steps) if steps else None
-
-
 def token_line(seen: list[tuple[int, int]]) -> tuple[float, float] | None:
     """(overhead tokens, bytes per token) of the least-squares line tokens = overhead + bytes / bytes_per_token through
     (prompt bytes, prompt tokens) points; None when they do not span two sizes or give a line no tokenizer has (a
@@ -449,10 +435,3 @@ async def _busy_points(engines: list[_Engine], ctx: int, m: Measurements, say) -
         m.busy.append((batch, float(ctx), tokens, s, _stall(times[i * batch:(i + 1) * batch], t0, t0 + s)))
     say(f"tiny prompt beside a decoding batch of {batch} at ~{ctx} tokens: "
         + ", ".join(f"{s * 1000:.1f} ms (batch's longest gap {g * 1000:.1f} ms)" for *_, s, g in m.busy[-len(got):]))
-
-
-def _stall(streams: list[list[float]], t0: float, t1: float) -> float:
-    """The longest gap between two tokens of one stream that ends while [t0, t1] runs (the step
-    the probe joined), the median over the streams; 0 when no token came meanwhile."""
-    gaps = [max((b - a for a, b in zip(t, t[1:]) if t0 <= b <= t1 + 0.001), default=0.0) for t in streams]
-    return statistics.median(gaps) if gaps else 0.0

@@ -29,6 +29,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+from kvroute.calibrate.stream_steps import _stall, _step_time
+
 
 class Engine(Protocol):
     """What the probe needs of an engine (calibrate/measure.py ``_Engine``)."""
@@ -55,8 +57,6 @@ async def mixed_decode_points(engines: Sequence[Engine], sweep: Any, say: Callab
     batch (one below ``slots``, the engines' slot count where they have one: with every slot busy
     llama-server defers the prompt) and longest warm context, with its shortest warm length (the new part
     of a chat turn)."""
-    from kvroute.calibrate.measure import _stall, _step_time
-
     rounds = getattr(sweep, "mixed_decode_rounds", 0)
     if rounds < 1 or not engines:
         return []

@@ -36,6 +36,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
+from kvroute.calibrate.stream_steps import _step_time
 from kvroute.perf.profile import HardwareProfile
 
 
@@ -65,8 +66,6 @@ async def probe(engines: Sequence[Streams], rounds: int = 3, prefill_tokens: int
                 decode_tokens: int = 24) -> Speed:
     """``rounds`` rounds of one streamed fresh prompt per engine, all engines at once (module docstring)."""
     import time
-
-    from kvroute.calibrate.measure import _step_time
 
     prefills: list[float] = []
     steps: list[float] = []
