@@ -284,3 +284,42 @@ def test_auto_least_work_counts_an_uncached_prefill_once_more_per_request_waitin
     new.view.endpoints[2].queued_prefill_tokens = 3400
     new.on_first_token("wait1", 0.5)  # b's request got its first token: nothing waiting there, the term is 0
     assert new.decide(req).target == "e1"
+
+
+def test_auto_least_work_counts_an_uncached_prefill_once_more_per_answer_decoding_where_it_would_run(router_for):
+    """decoding_uncached: a prefill lengthens the steps of every answer decoding on its replica, so auto's least work
+    counts the uncached tokens once more per request of this LB decoding there (first token seen, not finished), times
+    the share of the candidates with no prefill queued — but the term moves the pick only to a replica with no prefill
+    queued; a request still waiting for its first token does not count, and a finished one no longer does."""
+    from kvroute.policy.presets.auto import LEAST_WORK
+    from tests.conftest import make_request
+
+    req = make_request("turn2", "hello " * 800)  # 18 blocks, 1,204 tokens
+    old = router_for("auto", 3)  # decode_prefill 0 by default
+    new = router_for("auto", 3, params={"decode_prefill": 1.0})
+    for router in (old, new):
+        a, b, c = router.view.endpoints
+        router.prefix.insert(a.id, req.block_hashes[:-2])  # a caches 16 blocks: 180 tokens uncached there
+        for i in range(12):  # twelve requests of this LB on a, one on c
+            router.commit(make_request(f"a{i}", f"other {i} " * 40), a.id)
+        router.commit(make_request("c0", "other c " * 40), c.id)
+    # waiting for their first tokens they are queued prefill, not answers being decoded: the term is 0, the pick the
+    # least work's (b, the one replica without a queue)
+    assert old.decide(req).target == new.decide(req).target == "e1"
+    for router in (old, new):
+        for rid in [f"a{i}" for i in range(12)] + ["c0"]:
+            router.on_first_token(rid, 0.4)
+        assert all(e.queued_prefill_tokens == 0 for e in router.view.endpoints)
+    # now they decode. Least work: a (180) before b and c (1,204). With the term (free share 1): a 180 + 12 x 180 =
+    # 2,340, c 1,204 + 1 x 1,204 = 2,408, b 1,204: prefilling 180 tokens under twelve answers costs more than 1,204
+    # under none (the trust region: LMetric's 180 x 13 for a is within twice b's 1,204 x 1)
+    d_old, d_new = old.decide(req), new.decide(req)
+    assert (d_old.branch, d_old.target, d_new.branch, d_new.target) == (LEAST_WORK, "e0", LEAST_WORK, "e1")
+    # b with 64 tokens of prefill queued (free share 2/3): the term would still prefer b (a 240 + 1,440, b 64 + 1,605),
+    # but there the first token would wait on a queue, so the least work decides alone: a
+    new.view.endpoints[1].queued_prefill_tokens = 64
+    assert new.decide(req).target == "e0"
+    new.view.endpoints[1].queued_prefill_tokens = 0
+    for i in range(12):  # a's answers are done: nothing decodes there, the request stays with its cache
+        new.on_finish(f"a{i}", 5.0, 100)
+    assert new.decide(req).target == "e0"

@@ -248,6 +248,77 @@ class WaitingUncached(Scorer, Lifecycle):
         self._done(req_id)
 
 
+def least_work_pick(queued: list[int], new: list[int], busy: float) -> int:
+    """The index ``auto``'s least work picks without the optional terms: the least queued + uncached tokens × (1 +
+    ``busy`` × the share of candidates with prefill queued) (``busy_uncached``'s weighting)."""
+    share = 1.0 + busy * sum(1 for q in queued if q > 0) / len(queued)
+    work = [q + n * share for q, n in zip(queued, new)]
+    return min(range(len(work)), key=work.__getitem__)
+
+
+@register_plugin
+class DecodingUncached(Scorer, Lifecycle):
+    """This request's uncached tokens × this router's requests decoding on the endpoint (first token seen, not
+    finished) × the share of the candidates with no prefill queued.
+
+    An engine steps its running batch together, and prefill tokens lengthen the step (SGLang runs a prefill batch
+    between decode steps; vLLM's chunked prefill shares the step), so prefilling n tokens where k requests are
+    decoding delays each of their answers by those n tokens' prefill time: k × n tokens' worth of time, on top of
+    this request's own wait for its first token (the least work). Where the cache saves the prefill, nobody waits
+    for it; where it does not, the request goes where fewer answers are being decoded. While every candidate
+    queues prefill, the queues are what first tokens wait for and the term is 0 (weighted by the free share, the
+    complement of ``busy_uncached``'s); and it may move the least work's pick (:func:`least_work_pick`) only to a
+    replica with no prefill queued, whose first token then waits for nothing but its own prefill: the slowest first
+    tokens are the last on a queue (every client's first request at once), and the term must not add to one
+    (``auto``, docs/auto.md, session 10). The counts are the router's own, kept from the lifecycle events."""
+
+    name = "decoding_uncached"
+    inputs = frozenset({"prefix", "prefill_backlog"})
+
+    def __init__(self, busy: float = 1.0) -> None:
+        if busy < 0:
+            raise ValueError(f"busy must be >= 0, got {busy}")
+        self.busy = busy  # busy_uncached's weight in the least work the guard compares with
+        self.decoding: dict[str, int] = {}  # endpoint id → this router's requests past their first token
+        self.at: dict[str, str] = {}  # request id → its endpoint, from its first token to its end
+
+    def values(self, st: DecisionState, eps: list[Endpoint]) -> list[float]:
+        """Uncached tokens × requests decoding × the free share, per endpoint; 0 everywhere where the term would move
+        the least work's pick to a replica with prefill queued."""
+        queued = [e.queued_prefill_tokens for e in eps]
+        free = sum(1 for q in queued if q == 0) / len(eps) if eps else 0.0
+        get = self.decoding.get
+        if not free or not any(get(e.id, 0) for e in eps):
+            return [0.0] * len(eps)
+        new = st.new_prefill(eps)
+        term = [n * get(e.id, 0) * free for n, e in zip(new, eps)]
+        before = least_work_pick(queued, new, self.busy)
+        share = 1.0 + self.busy * (1.0 - free)
+        after = min(range(len(eps)), key=lambda i: queued[i] + new[i] * share + term[i])
+        if after != before and queued[after] > 0:
+            return [0.0] * len(eps)
+        return term
+
+    def on_first_token(self, req_id: str, endpoint_id: str, ttft_s: float) -> None:
+        """One more request decoding there."""
+        if req_id not in self.at:
+            self.at[req_id] = endpoint_id
+            self.decoding[endpoint_id] = self.decoding.get(endpoint_id, 0) + 1
+
+    def _done(self, req_id: str) -> None:
+        eid = self.at.pop(req_id, None)
+        if eid is not None:
+            self.decoding[eid] -= 1
+
+    def on_finished(self, req_id: str, endpoint_id: str, e2e_s: float, output_tokens: int) -> None:
+        """No longer decoding."""
+        self._done(req_id)
+
+    def on_failed(self, req_id: str, endpoint_id: str) -> None:
+        """Left the endpoint: no longer decoding."""
+        self._done(req_id)
+
+
 @register_plugin
 class RTT(Scorer):
     """Round trip to the endpoint in seconds (probed)."""
