@@ -181,3 +181,73 @@ def test_token_ratio_scale_is_the_plain_mean_of_the_replicas_ratios():
     for _ in range(200):
         r.observe(f"r{rng.randrange(5)}", rng.randrange(20, 400), rng.randrange(10, 900))
     assert r.scale == sum(r.ratios.values()) / len(r.ratios)
+
+
+def test_request_counts_read_as_before_from_the_nested_counts():
+    """Counted by route, then policy, then status (issue 25i); read back keyed by (route, status, policy)."""
+    from kvroute.gateway.metrics import GatewayMetrics
+
+    m = GatewayMetrics(None)
+    rng = random.Random(3)
+    expected: dict[tuple[str, int, str], int] = {}
+    for _ in range(300):
+        key = (rng.choice(["chat", "completions"]), rng.choice([200, 429, 499, 502]), rng.choice(["rr", "auto"]))
+        m.count_request(*key)
+        expected[key] = expected.get(key, 0) + 1
+    assert m.request_counts == expected
+    from kvroute.gateway.metrics import _HotCollector
+
+    family = next(f for f in _HotCollector(m).collect() if f.name == "kvroute_requests")
+    exported = {(s.labels["route"], int(s.labels["status"]), s.labels["policy"]): s.value for s in family.samples}
+    assert exported == expected  # what /metrics exports
+
+
+@pytest.mark.parametrize("pieces", [[b"x" * 10], [b"ab", b"cd", b"ef"], [b""]])
+def test_take_returns_the_whole_body_only_once_it_has_all_arrived(pieces):
+    """``UpstreamResponse.take`` (issue 25i) against a real server on 127.0.0.1 that sends the body in
+    pieces: None while some is missing, then the body once, and the connection goes back to the pool."""
+    import asyncio
+
+    from kvroute.gateway.upstream import UpstreamPool
+
+    body = b"".join(pieces)
+
+    async def main() -> None:
+        gate = asyncio.Event()
+
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                n = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                             if line.lower().startswith(b"content-length")))
+                await reader.readexactly(n)
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body) + pieces[0])
+                await writer.drain()
+                if len(pieces) > 1:
+                    await gate.wait()
+                    for piece in pieces[1:]:
+                        writer.write(piece)
+                        await writer.drain()
+                        await asyncio.sleep(0.01)
+
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        pool = UpstreamPool(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}")
+        try:
+            for _ in range(2):  # the second time on the pooled connection
+                gate.clear()
+                resp = await pool.post("/v1/x", b"{}", [], connect_s=2, first_byte_s=2, idle_s=2)
+                await asyncio.sleep(0.05)
+                if len(pieces) > 1:
+                    assert resp.take() is None  # the rest has not been sent
+                    gate.set()
+                    await asyncio.sleep(0.2)
+                assert resp.take() == body
+                assert resp.take() is None  # taken once
+                resp.release()
+                assert len(pool._idle) == 1  # read to its end: kept alive
+        finally:
+            pool.close()
+            server.close()
+            await server.wait_closed()
+
+    asyncio.run(main())

@@ -97,10 +97,13 @@ REJECTED = {
     "no Host in HTTP/1.1": b"POST /v1/completions HTTP/1.1\r\nContent-Length: 34\r\n\r\n" + JSON,
     "two Host headers": body(b"Host: other\r\nContent-Length: 34\r\n\r\n" + JSON),
     "HTTP/2.0 request line": b"GET /health HTTP/2.0\r\n" + HOST + b"\r\n",
+    # kept alive like HTTP/1.1 by a header: the version is then asked, not inferred (httpconn.on_headers_complete)
+    "HTTP/2.0 kept alive": b"GET /health HTTP/2.0\r\n" + HOST + b"Connection: keep-alive\r\n\r\n",
+    "HTTP/0.9 proxy-kept alive": b"GET /health HTTP/0.9\r\n" + HOST + b"Proxy-Connection: keep-alive\r\n\r\n",
     "lower-case method": b"get /health HTTP/1.1\r\n" + HOST + b"\r\n",
     "control char in target": b"GET /hea\x01lth HTTP/1.1\r\n" + HOST + b"\r\n",
 }
-EXPECTED = {"TE gzip, chunked": 501, "HTTP/2.0 request line": 505}
+EXPECTED = {"TE gzip, chunked": 501, "HTTP/2.0 request line": 505, "HTTP/2.0 kept alive": 505}
 
 
 @pytest.mark.parametrize("case", list(REJECTED))

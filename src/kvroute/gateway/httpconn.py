@@ -273,7 +273,15 @@ class _Connection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         parser, headers, limits = self.parser, self._headers, self.limits
-        version = parser.get_http_version()
+        keep_alive = parser.should_keep_alive()
+        # llhttp keeps a request alive with neither Connection nor Proxy-Connection (the headers that set
+        # its keep-alive and close flags) only for HTTP/1.1 (RFC 9112 §9.3; llhttp_should_keep_alive: minor
+        # and major > 0, which among the versions llhttp accepts is 1.1 alone); else it is asked, which
+        # formats a string (~2,200 instructions per request: issue 25's ninth round, docs/hot-path.md)
+        if keep_alive and "connection" not in headers and "proxy-connection" not in headers:
+            version = "1.1"
+        else:
+            version = parser.get_http_version()
         if version not in ("1.1", "1.0"):  # 0.9 means a request line without a version
             raise BadRequest(505 if version >= "2" else 400, f"HTTP/{version} is not supported; use HTTP/1.1",
                              "version")
@@ -291,8 +299,7 @@ class _Connection(asyncio.Protocol):
         self._head_seen = self._stall = 0
         self.phase = _BODY
         self.deadline = self.server.now + limits.body_timeout_s
-        self._req = Request(parser.get_method().decode("ascii"), self._url.decode("latin-1"), headers,
-                            parser.should_keep_alive())
+        self._req = Request(parser.get_method().decode("ascii"), self._url.decode("latin-1"), headers, keep_alive)
         if (te is not None or (length is not None and length != "0")) and \
                 headers.get("expect", "").lower() == "100-continue" and not self.busy:
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")

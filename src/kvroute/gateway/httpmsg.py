@@ -142,7 +142,8 @@ class Responder:
         self.extra_headers: list[tuple[str, str]] = []
 
     def _head(self, status: int, headers: Iterable[tuple[str, str]], content_type: str | None,
-              length: int | None, fields: bytes) -> bytes:
+              length: int | None, fields: bytes, body: bytes = b"") -> bytes:
+        """The response head, followed by ``body`` (joined once: no second copy to append it)."""
         parts = [_STATUS_LINES.get(status) or b"HTTP/1.1 %d Status\r\n" % status]
         if content_type:
             parts.append(_CONTENT_TYPES.get(content_type) or f"Content-Type: {content_type}\r\n".encode("latin-1"))
@@ -153,6 +154,8 @@ class Responder:
             parts.append(f"{name}: {value}\r\n".encode("latin-1"))
         parts.append(b"Transfer-Encoding: chunked\r\n" if length is None else b"Content-Length: %d\r\n" % length)
         parts.append(b"\r\n" if self.keep_alive else b"Connection: close\r\n\r\n")
+        if body:
+            parts.append(body)
         return b"".join(parts)
 
     def send(self, status: int, body: bytes, headers: Iterable[tuple[str, str]] = (),
@@ -161,8 +164,8 @@ class Responder:
         if self.started:
             raise RuntimeError("response already started")
         self.status, self.started, self.finished = status, True, True
-        head = self._head(status, headers, content_type, len(body), fields)
-        self._conn.write(head if self.head_only else head + body)
+        self._conn.write(self._head(status, headers, content_type, len(body), fields,
+                                    b"" if self.head_only else body))
 
     def send_error(self, status: int, message: str, type_: str = "invalid_request_error",
                    param: str | None = None, code: str | None = None,

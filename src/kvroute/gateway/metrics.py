@@ -35,8 +35,11 @@ class GatewayMetrics:
     def __init__(self, runtime) -> None:
         self.registry = r = CollectorRegistry()
         # the hot path's: plain counts, exported at scrape time (_HotCollector)
-        # (route, status, policy) -> requests; the status as a number (str() at scrape time, not per request)
-        self.request_counts: dict[tuple[str, int, str], int] = {}
+        # route -> policy -> status -> requests; the status as a number (str() at scrape time, not per request).
+        # Nested, not keyed by a (route, status, policy) tuple: a tuple made per request is hashed and compared
+        # item by item on every lookup, where the route and policy names are the same str objects each time
+        # (cached hashes, compared by identity) and the status a small int (issue 25's ninth round)
+        self._requests: dict[str, dict[str, dict[int, int]]] = {}
         self.branch_by_policy: dict[tuple[str, str], int] = {}  # (policy, branch) -> decisions
         self.ttft = LocalHistogram("kvroute_ttft_seconds", "Time to first byte of the response body, at the gateway")
         self.e2e = LocalHistogram("kvroute_e2e_seconds", "Request latency at the gateway")
@@ -70,9 +73,19 @@ class GatewayMetrics:
 
     def count_request(self, route: str, status: int, policy: str) -> None:
         """Count one answered request by route, status code and policy."""
-        key = (route, status, policy)
-        counts = self.request_counts
-        counts[key] = counts.get(key, 0) + 1
+        by_policy = self._requests.get(route)
+        if by_policy is None:
+            by_policy = self._requests[route] = {}
+        by_status = by_policy.get(policy)
+        if by_status is None:
+            by_status = by_policy[policy] = {}
+        by_status[status] = by_status.get(status, 0) + 1
+
+    @property
+    def request_counts(self) -> dict[tuple[str, int, str], int]:
+        """Answered requests by (route, status code, policy)."""
+        return {(route, status, policy): n for route, by_policy in self._requests.items()
+                for policy, by_status in by_policy.items() for status, n in by_status.items()}
 
     def count_branch(self, policy: str, branch: str) -> None:
         """Count one routing decision by the policy branch that made it (one count per decision:

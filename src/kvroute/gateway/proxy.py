@@ -282,8 +282,9 @@ class Proxy(RequestParsing):
                     first = await upstream.next_chunk(budget)  # hold the head until a byte of body
                     if first is None:
                         raise UpstreamProtocolError("upstream ended the stream before sending anything")
-                else:
-                    payload = await upstream.read(budget)
+                else:  # a small answer arrives with its head: taken without a coroutine
+                    taken = upstream.take()
+                    payload = taken if taken is not None else await upstream.read(budget)
                 served = status < 400  # a body, or a stream's first bytes, came back
             except UpstreamError as exc:  # nothing has reached the client yet: retryable
                 outcome = _FAILED

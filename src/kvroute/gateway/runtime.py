@@ -318,20 +318,28 @@ class Runtime:
             log.exception("routing %s raised", req.id)
             raise self._policy_failed() from exc
         if d.kind is DecisionKind.DISPATCH:
-            for name in (d.target, d.prefill):  # a prefill/decode pair takes a trial slot on each
-                up = self.upstreams.get(name or "")
-                if up is not None:
-                    if up.probe_every_s > self.hot.probe_interval_s:  # idle until now: back to the fast rate
-                        up.probe_every_s = self.hot.probe_interval_s
-                        up.next_probe_at = min(up.next_probe_at, monotonic() + up.probe_every_s)
-                    up.breaker.dispatched()
-                    up.endpoint.circuit_open = not up.breaker.allows
-                    if self.events is not None:  # until its BlockStored arrives, the prompt counts as cached there
-                        self.events.speculate(up.config.name, req.block_hashes)
+            # a prefill/decode pair takes a trial slot on each (written out, not a loop over a tuple made
+            # per decision: issue 25's ninth round)
+            if d.target is not None:
+                self._took(d.target, req)
+            if d.prefill is not None:
+                self._took(d.prefill, req)
         elif d.branch == "policy-error":
             log.error("routing %s: %s", req.id, d.reason)
             raise self._policy_failed()
         return d
+
+    def _took(self, name: str, req: Request) -> None:
+        """A dispatch to replica ``name``: its probe rate, its breaker's trial slot, its KV speculation."""
+        up = self.upstreams.get(name)
+        if up is not None:
+            if up.probe_every_s > self.hot.probe_interval_s:  # idle until now: back to the fast rate
+                up.probe_every_s = self.hot.probe_interval_s
+                up.next_probe_at = min(up.next_probe_at, monotonic() + up.probe_every_s)
+            up.breaker.dispatched()
+            up.endpoint.circuit_open = not up.breaker.allows
+            if self.events is not None:  # until its BlockStored arrives, the prompt counts as cached there
+                self.events.speculate(up.config.name, req.block_hashes)
 
     def _policy_failed(self) -> PolicyError:
         self.metrics.policy_errors.inc()
