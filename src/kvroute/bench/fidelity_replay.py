@@ -33,7 +33,7 @@ def replay(stored: dict, profile: str, noise: bool | None = None, salt: str = ""
     wd["turns"] = tuple(wd["turns"])
     w = Workload(**wd)
     noise = stored.get("engine_noise", True) if noise is None else noise
-    out = {k: v for k, v in stored.items() if k not in ("policies",)}
+    out = {k: v for k, v in stored.items() if k not in ("policies", "as_calibrated")}  # both made anew
     out.update(profile=profile, engine_noise=noise, replayed_from=stored.get("profile"))
     runs: dict[str, list[dict]] = {}
     with tempfile.TemporaryDirectory(prefix="kvroute-fidelity-replay-") as tmp:
