@@ -4,6 +4,7 @@ streaks, secrets and uniqueness checks in config files, the OpenAI error shape."
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import os
 import signal
@@ -18,7 +19,7 @@ from kvroute import yamlconf
 from kvroute.gateway.config import GatewayConfig
 from kvroute.gateway.http import error_body, error_object
 from kvroute.gateway.probes import ProbeStreak
-from kvroute.ports import free_port, free_ports, wait_for_http, wait_for_port
+from kvroute.ports import free_port, free_ports, hold_port, wait_for_http, wait_for_port
 from kvroute.replicas import base_url
 from kvroute.shutdown import until_stopped
 from kvroute.stats import percentile, percentile_sorted
@@ -71,6 +72,38 @@ def test_wait_for_port_returns_when_listening_and_times_out_otherwise():
     assert time.monotonic() - t0 < 3
     with pytest.raises(TimeoutError, match="did not answer 200"):
         wait_for_http(f"http://127.0.0.1:{port}/health", timeout_s=0.3)
+
+
+def test_a_held_port_refuses_connections_and_only_a_reusing_server_takes_it():
+    """A port named before its server starts (a peer's URL, HAProxy's front) is held bound: nothing else —
+    a plain bind, an outgoing connection's source port — can take it meanwhile, while the gateway's own
+    listener (SO_REUSEADDR, as asyncio's servers, HAProxy and nats-server set it) binds it and serves."""
+    held = hold_port()
+    port = held.getsockname()[1]
+    try:
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", port), timeout=2).close()
+        with socket.socket() as other, pytest.raises(OSError) as taken:  # free_port's port: this bind succeeded
+            other.bind(("127.0.0.1", port))
+        assert taken.value.errno == errno.EADDRINUSE
+
+        async def serve() -> bytes:
+            from kvroute.gateway.server import Gateway
+
+            gw = Gateway(GatewayConfig(host="127.0.0.1", port=port, replicas=[{"url": "http://127.0.0.1:9"}],
+                                       probe={"timeout_s": 0.2}))
+            await gw.start()
+            try:
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                writer.write(b"GET /livez HTTP/1.1\r\nHost: gw\r\nConnection: close\r\n\r\n")
+                answer = await reader.read()
+                writer.close()
+                return answer
+            finally:
+                await gw.stop()
+        assert asyncio.run(asyncio.wait_for(serve(), 30)).startswith(b"HTTP/1.1 200")
+    finally:
+        held.close()
 
 
 def test_until_stopped_returns_on_sigterm_and_calls_the_hangup_hook():

@@ -16,7 +16,7 @@ from kvroute.gateway.config import GatewayConfig, PeerConfig
 from kvroute.gateway.peers import FORWARDED_HEADER, STATUS_PATH, TOKEN_HEADER
 from kvroute.gateway.server import Gateway
 from kvroute.live.delay import DelayProxy
-from kvroute.ports import free_port
+from kvroute.ports import hold_port
 from kvroute.replicas import ReplicaConfig
 from tests.fake_upstream import METRICS, SSE_HEAD, ScriptedUpstream, chunk, replies
 
@@ -39,6 +39,7 @@ class Mesh:
         self.thread.start()
         self.gateways: dict[str, Gateway] = {}
         self.ports: dict[str, int] = {}
+        self.held: list = []  # the ports named so far, held bound until close (kvroute.ports.hold_port)
         self.upstreams: list[ScriptedUpstream] = []
         self.runners: list = []
         self.servers: list[DelayProxy] = []
@@ -47,7 +48,14 @@ class Mesh:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     def port(self, region: str) -> int:
-        return self.ports.setdefault(region, free_port())
+        """The port of ``region``'s gateway (or any named server), picked on first use and held until
+        :meth:`close`: a peer names it long before that gateway binds it, and under concurrent suites another
+        process's connection took such a port meanwhile ("address in use")."""
+        if region not in self.ports:
+            held = hold_port()
+            self.held.append(held)
+            self.ports[region] = held.getsockname()[1]
+        return self.ports[region]
 
     def url(self, region: str) -> str:
         return f"http://127.0.0.1:{self.port(region)}"
@@ -110,6 +118,8 @@ class Mesh:
         self.call(stop())
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(5)
+        for held in self.held:
+            held.close()
 
 
 async def _read(fn):

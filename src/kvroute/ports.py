@@ -30,6 +30,23 @@ def free_port() -> int:
     return free_ports(1)[0]
 
 
+def hold_port() -> socket.socket:
+    """A port of 127.0.0.1 kept for a server that binds it later: a socket bound with SO_REUSEADDR that never
+    listens. Meanwhile a connection there is refused, and the kernel gives the port to no other ``bind(0)`` and
+    to no outgoing connection as its source port, while a server that binds with SO_REUSEADDR itself (asyncio's
+    and aiohttp's servers, the gateway's, HAProxy, nats-server) can take it. Close it once that server listens,
+    or when done. (:func:`free_ports` closes its sockets before it returns: under concurrent test suites another
+    process's connection took such a port before the server bound it — "address in use".)"""
+    s = socket.socket()
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((HOST, 0))
+    except OSError:
+        s.close()
+        raise
+    return s
+
+
 def wait_for_port(port: int, timeout_s: float = 20.0, host: str = HOST) -> None:
     """Return once a TCP connection to ``host:port`` succeeds; TimeoutError after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s

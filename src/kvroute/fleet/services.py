@@ -20,13 +20,14 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvroute.errors import ServiceError
-from kvroute.ports import HOST, free_port, wait_for_port
+from kvroute.ports import HOST, hold_port, wait_for_port
 from kvroute.processes import die_with_parent
 
 
@@ -48,6 +49,8 @@ class Service:
     log_path: Path
     proc: subprocess.Popen | None = None
     pids: list[int] = field(default_factory=list)
+    # the port kept bound until the program listens on it (kvroute.ports.hold_port), when this picked it
+    held: socket.socket | None = None
 
     @property
     def pid(self) -> int | None:
@@ -70,6 +73,7 @@ class Service:
         self.pids.append(self.proc.pid)
         try:
             wait_for_port(self.port, timeout_s)
+            self.release()
         except TimeoutError:
             code = self.proc.poll()
             self.kill()
@@ -78,8 +82,15 @@ class Service:
                                f"{f' (exited {code})' if code is not None else ''}; its log ends: "
                                f"{' | '.join(tail) or '(empty)'}") from None
 
+    def release(self) -> None:
+        """Stop holding the port (it listens, or it is not needed any more)."""
+        if self.held is not None:
+            self.held.close()
+            self.held = None
+
     def kill(self) -> None:
         """SIGKILL by PID, and reap."""
+        self.release()
         if self.alive and self.proc is not None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.proc.pid, signal.SIGKILL)
@@ -89,6 +100,7 @@ class Service:
 
     def stop(self, grace_s: float = 3.0) -> None:
         """SIGTERM by PID, SIGKILL after ``grace_s``."""
+        self.release()
         if not self.alive or self.proc is None:
             return
         with contextlib.suppress(ProcessLookupError):
@@ -100,10 +112,14 @@ class Service:
 
 
 def nats_server(folder: Path, port: int | None = None) -> Service:
-    """A nats-server on 127.0.0.1 (core NATS only: the fleet needs no JetStream). Not started yet."""
-    port = port or free_port()
+    """A nats-server on 127.0.0.1 (core NATS only: the fleet needs no JetStream). Not started yet; without
+    ``port``, one is held for it until it listens."""
+    held = None
+    if port is None:
+        held = hold_port()
+        port = int(held.getsockname()[1])
     argv = [find_binary("nats-server"), "-a", HOST, "-p", str(port)]
-    return Service("nats-server", argv, port, folder / "nats-server.log")
+    return Service("nats-server", argv, port, folder / "nats-server.log", held=held)
 
 
 ERRORS = {
@@ -148,14 +164,20 @@ def haproxy_config(folder: Path, port: int, instances: list[tuple[str, int]], ch
 
 def haproxy(folder: Path, instances: list[tuple[str, int]], port: int | None = None, **kw: float) -> Service:
     """HAProxy in front of ``instances`` (name, port) on 127.0.0.1. Not started yet; check the
-    configuration first with ``haproxy -c`` so a bad one fails with HAProxy's own words."""
-    port = port or free_port()
+    configuration first with ``haproxy -c`` so a bad one fails with HAProxy's own words. Without ``port``,
+    one is held for it until it listens."""
+    held = None
+    if port is None:
+        held = hold_port()
+        port = int(held.getsockname()[1])
     cfg = haproxy_config(folder, port, instances, **kw)  # type: ignore[arg-type]
     binary = find_binary("haproxy")
     check = subprocess.run([binary, "-c", "-f", str(cfg)], capture_output=True, text=True, timeout=30)
     if check.returncode != 0:
+        if held is not None:
+            held.close()
         raise ServiceError(f"haproxy rejected {cfg}: {(check.stderr or check.stdout).strip()[-500:]}")
-    return Service("haproxy", [binary, "-db", "-f", str(cfg)], port, folder / "haproxy.log")
+    return Service("haproxy", [binary, "-db", "-f", str(cfg)], port, folder / "haproxy.log", held=held)
 
 
 def wait_until(predicate, timeout_s: float, interval_s: float = 0.05) -> bool:
