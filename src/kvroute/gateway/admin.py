@@ -36,7 +36,8 @@ def replica_view(rt: Runtime, name: str) -> dict[str, Any]:
     up = rt.upstreams[name]
     ep = up.endpoint
     return {"id": name, "url": up.config.url, "engine": up.engine, "region": ep.region,
-            "healthy": ep.healthy, "circuit": up.breaker.state.name.lower(), "drained": name in rt.drained,
+            "healthy": ep.healthy, "answered": up.answered, "circuit": up.breaker.state.name.lower(),
+            "drained": name in rt.drained,
             "running": ep.running, "waiting": ep.waiting, "kv_usage": ep.kv_usage, "inflight": ep.inflight,
             "probe_rtt_s": up.streak.rtt_ewma_s, "models": sorted(up.models) if up.models is not None else None,
             "restarts": up.restarts, "indexed_blocks": rt.router.prefix.blocks(name),

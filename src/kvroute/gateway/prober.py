@@ -149,9 +149,16 @@ class Prober:
                 reading.kv_tokens = kv_capacity(text)
         except (TimeoutError, UpstreamError, ProbeError, UnicodeDecodeError) as exc:
             self.host.metrics.probe_failures.labels(ep.id).inc()
+            if not up.answered:  # never routable yet: nothing to eject, but say when it stops being awaited
+                up.streak.failed(False, pc.unhealthy_after)
+                if up.streak.fails == pc.unhealthy_after:
+                    log.warning("replica %s (%s) has not answered its first %d probes (%s); not routable until "
+                                "one answers", ep.id, up.config.url, up.streak.fails, _why(exc))
+                    self.host.drain_queue()  # requests waiting for it alone get their answer now
+                return
             if up.streak.failed(ep.healthy, pc.unhealthy_after):
                 ep.healthy = False
-                why = str(exc) or ("timed out" if isinstance(exc, TimeoutError) else exc.__class__.__name__)
+                why = _why(exc)
                 log.warning("replica %s (%s) ejected after %d failed probes: %s", ep.id, up.config.url,
                             up.streak.fails, why)
                 if isinstance(exc, UpstreamConnectError) and up.exchanges:
@@ -190,6 +197,10 @@ class Prober:
             up.models_read_at = t0
             await self.read_models(up)
         ep.apply_probe(reading.running, reading.waiting, reading.kv_usage)
+        if not up.answered:  # its first answer admits it: nothing was routed to it, no flapping to damp
+            up.answered = True  # (Envoy's healthy_threshold: "during startup, only a single successful
+            ep.healthy = True  # health check is required to mark a host healthy", config.core.v3.HealthCheck)
+            log.info("replica %s (%s) answered its first probe: routable", ep.id, up.config.url)
         if up.streak.succeeded(ep.healthy, pc.healthy_after):
             ep.healthy = True
             self.host.router.forget_cache(ep.id)  # it may have restarted with an empty cache
@@ -213,3 +224,8 @@ class Prober:
             if models != up.models:
                 up.models = models
                 self.host.replicas_changed()
+
+
+def _why(exc: BaseException) -> str:
+    """A failed probe's cause in a few words (a timeout's message is empty)."""
+    return str(exc) or ("timed out" if isinstance(exc, TimeoutError) else exc.__class__.__name__)

@@ -27,6 +27,9 @@ class Upstream:
     engine: str = "auto"
     streak: ProbeStreak = field(default_factory=ProbeStreak)
     reading: Reading | None = None  # the last successful probe
+    # whether any probe of it has answered yet: until then it is not routable (Runtime._add), and the
+    # first answer admits it without the healthy_after streak (Prober._read_probe)
+    answered: bool = False
     restarts: int = 0
     models: frozenset[str] | None = None  # what it serves: configured, or read from /v1/models
     model_cards: list[dict[str, Any]] = field(default_factory=list)  # its /v1/models entries
@@ -46,6 +49,11 @@ class Upstream:
     probe_bytes: int = 0
     filtered: bool | None = None  # vLLM's filtered metrics: None untried, then whether they answer
 
+    def starting(self, unhealthy_after: int) -> bool:
+        """Not answered a probe yet, and fewer than ``unhealthy_after`` of its probes failed: its
+        first answer may still come at any moment (requests that only it could take wait for it,
+        ``Runtime._route``). After that many failures it is an unhealthy replica like any other."""
+        return not self.answered and self.streak.fails < unhealthy_after
 
 
 class Outcome(Enum):

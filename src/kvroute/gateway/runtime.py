@@ -101,6 +101,7 @@ class Runtime:
     def _add(self, rc: ReplicaConfig) -> None:
         ep = Endpoint(rc.name, region=rc.region, zone=rc.zone, weight=rc.weight, block_size=1,
                       kv_blocks=rc.kv_tokens or 0, role=rc.role, accelerator=rc.accelerator)
+        ep.healthy = False  # not routable until a probe answers (gateway/prober.py); Upstream.starting
         if rc.max_running:
             ep.max_running = rc.max_running
         self.router.add_endpoint(ep)
@@ -327,6 +328,10 @@ class Runtime:
         elif d.branch == "policy-error":
             log.error("routing %s: %s", req.id, d.reason)
             raise self._policy_failed()
+        elif d.kind is DecisionKind.NONE and d.branch == "all-filtered":
+            starting = self._starting_for(req)
+            if starting:  # its first answer is due within a few probe intervals: wait for it, bounded
+                return Decision.hold(f"waiting for {', '.join(starting)} to answer a first probe")
         return d
 
     def _took(self, name: str, req: Request) -> None:
@@ -340,6 +345,15 @@ class Runtime:
             up.endpoint.circuit_open = not up.breaker.allows
             if self.events is not None:  # until its BlockStored arrives, the prompt counts as cached there
                 self.events.speculate(up.config.name, req.block_hashes)
+
+    def _starting_for(self, req: Request) -> list[str]:
+        """The replicas ``req`` could go to once they answer their first probe (``Upstream.starting``):
+        not excluded for it (drained, failed it, not serving its model) and inside its residency zone."""
+        unhealthy_after = self.config.probe.unhealthy_after
+        zone = req.residency
+        return [name for name, up in self.upstreams.items()
+                if up.starting(unhealthy_after) and name not in req.exclude and name not in self.drained
+                and (zone is None or up.endpoint.zone == zone)]
 
     def _policy_failed(self) -> PolicyError:
         self.metrics.policy_errors.inc()

@@ -82,8 +82,10 @@ class Gateway:
         healthy = sum(1 for u in rt.upstreams.values()
                       if u.endpoint.healthy and u.breaker.state is not CircuitState.OPEN)
         ok = healthy and rt.ready and not rt.draining
+        unhealthy_after = rt.config.probe.unhealthy_after  # not yet answered a first probe: not counted healthy
+        starting = sum(1 for u in rt.upstreams.values() if u.starting(unhealthy_after))
         body = {"status": "ok" if ok else "unavailable", "replicas": len(rt.upstreams), "healthy": healthy,
-                "queue": len(rt.queue), "policy": rt.policy_name}
+                "starting": starting, "queue": len(rt.queue), "policy": rt.policy_name}
         if rt.fleet is not None:  # routing goes on without NATS: said here, not failed
             body["fleet"] = rt.fleet.state
         resp.send(200 if ok else 503, json.dumps(body).encode())

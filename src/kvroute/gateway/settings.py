@@ -23,8 +23,11 @@ class ProbeConfig(StrictModel):
                                    "interval_s up to this; a dispatch to it restores interval_s (set it equal to "
                                    "interval_s for a fixed rate)")
     timeout_s: float = Field(0.5, gt=0, description="a probe that takes longer fails")
-    unhealthy_after: int = Field(3, ge=1)  # consecutive probe failures → ejected
-    healthy_after: int = Field(2, ge=1)  # consecutive successes → re-admitted
+    unhealthy_after: int = Field(3, ge=1, description="consecutive probe failures → ejected. A replica is not "
+                                 "routable until a probe answers; requests only such replicas could take wait "
+                                 "(bounded by queue.max_wait_s) until one answers or has failed this many")
+    healthy_after: int = Field(2, ge=1, description="consecutive successes → re-admitted after an ejection "
+                               "(a replica's first answered probe admits it at once, as Envoy does at start-up)")
     rtt_ewma: float = Field(0.3, gt=0, le=1)  # GORGO's RTT smoothing
     models_every_s: float = Field(10.0, gt=0)  # how often /v1/models is read, for model routing
 
