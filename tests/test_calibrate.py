@@ -2,6 +2,7 @@
 recover it. (tests/test_llamacpp.py calibrates real llama-servers.)"""
 
 import asyncio
+import contextlib
 import subprocess
 import sys
 
@@ -35,15 +36,24 @@ def _calibrate(tmp_path):
     load 4-8 (fitted decode steps of 6-16 ms for the profile's 5.8; the test passed 4 of 9 runs
     at load 4-7 so, 12 of 15 with the emulators in processes of their own, 10 of 10 at load 3-5
     with two repeats as well)."""
+    with known_emulators(tmp_path) as urls:
+        return asyncio.run(asyncio.wait_for(measure(urls, sweep=SWEEP), 60))
+
+
+@contextlib.contextmanager
+def known_emulators(tmp_path, n: int = 2):
+    """``n`` `kvroute emulate` processes of KNOWN (llama.cpp-flavoured), listening; yields their
+    URLs and stops them by PID afterwards."""
     profile = tmp_path / "known.yaml"
     profile.write_text(yaml.safe_dump(KNOWN.model_dump(exclude_none=True)))
-    ports = free_ports(2)
+    ports = free_ports(n)
     procs = [subprocess.Popen([sys.executable, "-m", "kvroute.cli", "emulate", "--port", str(p), "--profile",
                                str(profile), "--engine", "llamacpp"], stderr=subprocess.DEVNULL) for p in ports]
     try:
-        for p in ports:
-            wait_for_http(f"http://127.0.0.1:{p}/health", 30)
-        return asyncio.run(asyncio.wait_for(measure([f"http://127.0.0.1:{p}" for p in ports], sweep=SWEEP), 60))
+        urls = [f"http://127.0.0.1:{p}" for p in ports]
+        for u in urls:
+            wait_for_http(f"{u}/health", 30)
+        yield urls
     finally:
         for proc in procs:
             proc.terminate()

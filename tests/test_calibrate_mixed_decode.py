@@ -3,18 +3,14 @@ whose step model is known, the fitted ``c_prefill_mixed_s``, and the simulated e
 (calibrate/mixed_decode_probe.py, profile ``c_prefill_mixed_s``)."""
 
 import asyncio
-import subprocess
-import sys
 
 import aiohttp
 import pytest
-import yaml
-from test_calibrate import KNOWN
+from test_calibrate import KNOWN, known_emulators
 
 from kvroute.calibrate import Sweep
 from kvroute.calibrate.measure import _Engine, _model_card
 from kvroute.calibrate.mixed_decode_probe import fit_mixed_prefill, mixed_decode_points
-from kvroute.ports import free_ports, wait_for_http
 from kvroute.sim.engine import Engine, Seq
 from kvroute.sim.events import EventLoop
 
@@ -68,12 +64,6 @@ def test_the_probe_against_emulated_engines_finds_what_their_model_gives(tmp_pat
     """Two `kvroute emulate` processes of KNOWN (a step costs exactly its parts): the joined step is a
     prefill's worth longer than the decode steps around it, and the fitted excess per token stays small
     (the emulator's timers run a few ms late on a loaded machine: a wide band)."""
-    profile = tmp_path / "known.yaml"
-    profile.write_text(yaml.safe_dump(KNOWN.model_dump(exclude_none=True)))
-    ports = free_ports(2)
-    procs = [subprocess.Popen([sys.executable, "-m", "kvroute.cli", "emulate", "--port", str(p), "--profile",
-                               str(profile), "--engine", "llamacpp"], stderr=subprocess.DEVNULL) for p in ports]
-    urls = [f"http://127.0.0.1:{p}" for p in ports]
     sweep = Sweep(batch_sizes=(1, 2, 4), warm_contexts=(512, 1024), warm_lengths=(96, 256), decode_tokens=24,
                   mixed_decode_rounds=2, timeout_s=20)
     lines: list[str] = []
@@ -85,14 +75,8 @@ def test_the_probe_against_emulated_engines_finds_what_their_model_gives(tmp_pat
             await asyncio.gather(*(e.facts(limit) for e in engines))
             return await mixed_decode_points(engines, sweep, lines.append)
 
-    try:
-        for u in urls:
-            wait_for_http(f"{u}/health", 30)
+    with known_emulators(tmp_path) as urls:
         points = asyncio.run(asyncio.wait_for(run(), 90))
-    finally:
-        for proc in procs:
-            proc.terminate()
-            proc.wait(10)
     assert len(lines) == 2 and len(points) >= 3
     for batch, ctx, cached, new, step, joined, latency in points:
         # the emulator caches whole 64-token blocks: up to 63 of the base count as new

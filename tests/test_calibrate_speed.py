@@ -4,18 +4,15 @@ scaled profile, and a stored run's factors used again by ``--replay``."""
 
 import asyncio
 import json
-import subprocess
-import sys
 
 import aiohttp
 import pytest
 import yaml
-from test_calibrate import KNOWN
+from test_calibrate import KNOWN, known_emulators
 
 from kvroute.bench.fidelity import speed_probe
 from kvroute.calibrate.speed_probe import DECODE_TERMS, PREFILL_TERMS, Speed, factors, scaled
 from kvroute.perf.profile import NewcomerPoint
-from kvroute.ports import free_ports, wait_for_http
 
 
 def test_the_probe_sees_an_engine_slowed_twofold(tmp_path):
@@ -23,13 +20,6 @@ def test_the_probe_sees_an_engine_slowed_twofold(tmp_path):
     probed, then slowed to half speed through their fault endpoint and probed again; both factors
     come out near 2 (the emulator's timers are late by a few ms on a loaded machine, which the slowdown does
     not double: a wide band)."""
-    profile = tmp_path / "known.yaml"
-    profile.write_text(yaml.safe_dump(KNOWN.model_dump(exclude_none=True)))
-    ports = free_ports(2)
-    procs = [subprocess.Popen([sys.executable, "-m", "kvroute.cli", "emulate", "--port", str(p), "--profile",
-                               str(profile), "--engine", "llamacpp"], stderr=subprocess.DEVNULL) for p in ports]
-    urls = [f"http://127.0.0.1:{p}" for p in ports]
-
     async def run() -> tuple[Speed, Speed]:
         first = await speed_probe(urls, "test")
         async with aiohttp.ClientSession() as s:
@@ -38,14 +28,8 @@ def test_the_probe_sees_an_engine_slowed_twofold(tmp_path):
                     assert r.status == 200
         return first, await speed_probe(urls, "test")
 
-    try:
-        for u in urls:
-            wait_for_http(f"{u}/health", 30)
+    with known_emulators(tmp_path) as urls:
         reference, slow = asyncio.run(asyncio.wait_for(run(), 60))
-    finally:
-        for proc in procs:
-            proc.terminate()
-            proc.wait(10)
     assert reference.points == slow.points == 6  # 3 rounds x 2 engines
     # the model's own times: a cold prefill of ~1,024 tokens and a batch-1 decode step at ~1,040
     assert 0.08 < reference.prefill_s < 0.25 and reference.decode_s is not None and 0.005 < reference.decode_s < 0.02
