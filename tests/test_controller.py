@@ -123,6 +123,8 @@ def test_failed_gateway_replicas_go_to_the_nearest_gateway_within_1s_and_come_ba
             await c.kill_gateway("us")
             took = await _until(lambda: "us-0" in c.holds("eu"), 1.0)
             assert "us-0" not in c.holds("asia")  # eu is nearer to us than asia
+            # a replica a gateway takes on is routable once its first probe there answers (one probe round)
+            await _until(lambda: c.gateways["eu"].runtime.upstreams["us-0"].endpoint.healthy, 1.0)
             assert "us-0" in await _served_by(f"http://127.0.0.1:{c.gateways['eu'].port}", 4)
             status, body = await c.resolve("us")
             assert (status, body["gateway"]) == (200, "gw-eu")
