@@ -172,7 +172,7 @@ def test_fidelity_calibrates_engines_without_slots_with_longer_wider_decode_swee
     """Decode contexts reach the workload's; llama-server (``/props`` says its slots) keeps the
     default batches, vLLM (no ``/props``) gets batches up to 8 and a 96-token window
     (bench/fidelity.py fidelity_sweep)."""
-    from kvroute.bench.fidelity import fidelity_sweep
+    from kvroute.bench.fidelity_calibration import fidelity_sweep
     from kvroute.calibrate import Sweep
 
     llama = fidelity_sweep({"total_slots": 4})

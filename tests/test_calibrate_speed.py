@@ -10,7 +10,7 @@ import pytest
 import yaml
 from test_calibrate import KNOWN, known_emulators
 
-from kvroute.bench.fidelity import speed_probe
+from kvroute.bench.fidelity_calibration import speed_probe
 from kvroute.calibrate.speed_probe import DECODE_TERMS, PREFILL_TERMS, Speed, factors, scaled
 from kvroute.perf.profile import NewcomerPoint
 

@@ -30,7 +30,8 @@ def cmd_bench_fidelity(args: argparse.Namespace) -> int:
     """`kvroute bench fidelity`: the same workload on real engines and in the simulator, metric by metric."""
     import asyncio
 
-    from kvroute.bench.fidelity import Workload, calibrate_engines, run_fidelity
+    from kvroute.bench.fidelity import Workload, run_fidelity
+    from kvroute.bench.fidelity_calibration import calibrate_engines
     from kvroute.calibrate import CalibrationError
     from kvroute.perf.loader import ProfileError, load_profile
 

@@ -274,14 +274,10 @@ class _Connection(asyncio.Protocol):
     def on_headers_complete(self) -> None:
         parser, headers, limits = self.parser, self._headers, self.limits
         keep_alive = parser.should_keep_alive()
-        # llhttp keeps a request alive with neither Connection nor Proxy-Connection (the headers that set
-        # its keep-alive and close flags) only for HTTP/1.1 (RFC 9112 §9.3; llhttp_should_keep_alive: minor
-        # and major > 0, which among the versions llhttp accepts is 1.1 alone); else it is asked, which
-        # formats a string (~2,200 instructions per request: issue 25's ninth round, docs/hot-path.md)
-        if keep_alive and "connection" not in headers and "proxy-connection" not in headers:
-            version = "1.1"
-        else:
-            version = parser.get_http_version()
+        # kept alive with neither Connection nor Proxy-Connection: HTTP/1.1 alone among llhttp's versions (RFC 9112
+        # §9.3, llhttp_should_keep_alive); asking formats a string (~2,200 instructions: docs/hot-path.md, 25i)
+        version = "1.1" if keep_alive and "connection" not in headers and "proxy-connection" not in headers \
+            else parser.get_http_version()
         if version not in ("1.1", "1.0"):  # 0.9 means a request line without a version
             raise BadRequest(505 if version >= "2" else 400, f"HTTP/{version} is not supported; use HTTP/1.1",
                              "version")
@@ -293,8 +289,7 @@ class _Connection(asyncio.Protocol):
                              "transfer_coding")
         length = headers.get("content-length")
         if length is not None and int(length) > limits.max_body_bytes:  # llhttp checked the digits
-            raise BadRequest(413, f"request body exceeds the limit of {limits.max_body_bytes} bytes",
-                             "body_too_large")
+            raise BadRequest(413, f"request body exceeds the limit of {limits.max_body_bytes} bytes", "body_too_large")
         self._in_trailers = True
         self._head_seen = self._stall = 0
         self.phase = _BODY
@@ -453,4 +448,3 @@ class _Connection(asyncio.Protocol):
                 return False
             self.deadline = math.inf
         return True
-

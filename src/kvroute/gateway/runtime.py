@@ -22,6 +22,7 @@ from kvroute.gateway.hotconfig import HotConfig
 from kvroute.gateway.metrics import GatewayMetrics
 from kvroute.gateway.peers import Peering
 from kvroute.gateway.prober import Prober
+from kvroute.gateway.reload import retune, update_replica
 from kvroute.gateway.replica import Outcome, Upstream
 from kvroute.gateway.tokens import TokenRatio
 from kvroute.gateway.upstream import UpstreamPool
@@ -105,7 +106,7 @@ class Runtime:
         if rc.max_running:
             ep.max_running = rc.max_running
         self.router.add_endpoint(ep)
-        self._follow_events(rc)
+        self.follow_events(rc)
         bc = self.config.breaker
         breaker = CircuitBreaker(bc.failures, bc.cooldown_s, bc.successes)
         up = self.upstreams[rc.name] = Upstream(rc, ep, breaker, UpstreamPool(rc.url, tls=rc.tls_context()),
@@ -115,7 +116,7 @@ class Runtime:
             up.models = frozenset(rc.models)
             up.model_cards = [{"id": m, "object": "model", "owned_by": rc.name} for m in rc.models]
 
-    def _follow_events(self, rc: ReplicaConfig) -> None:
+    def follow_events(self, rc: ReplicaConfig) -> None:
         """Subscribe to the replica's KV events (a replica without them is routed on the approximate
         index); the consumer hands its exact table to the prefix index while it trusts it."""
         if rc.kv_events is None:
@@ -214,16 +215,7 @@ class Runtime:
                 self._add(fresh[name])
                 changes.append(f"updated {name} (role {fresh[name].role})")
             elif fresh[name] != old[name]:
-                up = self.upstreams[name]
-                if fresh[name].url != up.config.url:
-                    up.pool.close()
-                    up.pool = UpstreamPool(fresh[name].url, tls=fresh[name].tls_context())
-                if fresh[name].kv_events != up.config.kv_events:
-                    self._follow_events(fresh[name])
-                up.config, up.engine = fresh[name], fresh[name].engine
-                up.endpoint.region, up.endpoint.weight = fresh[name].region, fresh[name].weight
-                up.endpoint.zone = fresh[name].zone or fresh[name].region
-                changes.append(f"updated {name}")
+                changes.append(update_replica(self, fresh[name]))
         if new.policy != self.config.policy:
             policy = new.build_policy()
             self.router.policy = policy
@@ -237,21 +229,9 @@ class Runtime:
             if self.events is not None:  # own keys of another block size: follow every replica afresh
                 self.events.block_tokens = new.block_tokens
                 for r in new.replicas:
-                    self._follow_events(r)
+                    self.follow_events(r)
             changes.append("prefix index (emptied: new block size or bound)")
-        if new.breaker != self.config.breaker:
-            bc = new.breaker
-            for up in self.upstreams.values():
-                up.breaker.threshold, up.breaker.cooldown_s, up.breaker.successes_to_close = (
-                    bc.failures, bc.cooldown_s, bc.successes)
-            changes.append("breaker thresholds")
-        if new.stall != self.config.stall:
-            detector = self.stalls.detector
-            detector.factor, detector.min_s, detector.max_s = new.stall.factor, new.stall.min_s, new.stall.max_s
-            changes.append("stall detection")
-        if new.auth != self.config.auth:
-            self.keys = new.auth.key_ring(monotonic()).keeping_usage_of(self.keys)
-            changes.append("api keys")
+        changes += retune(self, new)
         if self.peering.reconfigure(new):
             changes.append("peers")
             if self.fleet is not None:

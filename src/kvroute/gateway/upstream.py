@@ -20,12 +20,7 @@ the upstream neither closed it nor said ``Connection: close``; and when a reused
 out dead before any byte of the response, the request is sent once more on a fresh connection —
 that is the pool's business, not a replica failure.
 
-Errors, from general to specific (the gateway retries them by kind)::
-
-    UpstreamError
-    ├── UpstreamConnectError    could not connect: nothing reached the engine
-    ├── UpstreamTimeout         connect, first byte or idle time ran out
-    └── UpstreamProtocolError   not valid HTTP, or closed before the response was complete
+Its errors are the tree in ``gateway/upstream_errors.py`` (the gateway retries them by kind).
 """
 
 from __future__ import annotations
@@ -40,29 +35,12 @@ from urllib.parse import urlsplit
 
 import httptools
 
-from kvroute.errors import ServiceError
 from kvroute.gateway.deadlines import Deadlines
-
-
-class UpstreamError(ServiceError):
-    """An upstream attempt failed."""
-
-
-class UpstreamConnectError(UpstreamError):
-    """The connection could not be opened."""
-
-
-class UpstreamTimeout(UpstreamError):
-    """Connect, first byte or idle time ran out."""
-
-
-class UpstreamProtocolError(UpstreamError):
-    """The upstream sent something that is not valid HTTP, or closed before the response ended."""
-
-
-class _StaleConnection(UpstreamProtocolError):
-    """A reused keep-alive connection was closed by the upstream before any response byte."""
-
+from kvroute.gateway.upstream_errors import UpstreamConnectError as UpstreamConnectError
+from kvroute.gateway.upstream_errors import UpstreamError as UpstreamError
+from kvroute.gateway.upstream_errors import UpstreamProtocolError as UpstreamProtocolError
+from kvroute.gateway.upstream_errors import UpstreamTimeout as UpstreamTimeout
+from kvroute.gateway.upstream_errors import _StaleConnection
 
 _IDLE_MESSAGE: Final = "upstream sent nothing for {:g} s"
 MAX_HEAD_BYTES: Final = 64 * 1024  # an upstream response's head, or its trailer section (nginx: 4-32 KiB)
