@@ -5,14 +5,27 @@ breaker thresholds, stall detection, API keys. Requests in flight are untouched.
 from __future__ import annotations
 
 from time import monotonic
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvroute.gateway.upstream import UpstreamPool
 
 if TYPE_CHECKING:
     from kvroute.gateway.config import GatewayConfig
-    from kvroute.gateway.runtime import Runtime
+    from kvroute.gateway.replica import Upstream
     from kvroute.replicas import ReplicaConfig
+
+
+class Runtime(Protocol):
+    """What a reload touches of ``gateway/runtime.py``'s Runtime (a protocol, so that this module
+    does not import the runtime that calls it)."""
+
+    upstreams: dict[str, Upstream]
+    config: GatewayConfig
+    stalls: Any
+    keys: Any
+
+    def follow_events(self, rc: ReplicaConfig) -> None:
+        """Subscribe to the replica's KV events (or stop following them)."""
 
 
 def update_replica(rt: Runtime, rc: ReplicaConfig) -> str:
