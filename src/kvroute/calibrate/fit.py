@@ -144,7 +144,7 @@ def fit_profile(m: Measurements, name: str, hardware: str, max_batched_tokens: i
         block_size=block_size, max_running=running, max_batched_tokens=batch,
         # llama-server (it has slots) lends a cached prefix only from a slot serving no request
         prefix_reuse="idle_slots" if any(f.slots for f in facts) else "shared",
-        waiting_gauge="llama_server" if any(f.slots for f in facts) else "live",  # requests_deferred
+        waiting_gauge=_waiting_gauge(facts),
         noise_step_sigma=sigma, noise_api_delay_s=delay["api_delay_s"], ttft_overhead_busy_s=busy,
         c_admit_s=admit, prefill_attn_tile=tile, slot_save_s_per_token=slot_per_token(m.slot_saves, sharing),
         # the per-core transient beyond processor sharing: only where the cores are shared (sim/host.py)
@@ -194,6 +194,15 @@ def fit_profile(m: Measurements, name: str, hardware: str, max_batched_tokens: i
     return profile, report
 
 
+def _waiting_gauge(facts: list) -> str:
+    """What the engines export as waiting: llama-server (it has slots) ``requests_deferred``
+    (sim/deferred_gauge.py); vLLM (its /metrics gives ``cache_config_info``'s block size) the last
+    finished step's ``num_requests_waiting`` (sim/step_gauge.py); anything else the live queue."""
+    if any(f.slots for f in facts):
+        return "llama_server"
+    return "vllm" if facts and all(f.cache_block for f in facts) else "live"
+
+
 def _busy_overhead(m: Measurements, sharing: float, c0: float, c_decode: float, c_attn: float, c_prefill: float,
                    c_pattn: float) -> tuple[float | None, float]:
     """What a request costs an engine that is stepping, beyond the step model (None, 0: not
@@ -236,7 +245,7 @@ def write_profile(path: str | Path, profile: HardwareProfile, report: dict) -> N
         "max_batched_tokens: llama-server's n_batch (2048, assumed) or the command line;",
         "# prefix_reuse: idle_slots for llama-server (a prefix is reused only from an idle slot), else shared;",
         "# waiting_gauge: llama_server for llama-server (requests_deferred: no free slot; sim/deferred_gauge.py), "
-        "else live;",
+        "vllm for vLLM (the last finished step's counts; sim/step_gauge.py), else live;",
         "# prefill_attn_tile: 64 for llama-server (ggml's CPU flash attention pads query rows to 64-row tiles), "
         "else 1;",
         "# block_size: the engines' prefix-cache unit (vLLM's cache_config_info block_size; llama-server: 1).",

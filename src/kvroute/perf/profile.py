@@ -146,7 +146,9 @@ class HardwareProfile(StrictModel):
     # on issue 7's Mooncake check (the gate pushes into steps it cannot yet see); see issue-21d.
     # "llama_server": requests_deferred, the requests that found no free slot when the engine's loop
     # took them up between steps (sim/deferred_gauge.py; `kvroute calibrate` sets it for llama-server).
-    waiting_gauge: Literal["live", "sglang", "llama_server"] = "live"
+    # "vllm": num_requests_waiting/_running as the last finished step's schedule left them; an arrival
+    # during a step is not counted (sim/step_gauge.py; `kvroute calibrate` sets it for vLLM).
+    waiting_gauge: Literal["live", "sglang", "llama_server", "vllm"] = "live"
     # How noisy the engine is, measured by `kvroute calibrate` (calibrate/noise.py): the log-normal
     # sigma of a step's time and the mean extra per-request delay before the engine's queue. The
     # simulator uses them only where a scenario switches noise on (``engine_noise: profile``,

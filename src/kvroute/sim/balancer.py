@@ -36,6 +36,7 @@ from kvroute.sim.deferred_gauge import DeferredGauge
 from kvroute.sim.events import Scheduler
 from kvroute.sim.queue_gauge import SGLangQueueGauge
 from kvroute.sim.share import SharedRouter, Sharer
+from kvroute.sim.step_gauge import VLLMStatsGauge
 from kvroute.workload.base import SimRequest
 
 
@@ -59,8 +60,8 @@ class EngineState(Protocol):
         """Sequences waiting for admission."""
 
     @property
-    def gauge(self) -> SGLangQueueGauge | DeferredGauge | None:
-        """The waiting count as the engine exports it when that is not live (SGLang, llama-server), else None."""
+    def gauge(self) -> SGLangQueueGauge | DeferredGauge | VLLMStatsGauge | None:
+        """The waiting count as the engine exports it when that is not live (SGLang, llama-server, vLLM), else None."""
 
     def kv_usage(self, now: float) -> float:
         """Share of KV capacity held by requests."""

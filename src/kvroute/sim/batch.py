@@ -33,6 +33,7 @@ from kvroute.sim.kvcache import KVCache
 from kvroute.sim.queue_gauge import SGLangQueueGauge
 from kvroute.sim.seq import DECODE, DONE, PREFILL, WAITING, Jump, Seq
 from kvroute.sim.slot_cache import SlotCache
+from kvroute.sim.step_gauge import VLLMStatsGauge
 
 Admission = Callable[["Batch", Seq, int], bool]  # (engine, seq, KV tokens it takes) → may admit
 
@@ -49,7 +50,7 @@ class Batch(KVCache):
         self.on_finish = on_finish
         self.admission: Admission | None = None
         # what a probe reads as waiting (None: the live queue)
-        self.gauge: SGLangQueueGauge | DeferredGauge | None = None
+        self.gauge: SGLangQueueGauge | DeferredGauge | VLLMStatsGauge | None = None
         self.slot_cache: SlotCache | None = None  # llama-server's slot copies (sim/slot_cache.py)
         self.waiting: deque[Seq] = deque()
         self.prefilling: list[Seq] = []

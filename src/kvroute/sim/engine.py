@@ -26,7 +26,7 @@ host.py (shared cores), this file (step planning and the event loop's callbacks)
 points, None by default (one test each): ``admission`` (batch.py) may hold a sequence back;
 ``step_noise`` (here) returns a factor for each planned step or decode jump's time, given its
 number of steps (sim/noise.py); ``gauge`` (batch.py) is the waiting count a probe reads
-(sim/queue_gauge.py).
+(sim/queue_gauge.py, sim/deferred_gauge.py, sim/step_gauge.py).
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from kvroute.sim.host import Host, newcomer_factor
 from kvroute.sim.seq import DECODE, DONE, PREFILL, WAITING, Jump, Seq, steps_done
 from kvroute.sim.sglang_admission import install as install_admission
 from kvroute.sim.slot_cache import for_profile as slot_cache
+from kvroute.sim.step_gauge import VLLMStatsGauge
 
 __all__ = ["DECODE", "DONE", "PREFILL", "WAITING", "Engine", "Host", "Jump", "Seq"]
 
@@ -80,6 +81,10 @@ class Engine(Handover):
         install_admission(self)  # SGLang's token budget when the profile says so (sim/sglang_admission.py)
         if profile.waiting_gauge == "llama_server":  # requests_deferred (sim/deferred_gauge.py)
             self.gauge = DeferredGauge(self)
+        # vLLM's num_requests_waiting: as the last finished step's schedule left it (sim/step_gauge.py)
+        self._stats = VLLMStatsGauge(self) if profile.waiting_gauge == "vllm" else None
+        if self._stats is not None:
+            self.gauge = self._stats
         self.slot_cache = slot_cache(profile)  # llama-server's prompt-cache copies when measured (sim/slot_cache.py)
 
     _steps_done = staticmethod(steps_done)
@@ -332,4 +337,6 @@ class Engine(Handover):
                 for q in over:
                     q.moving = True
                 self.on_limit(self, over)
+        if self._stats is not None:  # the step's stats reach the engine's /metrics (sim/step_gauge.py)
+            self._stats.stepped()
         self._plan()

@@ -28,10 +28,11 @@ class ReplicaGroup(StrictModel):
     admission: Literal["vllm", "sglang"] | None = Field(
         None, description="the engines' scheduler, in place of the profile's: `vllm` (admit what fits, preempt "
         "later) or `sglang` (reserve future output, sim/sglang_admission.py) — for a paper that ran the other engine")
-    waiting_gauge: Literal["live", "sglang", "llama_server"] | None = Field(
+    waiting_gauge: Literal["live", "sglang", "llama_server", "vllm"] | None = Field(
         None, description="what a probe reads as the engines' waiting/running counts, in place of the profile's: "
-        "`live`, `sglang` (num_queue_reqs as of the last prefill batch or 40th decode step, sim/queue_gauge.py) "
-        "or `llama_server` (requests_deferred: found no free slot between steps, sim/deferred_gauge.py)")
+        "`live`, `sglang` (num_queue_reqs as of the last prefill batch or 40th decode step, sim/queue_gauge.py), "
+        "`llama_server` (requests_deferred: found no free slot between steps, sim/deferred_gauge.py) or `vllm` (as the "
+        "last finished step's schedule left them, sim/step_gauge.py)")
     host_cores: int | None = Field(None, ge=1, description="the group's replicas share one machine with this many "
                                    "cores: while n of them step at once, each step takes max(1, n / (cores - "
                                    "host_background_cores)) times its profile time (sim/host.py; unset: every "
