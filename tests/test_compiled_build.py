@@ -88,7 +88,8 @@ def test_kvroute_pure_loads_the_listed_modules_from_source(compiled):
 
 def test_the_compiled_gateway_passes_its_http_and_stream_tests(compiled):
     """The gateway's compiled per-request modules (issue 25) under the gateway's own tests: HTTP
-    parsing and limits, the upstream client's faults, the stream splice and continuation —
+    parsing and limits, hostile input (test_http_server: its refused bodies raised in the compiled
+    proxy's accounting), the upstream client's faults, the stream splice and continuation —
     run in a process that imports kvroute from the compiled install."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(compiled), str(ROOT)]))
     env.pop(buildinfo.PURE_ENV, None)
@@ -96,8 +97,8 @@ def test_the_compiled_gateway_passes_its_http_and_stream_tests(compiled):
                            capture_output=True, text=True)
     assert check.stdout.strip().endswith(".so"), check.stdout + check.stderr
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_http_units.py",
-                           "tests/test_hot_path.py", "tests/test_continuation.py", "tests/test_upstream_faults.py",
-                           "tests/test_gateway.py"],
+                           "tests/test_http_server.py", "tests/test_hot_path.py", "tests/test_continuation.py",
+                           "tests/test_upstream_faults.py", "tests/test_gateway.py"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
 

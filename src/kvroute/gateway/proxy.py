@@ -80,16 +80,21 @@ class Proxy(RequestParsing):
         rt = self.rt
         route = kind.label
         t0 = monotonic()
-        body: dict = {}
-        req: Request | None = None
         served: dict[str, Any] = {"excluded": []}  # where it went, for the access line
         span = self.tracer.start(route)
+        # parsed before the try whose finally reads req: mypy types req in a finally by the try body's
+        # end (a Request), so a compiled build cast a req still None there and raised (a TypeError on
+        # every refused body under PYTHONPATH=build/compiled, counted as a handler error)
         try:
-            try:
-                body, req = self.parse(request.body, kind, request.headers)
-            except ClientError as exc:
-                resp.send_error(exc.status, str(exc), param=exc.param)
-                return
+            body, req = self.parse(request.body, kind, request.headers)
+        except ClientError as exc:
+            resp.send_error(exc.status, str(exc), param=exc.param)
+            self._done(route, resp, {}, None, served, t0, request, span)
+            return
+        except BaseException:  # counted as before, then the server answers 500
+            self._done(route, resp, {}, None, served, t0, request, span)
+            raise
+        try:
             if rt.draining:
                 resp.send_error(503, "gateway is draining", "server_error", headers=[("Retry-After", "1")])
                 return
@@ -125,20 +130,26 @@ class Proxy(RequestParsing):
             if brk is not None and splice is not None:
                 await self._continue(request, resp, kind, headers, req, served, splice, brk)
         finally:
-            if req is not None:
-                self.estimates.pop(req.id, None)
-            rt.metrics.count_request(route, resp.status or 499, rt.policy_name)  # 499: the client left
-            if served.get("replica") is not None and resp.started:  # proxied, even if the client left
-                rt.metrics.e2e.observe(monotonic() - t0)
-            if rt.hot.access_log and req is not None and access.isEnabledFor(logging.INFO):
-                access_line(resp, route, body, req, served, t0, request.headers.get("x-request-id"),
-                            rt.hot.log_prompts)
-            if span is not None:
-                self.tracer.end(span, {
-                    "request_id": req.id if req else None, "model": body.get("model"), "policy": rt.policy_name,
-                    "branch": served.get("branch"), "replica": served.get("replica"),
-                    "failed_on": ",".join(served["excluded"]) or None, "status": resp.status or 499,
-                    "aborted": resp.started and not resp.finished, "stream": bool(body.get("stream"))})
+            self._done(route, resp, body, req, served, t0, request, span)
+
+    def _done(self, route: str, resp: Responder, body: dict, req: Request | None, served: dict[str, Any], t0: float,
+              request: HTTPRequest, span: Any) -> None:
+        """A request's accounting, whatever happened to it: counted, logged, its trace span ended
+        (``req`` is None for a body that could not be parsed)."""
+        rt = self.rt
+        if req is not None:
+            self.estimates.pop(req.id, None)
+        rt.metrics.count_request(route, resp.status or 499, rt.policy_name)  # 499: the client left
+        if served.get("replica") is not None and resp.started:  # proxied, even if the client left
+            rt.metrics.e2e.observe(monotonic() - t0)
+        if rt.hot.access_log and req is not None and access.isEnabledFor(logging.INFO):
+            access_line(resp, route, body, req, served, t0, request.headers.get("x-request-id"), rt.hot.log_prompts)
+        if span is not None:
+            self.tracer.end(span, {
+                "request_id": req.id if req else None, "model": body.get("model"), "policy": rt.policy_name,
+                "branch": served.get("branch"), "replica": served.get("replica"),
+                "failed_on": ",".join(served["excluded"]) or None, "status": resp.status or 499,
+                "aborted": resp.started and not resp.finished, "stream": bool(body.get("stream"))})
 
     async def _route_and_forward(self, request: HTTPRequest, resp: Responder | LegResponder, kind: Kind,
                                  stream: bool, req: Request, headers: list[tuple[str, str]], served: dict[str, Any],
