@@ -16,7 +16,6 @@ from pathlib import Path
 import openai
 import pytest
 
-from kvroute.ports import free_ports
 from tests.vllm import engine as vllm
 
 pytestmark = pytest.mark.skipif(not vllm.available(), reason="no .venv-vllm: `make vllm-env` installs vLLM")
@@ -30,7 +29,8 @@ def pair():
 
     root = Path(tempfile.mkdtemp(prefix="kvroute-vllm-pd-"))
     model = vllm.write_model(vllm.MODEL_DIR)
-    ports = free_ports(6)
+    held = vllm.held_ports(6)  # kept until the engines bind them (tests/vllm/engine.py)
+    ports = [s.getsockname()[1] for s in held]
     connector = ("--kv-transfer-config", json.dumps({
         "kv_connector": "ExampleConnector", "kv_role": "kv_both",
         "kv_connector_extra_config": {"shared_storage_path": str(root / "kv")}}))
@@ -48,12 +48,14 @@ def pair():
             e.start()
         for e in engines:
             e.wait_ready()
+        vllm.release(held)
         gw = Gateway(GatewayConfig(port=0, pd={"protocol": "vllm"}, replicas=[
             ReplicaConfig(url=engines[0].url, id="p0", role="prefill", engine="vllm"),
             ReplicaConfig(url=engines[1].url, id="d0", role="decode", engine="vllm")]))
         call(gw.start())
         yield openai.OpenAI(base_url=f"http://127.0.0.1:{gw.port}/v1", api_key="unused", max_retries=0, timeout=120)
     finally:
+        vllm.release(held)
         if gw is not None:
             call(gw.stop())
         loop.call_soon_threadsafe(loop.stop)

@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import tempfile
 import time
@@ -17,7 +18,7 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
-from kvroute.ports import free_ports
+from kvroute.ports import hold_port
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
@@ -182,7 +183,8 @@ def running_engines(n: int, blocks: int, prefix: str) -> Iterator[tuple[Path, li
     pytest's shared basetemp is pruned by other pytest runs on the machine."""
     root = Path(tempfile.mkdtemp(prefix=prefix))
     model = write_model(MODEL_DIR)
-    ports = free_ports(3 * n)
+    held = held_ports(3 * n)
+    ports = [s.getsockname()[1] for s in held]
     engines = [VLLMEngine(model, ports[3 * i], ports[3 * i + 1], ports[3 * i + 2], core=i % (os.cpu_count() or 1),
                           blocks=blocks, workdir=root / f"e{i}") for i in range(n)]
     try:
@@ -190,11 +192,35 @@ def running_engines(n: int, blocks: int, prefix: str) -> Iterator[tuple[Path, li
             e.start()
         for e in engines:
             e.wait_ready()
+        release(held)
         yield model, engines
     finally:
+        release(held)
         for e in engines:
             e.stop()
         shutil.rmtree(root, ignore_errors=True)
+
+
+def held_ports(k: int) -> list[socket.socket]:
+    """``k`` ports kept (kvroute.ports.hold_port) for engines that bind them only after a cold start of
+    tens of seconds: the API server's (vLLM binds it with SO_REUSEADDR) and the ZeroMQ KV-event ports
+    (libzmq's listeners set it too), so each engine takes its own while no other process can. A port
+    merely named free (free_ports) may meanwhile be taken as another connection's source port, as
+    happened to the fleet tests' ports under concurrent suites. Release them once the engines are ready."""
+    held: list[socket.socket] = []
+    try:
+        for _ in range(k):
+            held.append(hold_port())
+    except OSError:
+        release(held)
+        raise
+    return held
+
+
+def release(held: list[socket.socket]) -> None:
+    """Close held ports (again is harmless)."""
+    for s in held:
+        s.close()
 
 
 def _start_time(pid: int) -> int | None:
