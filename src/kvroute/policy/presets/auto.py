@@ -30,9 +30,11 @@ never a step-time model:
    have not judged the fleet mixed (``uniform_fleet``, :mod:`kvroute.policy.adaptive.selector.uniform`),
    among the replicas the incumbent's score ranks within ``trust`` × its best, the one with the least
    prefill work ahead of this request's first token (queued + uncached tokens), then the fewest of
-   this LB's requests in flight. llm-d's predicted TTFT (``llm_d``, a step-time model `auto` may not
-   read) is on such a fleet almost all prefill work — a step of the L4 profile costs 0.48 ms per
-   prefill token against 0.4 ms per running sequence (``profiles/l4-llama3.1-8b.yaml``) — and it led
+   this LB's requests in flight — among the replicas whose KV capacity holds the request beside the prompt blocks
+   of this LB's requests in flight there (``kv_room``, :mod:`kvroute.policy.adaptive.selector.kv_room`; all when
+   none does: an engine admits a prompt only when its cache has room). llm-d's predicted TTFT (``llm_d``, a
+   step-time model `auto` may not read) is on such a fleet almost all prefill work — a step of the L4 profile
+   costs 0.48 ms per prefill token against 0.4 ms per running sequence (``profiles/l4-llama3.1-8b.yaml``) — and it led
    TTFT p99 in most one-region cells; LMetric's product lets a replica with a short batch win with
    twice the prefill ahead. The trust region bounds how far it departs from LMetric's load balance
    (``llm_d`` alone was unstable on bursty-chat and hot-prefix at 90 % of the knee), and no trials
@@ -120,6 +122,9 @@ LEAST_WORK_COST = {"new_prefill": 1.0,
                    "inflight": 1.0}
 # ... among the trust region, while the LB's whole fleet is one region of one hardware kind
 UNIFORM = {"uniform_fleet": {"scorer": INCUMBENT, "factor": "$trust", "ms": "$rtt_spread_ms"}}
+# ... among the replicas whose KV capacity holds the request's prompt beside the distinct prompt blocks of this LB's
+# requests in flight there (all when none does): a full cache makes a first token wait for memory (selector/kv_room.py)
+KV_ROOM = {"kv_room": {"on": "$kv_room"}}
 
 
 def _select(scope: str) -> dict[str, dict[str, str]]:
@@ -135,7 +140,7 @@ def _select(scope: str) -> dict[str, dict[str, str]]:
            {"enabled": "$select", "when": [{"rtt_spread_above": "$rtt_spread_ms"}, _select("regions")],
             "branch": RTT_AWARE, "among": TRUST,
             "cost": {"rtt_ms": "$w_rtt", "uncached_tokens": "$t_p", "inflight_tokens": "$w_queue"}},
-           {"enabled": "$least_work", "branch": LEAST_WORK, "among": UNIFORM, "cost": LEAST_WORK_COST},
+           {"enabled": "$least_work", "branch": LEAST_WORK, "among": [KV_ROOM, UNIFORM], "cost": LEAST_WORK_COST},
            {"enabled": "$select", "when": [{"rtt_spread_at_most": "$rtt_spread_ms"}, _select("region")],
             "branch": ADDITIVE, "among": TRUST, "cost": {"uncached_tokens": "$t_p", "inflight_tokens": "$w_queue"}},
            {"cost": INCUMBENT, "branch": PREFIX_LOAD}])
@@ -196,6 +201,11 @@ class AutoParams(PolicyParams):
                              "within trust x its best by the least prefill work ahead of the first token (queued + "
                              "uncached tokens, then requests in flight), without trials; false: the selector trials "
                              "GORGO's additive cost against LMetric's score there too")
+    kv_room: bool = Field(True, description="in the least-work rule, only the replicas whose KV capacity "
+                          "(kv_blocks x block_size) holds this request's prompt tokens beside the distinct prompt "
+                          "blocks of this load balancer's requests in flight there (all when none does): an engine "
+                          "admits a prompt only when its cache has room, so a full one makes the first token wait "
+                          "for memory; false: every replica (docs/auto.md, session 12)")
     busy_prefill: float = Field(1.0, ge=0, description="in the least-work rule, this request's uncached tokens count "
                                 "once more times this weight x the share of the candidates with prefill queued (while "
                                 "every replica is busy a prefill the cache would have saved is work a queue waits for; "

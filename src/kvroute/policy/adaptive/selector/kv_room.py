@@ -1,0 +1,110 @@
+"""``kv_room``: the candidates whose KV cache can hold this request's prompt beside the prompt blocks of this load
+balancer's requests in flight there — all of them when none can, or when a candidate's capacity is unknown.
+
+An engine admits a request only when its KV cache has room for it (vLLM allocates a new sequence's blocks before
+its first chunk; SGLang's scheduler also reserves the running requests' future output tokens:
+``sim/sglang_admission.py``), so a prompt sent to a replica whose cache is full of in-flight requests waits, before
+any prefill, until enough of them finish — however empty the replica's prefill queue. ``auto``'s least-work rule
+counts only the prefill queued ahead of the first token. On chat-1region at 90 % of the knee (9 seeds, after the
+start-up burst) 26 of ``auto``'s 65 slowest first tokens went where the LB's in-flight prompt tokens plus the prompt
+passed 90 % of the capacity (llm_d: 8; docs/auto.md, session 12). Counted as here (distinct blocks, prompts only)
+those replicas are not full — what stalls them there is SGLang's reservation for output the LB cannot count — so on
+that cell this filter changes no decision; in ``kvroute bench auto`` it moves only mooncake (long prompts): TTFT
+p99 0.982 → 1.002 of the best at 70 % of the knee, 0.974 → 0.991 at 90 %.
+
+The room is the load balancer's own count, not a probed utilisation that may be seconds old: the prompt blocks
+(the prefix index's block hashes) of its requests dispatched to the endpoint and not finished, each block counted
+once however many of them share it — a system prompt or a tree's trunk is held once, a conversation's history once
+per conversation (the sum of in-flight prompt tokens, ``Endpoint.inflight_tokens``, counts a shared prefix once per
+request and finds a replica full that serves one hot prefix: hot-prefix, tot and mixed-tree lost up to 0.49 of the
+best TTFT p99 with it, session 12). This request needs its prompt tokens not already held there. The capacity is
+the engine's (``kv_blocks`` × ``block_size``: configured, or read by the prober from the engine); no constant is
+chosen. Output tokens are not counted (their number is unknown at dispatch), so the filter errs toward a fit.
+Pure: no clock, no I/O; the counts come from the lifecycle events.
+"""
+
+from __future__ import annotations
+
+from kvroute.model import Endpoint, Request
+from kvroute.policy.catalog import register_plugin
+from kvroute.policy.hooks import Lifecycle
+from kvroute.policy.plugins import DecisionState, Filter
+
+
+def fits(held: int, need: int, capacity: int) -> bool:
+    """Whether ``need`` more tokens fit beside ``held`` in a cache of ``capacity`` tokens (unknown, 0: yes)."""
+    return capacity <= 0 or held + need <= capacity
+
+
+@register_plugin
+class KVRoom(Filter, Lifecycle):
+    """The endpoints where the prompt blocks of this load balancer's requests in flight (each distinct block once)
+    plus this request's prompt tokens not among them fit in the KV capacity (``kv_blocks`` × ``block_size``); all
+    of ``eps`` when none does, and unchanged while ``on`` is false."""
+
+    name = "kv_room"
+    inputs = frozenset({"load"})
+
+    def __init__(self, on: bool = True) -> None:
+        self.on = on
+        self.held: dict[str, dict[int, int]] = {}  # endpoint id → block hash → requests in flight holding it
+        self.tokens: dict[str, int] = {}  # endpoint id → tokens of its distinct held blocks
+        self.at: dict[str, tuple[str, tuple[int, ...], int]] = {}  # request id → (endpoint, its blocks, block size)
+
+    def need(self, req: Request, endpoint_id: str) -> int:
+        """The request's prompt tokens not in blocks already held on the endpoint by requests in flight."""
+        held = self.held.get(endpoint_id)
+        if not held:
+            return req.prompt_tokens
+        shared = sum(1 for h in req.block_hashes if h in held)
+        return max(0, req.prompt_tokens - shared * req.block_tokens)
+
+    def filter(self, st: DecisionState, eps: list[Endpoint]) -> list[Endpoint]:
+        """The candidates with room for the request's new tokens, else all of them."""
+        if not self.on or len(eps) < 2:
+            return eps
+        get = self.tokens.get
+        kept = [e for e in eps if fits(get(e.id, 0), self.need(st.req, e.id), e.kv_blocks * e.block_size)]
+        return kept or eps
+
+    def on_dispatched(self, req: Request, endpoint: Endpoint, new_prefill_tokens: int) -> None:
+        """The request's blocks are held there until it finishes."""
+        if not self.on or req.id in self.at:
+            return
+        held = self.held.setdefault(endpoint.id, {})
+        blocks = tuple(dict.fromkeys(req.block_hashes))
+        added = 0
+        for h in blocks:
+            n = held.get(h, 0)
+            held[h] = n + 1
+            added += not n
+        self.tokens[endpoint.id] = self.tokens.get(endpoint.id, 0) + added * req.block_tokens
+        self.at[req.id] = (endpoint.id, blocks, req.block_tokens)
+
+    def _done(self, req_id: str) -> None:
+        entry = self.at.pop(req_id, None)
+        if entry is None:
+            return
+        eid, blocks, bt = entry
+        held = self.held[eid]
+        freed = 0
+        for h in blocks:
+            n = held[h] - 1
+            if n:
+                held[h] = n
+            else:
+                del held[h]
+                freed += 1
+        self.tokens[eid] -= freed * bt
+
+    def on_finished(self, req_id: str, endpoint_id: str, e2e_s: float, output_tokens: int) -> None:
+        """Its blocks are released (freed where no other request in flight holds them)."""
+        self._done(req_id)
+
+    def on_failed(self, req_id: str, endpoint_id: str) -> None:
+        """Left the endpoint: released."""
+        self._done(req_id)
+
+    def state(self) -> dict[str, float]:
+        """``held_tokens``: tokens of distinct blocks held by requests in flight, over all endpoints."""
+        return {"held_tokens": float(sum(self.tokens.values()))}
