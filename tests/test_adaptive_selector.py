@@ -323,38 +323,3 @@ def test_auto_least_work_counts_an_uncached_prefill_once_more_per_answer_decodin
     for i in range(12):  # a's answers are done: nothing decodes there, the request stays with its cache
         new.on_finish(f"a{i}", 5.0, 100)
     assert new.decide(req).target == "e0"
-
-
-def test_auto_decode_term_with_program_key_counts_only_the_answers_of_the_request_s_own_routing_key(router_for):
-    """decode_program "key": the decode term counts only the answers decoding on a replica that share this request's
-    routing key (a tree's nodes), so six answers of other clients leave the request with its cache, while six of
-    its own tree move it to the replica with none of them; the count ends with the answers."""
-    from tests.conftest import make_request
-
-    req = make_request("node", "hello " * 800, key="tree1")  # 1,204 tokens, 180 uncached on a (below)
-    plain = router_for("auto", 3, params={"decode_prefill": 1.0})
-    keyed = router_for("auto", 3, params={"decode_prefill": 1.0, "decode_program": "key"})
-    for router in (plain, keyed):
-        a = router.view.endpoints[0]
-        router.prefix.insert(a.id, req.block_hashes[:-2])
-        for i in range(6):  # six answers of other clients decoding on a
-            router.commit(make_request(f"o{i}", f"other {i} " * 40, key=f"user{i}"), a.id)
-            router.on_first_token(f"o{i}", 0.4)
-        router.commit(make_request("c0", "other c " * 40, key="userc"), "e2")  # and one on c
-        router.on_first_token("c0", 0.4)
-    # all: a 180 + 6 x 180 = 1,260 > b's 1,204 (c 1,204 + 1,204), the request leaves its cache; key: none of the
-    # answers is its tree's, the least work keeps it on a (LMetric's 180 x 13 for a — six dispatched, six more
-    # below, no probe since — stays within twice b's 1,204 x 1: the trust region)
-    assert (plain.decide(req).target, keyed.decide(req).target) == ("e1", "e0")
-    for i in range(6):  # (ended without a completion: no replica speed is learned from them)
-        keyed.on_finish(f"o{i}")
-    for i in range(6):  # now six nodes of its own tree decode on a
-        keyed.commit(make_request(f"t{i}", f"branch {i} " * 40, key="tree1"), "e0")
-        keyed.on_first_token(f"t{i}", 0.4)
-    assert keyed.decide(req).target == "e1"
-    for i in range(6):  # the tree's answers are done: nothing of its own decodes on a, it stays with its cache
-        keyed.on_finish(f"t{i}")
-    assert keyed.decide(req).target == "e0"
-    from kvroute.policy.builtin.scorers import DecodingUncached
-    with pytest.raises(ValueError, match="program"):
-        DecodingUncached(program="tree")

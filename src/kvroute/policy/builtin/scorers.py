@@ -270,42 +270,28 @@ class DecodingUncached(Scorer, Lifecycle):
     complement of ``busy_uncached``'s); and it may move the least work's pick (:func:`least_work_pick`) only to a
     replica with no prefill queued, whose first token then waits for nothing but its own prefill: the slowest first
     tokens are the last on a queue (every client's first request at once), and the term must not add to one
-    (``auto``, docs/auto.md, session 10). The counts are the router's own, kept from the lifecycle events.
-
-    With ``program="key"`` only the answers of this request's own routing key count (a tree of thought's nodes, which
-    share the key: its next level waits for the slowest of them); a conversation asks one turn at a time, so its key
-    has nothing decoding when it asks and the term leaves it with its cache (docs/auto.md, session 12)."""
+    (``auto``, docs/auto.md, session 10). The counts are the router's own, kept from the lifecycle events."""
 
     name = "decoding_uncached"
     inputs = frozenset({"prefix", "prefill_backlog"})
 
-    def __init__(self, busy: float = 1.0, program: str = "all") -> None:
+    def __init__(self, busy: float = 1.0) -> None:
         if busy < 0:
             raise ValueError(f"busy must be >= 0, got {busy}")
-        if program not in ("all", "key"):
-            raise ValueError(f"program must be 'all' or 'key', got {program!r}")
         self.busy = busy  # busy_uncached's weight in the least work the guard compares with
-        self.program = program
         self.decoding: dict[str, int] = {}  # endpoint id → this router's requests past their first token
         self.at: dict[str, str] = {}  # request id → its endpoint, from its first token to its end
-        self.key_of: dict[str, str] = {}  # request id → its routing key, from dispatch to its end ("key" only)
-        self.decoding_key: dict[tuple[str, str], int] = {}  # (endpoint id, key) → requests decoding there
 
     def values(self, st: DecisionState, eps: list[Endpoint]) -> list[float]:
         """Uncached tokens × requests decoding × the free share, per endpoint; 0 everywhere where the term would move
         the least work's pick to a replica with prefill queued."""
         queued = [e.queued_prefill_tokens for e in eps]
         free = sum(1 for q in queued if q == 0) / len(eps) if eps else 0.0
-        key = st.req.routing_key
-        if self.program == "key":
-            kget = self.decoding_key.get
-            counts = [kget((e.id, key), 0) for e in eps] if key is not None else [0] * len(eps)
-        else:
-            counts = [self.decoding.get(e.id, 0) for e in eps]
-        if not free or not any(counts):
+        get = self.decoding.get
+        if not free or not any(get(e.id, 0) for e in eps):
             return [0.0] * len(eps)
         new = st.new_prefill(eps)
-        term = [n * c * free for n, c in zip(new, counts)]
+        term = [n * get(e.id, 0) * free for n, e in zip(new, eps)]
         before = least_work_pick(queued, new, self.busy)
         share = 1.0 + self.busy * (1.0 - free)
         after = min(range(len(eps)), key=lambda i: queued[i] + new[i] * share + term[i])
@@ -313,31 +299,16 @@ class DecodingUncached(Scorer, Lifecycle):
             return [0.0] * len(eps)
         return term
 
-    def on_dispatched(self, req: Request, endpoint: Endpoint, new_prefill_tokens: int) -> None:
-        """With ``program="key"``, remember the request's routing key until it ends."""
-        if req.routing_key is not None and self.program == "key":
-            self.key_of[req.id] = req.routing_key
-
     def on_first_token(self, req_id: str, endpoint_id: str, ttft_s: float) -> None:
         """One more request decoding there."""
         if req_id not in self.at:
             self.at[req_id] = endpoint_id
             self.decoding[endpoint_id] = self.decoding.get(endpoint_id, 0) + 1
-            k = self.key_of.get(req_id)
-            if k is not None:
-                self.decoding_key[(endpoint_id, k)] = self.decoding_key.get((endpoint_id, k), 0) + 1
 
     def _done(self, req_id: str) -> None:
         eid = self.at.pop(req_id, None)
-        k = self.key_of.pop(req_id, None)
         if eid is not None:
             self.decoding[eid] -= 1
-            if k is not None:
-                n = self.decoding_key[(eid, k)] - 1
-                if n:
-                    self.decoding_key[(eid, k)] = n
-                else:
-                    del self.decoding_key[(eid, k)]
 
     def on_finished(self, req_id: str, endpoint_id: str, e2e_s: float, output_tokens: int) -> None:
         """No longer decoding."""

@@ -58,8 +58,7 @@ never a step-time model:
    answer decoding on its replica, so where the cache does not save it, it goes where fewer answers wait on it — on
    a closed loop of trees and chats the answers' decode time, not the first token, sets the pace. That term may move
    the pick only to a replica with no prefill queued (a burst's first tokens wait on queues); it stays off because it
-   lengthens the TTFT tail of other one-region cells (docs/auto.md, session 10). With ``decode_program: key`` it
-   counts only the answers of the request's own routing key (a tree's nodes; docs/auto.md, session 12);
+   lengthens the TTFT tail of other one-region cells (docs/auto.md, session 10);
 4. **the challenger, GORGO's cost**, trialled online against it (``ttft_selector``, interleaved
    trials, switching only on evidence of a better mean TTFT, guarded by end-to-end latency):
    across regions — the candidates' probe RTTs spread by more than ``rtt_spread_ms`` — w_rtt·RTT
@@ -87,8 +86,6 @@ and docs/auto.md.
 """
 
 from __future__ import annotations
-
-from typing import Literal
 
 from pydantic import Field
 
@@ -121,8 +118,7 @@ LEAST_WORK_COST = {"new_prefill": 1.0,
                                               "shared_fit": "incumbent", "min_samples": "$speed_samples",
                                               "spread": "$speed_spread"},
                    "waiting_uncached": {"weight": "$behind_prefill", "busy": "$busy_prefill"},
-                   "decoding_uncached": {"weight": "$decode_prefill", "busy": "$busy_prefill",
-                                         "program": "$decode_program"},
+                   "decoding_uncached": {"weight": "$decode_prefill", "busy": "$busy_prefill"},
                    "inflight": 1.0}
 # ... among the trust region, while the LB's whole fleet is one region of one hardware kind
 UNIFORM = {"uniform_fleet": {"scorer": INCUMBENT, "factor": "$trust", "ms": "$rtt_spread_ms"}}
@@ -231,10 +227,5 @@ class AutoParams(PolicyParams):
                                   "wait on queues); 0 (default): off — on, it raises goodput on mixed trees and "
                                   "chats but lengthens the TTFT tail of other one-region cells (docs/auto.md, "
                                   "session 10)")
-    decode_program: Literal["all", "key"] = Field("all", description="which answers decode_prefill's term counts "
-                                                  "on a replica: all of this LB's decoding there; key: only those of "
-                                                  "this request's routing key (its own tree's nodes — a program "
-                                                  "that fans out waits for the slowest of them; a conversation has "
-                                                  "none decoding while it asks)")
     speed_spread: float = Field(1.5, ge=1, description="the fleet counts as mixed hardware when learned prefill and "
                                 "decode times both spread past this factor (max / min); else it routes as one kind")
