@@ -4,6 +4,8 @@ install it, and the gate fails a slower build."""
 
 from __future__ import annotations
 
+import json
+
 from kvroute.bench import gateway, gateway_peers, peers
 from kvroute.cli import main
 from tests.fleet_harness import needs_haproxy
@@ -69,3 +71,39 @@ def test_each_kvroute_row_names_its_build_and_a_missing_compiled_build_is_refuse
     assert [name for name, _ in variants] == ["kvroute round_robin", "kvroute compiled round_robin"]
     assert main(["bench", "gateway", "--compiled", str(tmp_path / "nothing")]) == 2
     assert "build it with `make compiled`" in capsys.readouterr().err
+
+
+def test_kvroute_runs_with_its_access_log_off_like_the_peers_or_on_as_asked(tmp_path):
+    """``--access-log``: each kvroute build runs once per setting, and the setting is what the
+    started gateway does: with it off no x-request-id is echoed (no per-request log work, like the
+    peers), with it on the client's id comes back."""
+    import subprocess
+    import sys
+    import urllib.request
+
+    from kvroute.ports import free_ports, wait_for_port
+
+    variants, _ = gateway_peers._variants(("round_robin",), None, (), print, compiled_src="build/compiled",
+                                          access_logs=(False, True))
+    assert [name for name, _ in variants] == [
+        "kvroute round_robin", "kvroute round_robin +access_log",
+        "kvroute compiled round_robin", "kvroute compiled round_robin +access_log"]
+    ups = free_ports(2)
+    upstream = subprocess.Popen([sys.executable, "-c", gateway.UPSTREAM, "0", *map(str, ups)],
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    try:
+        for p in ups:
+            wait_for_port(p)
+        for on in (False, True):
+            proc, port = gateway_peers._start(("kvroute", "round_robin", None, on), ups, tmp_path)
+            try:
+                body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).encode()
+                req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", body,
+                                             {"content-type": "application/json", "x-request-id": "bench-1"})
+                with urllib.request.urlopen(req, timeout=30) as r:
+                    assert r.status == 200 and json.loads(r.read())["choices"]
+                    assert r.headers.get("x-request-id") == ("bench-1" if on else None)
+            finally:
+                gateway._stop(proc)
+    finally:
+        gateway._stop(upstream)

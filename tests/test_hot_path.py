@@ -251,3 +251,62 @@ def test_take_returns_the_whole_body_only_once_it_has_all_arrived(pieces):
             await server.wait_closed()
 
     asyncio.run(main())
+
+
+def test_bucket_search_and_rounding_written_out_agree_with_bisect_and_round():
+    """The histogram's bucket search and the token ratio's rounding, written out for the compiled
+    build (tenth round), give what ``bisect.bisect_left`` and ``round`` give: on every bound, between
+    bounds, beyond them, on halves (to even) and on a NaN (bucket 0, as bisect puts it)."""
+    import bisect
+    import math
+
+    from kvroute.gateway.metrics import _N_BUCKETS, bucket_of
+
+    assert _N_BUCKETS == len(LATENCY_BUCKETS)
+    rng = random.Random(3)
+    values = [*LATENCY_BUCKETS, *(math.nextafter(b, 0) for b in LATENCY_BUCKETS),
+              *(math.nextafter(b, 1e9) for b in LATENCY_BUCKETS), -1.0, 0.0, 1e9, math.inf, math.nan,
+              *(rng.expovariate(2) for _ in range(2000))]
+    assert [bucket_of(v) for v in values] == [bisect.bisect_left(LATENCY_BUCKETS, v) for v in values]
+    halves = [k / 2 for k in range(-41, 41)] + [2.0 ** 52 + 0.5, 2.0 ** 53, 0.49999999999999994, 1e300]
+    spread = [rng.uniform(-1e7, 1e7) for _ in range(20000)] + [rng.uniform(0, 8) for _ in range(20000)]
+    assert [tokens.round_even(x) for x in halves + spread] == [round(x) for x in halves + spread]
+    for bad in (math.inf, math.nan):
+        with pytest.raises((OverflowError, ValueError)):
+            tokens.round_even(bad)
+    ratio = tokens.TokenRatio()
+    ratio.scale = 1.25  # 2 x 1.25 = 2.5 -> 2 (half to even), 6 x 1.25 = 7.5 -> 8
+    assert (ratio.tokens(2), ratio.tokens(6), ratio.tokens(0), ratio.block_tokens(1)) == (2, 8, 0, 1)
+
+
+def test_residency_without_a_key_is_the_headers_zone_or_none_and_the_request_id_line_is_one_field():
+    """``Peering.accept`` with no key keeps request_zone's result (the header's zone, "" as None), and
+    the x-request-id line is written into the head once, beside the other fields."""
+    from kvroute.gateway.config import GatewayConfig
+    from kvroute.gateway.httpmsg import Responder
+    from kvroute.gateway.residency import request_zone
+    from kvroute.gateway.runtime import Runtime
+    from kvroute.model import Request
+
+    peering = Runtime(GatewayConfig(replicas=[{"url": "http://127.0.0.1:9", "id": "a"}])).peering
+    for zone in ("eu", "", None):
+        req = Request(id="r1", arrival_s=0.0, prompt_tokens=4, max_output_tokens=4, residency=zone)
+        peering.accept(req, {}, None)
+        assert req.residency == request_zone(zone, None)
+
+    class Conn:
+        paused = False
+        out: list[bytes] = []
+
+        def write(self, data: bytes) -> None:
+            self.out.append(data)
+
+    conn = Conn()
+    resp = Responder(conn, keep_alive=True)
+    resp.id_line = b"x-request-id: client-1\r\n"
+    resp.extra_headers.append(("x-kvroute-prefill", "p0"))
+    resp.send(200, b"{}", fields=b"x-kvroute-replica: r0\r\n")
+    head = conn.out[0].split(b"\r\n\r\n")[0].split(b"\r\n")
+    assert head[0] == b"HTTP/1.1 200 OK"
+    assert head.count(b"x-request-id: client-1") == 1 and b"x-kvroute-prefill: p0" in head
+    assert b"x-kvroute-replica: r0" in head and b"Content-Length: 2" in head

@@ -42,13 +42,18 @@ def _measure(pid: int, own: list[int], port: int, n: int, conc: int, stream: boo
 
 
 def _variants(presets: tuple[str, ...], baseline_src: str | None, peers: tuple[str, ...],
-              progress: Any, compiled_src: str | None = None) -> tuple[list[tuple[str, Any]], list[str]]:
-    """(name, how to start it) for every router to measure, and the skip lines of missing peers."""
-    out: list[tuple[str, Any]] = [(f"kvroute {p}", ("kvroute", p, None)) for p in presets]
+              progress: Any, compiled_src: str | None = None,
+              access_logs: tuple[bool, ...] = (False,)) -> tuple[list[tuple[str, Any]], list[str]]:
+    """(name, how to start it) for every router to measure, and the skip lines of missing peers.
+    Each kvroute build runs once per ``access_logs`` setting; a row with the access log on is named
+    ``… +access_log``."""
+    builds: list[tuple[str, str | None]] = [("kvroute", None)]
     if compiled_src:
-        out += [(f"kvroute compiled {p}", ("kvroute", p, compiled_src)) for p in presets]
+        builds.append(("kvroute compiled", compiled_src))
     if baseline_src:
-        out += [(f"baseline {p}", ("kvroute", p, baseline_src)) for p in presets]
+        builds.append(("baseline", baseline_src))
+    out: list[tuple[str, Any]] = [(f"{label} {p}{' +access_log' if on else ''}", ("kvroute", p, src, on))
+                                  for label, src in builds for on in access_logs for p in presets]
     skipped = []
     for name in peers:
         peer = peerlib.PEERS.get(name)
@@ -67,9 +72,12 @@ def _variants(presets: tuple[str, ...], baseline_src: str | None, peers: tuple[s
 def _start(spec: Any, upstreams: list[int], tmp: Path) -> tuple[subprocess.Popen, int]:
     port, metrics_port = free_ports(2)
     if spec[0] == "kvroute":
-        _, preset, src = spec
+        _, preset, src, access_log = spec
         cfg = tmp / f"{preset}.yaml"
-        cfg.write_text(json.dumps({"port": port, "policy": preset,
+        # access_log off: like the peers, which write no line per request (bench/peers.py); on, the gateway
+        # still runs at --log-level WARNING (bench/gateway.py), so it pays the request-id header and the
+        # level check but writes no line
+        cfg.write_text(json.dumps({"port": port, "policy": preset, "access_log": access_log,
                                    "replicas": [{"url": f"http://127.0.0.1:{p}", "engine": "vllm"}
                                                 for p in upstreams]}))
         proc = _gateway(src, cfg)
@@ -87,10 +95,12 @@ def _start(spec: Any, upstreams: list[int], tmp: Path) -> tuple[subprocess.Popen
 def run(requests: int = 2000, concurrency: int = 32, repeats: int = 3, limit_s: float = 60.0,
         presets: tuple[str, ...] = ("round_robin",), delays: tuple[float, ...] = (0.0, 20.0),
         peers: tuple[str, ...] = tuple(peerlib.PEERS), baseline_src: str | None = None,
-        busy_share: float = peerlib.BUSY_SHARE, progress: Any = print, compiled_src: str | None = None) -> dict:
+        busy_share: float = peerlib.BUSY_SHARE, progress: Any = print, compiled_src: str | None = None,
+        access_logs: tuple[bool, ...] = (False,)) -> dict:
     """Every router at every delay, non-stream and stream, interleaved with direct runs; with
-    ``compiled_src`` (``make compiled``'s build/compiled) kvroute's compiled build as well."""
-    variants, skipped = _variants(presets, baseline_src, peers, progress, compiled_src)
+    ``compiled_src`` (``make compiled``'s build/compiled) kvroute's compiled build as well; each
+    kvroute build with its access log off (like the peers), on, or both (``access_logs``)."""
+    variants, skipped = _variants(presets, baseline_src, peers, progress, compiled_src, access_logs)
     builds = {"kvroute": build_of(None)}
     if compiled_src:
         builds["kvroute compiled"] = build_of(compiled_src)
@@ -152,9 +162,8 @@ def verdict(result: dict, presets: tuple[str, ...]) -> list[str]:
     for delay, rows in result["delays"].items():
         for mode, row in rows.items():
             rust = {n: r for n, r in row.items() if n in RUST}
-            for name in [f"kvroute {p}" for p in presets] + [f"kvroute compiled {p}" for p in presets]:
-                k = row.get(name)
-                if k is None:
+            for name, k in row.items():
+                if not name.startswith("kvroute "):
                     continue
                 parts = [f"{delay} ms {mode} {name}: {k['cpu_s_per_1000']:.3f} s CPU/1000"]
                 if rust:

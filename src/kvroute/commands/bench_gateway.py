@@ -45,6 +45,9 @@ def add_parser(bench: argparse._SubParsersAction) -> None:  # type: ignore[type-
                     help="measure kvroute beside these routers (default all four), one alive at a time; "
                          "missing ones are skipped with how to install them (make peers)")
     bg.add_argument("--delays", default="0,20", help="with --peers: upstream delays in ms (default 0,20)")
+    bg.add_argument("--access-log", choices=("off", "on", "both"), default="off",
+                    help="with --peers: kvroute's access_log (default off, like the peers, which log no line per "
+                         "request; on: the request-id header and level check paid, lines suppressed at WARNING)")
     bg.add_argument("--busy-share", type=float, default=None,
                     help="with --peers: other jobs' share of the machine above which a run is refused (default 0.15)")
     bg.set_defaults(func=cmd_bench_gateway)
@@ -144,7 +147,8 @@ def _peers(args: argparse.Namespace, src: str | None) -> int:
                                presets=tuple((args.presets or "round_robin").split(",")), delays=delays,
                                peers=names, baseline_src=src,
                                busy_share=peers.BUSY_SHARE if args.busy_share is None else args.busy_share,
-                               progress=lambda m: err.print(m, markup=False), compiled_src=args.compiled)
+                               progress=lambda m: err.print(m, markup=False), compiled_src=args.compiled,
+                               access_logs={"off": (False,), "on": (True,), "both": (False, True)}[args.access_log])
     write_json(args.json, result)
     if result["refused"]:
         err.print("refused: other jobs kept the machine busy during the run, so these numbers are not reported "

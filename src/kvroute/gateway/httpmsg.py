@@ -130,7 +130,7 @@ class Responder:
     with the headers a GET would get (RFC 9110 §9.3.2): a body there would be read by a kept-alive
     client as the next response."""
 
-    __slots__ = ("_conn", "keep_alive", "head_only", "status", "started", "finished", "extra_headers")
+    __slots__ = ("_conn", "keep_alive", "head_only", "status", "started", "finished", "extra_headers", "id_line")
 
     def __init__(self, conn: Sink, keep_alive: bool, head_only: bool = False):
         self._conn = conn
@@ -140,6 +140,9 @@ class Responder:
         self.started = False
         self.finished = False
         self.extra_headers: list[tuple[str, str]] = []
+        # the x-request-id header line (access log on), made once as bytes: not a tuple in extra_headers
+        # formatted and encoded when the head is written (tenth round, docs/hot-path.md)
+        self.id_line = b""
 
     def _head(self, status: int, headers: Iterable[tuple[str, str]], content_type: str | None,
               length: int | None, fields: bytes, body: bytes = b"") -> bytes:
@@ -150,6 +153,8 @@ class Responder:
         for name, value in headers:
             parts.append(f"{name}: {value}\r\n".encode("latin-1"))
         parts.append(fields)
+        if self.id_line:
+            parts.append(self.id_line)
         for name, value in self.extra_headers:
             parts.append(f"{name}: {value}\r\n".encode("latin-1"))
         parts.append(b"Transfer-Encoding: chunked\r\n" if length is None else b"Content-Length: %d\r\n" % length)

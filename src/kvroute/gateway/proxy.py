@@ -115,7 +115,8 @@ class Proxy(RequestParsing):
             if exclude:  # drained replicas, and those not serving the model: the policy never sees them
                 req.exclude = exclude
             if rt.hot.access_log:  # the client's own id when it sent one (forwarded upstream as is)
-                resp.extra_headers.append(("x-request-id", request.headers.get("x-request-id") or req.id))
+                rid = request.headers.get("x-request-id") or req.id
+                resp.id_line = b"x-request-id: " + rid.encode("latin-1") + b"\r\n"
             try:
                 rt.peering.accept(req, request.headers, key)  # hops, residency pin (gateway/peers.py)
             except ResidencyConflict as conflict:
