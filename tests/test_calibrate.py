@@ -171,10 +171,35 @@ def test_the_token_line_learns_a_fixed_cost_per_prompt():
 def test_llama_server_fit_counts_attention_rows_in_64_row_tiles():
     """Points made by a llama-server-like profile (tile 64): the fit, told the engines have slots,
     recovers the attention cost and writes the tile; 100 new tokens cost 128 rows."""
-    from kvroute.calibrate.measure import EngineFacts, Measurements
+    from kvroute.calibrate.measure import EngineFacts
 
     true = KNOWN.model_copy(update={"prefill_attn_tile": 64, "c_prefill_attn_s": 2e-7, "c0_s": 0.0005})
-    m = Measurements(engines=[EngineFacts("http://a", 3.0, slots=4)])
+    fitted, report = fit_profile(_points(true, EngineFacts("http://a", 3.0, slots=4)), "llama", "synthetic")
+    assert fitted.prefill_attn_tile == 64 and report["max_error"] < 1e-6
+    assert fitted.c_prefill_attn_s == pytest.approx(2e-7, rel=1e-6)
+    assert fitted.attn_rows(100) == 128 and fitted.attn_rows(62) == 62 and fitted.attn_rows(512) == 512
+    assert KNOWN.attn_rows(100) == 100  # tile 1: rows as they are
+
+
+def test_an_engine_that_does_not_say_its_step_budget_takes_the_one_given():
+    """vLLM publishes no per-step token budget (its default depends on the device: 2048 on CPU, 8192 on an
+    H100's API server): the fit falls back to 8192 unless told, and `bench fidelity` passes the value on."""
+    from kvroute.calibrate.measure import EngineFacts
+
+    vllm_like = EngineFacts("http://a", 3.0, cache_block=16)
+    assert fit_profile(_points(KNOWN, vllm_like), "v", "synthetic")[0].max_batched_tokens == 8192
+    told = fit_profile(_points(KNOWN, vllm_like), "v", "synthetic", max_batched_tokens=2048)[0]
+    assert told.max_batched_tokens == 2048 and told.waiting_gauge == "vllm"
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "fidelity", "--url", "http://127.0.0.1:9", "--max-batched-tokens", "0"])
+    assert exc.value.code == 2
+
+
+def _points(true, facts):
+    """Measurements of one engine with ``facts`` whose every point is ``true``'s exact time."""
+    from kvroute.calibrate.measure import Measurements
+
+    m = Measurements(engines=[facts])
     for n in (128, 512, 1024, 2048):
         m.prefill.append((n, n, true.ttft_overhead_s + true.prefill_time(n)))
     for ctx in (512, 1536):
@@ -184,8 +209,4 @@ def test_llama_server_fit_counts_attention_rows_in_64_row_tiles():
     for b in (1, 2, 4):
         for ctx in (128, 1024):
             m.decode.append((b, ctx, ctx, true.step_time(decode=b, decode_ctx=b * ctx)))
-    fitted, report = fit_profile(m, "llama", "synthetic")
-    assert fitted.prefill_attn_tile == 64 and report["max_error"] < 1e-6
-    assert fitted.c_prefill_attn_s == pytest.approx(2e-7, rel=1e-6)
-    assert fitted.attn_rows(100) == 128 and fitted.attn_rows(62) == 62 and fitted.attn_rows(512) == 512
-    assert KNOWN.attn_rows(100) == 100  # tile 1: rows as they are
+    return m

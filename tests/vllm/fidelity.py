@@ -39,6 +39,9 @@ from tests.vllm import engine as vllm
 BLOCKS = 512
 MAX_MODEL_LEN = 2048
 SYSTEM_TOKENS = "1200"
+# vLLM's per-step token budget on CPU: 2048 x world size for the API server (vllm/engine/arg_utils.py,
+# get_batch_defaults, vLLM 0.32); /metrics does not publish it, so the calibration is told (issue 21n)
+MAX_BATCHED_TOKENS = "2048"
 
 def main(argv: list[str] | None = None) -> int:
     """Start the engines, run the comparison, stop them; the bench's exit status."""
@@ -69,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
             e.wait_ready()
         urls = [x for e in engines for x in ("--url", e.url)]
         cmd = [sys.executable, "-m", "kvroute.cli", "bench", "fidelity", *urls, "--system-tokens", SYSTEM_TOKENS,
+               "--max-batched-tokens", MAX_BATCHED_TOKENS,
                *(["--json", args.json] if args.json else []), *args.rest]
         print(f"load average {os.getloadavg()[0]:.2f}; {' '.join(cmd[2:])}", file=sys.stderr)
         before, t0 = [_cpu(e) for e in engines], time.monotonic()

@@ -46,9 +46,10 @@ def fidelity_sweep(props: object) -> Sweep:
                  newcomer_rounds=2, mixed_rounds=3)
 
 
-async def calibrate_engines(urls: list[str], host_cores: int | None) -> str:
+async def calibrate_engines(urls: list[str], host_cores: int | None, max_batched_tokens: int | None = None) -> str:
     """`kvroute calibrate` on these engines with :func:`fidelity_sweep` (the engines' shared cores
-    divided out, see :mod:`kvroute.calibrate.fit`); the path of the profile it wrote."""
+    divided out, see :mod:`kvroute.calibrate.fit`; ``max_batched_tokens``: their per-step token budget where
+    they do not say it themselves); the path of the profile it wrote."""
     from kvroute.calibrate import fit_profile, measure, write_profile
 
     async with aiohttp.ClientSession() as s:
@@ -60,7 +61,7 @@ async def calibrate_engines(urls: list[str], host_cores: int | None) -> str:
     sweep = fidelity_sweep(props)
     m = await measure(urls, sweep=sweep)
     profile, report = fit_profile(m, "fidelity", f"measured: {len(urls)} engine(s) loaded together",
-                                  sweep=m.sweep, host_cores=host_cores)
+                                  max_batched_tokens=max_batched_tokens, sweep=m.sweep, host_cores=host_cores)
     fd, path = tempfile.mkstemp(prefix="kvroute-fidelity-profile-", suffix=".yaml")
     os.close(fd)
     write_profile(path, profile, report)

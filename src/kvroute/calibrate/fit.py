@@ -242,7 +242,8 @@ def write_profile(path: str | Path, profile: HardwareProfile, report: dict) -> N
         f"# fit error over {len(report['points'])} points: RMS {report['rms_error']:.1%}, "
         f"max {report['max_error']:.1%} (per point below: fit_s, error = fit/measured - 1).",
         "# kv_blocks, max_running: from the engines (/props, /metrics) or the command line; "
-        "max_batched_tokens: llama-server's n_batch (2048, assumed) or the command line;",
+        "max_batched_tokens: llama-server's n_batch (2048, assumed), the command line, else 8192 (vLLM's "
+        "API server on an H100/H200; 2048 on CPU);",
         "# prefix_reuse: idle_slots for llama-server (a prefix is reused only from an idle slot), else shared;",
         "# waiting_gauge: llama_server for llama-server (requests_deferred: no free slot; sim/deferred_gauge.py), "
         "vllm for vLLM (the last finished step's counts; sim/step_gauge.py), else live;",

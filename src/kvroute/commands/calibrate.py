@@ -81,7 +81,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     ca.add_argument("--noise-probes", type=int, default=8, dest="noise_probes", metavar="N",
                     help="rounds of a tiny prompt on every engine, for the per-request delay's spread (default 8)")
     ca.add_argument("--max-batched-tokens", type=int, dest="max_batched_tokens",
-                    help="the engines' per-step token budget (default: llama-server's 2048, else 8192)")
+                    help="the engines' per-step token budget (default: llama-server's 2048, else 8192, vLLM's "
+                         "API server on an H100/H200; vLLM takes 2048 on CPU, an A100 or a GPU under 70 GiB, "
+                         "16384 from 160 GiB: give it here)")
     ca.add_argument("--kv-tokens", type=int, dest="kv_tokens", help="KV capacity per engine (default: from the engine)")
     ca.add_argument("--max-running", type=int, dest="max_running",
                     help="concurrent sequences per engine (default: llama-server's slots, else 256)")

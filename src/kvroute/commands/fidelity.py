@@ -43,7 +43,7 @@ def cmd_bench_fidelity(args: argparse.Namespace) -> int:
     if calibrated:  # self-contained: calibrate these engines first, sharing counted
         args.host_cores = args.host_cores or os.cpu_count() or 1
         try:
-            args.profile = asyncio.run(calibrate_engines(args.url, args.host_cores))
+            args.profile = asyncio.run(calibrate_engines(args.url, args.host_cores, args.max_batched_tokens))
         except (CalibrationError, ValueError) as exc:
             return error(f"bench fidelity: calibrating the engines: {exc}")
         err.print(f"calibrated the engines ({args.host_cores} shared cores): {args.profile}")
@@ -143,6 +143,9 @@ def add_parser(bench: argparse._SubParsersAction) -> None:
                     help="the engines share one machine with N cores: the simulator slows a step by max(1, "
                          "engines stepping / N) (pair it with a profile from `calibrate --host-cores N`; "
                          "default: this machine's cores when no --profile is given, else unshared)")
+    bf.add_argument("--max-batched-tokens", type=positive_int, dest="max_batched_tokens", metavar="N",
+                    help="the engines' per-step token budget for the calibration, where they do not say it (vLLM's "
+                         "depends on its device: 2048 on CPU; default as `kvroute calibrate`)")
     bf.add_argument("--policies", default="round_robin,sglang_cache_aware,lmetric,skywalker")
     bf.add_argument("--users", type=int, default=12)
     bf.add_argument("--groups", type=int, default=3, help="user groups, each sharing one system prompt")
