@@ -21,6 +21,11 @@ best TTFT p99 with it, session 12). This request needs its prompt tokens not alr
 the engine's (``kv_blocks`` × ``block_size``: configured, or read by the prober from the engine); no constant is
 chosen. Output tokens are not counted (their number is unknown at dispatch), so the filter errs toward a fit.
 Pure: no clock, no I/O; the counts come from the lifecycle events.
+
+Cost: a dispatch and a finish only file the request's blocks (O(1)); a replica is checked block by block only when
+the plain sum of its in-flight prompt tokens plus this prompt passes its capacity (the distinct count can only be
+smaller), and its distinct blocks are counted again only after a request came or went there. Counting every block
+at every dispatch cost ``auto`` 1.76x its decision time on 32K-token prompts (`kvroute bench routing`).
 """
 
 from __future__ import annotations
@@ -47,55 +52,64 @@ class KVRoom(Filter, Lifecycle):
 
     def __init__(self, on: bool = True) -> None:
         self.on = on
-        self.held: dict[str, dict[int, int]] = {}  # endpoint id → block hash → requests in flight holding it
-        self.tokens: dict[str, int] = {}  # endpoint id → tokens of its distinct held blocks
-        self.at: dict[str, tuple[str, tuple[int, ...], int]] = {}  # request id → (endpoint, its blocks, block size)
+        self.inflight: dict[str, dict[str, tuple[tuple[int, ...], int]]] = {}  # endpoint → request → (blocks, size)
+        self.bound: dict[str, int] = {}  # endpoint → its in-flight prompts' block tokens summed (≥ the distinct)
+        self.at: dict[str, str] = {}  # request id → its endpoint
+        self.distinct: dict[str, tuple[set[int], int]] = {}  # endpoint → (held blocks, their tokens), while current
+
+    def held(self, endpoint_id: str) -> tuple[set[int], int]:
+        """The distinct blocks the endpoint's requests in flight hold, and their tokens (counted after a change)."""
+        got = self.distinct.get(endpoint_id)
+        if got is None:
+            blocks: set[int] = set()
+            tokens = 0
+            for hashes, size in self.inflight.get(endpoint_id, {}).values():
+                for h in hashes:
+                    if h not in blocks:
+                        blocks.add(h)
+                        tokens += size
+            got = self.distinct[endpoint_id] = (blocks, tokens)
+        return got
 
     def need(self, req: Request, endpoint_id: str) -> int:
         """The request's prompt tokens not in blocks already held on the endpoint by requests in flight."""
-        held = self.held.get(endpoint_id)
-        if not held:
+        blocks = self.held(endpoint_id)[0]
+        if not blocks:
             return req.prompt_tokens
-        shared = sum(1 for h in req.block_hashes if h in held)
+        shared = sum(1 for h in req.block_hashes if h in blocks)
         return max(0, req.prompt_tokens - shared * req.block_tokens)
+
+    def room(self, req: Request, endpoint: Endpoint) -> bool:
+        """Whether the request's new tokens fit beside what the endpoint's requests in flight hold."""
+        capacity = endpoint.kv_blocks * endpoint.block_size
+        if fits(self.bound.get(endpoint.id, 0), req.prompt_tokens, capacity):
+            return True  # fits even counting every in-flight block as often as it is held, and none shared
+        return fits(self.held(endpoint.id)[1], self.need(req, endpoint.id), capacity)
 
     def filter(self, st: DecisionState, eps: list[Endpoint]) -> list[Endpoint]:
         """The candidates with room for the request's new tokens, else all of them."""
         if not self.on or len(eps) < 2:
             return eps
-        get = self.tokens.get
-        kept = [e for e in eps if fits(get(e.id, 0), self.need(st.req, e.id), e.kv_blocks * e.block_size)]
+        kept = [e for e in eps if self.room(st.req, e)]
         return kept or eps
 
     def on_dispatched(self, req: Request, endpoint: Endpoint, new_prefill_tokens: int) -> None:
         """The request's blocks are held there until it finishes."""
         if not self.on or req.id in self.at:
             return
-        held = self.held.setdefault(endpoint.id, {})
-        blocks = tuple(dict.fromkeys(req.block_hashes))
-        added = 0
-        for h in blocks:
-            n = held.get(h, 0)
-            held[h] = n + 1
-            added += not n
-        self.tokens[endpoint.id] = self.tokens.get(endpoint.id, 0) + added * req.block_tokens
-        self.at[req.id] = (endpoint.id, blocks, req.block_tokens)
+        eid = endpoint.id
+        self.inflight.setdefault(eid, {})[req.id] = (req.block_hashes, req.block_tokens)
+        self.bound[eid] = self.bound.get(eid, 0) + len(req.block_hashes) * req.block_tokens
+        self.at[req.id] = eid
+        self.distinct.pop(eid, None)
 
     def _done(self, req_id: str) -> None:
-        entry = self.at.pop(req_id, None)
-        if entry is None:
+        eid = self.at.pop(req_id, None)
+        if eid is None:
             return
-        eid, blocks, bt = entry
-        held = self.held[eid]
-        freed = 0
-        for h in blocks:
-            n = held[h] - 1
-            if n:
-                held[h] = n
-            else:
-                del held[h]
-                freed += 1
-        self.tokens[eid] -= freed * bt
+        hashes, size = self.inflight[eid].pop(req_id)
+        self.bound[eid] -= len(hashes) * size
+        self.distinct.pop(eid, None)
 
     def on_finished(self, req_id: str, endpoint_id: str, e2e_s: float, output_tokens: int) -> None:
         """Its blocks are released (freed where no other request in flight holds them)."""
@@ -107,4 +121,4 @@ class KVRoom(Filter, Lifecycle):
 
     def state(self) -> dict[str, float]:
         """``held_tokens``: tokens of distinct blocks held by requests in flight, over all endpoints."""
-        return {"held_tokens": float(sum(self.tokens.values()))}
+        return {"held_tokens": float(sum(self.held(eid)[1] for eid in self.inflight))}
