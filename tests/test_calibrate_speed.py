@@ -1,6 +1,7 @@
 """The engines' speed around each live fidelity run against the calibration's (issue 21k,
-calibrate/speed_probe.py): the probe against emulated engines slowed at run time, the factors, the
-scaled profile, and a stored run's factors used again by ``--replay``."""
+calibrate/speed_probe.py): the probe against emulated engines slowed at run time, the profile's own
+prediction of the probe (the factors' reference since issue 21o), the factors, the scaled profile, and a
+stored run's probes used again by ``--replay``."""
 
 import asyncio
 import json
@@ -11,7 +12,7 @@ import yaml
 from test_calibrate import KNOWN, known_emulators
 
 from kvroute.bench.fidelity_calibration import speed_probe
-from kvroute.calibrate.speed_probe import DECODE_TERMS, PREFILL_TERMS, Speed, factors, scaled
+from kvroute.calibrate.speed_probe import DECODE_TERMS, PREFILL_TERMS, Speed, factors, predicted, scaled
 from kvroute.perf.profile import NewcomerPoint
 
 
@@ -35,6 +36,25 @@ def test_the_probe_sees_an_engine_slowed_twofold(tmp_path):
     assert 0.08 < reference.prefill_s < 0.25 and reference.decode_s is not None and 0.005 < reference.decode_s < 0.02
     f = factors(reference, slow)
     assert 1.4 < f["prefill"] < 2.6 and 1.4 < f["decode"] < 2.6
+    # the profile the emulators run predicts the first probe: factors near 1 (late timers only make them > 1)
+    f = factors(predicted(KNOWN, 2, None), reference)
+    assert 0.85 < f["prefill"] < 1.6 and 0.85 < f["decode"] < 1.6
+
+
+def test_predicted_probe_is_the_profiles_cold_prefill_and_decode_step():
+    """The prediction by hand from KNOWN's terms; chunked by max_batched_tokens (the second chunk attends
+    to the first); times the processor sharing of engines probed at once on fewer cores."""
+    pre = KNOWN.c0_s + KNOWN.c_prefill_s * 1024 + KNOWN.c_prefill_attn_s * 1024 * 512
+    step = KNOWN.c0_s + KNOWN.c_decode_s + KNOWN.c_attn_s * (1024 + 12)
+    s = predicted(KNOWN, 2, None)
+    assert s.prefill_s == pytest.approx(pre) and s.decode_s == pytest.approx(step)
+    chunked = predicted(KNOWN.model_copy(update={"max_batched_tokens": 512, "ttft_overhead_s": 0.01}), 2, None)
+    two = (0.01 + 2 * KNOWN.c0_s + KNOWN.c_prefill_s * 1024
+           + KNOWN.c_prefill_attn_s * (512 * 256 + 512 * (512 + 256)))
+    assert chunked.prefill_s == pytest.approx(two)
+    shared = predicted(KNOWN, 3, 2)
+    assert shared.prefill_s == pytest.approx(1.5 * pre) and shared.decode_s == pytest.approx(1.5 * step)
+    assert predicted(KNOWN, 2, 4).prefill_s == pytest.approx(pre)  # fewer engines than cores: no sharing
 
 
 def test_factors_average_the_probes_around_a_run():
@@ -78,6 +98,14 @@ def test_replay_uses_a_stored_runs_speed_factors(tmp_path):
     assert rep["sim_as_calibrated"]["per_request"] == sim["per_request"]  # unscaled: the stored run itself
     assert rep["sim"]["ttft_p50"] > 1.3 * sim["ttft_p50"] and rep["sim"]["e2e_p50"] > 1.3 * sim["e2e_p50"]
     assert out["as_calibrated"]["within_10pct"] == out["as_calibrated"]["compared"] == 5  # sim == live without
+    # a run that kept its probes: replayed, its factors come anew from them over the profile's prediction,
+    # not from the stored ones (there 1: the reference was then a probe taken after the calibration)
+    slow = predicted(KNOWN, 2, None)
+    probe = {"prefill_s": 1.5 * slow.prefill_s, "decode_s": 1.5 * (slow.decode_s or 0), "points": 6}
+    stored["policies"]["round_robin"]["repeats"][0]["live"]["speed"] = {
+        "before": probe, "after": probe, "factors": {"prefill": 1.0, "decode": 1.0}}
+    again = replay(stored, str(profile), with_speed=True)["policies"]["round_robin"]["repeats"][0]["sim"]
+    assert again["per_request"] == rep["sim"]["per_request"]  # x1.5, as above
     plain = replay(stored, str(profile))  # by default as calibrated, as the CLI's --speed off
     assert "as_calibrated" not in plain and plain["policies"]["round_robin"]["repeats"][0]["sim"]["per_request"] \
         == sim["per_request"]

@@ -41,7 +41,7 @@ from pathlib import Path
 import aiohttp
 import yaml
 
-from kvroute.bench.fidelity_calibration import engine_facts, speed_probe
+from kvroute.bench.fidelity_calibration import engine_facts, speed_probe, speed_reference
 from kvroute.bench.fidelity_cpu import CpuLedger, background
 from kvroute.bench.fidelity_engines import describe, engine_side
 from kvroute.bench.fidelity_engines import scrape as engine_metrics
@@ -354,19 +354,19 @@ async def run_fidelity(urls: list[str], profile: str, policies: tuple[str, ...] 
     the ratios of the medians. ``host_cores``: the cores the engines share (None: the simulator
     gives every engine a machine of its own). ``noise``: simulate with the profile's measured engine
     noise (a real engine has it; its p99 does not come from the mean model alone). ``speed``: the
-    profile was calibrated just now; probe the engines' speed now (the reference) and before and after
-    every live run, and simulate each run with the profile scaled by its factors
+    profile was calibrated just now; probe the engines' speed before and after every live run, and simulate
+    each run with the profile scaled by its factors against the profile's own prediction of the probe
     (calibrate/speed_probe.py: the machine's speed drifts within minutes)."""
     w = workload or Workload()
     say = log or (lambda _msg: None)
     model, bpt = await engine_facts(urls[0])
     out: dict = {"workload": w.__dict__, "engines": urls, "profile": profile, "bytes_per_token": bpt,
                  "host_cores": host_cores, "repeats": repeats, "engine_noise": noise, "policies": {}}
-    reference = await speed_probe(urls, model) if speed else None
+    reference = await speed_reference(urls, model, profile, host_cores, out) if speed else None
     if reference is not None:
-        out["speed_reference"] = reference.as_dict()
-        say(f"speed probe (reference): cold prefill {reference.prefill_s * 1000:.0f} ms, decode step "
-            f"{(reference.decode_s or 0) * 1000:.2f} ms")
+        say(f"speed probe after the calibration: cold prefill {out['speed_after_calibration']['prefill_s'] * 1000:.0f}"
+            f" ms, decode step {(out['speed_after_calibration']['decode_s'] or 0) * 1000:.2f} ms; the profile's "
+            f"(reference): {reference.prefill_s * 1000:.0f} ms, {(reference.decode_s or 0) * 1000:.2f} ms")
     runs: dict[str, list[dict]] = {p: [] for p in policies}
     with tempfile.TemporaryDirectory(prefix="kvroute-fidelity-") as tmp:
         folder = Path(tmp)

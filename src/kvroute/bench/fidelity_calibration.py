@@ -12,7 +12,7 @@ import tempfile
 import aiohttp
 
 from kvroute.calibrate.measure import Sweep
-from kvroute.calibrate.speed_probe import Speed
+from kvroute.calibrate.speed_probe import Speed, factors, predicted, speed_of
 from kvroute.calibrate.speed_probe import probe as probe_speed
 
 
@@ -78,3 +78,30 @@ async def speed_probe(urls: list[str], model: str) -> Speed:
         engines = [_Engine(s, u, model, Sweep(), None) for u in urls]
         await asyncio.gather(*(e.facts(limit) for e, limit in zip(engines, limits, strict=True)))
         return await probe_speed(engines)
+
+
+async def speed_reference(urls: list[str], model: str, profile: str, host_cores: int | None, out: dict) -> Speed:
+    """The reference of a run's speed factors: the profile's own prediction of the speed probe
+    (calibrate/speed_probe.py ``predicted``), kept in ``out`` as ``speed_reference``; the probe taken now,
+    right after the calibration, is kept beside it (``speed_after_calibration``) to show how far the
+    engines had already moved from their profile."""
+    from kvroute.perf.loader import load_profile
+
+    reference = predicted(load_profile(profile), len(urls), host_cores)
+    out["speed_reference"] = reference.as_dict()
+    out["speed_after_calibration"] = (await speed_probe(urls, model)).as_dict()
+    return reference
+
+
+def replay_factors(live: dict, profile: str, engines: int, host_cores: int | None) -> dict[str, float] | None:
+    """A stored live run's speed factors against ``profile``'s prediction of the probe, from the probes it
+    took before and after (its stored factors where it kept no probes; None where it has neither): a
+    replay with another profile, or of a run stored while the reference was a probe taken after the
+    calibration, gets the factors that profile's own speed implies."""
+    from kvroute.perf.loader import load_profile
+
+    speed = live.get("speed") or {}
+    if "before" not in speed:
+        return speed.get("factors")
+    reference = predicted(load_profile(profile), engines, host_cores)
+    return factors(reference, Speed(**speed["before"]), speed_of(speed.get("after")))

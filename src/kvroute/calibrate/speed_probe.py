@@ -21,11 +21,20 @@ per-request terms, the decode factor the per-step and decode terms. Nothing is f
 run: the probe's prompts are not the workload's, and the factors are fixed before the live run's
 numbers are known.
 
+The reference is the profile's own prediction of the probe (:func:`predicted`), not a probe taken
+after the calibration (issue 21o): the profile describes the engines as they ran during the sweep,
+and a probe a minute later already ran at another speed — on issue 21l's llama.cpp run the probe
+after the calibration took 296 ms where the profile gives 397 ms for the same prefill (its own sweep
+point measured 411 ms), so every factor came out ×1.34 too high, and its replay had 7 of 20 ratios
+within 20 % with them against 18 without; against the prediction it has 18 (14 within 10 %), as
+without.
+
 Measured (issue 21k, `quiet`, two vLLM CPU engines, 3 repeats): the probe's own spread between runs
 was larger than the drift it was to correct — the same 1,024-token prefill took 166-289 ms around
 the 12 live runs (the reference 193 ms), a 6-9 ms decode step 6.3-13.7 ms — and the factors
 (x1.1-1.3) made the comparison worse: 7 of 20 ratios within 20 % with them, 14 without, in the same
-run. So `bench fidelity` leaves it off unless asked (``--speed probe``).
+run (against the prediction, 182 ms, still 6 of 20: the vLLM probes read slower than the live runs
+went). So `bench fidelity` leaves it off unless asked (``--speed probe``).
 """
 
 from __future__ import annotations
@@ -87,6 +96,22 @@ async def probe(engines: Sequence[Streams], rounds: int = 3, prefill_tokens: int
     if not prefills:
         raise ValueError("the speed probe got no token from any engine")
     return Speed(statistics.median(prefills), statistics.median(steps) if steps else None, len(prefills))
+
+
+def predicted(profile: HardwareProfile, engines: int, host_cores: int | None, prefill_tokens: int = 1024,
+              decode_tokens: int = 24) -> Speed:
+    """What ``profile`` says :func:`probe` measures on ``engines`` engines probed at once on ``host_cores``
+    shared cores (None: a machine each): the cold prefill (``ttft_overhead_s`` plus its steps, chunked by
+    ``max_batched_tokens``) and a batch-1 decode step at the middle of the probe's output, both times the
+    processor sharing the simulator applies while every engine steps (sim/host.py, no background)."""
+    share = max(1.0, engines / host_cores) if host_cores else 1.0
+    prefill, done = profile.ttft_overhead_s, 0
+    while done < prefill_tokens:
+        chunk = min(profile.max_batched_tokens, prefill_tokens - done)
+        prefill += profile.step_time(chunk, prefill_attn=profile.attn_rows(chunk) * (done + chunk / 2))
+        done += chunk
+    step = profile.step_time(decode=1, decode_ctx=prefill_tokens + decode_tokens / 2)
+    return Speed(prefill * share, step * share, 0)
 
 
 def speed_of(stored: dict[str, Any] | None) -> Speed | None:

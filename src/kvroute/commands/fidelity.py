@@ -164,11 +164,12 @@ def add_parser(bench: argparse._SubParsersAction) -> None:
                     help="simulate with the profile's measured engine noise (timing spread, API-server delay: "
                          "sim/noise.py) or without (default profile; a profile that measured none has none)")
     bf.add_argument("--speed", choices=("probe", "off"), default="off",
-                    help="probe: where the bench calibrates the engines itself, probe their speed right after (the "
-                         "reference) and before and after every live run, and simulate each run with the profile's "
-                         "time terms scaled by the ratio (calibrate/speed_probe.py); with --replay, use the factors "
-                         "the stored run measured. Default off (as calibrated): on two vLLM CPU engines the probe's "
-                         "own spread (a 1,024-token prefill 166-289 ms between runs) was larger than the drift it "
-                         "was to correct, 7 of 20 ratios within 20 %% with it against 14 without (issue 21k)")
+                    help="probe: where the bench calibrates the engines itself, probe their speed before and after "
+                         "every live run, and simulate each run with the profile's time terms scaled by the probes "
+                         "over the profile's own prediction of the probe (calibrate/speed_probe.py); with --replay, "
+                         "the probes the stored run took, against --profile's prediction. Default off (as "
+                         "calibrated): on two vLLM CPU engines the probe's own spread (a 1,024-token prefill "
+                         "166-289 ms between runs) was larger than the drift it was to correct, 6 of 20 ratios "
+                         "within 20 %% with them against 14 without (issues 21k, 21o)")
     bf.add_argument("--json", metavar="FILE")
     bf.set_defaults(func=cmd_bench_fidelity)
