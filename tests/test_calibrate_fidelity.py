@@ -90,6 +90,9 @@ def test_live_and_simulated_runs_replay_the_same_requests(tmp_path, capsys, monk
         for rep, rep2 in zip(row["repeats"], again["policies"][policy]["repeats"], strict=True):
             assert rep2["live"] == rep["live"] and rep2["sim"]["per_request"] == rep["sim"]["per_request"]
     assert again["within_20pct"] == out["within_20pct"] and again["replayed_from"] == out["profile"]
+    # each repeat's own sim/live per metric (bench/fidelity_spread.py): 2 policies x 2 repeats, printed
+    assert out["spread"]["ttft_p50"]["runs"] == 4 and len(out["spread"]["e2e_p50"]["by_repeat"]) == 2
+    assert "per run, TTFT p50: sim/live per run" in table and again["spread"] == out["spread"]
     assert main(["bench", "fidelity", "--replay", str(stored)]) == 2  # no --profile: a one-line error
     assert main(["bench", "fidelity", "--replay", str(tmp_path / "known.yaml"), "--profile",
                  str(tmp_path / "known.yaml")]) == 2  # not a fidelity JSON

@@ -109,3 +109,23 @@ def test_replay_uses_a_stored_runs_speed_factors(tmp_path):
     plain = replay(stored, str(profile))  # by default as calibrated, as the CLI's --speed off
     assert "as_calibrated" not in plain and plain["policies"]["round_robin"]["repeats"][0]["sim"]["per_request"] \
         == sim["per_request"]
+
+
+def test_spread_separates_the_models_bias_from_a_repeats_drift():
+    """bench/fidelity_spread.py on repeats built with a known bias (sim 1.25x live on TTFT p50 in every
+    run) and a known drift (repeat 1's live runs 2x slower on E2E for every policy, the others as simulated)."""
+    from kvroute.bench.fidelity_spread import describe, spread
+
+    def run(i: int) -> dict:
+        live = {"ttft_p50": 0.2, "e2e_p50": 0.5 * (2.0 if i == 1 else 1.0), "throughput": 0.0}
+        return {"live": live, "sim": {"ttft_p50": 0.25, "e2e_p50": 0.5, "throughput": 3.0}}
+
+    policies = {p: {"repeats": [run(i) for i in range(3)]} for p in ("a", "b")}
+    s = spread(policies, ("ttft_p50", "e2e_p50", "throughput"))
+    assert "throughput" not in s  # live 0: no ratio
+    assert s["ttft_p50"]["bias"] == pytest.approx(1.25) and s["ttft_p50"]["spread"] == pytest.approx(0.0)
+    assert s["ttft_p50"]["runs"] == 6 and s["ttft_p50"]["by_policy"] == pytest.approx({"a": 1.25, "b": 1.25})
+    assert s["e2e_p50"]["by_repeat"] == pytest.approx([1.0, 0.5, 1.0])
+    assert s["e2e_p50"]["bias"] == pytest.approx(0.5 ** (1 / 3)) and s["e2e_p50"]["spread"] > 0.3
+    lines = describe(s, {"ttft_p50": "TTFT p50"})
+    assert lines[0].startswith("TTFT p50: sim/live per run ×1.25") and "×1.00 ×0.50 ×1.00" in lines[1]

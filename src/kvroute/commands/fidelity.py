@@ -123,6 +123,13 @@ def _report(args: argparse.Namespace, out: dict) -> int:
         console.print(f"without the speed probes' factors (the profile as calibrated): {plain['within_20pct']} of "
                       f"{plain['compared']} within 20 % ({plain['within_10pct']} within 10 %); pooled TTFT p99: "
                       f"{plain['pooled_p99_within_20pct']} of {plain['pooled_p99_compared']}")
+    # where the misses come from: each repeat's own sim/live (the model's bias against the runs' spread)
+    from kvroute.bench.fidelity_spread import describe as describe_spread
+    from kvroute.bench.fidelity_spread import spread as per_run
+
+    out["spread"] = per_run(out["policies"], tuple(k for k, _ in METRICS))
+    for line in describe_spread(out["spread"], dict(METRICS)):
+        console.print(f"per run, {line}")
     failed = {p: row["errors"] for p, row in out["policies"].items() if any(row["errors"].values())}
     if failed:
         err.print(f"failed requests (summed over the repeats): {failed}")
