@@ -129,3 +129,22 @@ def test_spread_separates_the_models_bias_from_a_repeats_drift():
     assert s["e2e_p50"]["bias"] == pytest.approx(0.5 ** (1 / 3)) and s["e2e_p50"]["spread"] > 0.3
     lines = describe(s, {"ttft_p50": "TTFT p50"})
     assert lines[0].startswith("TTFT p50: sim/live per run ×1.25") and "×1.00 ×0.50 ×1.00" in lines[1]
+
+
+def test_a_probed_run_takes_its_factors_against_the_profiles_prediction(tmp_path):
+    """bench fidelity's live loop with the speed probe (run_fidelity, ``speed=True``) against two `kvroute
+    emulate` processes of KNOWN: the reference is the profile's prediction, the probe after the calibration is
+    kept beside it, and every run's factors come out near 1 (the emulators run the profile itself)."""
+    from kvroute.bench.fidelity import Workload, run_fidelity
+
+    profile = tmp_path / "p.yaml"
+    profile.write_text(yaml.safe_dump(KNOWN.model_dump(exclude_none=True)))
+    w = Workload(users=4, groups=2, system_tokens=300, turns=(2, 2), max_tokens=8)
+    with known_emulators(tmp_path) as urls:
+        out = asyncio.run(asyncio.wait_for(run_fidelity(urls, str(profile), ("round_robin",), w, repeats=1,
+                                                        noise=False, speed=True), 120))
+    assert out["speed_reference"] == predicted(KNOWN, 2, None).as_dict()
+    assert out["speed_after_calibration"]["points"] == 6
+    live = out["policies"]["round_robin"]["repeats"][0]["live"]
+    assert 0.85 < live["speed"]["factors"]["prefill"] < 1.6 and 0.85 < live["speed"]["factors"]["decode"] < 1.6
+    assert "as_calibrated" in out and out["as_calibrated"]["compared"] == 5
