@@ -148,3 +148,22 @@ def test_a_probed_run_takes_its_factors_against_the_profiles_prediction(tmp_path
     live = out["policies"]["round_robin"]["repeats"][0]["live"]
     assert 0.85 < live["speed"]["factors"]["prefill"] < 1.6 and 0.85 < live["speed"]["factors"]["decode"] < 1.6
     assert "as_calibrated" in out and out["as_calibrated"]["compared"] == 5
+
+
+def test_convoys_count_requests_sharing_a_first_token_step():
+    """bench/fidelity_spread.py: three requests of one engine whose first tokens came 1 ms apart are a convoy of 3,
+    a lone one 1, another engine's request apart; the sim/live ratio of the convoys follows the runs' TTFT p50."""
+    from kvroute.bench.fidelity_spread import convoy_size, convoys
+
+    live = [[0.0, 0.200, 0, 0, 0, 0, 0, "engine-0"], [0.05, 0.151, 0, 0, 0, 0, 0, "engine-0"],
+            [0.1, 0.102, 0, 0, 0, 0, 0, "engine-0"], [0.5, 0.1, 0, 0, 0, 0, 0, "engine-0"],
+            [0.0, 0.2, 0, 0, 0, 0, 0, "engine-1"]]
+    assert convoy_size(live, 7) == pytest.approx((3 * 3 + 1 + 1) / 5)
+    sim = [[r[0], r[1], 0, 0, 0, int(r[7][-1])] for r in live]
+    apart = [[0.3 * i, 0.1, 0, 0, 0, 0] for i in range(5)]  # one engine, every first token on its own
+    runs = [{"live": {"per_request": live, "ttft_p50": 0.2}, "sim": {"per_request": s, "ttft_p50": t}}
+            for s, t in ((sim, 0.2), (apart, 0.1), (sim, 0.22))]
+    c = convoys({"p": {"repeats": runs}})
+    assert c is not None and c["runs"] == 3 and c["corr_ttft_p50"] > 0.9
+    assert c["ratio"] == pytest.approx((1 / 2.2) ** (1 / 3))
+    assert convoys({"p": {"repeats": [{"live": {}, "sim": {}}]}}) is None

@@ -124,11 +124,13 @@ def _report(args: argparse.Namespace, out: dict) -> int:
                       f"{plain['compared']} within 20 % ({plain['within_10pct']} within 10 %); pooled TTFT p99: "
                       f"{plain['pooled_p99_within_20pct']} of {plain['pooled_p99_compared']}")
     # where the misses come from: each repeat's own sim/live (the model's bias against the runs' spread)
+    from kvroute.bench.fidelity_spread import convoys
     from kvroute.bench.fidelity_spread import describe as describe_spread
     from kvroute.bench.fidelity_spread import spread as per_run
 
     out["spread"] = per_run(out["policies"], tuple(k for k, _ in METRICS))
-    for line in describe_spread(out["spread"], dict(METRICS)):
+    out["convoys"] = convoys(out["policies"])
+    for line in describe_spread(out["spread"], dict(METRICS), out["convoys"]):
         console.print(f"per run, {line}")
     failed = {p: row["errors"] for p, row in out["policies"].items() if any(row["errors"].values())}
     if failed:
