@@ -4,7 +4,7 @@ the load balancer's requests in flight (``kv_room``, policy/adaptive/selector/kv
 from itertools import count
 
 from kvroute.model import DecisionKind, Request
-from kvroute.policy.adaptive.selector.kv_room import fits, ratio_after
+from kvroute.policy.adaptive.selector.kv_room import fits
 from kvroute.policy.presets.auto import LEAST_WORK
 
 KV = {"kv_blocks": 100, "block_size": 16}  # 1,600 tokens of KV cache per replica
@@ -12,11 +12,10 @@ BT = 64  # the prefix index's block
 _fresh = count(1_000_000)
 
 
-def req(rid: str, blocks: int, prefix: list[int] | None = None, max_out: int = 256) -> Request:
-    """A prompt of ``blocks`` full blocks: ``prefix``'s hashes first, then its own; ``max_out``: its max_tokens."""
+def req(rid: str, blocks: int, prefix: list[int] | None = None) -> Request:
+    """A prompt of ``blocks`` full blocks: ``prefix``'s hashes first, then its own."""
     own = [next(_fresh) for _ in range(blocks - len(prefix or []))]
-    return Request(id=rid, block_hashes=(prefix or []) + own, block_tokens=BT, prompt_tokens=blocks * BT,
-                   max_output_tokens=max_out)
+    return Request(id=rid, block_hashes=(prefix or []) + own, block_tokens=BT, prompt_tokens=blocks * BT)
 
 
 def decoding(r, where: dict[str, list[Request]]) -> None:
@@ -63,32 +62,3 @@ def test_when_no_replica_has_room_every_one_stays_a_candidate(router_for):
     decoding(r, {"e0": [req("a", 24)], "e1": [req("b", 11), req("c", 11)]})
     d = r.route(req("big", 7))  # fits nowhere (1,984 and 1,856 > 1,600): the least work decides alone
     assert d.kind == DecisionKind.DISPATCH and d.branch == LEAST_WORK and d.target == "e0"
-
-
-def test_sglang_ratio_falls_from_its_initial_value_to_its_floor_over_600_decode_steps():
-    assert ratio_after(0) == 0.7 and abs(ratio_after(300) - (0.7 + 0.098) / 2) < 1e-9
-    assert abs(ratio_after(600) - 0.098) < 1e-9 and ratio_after(10**6) == ratio_after(600)
-
-
-def test_the_output_reserved_for_requests_in_flight_keeps_a_prompt_off_a_replica_until_they_are_known_to_decode(
-        router_for):
-    for reserve in (True, False):
-        r = router_for("auto", 3, params={"kv_reserve": reserve}, **KV)
-        # e0: one conversation of 640 prompt tokens that may answer 1,024; SGLang right after an idle spell holds
-        # 0.7 x 1,024 = 717 tokens for it. e1, e2: two short ones each (128 tokens, up to 64 out)
-        decoding(r, {"e0": [req("a", 10, max_out=1024)],
-                     "e1": [req("b", 2, max_out=64), req("c", 2, max_out=64)],
-                     "e2": [req("d", 2, max_out=64), req("e", 2, max_out=64)]})
-        new = req("new", 3, max_out=64)  # 192 prompt tokens and its own 64: 640 + 717 + 256 > 1,600 on e0
-        d = r.route(new)
-        assert d.kind == DecisionKind.DISPATCH and d.branch == LEAST_WORK
-        assert (d.target != "e0") == reserve, (reserve, d.target)  # fewest in flight is e0: only the room moves it
-    r = router_for("auto", 3, params={"kv_reserve": True}, **KV)
-    decoding(r, {"e0": [req("a", 10, max_out=1024), req("f", 1, max_out=1024)],
-                 "e1": [req("b", 2, max_out=64), req("c", 2, max_out=64)],
-                 "e2": [req("d", 2, max_out=64), req("e", 2, max_out=64)]})
-    assert r.route(req("n1", 3, max_out=64)).target != "e0"
-    # f answered 601 tokens there: e0 ran 600 decode steps at least, SGLang's ratio is at its floor (0.098), and
-    # a's 1,024 hold 100 tokens: 640 + 100 + 256 fits, and e0 has the fewest in flight
-    r.on_finish("f", 3.0, 601)
-    assert r.route(req("n2", 3, max_out=64)).target == "e0"

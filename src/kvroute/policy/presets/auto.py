@@ -124,7 +124,7 @@ LEAST_WORK_COST = {"new_prefill": 1.0,
 UNIFORM = {"uniform_fleet": {"scorer": INCUMBENT, "factor": "$trust", "ms": "$rtt_spread_ms"}}
 # ... among the replicas whose KV capacity holds the request's prompt beside the distinct prompt blocks of this LB's
 # requests in flight there (all when none does): a full cache makes a first token wait for memory (selector/kv_room.py)
-KV_ROOM = {"kv_room": {"on": "$kv_room", "reserve": "$kv_reserve"}}
+KV_ROOM = {"kv_room": {"on": "$kv_room"}}
 
 
 def _select(scope: str) -> dict[str, dict[str, str]]:
@@ -206,11 +206,6 @@ class AutoParams(PolicyParams):
                           "blocks of this load balancer's requests in flight there (all when none does): an engine "
                           "admits a prompt only when its cache has room, so a full one makes the first token wait "
                           "for memory; false: every replica (docs/auto.md, session 12)")
-    kv_reserve: bool = Field(False, description="kv_room also counts SGLang's reservation for the output still "
-                             "to come: min(max_tokens, 4096) of each request decoding there (first token seen) x "
-                             "new_token_ratio (0.7 after the replica was idle, falling per decode step the LB knows "
-                             "ran there to 0.098), and the request's own min(max_tokens, 4096) (docs/auto.md, "
-                             "session 13)")
     busy_prefill: float = Field(1.0, ge=0, description="in the least-work rule, this request's uncached tokens count "
                                 "once more times this weight x the share of the candidates with prefill queued (while "
                                 "every replica is busy a prefill the cache would have saved is work a queue waits for; "

@@ -35,22 +35,8 @@ from kvroute.policy.catalog import register_plugin
 from kvroute.policy.hooks import Lifecycle
 from kvroute.policy.plugins import DecisionState, Filter
 
-# SGLang's output reservation (sgl-project/sglang python/sglang/srt/managers/schedule_policy.py PrefillAdder,
-# scheduler.py new_token_ratio; constants in environ.py, the same as sim/sglang_admission.py's): each running request
-# holds min(max_new_tokens - generated, CLIP) x new_token_ratio; the ratio starts at INIT when the scheduler finds
-# nothing to run and falls by (INIT - FLOOR) / DECAY_STEPS a decode step down to FLOOR = INIT x 0.14
-CLIP = 4096  # SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION
-INIT = 0.7  # SGLANG_INIT_NEW_TOKEN_RATIO x schedule_conservativeness 1.0
-FLOOR = INIT * 0.14  # SGLANG_MIN_NEW_TOKEN_RATIO_FACTOR
-DECAY_STEPS = 600  # SGLANG_NEW_TOKEN_RATIO_DECAY_STEPS
 
-
-def ratio_after(steps: int) -> float:
-    """SGLang's ``new_token_ratio`` ``steps`` decode steps after its scheduler was last idle."""
-    return max(FLOOR, INIT - (INIT - FLOOR) * steps / DECAY_STEPS)
-
-
-def fits(held: float, need: int, capacity: int) -> bool:
+def fits(held: int, need: int, capacity: int) -> bool:
     """Whether ``need`` more tokens fit beside ``held`` in a cache of ``capacity`` tokens (unknown, 0: yes)."""
     return capacity <= 0 or held + need <= capacity
 
@@ -64,12 +50,8 @@ class KVRoom(Filter, Lifecycle):
     name = "kv_room"
     inputs = frozenset({"load"})
 
-    def __init__(self, on: bool = True, reserve: bool = False) -> None:
-        self.on, self.reserve = on, reserve
-        self.out: dict[str, int] = {}  # endpoint → Σ min(max_tokens, CLIP) of its requests decoding
-        self.steps: dict[str, int] = {}  # endpoint → decode steps it ran at least since its last idle (LB's view)
-        self.own: dict[str, int] = {}  # request id → its min(max_tokens, CLIP)
-        self.dec: set[str] = set()  # requests whose first token came (admitted: their output is reserved)
+    def __init__(self, on: bool = True) -> None:
+        self.on = on
         self.inflight: dict[str, dict[str, tuple[tuple[int, ...], int]]] = {}  # endpoint → request → (blocks, size)
         self.bound: dict[str, int] = {}  # endpoint → its in-flight prompts' block tokens summed (≥ the distinct)
         self.at: dict[str, str] = {}  # request id → its endpoint
@@ -97,23 +79,12 @@ class KVRoom(Filter, Lifecycle):
         shared = sum(1 for h in req.block_hashes if h in blocks)
         return max(0, req.prompt_tokens - shared * req.block_tokens)
 
-    def reserved(self, endpoint_id: str) -> float:
-        """SGLang's reservation for the output still to come of the endpoint's requests decoding (first token seen,
-        not finished), as far as this LB sees: Σ min(max_tokens, CLIP) × the ratio after the decode steps it knows
-        ran there (0 when ``reserve`` is off). The tokens each has generated are not known here, so none is
-        subtracted — nor counted as held."""
-        if not self.reserve:
-            return 0.0
-        return self.out.get(endpoint_id, 0) * ratio_after(self.steps.get(endpoint_id, 0))
-
     def room(self, req: Request, endpoint: Endpoint) -> bool:
         """Whether the request's new tokens fit beside what the endpoint's requests in flight hold."""
         capacity = endpoint.kv_blocks * endpoint.block_size
-        extra = self.reserved(endpoint.id)
-        own = min(req.max_output_tokens, CLIP) if self.reserve else 0
-        if fits(self.bound.get(endpoint.id, 0) + extra, req.prompt_tokens + own, capacity):
+        if fits(self.bound.get(endpoint.id, 0), req.prompt_tokens, capacity):
             return True  # fits even counting every in-flight block as often as it is held, and none shared
-        return fits(self.held(endpoint.id)[1] + extra, self.need(req, endpoint.id) + own, capacity)
+        return fits(self.held(endpoint.id)[1], self.need(req, endpoint.id), capacity)
 
     def filter(self, st: DecisionState, eps: list[Endpoint]) -> list[Endpoint]:
         """The candidates with room for the request's new tokens, else all of them."""
@@ -127,39 +98,22 @@ class KVRoom(Filter, Lifecycle):
         if not self.on or req.id in self.at:
             return
         eid = endpoint.id
-        if not self.inflight.get(eid):
-            self.steps[eid] = 0  # nothing of this LB was in flight there: SGLang's ratio starts again (if idle)
-        self.own[req.id] = min(req.max_output_tokens, CLIP)
         self.inflight.setdefault(eid, {})[req.id] = (req.block_hashes, req.block_tokens)
         self.bound[eid] = self.bound.get(eid, 0) + len(req.block_hashes) * req.block_tokens
         self.at[req.id] = eid
         self.distinct.pop(eid, None)
 
-    def _done(self, req_id: str, output_tokens: int = 0) -> None:
+    def _done(self, req_id: str) -> None:
         eid = self.at.pop(req_id, None)
         if eid is None:
             return
-        own = self.own.pop(req_id, 0)
-        if req_id in self.dec:
-            self.dec.discard(req_id)
-            self.out[eid] -= own
-        # its tokens came one a decode step, all after the endpoint's last idle: at least that many steps ran
-        self.steps[eid] = max(self.steps.get(eid, 0), output_tokens - 1)
         hashes, size = self.inflight[eid].pop(req_id)
         self.bound[eid] -= len(hashes) * size
         self.distinct.pop(eid, None)
 
-    def on_first_token(self, req_id: str, endpoint_id: str, ttft_s: float) -> None:
-        """Admitted and decoding: its output is reserved from now on (one still waiting in the engine's queue holds
-        no reservation; one admitted and still prefilling does, unseen here — so the count errs toward a fit)."""
-        eid = self.at.get(req_id)
-        if eid is not None and req_id not in self.dec:
-            self.dec.add(req_id)
-            self.out[eid] = self.out.get(eid, 0) + self.own.get(req_id, 0)
-
     def on_finished(self, req_id: str, endpoint_id: str, e2e_s: float, output_tokens: int) -> None:
         """Its blocks are released (freed where no other request in flight holds them)."""
-        self._done(req_id, output_tokens)
+        self._done(req_id)
 
     def on_failed(self, req_id: str, endpoint_id: str) -> None:
         """Left the endpoint: released."""
