@@ -310,3 +310,148 @@ def test_residency_without_a_key_is_the_headers_zone_or_none_and_the_request_id_
     assert head[0] == b"HTTP/1.1 200 OK"
     assert head.count(b"x-request-id: client-1") == 1 and b"x-kvroute-prefill: p0" in head
     assert b"x-kvroute-replica: r0" in head and b"Content-Length: 2" in head
+
+
+def _passes_ref(name: bytes, access_log: bool) -> bool:
+    from kvroute.gateway.hops import HOP_HEADERS
+
+    lowered = name.decode("latin-1").lower()
+    return lowered not in HOP_HEADERS and not (access_log and lowered == "x-request-id")
+
+
+def test_response_fields_judge_each_name_whatever_came_at_its_place_before():
+    """The positional cache (``hops._LAST_NAMES``) never changes what passes: heads whose names repeat,
+    change case, move, grow past the cache's bound or shrink are judged as by lowering each name."""
+    from kvroute.gateway import hops
+
+    names = [b"Content-Type", b"content-type", b"Date", b"date", b"Server", b"X-Request-Id", b"x-request-id",
+             b"Connection", b"Transfer-Encoding", b"X-Engine", b"x-engine", b"Keep-Alive", b"TE", b"Te",
+             b"Content-Length", b"X-A", b"X-B"]
+    rng = random.Random(11)
+    heads = [[(b"Content-Type", b"application/json"), (b"Content-Length", b"12"), (b"Date", b"d"), (b"Server", b"s")]]
+    heads += [[(rng.choice(names), b"v%d" % i) for i in range(rng.randint(0, 8))] for _ in range(400)]
+    heads.append([(b"X-Many-%d" % i, b"v") for i in range(hops._LAST_MAX + 10)])  # past the bound
+    heads += [heads[0]] * 3
+    for access_log in (False, True, False):
+        for head in heads:
+            want = b"".join(b"%b: %b\r\n" % (n, v) for n, v in head if _passes_ref(n, access_log))
+            assert b"".join(hops.response_fields(head, access_log)) == want, (head, access_log)
+    assert all(len(last) <= hops._LAST_MAX for last in hops._LAST_NAMES)
+
+
+def test_a_connections_field_names_follow_whatever_came_at_their_place_before():
+    """``FieldNames.key`` gives ``field_name``'s answer for every field of every head, however the names
+    of one head differ from the last one's; it holds at most one entry per field of a head."""
+    from kvroute.gateway import httpmsg
+
+    names = [b"Host", b"host", b"Content-Type", b"Content-Length", b"content-length", b"Cookie", b"X-\xe9T",
+             b"Authorization", b"X-Request-Id", b"x-request-id"]
+    rng = random.Random(5)
+    cache = httpmsg.FieldNames()
+    for _ in range(500):
+        head = [rng.choice(names) for _ in range(rng.randint(0, 9))]
+        assert [cache.key(i, n) for i, n in enumerate(head)] == [httpmsg.field_name(n) for n in head]
+        assert len(cache.names) == len(cache.keys) <= 9
+
+
+def test_a_kept_alive_client_and_engine_changing_their_fields_are_proxied_field_for_field():
+    """Over real HTTP on 127.0.0.1: one kept-alive client connection sends heads whose field names change
+    case, order and presence from request to request, and the engine answers with changing fields too;
+    each request reaches the engine with its own end-to-end fields and each answer the client with its own
+    (hop-by-hop ones dropped both ways), whatever the positional caches held from the one before."""
+    import http.client
+
+    from tests.fake_upstream import OK_JSON, FaultyDeployment
+
+    answers = [[(b"Content-Type", b"application/json"), (b"X-Engine", b"a"), (b"Server", b"up")],
+               [(b"x-engine", b"b"), (b"content-type", b"application/json"), (b"Connection", b"keep-alive")],
+               [(b"Server", b"up"), (b"X-Other", b"c"), (b"Content-Type", b"text/plain")],
+               [(b"Content-Type", b"application/json"), (b"X-Engine", b"d"), (b"Server", b"up")]]
+    served = 0
+
+    async def script(head, body, w):
+        nonlocal served
+        fields = b"".join(b"%b: %b\r\n" % f for f in answers[served % len(answers)])
+        served += 1
+        w.write(b"HTTP/1.1 200 OK\r\n%bContent-Length: %d\r\n\r\n%b" % (fields, len(OK_JSON), OK_JSON))
+        await w.drain()
+        return True
+
+    sends = [[("Host", "gw"), ("Content-Type", "application/json"), ("X-Client", "1")],
+             [("content-type", "application/json"), ("host", "gw"), ("X-Client", "2"), ("X-Extra", "e")],
+             [("Host", "gw"), ("X-Client", "3"), ("Keep-Alive", "5"), ("Content-Type", "application/json")],
+             [("Host", "gw"), ("Content-Type", "application/json"), ("X-Client", "4")]]
+    dep = FaultyDeployment([script])
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", dep.gateway.port, timeout=10)
+        body = json.dumps({"model": "m", "prompt": "hi"}).encode()
+        for i, fields in enumerate(sends * 2):
+            conn.putrequest("POST", "/v1/completions", skip_host=True, skip_accept_encoding=True)
+            for name, value in fields:
+                conn.putheader(name, value)
+            conn.putheader("Content-Length", str(len(body)))
+            conn.endheaders(body)
+            r = conn.getresponse()
+            assert r.status == 200 and r.read() == OK_JSON
+            got = {k.lower(): v for k, v in r.getheaders()}
+            answer = answers[i % len(answers)]
+            for name, value in answer:
+                if _passes_ref(name, False):
+                    assert got[name.decode().lower()] == value.decode(), (i, got)
+            assert "server" not in got and "connection" not in got, (i, got)  # hop-by-hop: dropped
+            assert ("x-engine" in got) == any(n.lower() == b"x-engine" for n, _ in answer), (i, got)
+            head = dep.upstreams[0].heads[-1].lower()
+            want = {(k.lower(), v) for k, v in fields if k.lower() not in ("host", "keep-alive")}
+            for k, v in want:
+                assert f"\r\n{k}: {v.lower()}\r\n".encode() in head, (i, head)
+            assert b"keep-alive:" not in head and (b"x-extra" in head) == (i % 4 == 1), (i, head)
+        conn.close()
+    finally:
+        dep.close()
+
+
+@pytest.mark.parametrize("head, delimited", [
+    (b"Content-Length: 2\r\n", True), (b"content-length: 2\r\n", True), (b"CONTENT-length: 2\r\n", True),
+    (b"Transfer-Encoding: chunked\r\n", True), (b"TRANSFER-ENCODING: chunked\r\n", True),
+    (b"X-Content-Lengt: 2\r\n", False), (b"", False)])
+def test_a_response_is_delimited_by_its_length_or_chunking_however_the_field_is_spelled(head, delimited):
+    """``_Conn.on_headers_complete`` (eleventh round: the usual spellings compared before lowering) reads a
+    body delimited by Content-Length or chunking in any case of the field's name and keeps the connection;
+    without either the body runs to the close (RFC 9112 §6.3) and the connection is not kept. Against a
+    real server on 127.0.0.1."""
+    import asyncio
+
+    from kvroute.gateway.upstream import UpstreamPool
+
+    body = b"ok"
+    framed = b"2\r\nok\r\n0\r\n\r\n" if b"chunked" in head else body
+
+    async def main() -> None:
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.readuntil(b"\r\n\r\n")
+            await reader.readexactly(2)
+            writer.write(b"HTTP/1.1 200 OK\r\n" + head + b"\r\n" + framed)
+            await writer.drain()
+            if not delimited:
+                writer.close()
+
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        pool = UpstreamPool(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}")
+        try:
+            resp = await pool.post("/v1/x", b"{}", [], connect_s=2, first_byte_s=2, idle_s=2)
+            assert await resp.read() == body
+            resp.release()
+            assert len(pool._idle) == (1 if delimited else 0)
+        finally:
+            pool.close()
+            server.close()
+            await server.wait_closed()
+
+    asyncio.run(main())
+
+
+def test_a_method_is_read_as_text_as_llhttp_gave_it():
+    from kvroute.gateway.httpmsg import method_name
+
+    for raw in (b"POST", b"GET", b"HEAD", b"PUT", b"DELETE", b"OPTIONS", b"PATCH", b"post"):
+        assert method_name(raw) == raw.decode("ascii")

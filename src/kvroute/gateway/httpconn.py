@@ -76,8 +76,7 @@ class _Connection(asyncio.Protocol):
         self.deadline = math.inf
         self.rejection: BadRequest | None = None  # answered once the requests before it are
         self.upgraded = False
-        # the request being parsed
-        self._url = b""
+        self._url = b""  # the request being parsed: its target, fields, body
         self._headers: dict[str, str] = {}
         self._head_bytes = 0
         self._n_headers = 0
@@ -87,6 +86,7 @@ class _Connection(asyncio.Protocol):
         self._body: list[bytes] = []
         self._body_len = 0
         self._req: Request | None = None
+        self._names = httpmsg.FieldNames()  # the last request's field names, in order (a cache)
 
     # -- transport events ---------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -255,7 +255,7 @@ class _Connection(asyncio.Protocol):
             raise BadRequest(431, f"more than {limits.max_headers} header fields", "too_many_headers")
         if self._in_trailers:
             return  # legal, counted against the head limits, not used
-        key = httpmsg.field_name(name)
+        key = self._names.key(self._n_headers - 1, name)
         text = value.decode("latin-1")
         prior = self._headers.get(key)
         if prior is not None:
@@ -294,7 +294,7 @@ class _Connection(asyncio.Protocol):
         self._head_seen = self._stall = 0
         self.phase = _BODY
         self.deadline = self.server.now + limits.body_timeout_s
-        self._req = Request(parser.get_method().decode("ascii"), self._url.decode("latin-1"), headers, keep_alive)
+        self._req = Request(httpmsg.method_name(parser.get_method()), self._url.decode("latin-1"), headers, keep_alive)
         if (te is not None or (length is not None and length != "0")) and \
                 headers.get("expect", "").lower() == "100-continue" and not self.busy:
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")

@@ -45,6 +45,7 @@ from kvroute.gateway.upstream_errors import _StaleConnection
 _IDLE_MESSAGE: Final = "upstream sent nothing for {:g} s"
 MAX_HEAD_BYTES: Final = 64 * 1024  # an upstream response's head, or its trailer section (nginx: 4-32 KiB)
 _EOF: Final = object()
+_USUAL: Final = (b"Content-Length", b"content-length", b"Transfer-Encoding", b"transfer-encoding")  # engines' spelling
 _STARTS_MAX: Final = 64  # request heads' first lines kept per upstream (one per path: the API has a few)
 # connection states (Final: a compiled build inlines them)
 _IDLE: Final = 0
@@ -217,8 +218,8 @@ class _Conn(asyncio.Protocol):
         delimited = status in (204, 304)
         if not delimited:
             for name, _ in self._headers:
-                n = len(name)  # lowered only when its length fits: most fields are neither
-                if (n == 14 or n == 17) and name.lower() in (b"content-length", b"transfer-encoding"):
+                n = len(name)  # lowered (a bytes method: ~600 instr.) only if its length fits and it is spelled oddly
+                if (n == 14 or n == 17) and (name in _USUAL or name.lower() in _USUAL[1::2]):
                     delimited = True
                     break
         self.until_close = not delimited
