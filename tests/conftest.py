@@ -7,6 +7,7 @@ from kvroute.policy import Router, build_policy
 from kvroute.policyfiles import load_entry_points
 from kvroute.prefix import BlockHasher, chat_key
 from kvroute.sim.tracefiles import DATA_DIR
+from tests import compile_harness
 
 # The real Mooncake trace is data, not code: it lives in shared/ beside a checkout (or where
 # KVROUTE_TRACES points). CI and developer machines have it; a lone clone skips these tests.
@@ -73,3 +74,20 @@ def router_for():
         eps = [Endpoint(f"e{i}", **ep_kw) for i in range(n)]
         return Router(build_policy(preset, params), eps)
     return build
+
+
+@pytest.hookimpl(trylast=True)  # after -k/-m deselection: a deselected compile is never started
+def pytest_collection_modifyitems(session, config, items):
+    """The compiled build's tests go last, and its compile starts in the background once the timed
+    tests have run (tests/compile_harness.py), so that it overlaps the rest of the suite."""
+    compile_harness.schedule(items)
+
+
+def pytest_runtest_logfinish(nodeid, location):
+    """The compile starts once the timed tests have run (tests/compile_harness.py)."""
+    compile_harness.finished(nodeid)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """A compile still running (its tests deselected or the run cut short) is stopped by its PID."""
+    compile_harness.finish()

@@ -2,8 +2,10 @@
 compiled by mypyc give the same simulation results, byte for byte, as the pure-Python source.
 
 One real compile per session (``KVROUTE_COMPILE=1 pip install --target``, as `make compiled`
-does, one to two minutes), shared by the tests here. The rest of the suite runs against the
-editable, pure-Python tree (docs/compiled.md says why).
+does, about four and a half minutes of one core), shared by the tests here: started in the background
+once the timed test_calibrate* files have run, with these tests moved to the end of the run
+(tests/compile_harness.py).
+The rest of the suite runs against the editable, pure-Python tree (docs/compiled.md says why).
 """
 
 from __future__ import annotations
@@ -20,20 +22,17 @@ from conftest import needs_trace
 import kvroute
 from kvroute import buildinfo
 from kvroute.sim import tracefiles
+from tests import compile_harness
 
 ROOT = Path(__file__).resolve().parent.parent
 SRC = ROOT / "src" / "kvroute"
 
 
 @pytest.fixture(scope="module")
-def compiled(tmp_path_factory) -> Path:
-    """kvroute installed with its listed modules compiled, into a folder of its own."""
-    tmp = tmp_path_factory.mktemp("compiled")
-    env = dict(os.environ, KVROUTE_COMPILE="1", KVROUTE_COMPILE_BUILD=str(tmp / "build"))
-    proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target",
-                           str(tmp / "site"), str(ROOT)], env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return tmp / "site"
+def compiled() -> Path:
+    """kvroute installed with its listed modules compiled, into a folder of its own: the compile
+    tests/conftest.py started in the background during the run (compile_harness)."""
+    return compile_harness.compiled_site()
 
 
 def _kvroute(site: Path, *args: str, pure: bool = False) -> subprocess.CompletedProcess:
