@@ -79,8 +79,10 @@ def router_for():
 @pytest.hookimpl(trylast=True)  # after -k/-m deselection: a deselected compile is never started
 def pytest_collection_modifyitems(session, config, items):
     """The compiled build's tests go last, and its compile starts in the background once the timed
-    tests have run (tests/compile_harness.py), so that it overlaps the rest of the suite."""
-    compile_harness.schedule(items)
+    tests have run (tests/compile_harness.py), so that it overlaps the rest of the suite; nothing is
+    compiled for --collect-only."""
+    if not config.option.collectonly:
+        compile_harness.schedule(items)
 
 
 def pytest_runtest_logfinish(nodeid, location):
