@@ -55,6 +55,8 @@ def test_predicted_probe_is_the_profiles_cold_prefill_and_decode_step():
     shared = predicted(KNOWN, 3, 2)
     assert shared.prefill_s == pytest.approx(1.5 * pre) and shared.decode_s == pytest.approx(1.5 * step)
     assert predicted(KNOWN, 2, 4).prefill_s == pytest.approx(pre)  # fewer engines than cores: no sharing
+    # other work on the cores (a live run's measured background) shares them too, as the simulator has it
+    assert predicted(KNOWN, 2, 2, background=0.5).prefill_s == pytest.approx(pre * 2 / 1.5)
 
 
 def test_factors_average_the_probes_around_a_run():

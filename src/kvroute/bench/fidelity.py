@@ -41,12 +41,11 @@ from pathlib import Path
 import aiohttp
 import yaml
 
-from kvroute.bench.fidelity_calibration import engine_facts, speed_probe, speed_reference
+from kvroute.bench.fidelity_calibration import engine_facts, run_factors, speed_probe, speed_reference
 from kvroute.bench.fidelity_cpu import CpuLedger, background
 from kvroute.bench.fidelity_engines import describe, engine_side
 from kvroute.bench.fidelity_engines import scrape as engine_metrics
 from kvroute.calibrate.measure import WORDS
-from kvroute.calibrate.speed_probe import factors as speed_factors
 from kvroute.ports import free_port
 from kvroute.prefix import chat_key, estimate_tokens
 from kvroute.stats import percentile
@@ -397,7 +396,7 @@ async def run_fidelity(urls: list[str], profile: str, policies: tuple[str, ...] 
                 factors = None
                 if reference is not None and before is not None:
                     after = await speed_probe(urls, model)
-                    factors = speed_factors(reference, before, after)
+                    factors = run_factors(profile, len(urls), host_cores, background(live, host_cores), before, after)
                     live["speed"] = {"before": before.as_dict(), "after": after.as_dict(), "factors": factors}
                 sim = simulate(convs, policy, profile, len(urls), live["token_ratio"], w.max_tokens, folder,
                                wi.seed, host_cores, noise, background(live, host_cores), factors)

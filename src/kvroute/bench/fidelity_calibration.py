@@ -93,7 +93,17 @@ async def speed_reference(urls: list[str], model: str, profile: str, host_cores:
     return reference
 
 
-def replay_factors(live: dict, profile: str, engines: int, host_cores: int | None) -> dict[str, float] | None:
+def run_factors(profile: str, engines: int, host_cores: int | None, background: float, before: Speed,
+                after: Speed | None) -> dict[str, float]:
+    """A live run's speed factors: its probes over ``profile``'s prediction of the probe on the host as that run
+    measured it (``background`` cores of other work, as its simulation has them)."""
+    from kvroute.perf.loader import load_profile
+
+    return factors(predicted(load_profile(profile), engines, host_cores, background=background), before, after)
+
+
+def replay_factors(live: dict, profile: str, engines: int, host_cores: int | None,
+                   background: float = 0.0) -> dict[str, float] | None:
     """A stored live run's speed factors against ``profile``'s prediction of the probe, from the probes it
     took before and after (its stored factors where it kept no probes; None where it has neither): a
     replay with another profile, or of a run stored while the reference was a probe taken after the
@@ -103,5 +113,5 @@ def replay_factors(live: dict, profile: str, engines: int, host_cores: int | Non
     speed = live.get("speed") or {}
     if "before" not in speed:
         return speed.get("factors")
-    reference = predicted(load_profile(profile), engines, host_cores)
+    reference = predicted(load_profile(profile), engines, host_cores, background=background)
     return factors(reference, Speed(**speed["before"]), speed_of(speed.get("after")))

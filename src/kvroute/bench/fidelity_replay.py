@@ -46,7 +46,7 @@ def replay(stored: dict, profile: str, noise: bool | None = None, salt: str = ""
                 convs = conversations(replace(w, seed=rep["seed"]), stored["bytes_per_token"], salt=opening)
                 cores = stored.get("host_cores")
                 bg = background(live, cores) if with_background else 0.0
-                factors = replay_factors(live, profile, len(stored["engines"]), cores) if with_speed else None
+                factors = replay_factors(live, profile, len(stored["engines"]), cores, bg) if with_speed else None
                 sim = simulate(convs, policy, profile, len(stored["engines"]), live["token_ratio"],
                                w.max_tokens, Path(tmp), rep["seed"], cores, noise, bg, factors)
                 ratio = {k: sim[k] / live[k] if live[k] else None for k, _ in METRICS}
