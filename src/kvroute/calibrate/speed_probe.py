@@ -26,8 +26,8 @@ after the calibration (issue 21o): the profile describes the engines as they ran
 and a probe a minute later already ran at another speed — on issue 21l's llama.cpp run the probe
 after the calibration took 296 ms where the profile gives 397 ms for the same prefill (its own sweep
 point measured 411 ms), so every factor came out ×1.34 too high, and its replay had 7 of 20 ratios
-within 20 % with them against 18 without; against the prediction it has 18 (14 within 10 %), as
-without.
+within 20 % with them against 18 without; against the prediction (with each run's measured
+background, as below) it has 20 of 20 (16 within 10 %, pooled TTFT p99 4 of 4).
 
 Measured (issue 21k, `quiet`, two vLLM CPU engines, 3 repeats): the probe's own spread between runs
 was larger than the drift it was to correct — the same 1,024-token prefill took 166-289 ms around
