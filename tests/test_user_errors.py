@@ -161,3 +161,25 @@ def test_duplicate_replica_ids_name_the_line_and_suggest_id(tmp_path, capsys, se
     assert main(["serve", "--config", str(cfg)]) == 2
     line = one_error(capsys)
     assert f"{cfg}:4: replicas.1: replica ids must be unique; {says}" in line and "(got" not in line
+
+
+@pytest.mark.parametrize("argv", [
+    ["bench", "auto", "--seeds", "0"],
+    ["bench", "auto", "--requests", "-5"],
+    ["bench", "plan", "--requests", "0"],
+    ["bench", "gateway", "--repeats", "0"],  # was a StatisticsError traceback
+    ["bench", "gateway", "--requests", "0"],  # was an empty table and exit 0
+    ["bench", "gateway", "--concurrency", "0"],
+    ["bench", "routing", "--decisions", "0"],
+    ["bench", "sim-speed", "--repeats", "0"],
+    ["bench", "kv-events", "--publishers", "0"],
+    ["calibrate", "--url", "http://127.0.0.1:9", "--out", "p.yaml", "--repeats", "0"],
+])
+def test_a_count_below_one_is_refused_before_any_work(argv, capsys):
+    """Counts of runs, requests, seeds and repeats must be positive: argparse's error line, exit 2."""
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1].endswith(f"argument {argv[-2]}: '{argv[-1]}': must be a positive integer")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import time
 
+from kvroute.argtypes import positive_int
 from kvroute.bench.auto_cells import capacity_knee, judge_cell, worst_cell
 from kvroute.parallel import Executor, make_executor, worker_count
 
@@ -98,8 +99,8 @@ def add_parser(bench: argparse._SubParsersAction) -> None:
     p = bench.add_parser("auto", help="the auto policy ÷ the best preset per scenario × load cell")
     p.add_argument("--scenarios", help="bundled scenarios, comma-separated (default: every bundled scenario)")
     p.add_argument("--presets", default=",".join(PRESETS), help="presets auto is compared with")
-    p.add_argument("--seeds", type=int, default=3)
-    p.add_argument("--requests", type=int, default=800, help="requests per run (default 800)")
+    p.add_argument("--seeds", type=positive_int, default=3, help="seeds per cell (default 3)")
+    p.add_argument("--requests", type=positive_int, default=800, help="requests per run (default 800)")
     p.add_argument("--workers", type=worker_count, help="parallel runs (default: every core)")
     p.add_argument("--ray", metavar="ADDRESS", help="run on a Ray cluster")
     p.add_argument("--json", metavar="FILE")

@@ -327,8 +327,6 @@ def command(args: Any) -> int:
     unknown = [p for p in presets if p not in KNOWN]
     if unknown:
         return error(f"--presets: unknown {', '.join(unknown)}; allowed: {', '.join(KNOWN)}")
-    if args.publishers < 1:
-        return error(f"--publishers must be at least 1, got {args.publishers}")
     from kvroute.replicas import events_extra_installed
 
     try:

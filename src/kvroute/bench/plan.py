@@ -25,6 +25,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from kvroute.argtypes import positive_int
+
 BUSY_CORES = 0.25  # others' CPU, in cores, above which a timing is not valid
 
 
@@ -125,7 +127,7 @@ def add_parser(bench: argparse._SubParsersAction) -> None:
     """Register `kvroute bench plan`."""
     p = bench.add_parser("plan", help="capacity-plan wall time on 1 vs N workers (and a Ray cluster)")
     p.add_argument("--workers", default="1,2", help="worker counts to time, comma-separated (default 1,2)")
-    p.add_argument("--requests", type=int, default=800, help="requests per simulated run (default 800)")
+    p.add_argument("--requests", type=positive_int, default=800, help="requests per simulated run (default 800)")
     p.add_argument("--ray", metavar="ADDRESS", help="also time the plan on this Ray cluster")
     p.add_argument("--allow-busy", action="store_true", dest="allow_busy",
                    help="run even when other processes use the CPU (the speedup is then marked not valid)")

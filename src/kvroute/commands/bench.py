@@ -7,6 +7,7 @@ import json
 
 from rich.table import Table
 
+from kvroute.argtypes import positive_int
 from kvroute.report import console, err, error, routing_table, write_json
 
 
@@ -53,9 +54,8 @@ def cmd_bench_sim_speed(args: argparse.Namespace) -> int:
 
     presets = tuple(p.strip() for p in args.presets.split(",")) if args.presets else sim_speed.PRESETS
     unknown = [p for p in presets if p not in PRESETS]
-    if unknown or args.repeats < 1:
-        return error(f"--presets: unknown preset {unknown[0]!r}; presets: {', '.join(sorted(PRESETS))}" if unknown
-                     else f"--repeats must be at least 1, got {args.repeats}")
+    if unknown:
+        return error(f"--presets: unknown preset {unknown[0]!r}; presets: {', '.join(sorted(PRESETS))}")
     result = sim_speed.run(progress=lambda msg: err.print(msg), with_million=not args.skip_million,
                            million_requests=args.million_requests, repeats=args.repeats, presets=presets)
     builds = result["builds"]
@@ -164,13 +164,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     br = bench.add_parser("routing", help="decision cost per preset, index memory")
     br.add_argument("--json", metavar="FILE")
-    br.add_argument("--decisions", type=int, default=2000, help="decisions per prompt size")
+    br.add_argument("--decisions", type=positive_int, default=2000, help="decisions per prompt size")
     br.add_argument("--seed", type=int, default=0)
     br.set_defaults(func=cmd_bench_routing)
     bk = bench.add_parser("kv-events", help="routing on engine KV events vs the approximate index; consumer cost")
     bk.add_argument("--presets", default="sglang_cache_aware,skywalker,lmetric",
                     help="cache-aware presets to compare, comma-separated")
-    bk.add_argument("--publishers", type=int, default=64, help="engines publishing at once for the ingest part")
+    bk.add_argument("--publishers", type=positive_int, default=64,
+                    help="engines publishing at once for the ingest part")
     bk.add_argument("--seed", type=int, default=0)
     bk.add_argument("--skip-routing", action="store_true", dest="skip_routing")
     bk.add_argument("--skip-ingest", action="store_true", dest="skip_ingest")
@@ -179,8 +180,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     bs = bench.add_parser("sim-speed", help="simulated requests per wall second; 1M-request run")
     bs.add_argument("--json", metavar="FILE")
     bs.add_argument("--skip-million", action="store_true", dest="skip_million")
-    bs.add_argument("--million-requests", type=int, default=1_000_000, dest="million_requests")
-    bs.add_argument("--repeats", type=int, default=3, help="runs per preset and build (interleaved)")
+    bs.add_argument("--million-requests", type=positive_int, default=1_000_000, dest="million_requests")
+    bs.add_argument("--repeats", type=positive_int, default=3, help="runs per preset and build (interleaved)")
     bs.add_argument("--presets", default="", help="comma-separated presets (default: "
                     "round_robin,sglang_cache_aware,skywalker,lmetric)")
     bs.set_defaults(func=cmd_bench_sim_speed)

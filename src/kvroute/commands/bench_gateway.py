@@ -11,6 +11,7 @@ from pathlib import Path
 
 from rich.table import Table
 
+from kvroute.argtypes import positive_int
 from kvroute.report import console, err, write_json
 
 
@@ -18,9 +19,9 @@ def add_parser(bench: argparse._SubParsersAction) -> None:  # type: ignore[type-
     """Register ``bench gateway`` under ``bench``."""
     bg = bench.add_parser("gateway", help="gateway vs direct throughput, added latency and CPU; --gate; --peers")
     bg.add_argument("--json", metavar="FILE")
-    bg.add_argument("--requests", type=int, default=20000)
-    bg.add_argument("--concurrency", type=int, default=32)
-    bg.add_argument("--repeats", type=int, default=3)
+    bg.add_argument("--requests", type=positive_int, default=20000)
+    bg.add_argument("--concurrency", type=positive_int, default=32)
+    bg.add_argument("--repeats", type=positive_int, default=3)
     bg.add_argument("--presets", default=None,
                     help="presets to measure (default: round_robin,sglang_cache_aware,skywalker,lmetric; with "
                          "--peers: round_robin)")

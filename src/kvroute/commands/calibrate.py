@@ -6,9 +6,9 @@ import argparse
 
 from rich.table import Table
 
+from kvroute.argtypes import positive_int
 from kvroute.commands.common import (
     int_list,
-    positive_int,
     unwritable,
 )
 from kvroute.report import console, err, error
@@ -70,9 +70,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                     help="decode batch sizes per engine (default 1,2,4)")
     ca.add_argument("--contexts", type=int_list, default=(128, 1024), metavar="N,N,...",
                     help="decode context lengths in tokens (default 128,1024)")
-    ca.add_argument("--decode-tokens", type=int, default=24, dest="decode_tokens",
+    ca.add_argument("--decode-tokens", type=positive_int, default=24, dest="decode_tokens",
                     help="tokens generated per decode measurement (default 24)")
-    ca.add_argument("--repeats", type=int, default=2, help="repeats of each prefill length (default 2)")
+    ca.add_argument("--repeats", type=positive_int, default=2, help="repeats of each prefill length (default 2)")
     ca.add_argument("--warm-contexts", type=int_list, default=(512, 1536), dest="warm_contexts", metavar="N,N,...",
                     help="warm prefills: cached prompt lengths in tokens (default 512,1536)")
     ca.add_argument("--warm-lengths", type=int_list, default=(96, 256), dest="warm_lengths", metavar="N,N,...",
@@ -80,12 +80,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                          "attention tile)")
     ca.add_argument("--noise-probes", type=int, default=8, dest="noise_probes", metavar="N",
                     help="rounds of a tiny prompt on every engine, for the per-request delay's spread (default 8)")
-    ca.add_argument("--max-batched-tokens", type=int, dest="max_batched_tokens",
+    ca.add_argument("--max-batched-tokens", type=positive_int, dest="max_batched_tokens",
                     help="the engines' per-step token budget (default: llama-server's 2048, else 8192, vLLM's "
                          "API server on an H100/H200; vLLM takes 2048 on CPU, an A100 or a GPU under 70 GiB, "
                          "16384 from 160 GiB: give it here)")
-    ca.add_argument("--kv-tokens", type=int, dest="kv_tokens", help="KV capacity per engine (default: from the engine)")
-    ca.add_argument("--max-running", type=int, dest="max_running",
+    ca.add_argument("--kv-tokens", type=positive_int, dest="kv_tokens",
+                    help="KV capacity per engine (default: from the engine)")
+    ca.add_argument("--max-running", type=positive_int, dest="max_running",
                     help="concurrent sequences per engine (default: llama-server's slots, else 256)")
     ca.add_argument("--timeout", type=float, default=120.0, help="seconds allowed for any one request")
     ca.add_argument("--host-cores", type=positive_int, dest="host_cores", metavar="N",

@@ -84,17 +84,6 @@ def port(text: str) -> int:
     return value
 
 
-def positive_int(text: str) -> int:
-    """argparse type: one positive integer."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: must be a positive integer")
-    return value
-
-
 def int_list(text: str) -> tuple[int, ...]:
     """argparse type: comma-separated positive integers, e.g. 128,512,2048."""
     try:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import argparse
 
+from kvroute.argtypes import positive_int
 from kvroute.commands.common import (
     listen,
     port,
-    positive_int,
 )
 from kvroute.report import err, error
 

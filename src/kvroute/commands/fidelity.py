@@ -7,9 +7,7 @@ import os
 
 from rich.table import Table
 
-from kvroute.commands.common import (
-    positive_int,
-)
+from kvroute.argtypes import positive_int
 from kvroute.report import console, err, error, write_json
 
 
