@@ -174,6 +174,9 @@ def test_duplicate_replica_ids_name_the_line_and_suggest_id(tmp_path, capsys, se
     ["bench", "sim-speed", "--repeats", "0"],
     ["bench", "kv-events", "--publishers", "0"],
     ["calibrate", "--url", "http://127.0.0.1:9", "--out", "p.yaml", "--repeats", "0"],
+    ["demo", "--decisions", "0"],  # was the whole demo, its routing table empty
+    ["demo", "--sim-requests", "-1"],  # was the walk-through and a benchmark before the error
+    ["bench", "fidelity", "--url", "http://127.0.0.1:9", "--users", "0"],
 ])
 def test_a_count_below_one_is_refused_before_any_work(argv, capsys):
     """Counts of runs, requests, seeds and repeats must be positive: argparse's error line, exit 2."""
@@ -183,3 +186,28 @@ def test_a_count_below_one_is_refused_before_any_work(argv, capsys):
     err = capsys.readouterr().err
     assert "Traceback" not in err
     assert err.strip().splitlines()[-1].endswith(f"argument {argv[-2]}: '{argv[-1]}': must be a positive integer")
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["calibrate", "--url", "http://127.0.0.1:9", "--out", "p.yaml", "--noise-probes", "-1"],
+     "must be 0 or a positive integer"),
+    (["bench", "pd", "--threshold", "-5"], "must be 0 or a positive integer"),  # ran half the bench first
+    (["bench", "gateway", "--upstream-delay-ms", "-5"], "must be a number of 0 or more"),  # ran with no delay
+    (["bench", "gateway", "--gate", "nan"], "must be a finite number"),
+    (["calibrate", "--url", "http://127.0.0.1:9", "--out", "p.yaml", "--timeout", "0"], "must be a number above 0"),
+    (["demo", "--live-seconds", "-2"], "must be a number above 0"),
+])
+def test_an_out_of_range_number_is_refused_before_any_work(argv, says, capsys):
+    """Delays, tolerances, time limits and may-be-zero counts: argparse's error line naming the flag, exit 2."""
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1].endswith(f"argument {argv[-2]}: '{argv[-1]}': {says}")
+
+
+def test_fidelity_turns_out_of_order_name_both_flags(capsys):
+    """--min-turns above --max-turns is one line naming both, before any engine is touched."""
+    assert main(["bench", "fidelity", "--url", "http://127.0.0.1:9", "--min-turns", "7", "--max-turns", "3"]) == 2
+    assert "--min-turns 7 is above --max-turns 3" in capsys.readouterr().err

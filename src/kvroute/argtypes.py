@@ -18,3 +18,40 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text!r}: must be a positive integer")
     return value
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type: an integer of 0 or more (0 meaning "none", e.g. no noise probes)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be 0 or a positive integer")
+    return value
+
+
+def _number(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if value != value or value in (float("inf"), float("-inf")):
+        raise argparse.ArgumentTypeError(f"{text!r}: must be a finite number")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite number above 0 (seconds, rates)."""
+    value = _number(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be a number above 0")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """argparse type: a finite number of 0 or more (a delay, a tolerance)."""
+    value = _number(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be a number of 0 or more")
+    return value

@@ -7,7 +7,7 @@ import json
 
 from rich.table import Table
 
-from kvroute.argtypes import positive_int
+from kvroute.argtypes import non_negative_int, positive_int
 from kvroute.report import console, err, error, routing_table, write_json
 
 
@@ -208,8 +208,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     bp = bench.add_parser("pd", help="aggregated vs disaggregated vs conditional prefill/decode, simulated")
     bp.add_argument("--profile", default="h100-llama3.2-3b", help="hardware profile of the four engines")
     bp.add_argument("--seed", type=int, default=0)
-    bp.add_argument("--threshold", type=int, default=512, help="conditional: split when the decode engine would "
-                    "compute at least this many uncached tokens (llm-d's nonCachedTokens)")
+    bp.add_argument("--threshold", type=non_negative_int, default=512,
+                    help="conditional: split when the decode engine would compute at least this many uncached "
+                         "tokens (llm-d's nonCachedTokens)")
     bp.add_argument("--scale", type=float, default=1.0, help="share of each run's requests (quick runs: 0.2)")
     bp.add_argument("--json")
     bp.add_argument("--md", help="also write the table to this Markdown file")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from rich.table import Table
 
-from kvroute.argtypes import positive_int
+from kvroute.argtypes import non_negative_float, positive_int
 from kvroute.report import console, err, write_json
 
 
@@ -25,7 +25,7 @@ def add_parser(bench: argparse._SubParsersAction) -> None:  # type: ignore[type-
     bg.add_argument("--presets", default=None,
                     help="presets to measure (default: round_robin,sglang_cache_aware,skywalker,lmetric; with "
                          "--peers: round_robin)")
-    bg.add_argument("--upstream-delay-ms", type=float, default=0.0,
+    bg.add_argument("--upstream-delay-ms", type=non_negative_float, default=0.0,
                     help="upstream wait before answering (an engine's TTFT); default 0")
     bg.add_argument("--baseline-src", metavar="DIR",
                     help="also measure a gateway imported from this source tree (e.g. a git worktree's src/ of "
@@ -36,7 +36,7 @@ def add_parser(bench: argparse._SubParsersAction) -> None:  # type: ignore[type-
                     help="also measure kvroute's compiled build (`make compiled` installs it into build/compiled, "
                          "the default DIR) in the same paired run; the plain kvroute row is this install's build "
                          "(pure Python in a development checkout), and the output says which build each row ran")
-    bg.add_argument("--gate", type=float, metavar="TOLERANCE",
+    bg.add_argument("--gate", type=non_negative_float, metavar="TOLERANCE",
                     help="regression gate: exit 1 when the gateway's CPU per request (non-stream or stream, any "
                          "preset) exceeds the baseline's by more than TOLERANCE (0.10 = 10 %%); the baseline is "
                          "--baseline-src/--baseline-ref measured in the same run, or --baseline-json")

@@ -6,7 +6,7 @@ import argparse
 
 from rich.table import Table
 
-from kvroute.argtypes import positive_int
+from kvroute.argtypes import non_negative_int, positive_float, positive_int
 from kvroute.commands.common import (
     int_list,
     unwritable,
@@ -78,7 +78,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     ca.add_argument("--warm-lengths", type=int_list, default=(96, 256), dest="warm_lengths", metavar="N,N,...",
                     help="warm prefills: new tokens after the cached prompt (default 96,256: past llama.cpp's 64-row "
                          "attention tile)")
-    ca.add_argument("--noise-probes", type=int, default=8, dest="noise_probes", metavar="N",
+    ca.add_argument("--noise-probes", type=non_negative_int, default=8, dest="noise_probes", metavar="N",
                     help="rounds of a tiny prompt on every engine, for the per-request delay's spread (default 8)")
     ca.add_argument("--max-batched-tokens", type=positive_int, dest="max_batched_tokens",
                     help="the engines' per-step token budget (default: llama-server's 2048, else 8192, vLLM's "
@@ -88,7 +88,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                     help="KV capacity per engine (default: from the engine)")
     ca.add_argument("--max-running", type=positive_int, dest="max_running",
                     help="concurrent sequences per engine (default: llama-server's slots, else 256)")
-    ca.add_argument("--timeout", type=float, default=120.0, help="seconds allowed for any one request")
+    ca.add_argument("--timeout", type=positive_float, default=120.0, help="seconds allowed for any one request")
     ca.add_argument("--host-cores", type=positive_int, dest="host_cores", metavar="N",
                     help="the engines all run on one machine with N cores: divide every time by "
                          "max(1, engines / N), the sharing simulate adds back with `host_cores`")

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from rich.table import Table
 
+from kvroute.argtypes import positive_float, positive_int
 from kvroute.commands.simulate import run_simulation
 from kvroute.model import Endpoint, Request
 from kvroute.policy import PRESETS, Router, build_policy
@@ -240,11 +241,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register the command."""
     demo = sub.add_parser("demo", help="the main job: walk-through, benchmark, simulation, gateway")
     demo.add_argument("--out", default="out", help="folder for JSON results and plots")
-    demo.add_argument("--decisions", type=int, default=500)
-    demo.add_argument("--sim-requests", type=int, default=3000, dest="sim_requests")
+    demo.add_argument("--decisions", type=positive_int, default=500)
+    demo.add_argument("--sim-requests", type=positive_int, default=3000, dest="sim_requests")
     demo.add_argument("--live-policies", default="round_robin,sglang_cache_aware,skywalker,lmetric",
                       dest="live_policies")
-    demo.add_argument("--live-seconds", type=float, default=10.0, dest="live_seconds",
+    demo.add_argument("--live-seconds", type=positive_float, default=10.0, dest="live_seconds",
                       help="time limit per policy for the live run")
-    demo.add_argument("--live-requests", type=int, default=400, dest="live_requests")
+    demo.add_argument("--live-requests", type=positive_int, default=400, dest="live_requests")
     demo.set_defaults(func=cmd_demo)

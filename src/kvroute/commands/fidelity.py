@@ -37,6 +37,8 @@ def cmd_bench_fidelity(args: argparse.Namespace) -> int:
         return _replay(args)
     if not args.url:
         return error("bench fidelity: give the engines (--url, one per engine) or a stored run (--replay FILE)")
+    if args.min_turns > args.max_turns:
+        return error(f"bench fidelity: --min-turns {args.min_turns} is above --max-turns {args.max_turns}")
     calibrated = args.profile is None
     if calibrated:  # self-contained: calibrate these engines first, sharing counted
         args.host_cores = args.host_cores or os.cpu_count() or 1
@@ -154,12 +156,12 @@ def add_parser(bench: argparse._SubParsersAction) -> None:
                     help="the engines' per-step token budget for the calibration, where they do not say it (vLLM's "
                          "depends on its device: 2048 on CPU; default as `kvroute calibrate`)")
     bf.add_argument("--policies", default="round_robin,sglang_cache_aware,lmetric,skywalker")
-    bf.add_argument("--users", type=int, default=12)
-    bf.add_argument("--groups", type=int, default=3, help="user groups, each sharing one system prompt")
-    bf.add_argument("--system-tokens", type=int, default=1500, dest="system_tokens")
-    bf.add_argument("--min-turns", type=int, default=4, dest="min_turns")
-    bf.add_argument("--max-turns", type=int, default=6, dest="max_turns")
-    bf.add_argument("--max-tokens", type=int, default=16, dest="max_tokens")
+    bf.add_argument("--users", type=positive_int, default=12)
+    bf.add_argument("--groups", type=positive_int, default=3, help="user groups, each sharing one system prompt")
+    bf.add_argument("--system-tokens", type=positive_int, default=1500, dest="system_tokens")
+    bf.add_argument("--min-turns", type=positive_int, default=4, dest="min_turns")
+    bf.add_argument("--max-turns", type=positive_int, default=6, dest="max_turns")
+    bf.add_argument("--max-tokens", type=positive_int, default=16, dest="max_tokens")
     bf.add_argument("--seed", type=int, default=0, help="repeat i uses seed S + i, live and simulated alike")
     bf.add_argument("--repeats", type=positive_int, default=3, metavar="N",
                     help="run every policy N times live (interleaved) and in simulate; report medians, min-max "
