@@ -68,6 +68,20 @@ def kvroute_logging_restored():
     logger.handlers[:], logger.level, logger.propagate = saved[0], saved[1], saved[2]
 
 
+@pytest.fixture(scope="session")
+def vllm_shared():
+    """The real vLLM pair (tests/vllm/engine.py SharedPair) that tests/test_vllm.py and
+    tests/test_vllm_streams.py share: started by the first file that asks, revived for the next,
+    stopped by PID when the session ends."""
+    from tests.vllm.engine import SharedPair
+
+    pair = SharedPair()
+    try:
+        yield pair
+    finally:
+        pair.close()
+
+
 @pytest.fixture
 def router_for():
     def build(preset: str, n: int = 4, params: dict | None = None, **ep_kw) -> Router:

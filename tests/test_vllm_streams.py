@@ -26,20 +26,20 @@ from tests.vllm.pace import CpuQuota, pace
 
 pytestmark = pytest.mark.skipif(not vllm.available(), reason="no .venv-vllm: `make vllm-env` installs vLLM")
 
-BLOCKS = 48  # 1,504 tokens of context: room for a 900-token answer
 PROMPT = "The storage cluster went down on Tuesday because"
 THROTTLE_RUN_S, THROTTLE_PERIOD_S = 0.002, 0.02  # a tenth of a CPU (tests/vllm/pace.py)
 
 
 @pytest.fixture(scope="module")
-def pair():
-    """Two engines behind a plain kvroute gateway (round robin, stall detection on)."""
-    with vllm.running_engines(2, BLOCKS, "kvroute-vllm26-") as (_, engines):
-        gw = Gateway(engines, None, policy="round_robin")
-        try:
-            yield engines, gw
-        finally:
-            gw.close()
+def pair(vllm_shared):
+    """Two engines behind a plain kvroute gateway (round robin, stall detection on); the engines are
+    the pair tests/test_vllm.py uses too (tests/conftest.py), revived if a test there left one down."""
+    _, engines = vllm_shared.engines()
+    gw = Gateway(engines, None, policy="round_robin")
+    try:
+        yield engines, gw
+    finally:
+        gw.close()
 
 
 def generated(engine: vllm.VLLMEngine) -> float:

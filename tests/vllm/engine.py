@@ -24,6 +24,9 @@ ROOT = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 BLOCK = 32  # CPU attention needs a multiple of 32
 MODEL_DIR = ROOT / ".venv-vllm" / "tiny-model"  # written once per vLLM venv (random weights, seed 0)
+# the pair tests/test_vllm.py and tests/test_vllm_streams.py share (SharedPair): 1,504 tokens of
+# context, room for the streams' 900-token answers; test_vllm's conversations are sized to evict
+SHARED_BLOCKS = 48
 
 
 def available() -> bool:
@@ -162,6 +165,28 @@ class VLLMEngine:
         self.pids, self.started = set(), {}
         self.log.close()
 
+    def revive(self) -> None:
+        """Make sure the engine runs for the next test file: SIGCONT every process of it (a test may
+        have left its core stopped), and start it again if its server has exited (a test killed it)
+        or /health does not answer 200."""
+        if self.proc is not None:
+            self._track()
+            for pid, start in self.started.items():
+                if _alive(pid, start):
+                    _signal(pid, signal.SIGCONT)
+            if self.proc.poll() is None and self._healthy():
+                return
+        self.stop()
+        self.start()
+        self.wait_ready()
+
+    def _healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=10) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
     def _reap(self) -> None:
         for pid in self.pids:
             try:
@@ -199,6 +224,30 @@ def running_engines(n: int, blocks: int, prefix: str) -> Iterator[tuple[Path, li
         for e in engines:
             e.stop()
         shutil.rmtree(root, ignore_errors=True)
+
+
+class SharedPair:
+    """Two engines of SHARED_BLOCKS blocks each, started once per test session for every file whose
+    tests need the same flags (tests/conftest.py's ``vllm_shared``): a pair start is 60-80 s of a CI
+    run. :meth:`engines` starts them on first use, and afterwards revives any engine an earlier
+    file killed or froze; :meth:`close` stops them (by PID) and removes their folder."""
+
+    def __init__(self) -> None:
+        self._stack = contextlib.ExitStack()
+        self._pair: tuple[Path, list[VLLMEngine]] | None = None
+
+    def engines(self) -> tuple[Path, list[VLLMEngine]]:
+        """(the model's folder, the two engines), both running."""
+        if self._pair is None:
+            self._pair = self._stack.enter_context(running_engines(2, SHARED_BLOCKS, "kvroute-vllm-"))
+        else:
+            for e in self._pair[1]:
+                e.revive()
+        return self._pair
+
+    def close(self) -> None:
+        self._pair = None
+        self._stack.close()
 
 
 def held_ports(k: int) -> list[socket.socket]:
