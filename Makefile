@@ -28,9 +28,11 @@ $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q -e '.[sim]'
 	touch $@
 
-$(DEVSTAMP): $(STAMP)
+# one pip run for everything (sim is among the extras), not `install` and then a second resolve and
+# editable build; both stamps then say what is installed
+$(DEVSTAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q -e '.[sim,dev,k8s,ray,events]'
-	touch $@
+	touch $(STAMP) $@
 
 $(VLLM_STAMP):
 	$(PY) -m venv $(VLLM_VENV)
@@ -92,7 +94,11 @@ peers:
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends nginx >/dev/null; \
 	  else echo "note: nginx not installed and not root: --peers skips it"; fi; }
 
-test: lint system-deps $(VLLM_STAMP)
+# the set-up steps side by side (-j2): the project's venv then lint (mypy) on one side, the vLLM
+# venv (torch and vLLM's requirements) on the other, each mostly one pip or mypy process on one core;
+# --output-sync keeps each step's output together
+test:
+	$(MAKE) --no-print-directory -j2 --output-sync=target lint system-deps $(VLLM_STAMP)
 	$(BIN)/python -m pytest --cov --cov-report=term:skip-covered --cov-fail-under=$(COV_MIN)
 
 bench: $(STAMP)
