@@ -295,8 +295,8 @@ def test_auto_least_work_counts_an_uncached_prefill_once_more_per_answer_decodin
     from tests.conftest import make_request
 
     req = make_request("turn2", "hello " * 800)  # 18 blocks, 1,204 tokens
-    old = router_for("auto", 3)  # decode_prefill 0 by default
-    new = router_for("auto", 3, params={"decode_prefill": 1.0})
+    old = router_for("auto", 3, params={"decode_prefill": 0.0})
+    new = router_for("auto", 3, params={"decode_fanout": False})  # the term on any traffic (default: on fan-outs)
     for router in (old, new):
         a, b, c = router.view.endpoints
         router.prefix.insert(a.id, req.block_hashes[:-2])  # a caches 16 blocks: 180 tokens uncached there

@@ -256,6 +256,15 @@ def least_work_pick(queued: list[int], new: list[int], busy: float) -> int:
     return min(range(len(work)), key=work.__getitem__)
 
 
+# decoding_uncached with ``fanout``: the share of this router's dispatches that must be fan-outs (a program's second
+# or later request sent on one answer) for the term to act. SkyWalker's trees of thought (depth 4, branching 2:
+# workload/synthetic.py) send 7 of their 15 requests that way (0.47); a quarter is about half that, so traffic with
+# trees on about half its clients qualifies (mixed-tree: 0.38), while closed-loop chats (a user key shared by two
+# conversations: at most 0.005 measured), open-loop traffic with hot keys (hot-prefix: 0.054) and length-only traces (0)
+# do not (docs/auto.md, session 14). A bound chosen between the classes, not fitted to a cell
+FANOUT_SHARE = 0.25
+
+
 @register_plugin
 class DecodingUncached(Scorer, Lifecycle):
     """This request's uncached tokens × this router's requests decoding on the endpoint (first token seen, not
@@ -275,29 +284,59 @@ class DecodingUncached(Scorer, Lifecycle):
     name = "decoding_uncached"
     inputs = frozenset({"prefix", "prefill_backlog"})
 
-    def __init__(self, busy: float = 1.0) -> None:
+    def __init__(self, busy: float = 1.0, fanout: bool = False) -> None:
         if busy < 0:
             raise ValueError(f"busy must be >= 0, got {busy}")
         self.busy = busy  # busy_uncached's weight in the least work the guard compares with
         self.decoding: dict[str, int] = {}  # endpoint id → this router's requests past their first token
         self.at: dict[str, str] = {}  # request id → its endpoint, from its first token to its end
+        self.fanout = fanout  # the term only while the traffic fans out (``gate``)
+        self.key_of: dict[str, str] = {}  # request id → its routing key, from dispatch to end (fanout only)
+        self.ended: set[str] = set()  # routing keys with an answer ended since the previous dispatch
+        self.chain: str | None = None  # the previous dispatch's key, when it was a follow-up
+        self.dispatched = self.followed = self.fanned = 0
+
+    def gate(self) -> float:
+        """With ``fanout``: 1 while at least ``FANOUT_SHARE`` of this router's dispatches were fan-outs, else 0; 1
+        without ``fanout``. A *follow-up* is a request of a program (routing key) dispatched once an answer of that
+        program had ended, with no other program's request dispatched in between; a *fan-out* is a follow-up right
+        after another follow-up of the same answer (one answer, several requests: a tree of thought's children)."""
+        if not self.fanout:
+            return 1.0
+        return 1.0 if self.fanned and self.fanned >= FANOUT_SHARE * self.dispatched else 0.0
 
     def values(self, st: DecisionState, eps: list[Endpoint]) -> list[float]:
-        """Uncached tokens × requests decoding × the free share, per endpoint; 0 everywhere where the term would move
-        the least work's pick to a replica with prefill queued."""
+        """Uncached tokens × requests decoding × the free share (while ``gate`` holds, with ``fanout``), per endpoint;
+        0 everywhere where the term would move the least work's pick to a replica with prefill queued."""
         queued = [e.queued_prefill_tokens for e in eps]
         free = sum(1 for q in queued if q == 0) / len(eps) if eps else 0.0
         get = self.decoding.get
-        if not free or not any(get(e.id, 0) for e in eps):
+        weight = free * self.gate()
+        if not weight or not any(get(e.id, 0) for e in eps):
             return [0.0] * len(eps)
         new = st.new_prefill(eps)
-        term = [n * get(e.id, 0) * free for n, e in zip(new, eps)]
+        term = [n * get(e.id, 0) * weight for n, e in zip(new, eps)]
         before = least_work_pick(queued, new, self.busy)
         share = 1.0 + self.busy * (1.0 - free)
         after = min(range(len(eps)), key=lambda i: queued[i] + new[i] * share + term[i])
         if after != before and queued[after] > 0:
             return [0.0] * len(eps)
         return term
+
+    def on_dispatched(self, req: Request, endpoint: Endpoint, new_prefill_tokens: int) -> None:
+        """With ``fanout``: count the dispatch, whether it follows its program's answer at once, and whether it is a
+        second or later request on that answer."""
+        if not self.fanout:
+            return
+        key = req.routing_key
+        self.dispatched += 1
+        follow = key is not None and (key in self.ended or key == self.chain)
+        self.followed += follow
+        self.fanned += follow and key == self.chain
+        self.chain = key if follow else None
+        self.ended.clear()
+        if key is not None:
+            self.key_of[req.id] = key
 
     def on_first_token(self, req_id: str, endpoint_id: str, ttft_s: float) -> None:
         """One more request decoding there."""
@@ -311,12 +350,24 @@ class DecodingUncached(Scorer, Lifecycle):
             self.decoding[eid] -= 1
 
     def on_finished(self, req_id: str, endpoint_id: str, e2e_s: float, output_tokens: int) -> None:
-        """No longer decoding."""
+        """No longer decoding; with ``fanout``, its program's answer has ended."""
         self._done(req_id)
+        key = self.key_of.pop(req_id, None)
+        if key is not None:
+            self.ended.add(key)
+            if key == self.chain:  # what follows this answer follows a new one: not the earlier answer's fan-out
+                self.chain = None
 
     def on_failed(self, req_id: str, endpoint_id: str) -> None:
         """Left the endpoint: no longer decoding."""
         self._done(req_id)
+        self.key_of.pop(req_id, None)
+
+    def state(self) -> dict[str, float]:
+        """With ``fanout``: dispatches ``followed`` and ``fanned`` out (counts), and whether the term acts (``on``)."""
+        if not self.fanout:
+            return {}
+        return {"followed": self.followed, "fanned": self.fanned, "on": self.gate()}
 
 
 @register_plugin

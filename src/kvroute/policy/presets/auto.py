@@ -52,13 +52,15 @@ never a step-time model:
    only to a replica that then queues no more prefill than the longest queue among the candidates now: in the
    burst of every client's first request the slowest first tokens are the last on the longest queue (session 8's
    unguarded term lengthened tot's TTFT p99 at 70 % of the knee by 3 %; guarded, not — but over 9 seeds it costs
-   live-3region-skewed 1–2 % of goodput, so it stays off: docs/auto.md). Optionally (``decode_prefill``, off by
-   default; scorer ``decoding_uncached``), once more per request of this LB decoding on the replica (first token
-   seen, not finished) × the share of the candidates with no prefill queued: a prefill lengthens the steps of every
-   answer decoding on its replica, so where the cache does not save it, it goes where fewer answers wait on it — on
-   a closed loop of trees and chats the answers' decode time, not the first token, sets the pace. That term may move
-   the pick only to a replica with no prefill queued (a burst's first tokens wait on queues); it stays off because it
-   lengthens the TTFT tail of other one-region cells (docs/auto.md, session 10);
+   live-3region-skewed 1–2 % of goodput, so it stays off: docs/auto.md). On traffic that fans out
+   (``decode_prefill`` with ``decode_fanout``; scorer ``decoding_uncached``), once more per request of this LB
+   decoding on the replica (first token seen, not finished) × the share of the candidates with no prefill queued: a
+   prefill lengthens the steps of every answer decoding on its replica, so where the cache does not save it, it goes
+   where fewer answers wait on it — on a closed loop of trees the answers' decode time, not the first token, sets
+   the pace. That term may move the pick only to a replica with no prefill queued (a burst's first tokens wait on
+   queues), and it acts only while at least a quarter of this LB's dispatches are fan-outs (a program's second
+   request sent on one answer: a tree's children; ``FANOUT_SHARE``): on conversations, open-loop chat and traces
+   it lengthened the TTFT tail or cost goodput (docs/auto.md, sessions 10 and 14);
 4. **the challenger, GORGO's cost**, trialled online against it (``ttft_selector``, interleaved
    trials, switching only on evidence of a better mean TTFT, guarded by end-to-end latency):
    across regions — the candidates' probe RTTs spread by more than ``rtt_spread_ms`` — w_rtt·RTT
@@ -110,7 +112,8 @@ TRUST = {"near_best": {"scorer": INCUMBENT, "factor": "$trust"}}
 # behind it; that term never moves the pick to a replica that would then have the longest queue), then this LB's
 # requests in flight
 # (busy_prefill not while the best-cached replica's measured p90 TPOT is past the TPOT SLO, when one is given: it
-# keeps the decodes too; replica_speed/headroom.py); with decode_prefill > 0, once more per answer of this LB decoding
+# keeps the decodes too; replica_speed/headroom.py); with decode_prefill > 0 (while the traffic fans out, with
+# decode_fanout: a tree's children), once more per answer of this LB decoding
 # on the replica x the share of candidates with no prefill queued (a prefill lengthens their steps; moves the pick
 # only to an empty queue)
 LEAST_WORK_COST = {"new_prefill": 1.0,
@@ -118,7 +121,8 @@ LEAST_WORK_COST = {"new_prefill": 1.0,
                                               "shared_fit": "incumbent", "min_samples": "$speed_samples",
                                               "spread": "$speed_spread"},
                    "waiting_uncached": {"weight": "$behind_prefill", "busy": "$busy_prefill"},
-                   "decoding_uncached": {"weight": "$decode_prefill", "busy": "$busy_prefill"},
+                   "decoding_uncached": {"weight": "$decode_prefill", "busy": "$busy_prefill",
+                                         "fanout": "$decode_fanout"},
                    "inflight": 1.0}
 # ... among the trust region, while the LB's whole fleet is one region of one hardware kind
 UNIFORM = {"uniform_fleet": {"scorer": INCUMBENT, "factor": "$trust", "ms": "$rtt_spread_ms"}}
@@ -219,13 +223,17 @@ class AutoParams(PolicyParams):
                                   "prefill than the longest queue now (a burst's tail); 0 (default): off — on, it "
                                   "trades goodput on trees for 1-2 % of goodput behind SkyWalker's two layers "
                                   "(docs/auto.md, sessions 8 and 9)")
-    decode_prefill: float = Field(0.0, ge=0, description="in the least-work rule, this request's uncached tokens "
+    decode_prefill: float = Field(1.0, ge=0, description="in the least-work rule, this request's uncached tokens "
                                   "count once more times this weight per request of this load balancer decoding on "
                                   "the replica (first token seen, not finished) x the share of the candidates with no "
                                   "prefill queued: a prefill lengthens the steps of every answer decoding there; it "
                                   "may move the pick only to a replica with no prefill queued (a burst's first tokens "
-                                  "wait on queues); 0 (default): off — on, it raises goodput on mixed trees and "
-                                  "chats but lengthens the TTFT tail of other one-region cells (docs/auto.md, "
-                                  "session 10)")
+                                  "wait on queues); with decode_fanout (the default) only while the traffic fans out; "
+                                  "0: off (docs/auto.md, sessions 10 and 14)")
+    decode_fanout: bool = Field(True, description="the decode_prefill term acts only while at least a quarter of "
+                                "this load balancer's dispatches are fan-outs — a program's (routing key's) second or "
+                                "later request sent as soon as one of its answers ended, as a tree of thought's "
+                                "children are; on conversations, open-loop chat and traces it lengthened the TTFT "
+                                "tail; false: on any traffic (docs/auto.md, session 14)")
     speed_spread: float = Field(1.5, ge=1, description="the fleet counts as mixed hardware when learned prefill and "
                                 "decode times both spread past this factor (max / min); else it routes as one kind")
