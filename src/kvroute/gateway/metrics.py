@@ -54,7 +54,7 @@ class GatewayMetrics:
         # item by item on every lookup, where the route and policy names are the same str objects each time
         # (cached hashes, compared by identity) and the status a small int (issue 25's ninth round)
         self._requests: dict[str, dict[str, dict[int, int]]] = {}
-        self.branch_by_policy: dict[tuple[str, str], int] = {}  # (policy, branch) -> decisions
+        self._branches: dict[str, dict[str, int]] = {}  # policy -> branch -> decisions (nested, as above)
         self.ttft = LocalHistogram("kvroute_ttft_seconds", "Time to first byte of the response body, at the gateway")
         self.e2e = LocalHistogram("kvroute_e2e_seconds", "Request latency at the gateway")
         self.queue_wait = LocalHistogram("kvroute_lb_queue_wait_seconds", "Time held in the LB queue")
@@ -103,16 +103,23 @@ class GatewayMetrics:
 
     def count_branch(self, policy: str, branch: str) -> None:
         """Count one routing decision by the policy branch that made it (one count per decision:
-        the per-branch totals are summed when read, ``branch_counts``)."""
-        pair = (policy, branch)
-        counts = self.branch_by_policy
-        counts[pair] = counts.get(pair, 0) + 1
+        the per-branch totals are summed when read, ``branch_counts``). Nested by policy, not keyed
+        by a (policy, branch) tuple made per decision (twelfth round, docs/hot-path.md)."""
+        by_branch = self._branches.get(policy)
+        if by_branch is None:
+            by_branch = self._branches[policy] = {}
+        by_branch[branch] = by_branch.get(branch, 0) + 1
         self.last_branch = branch
 
     @property
+    def branch_by_policy(self) -> dict[tuple[str, str], int]:
+        """Decisions by (policy, branch), each policy's branches in the order they first decided."""
+        return {(policy, branch): n for policy, by_branch in self._branches.items() for branch, n in by_branch.items()}
+
+    @property
     def branch_counts(self) -> dict[str, int]:
-        """Decisions per branch over every policy that ran, in the order the branches first
-        decided (GET /admin/policy)."""
+        """Decisions per branch over every policy that ran (GET /admin/policy): the policies in the
+        order they first decided, each one's branches in the order they first decided."""
         out: dict[str, int] = {}
         for (_, branch), n in self.branch_by_policy.items():
             out[branch] = out.get(branch, 0) + n
