@@ -76,10 +76,15 @@ def vllm_shared():
     from tests.vllm.engine import SharedPair
 
     pair = SharedPair()
+    _vllm_pairs.append(pair)
     try:
         yield pair
     finally:
         pair.close()
+
+
+_vllm_pairs: list = []  # the session's shared vLLM pair, once a test has asked for it
+_vllm_last: list[str] = []  # the node id of the last test that uses it
 
 
 @pytest.fixture
@@ -97,11 +102,16 @@ def pytest_collection_modifyitems(session, config, items):
     compiled for --collect-only."""
     if not config.option.collectonly:
         compile_harness.schedule(items)
+    _vllm_last[:] = [it.nodeid for it in items if "vllm_shared" in getattr(it, "fixturenames", ())][-1:]
 
 
 def pytest_runtest_logfinish(nodeid, location):
-    """The compile starts once the timed tests have run (tests/compile_harness.py)."""
+    """The compile starts once the timed tests have run (tests/compile_harness.py); the shared vLLM
+    pair stops once its last test has run, so that no idle engines sit beside the tests after it."""
     compile_harness.finished(nodeid)
+    if _vllm_last and nodeid == _vllm_last[0]:
+        for pair in _vllm_pairs:
+            pair.close()
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -246,6 +246,7 @@ class SharedPair:
         return self._pair
 
     def close(self) -> None:
+        """Stop both engines (again is harmless; a later :meth:`engines` starts a new pair)."""
         self._pair = None
         self._stack.close()
 
