@@ -45,7 +45,10 @@ class Harness:
         assert e.running <= e.p.max_running
         assert all(c >= 0 for c in e.refcnt.values())
         assert set(e.evictable) == {h for h, c in e.refcnt.items() if c == 0}
-        # the cache only holds blocks that some sequence actually computed
+        # the cache only holds blocks that some sequence computed or (vLLM v1 caches a chunk's
+        # blocks when it schedules it, sim/batch.py store_at) has in the step in progress
+        for seq, c in e._chunks:
+            self.computed.update(seq.hashes[: min(len(seq.hashes), (seq.prompt - seq.prefill_left + c) // seq.bt)])
         assert set(e.refcnt) <= self.computed
         private = sum(s.private + (s.a + e.steps - s.prompt) for s in e.decoding.values()) \
             + sum(s.private for s in e.prefilling)
@@ -100,18 +103,106 @@ def test_prefix_cache_hits_only_after_prefill_and_skip_prefill_work():
     assert h.first["b"] - start < t_a / 5  # and the prefill was far shorter
 
 
-def test_concurrent_identical_prompts_do_not_hit_uncomputed_blocks():
+def test_a_prompt_waiting_behind_a_chunked_prefix_hits_the_blocks_vllm_scheduled():
+    """vLLM v1 caches a chunk's full blocks when it schedules the chunk and admits a waiting
+    request only while the step's token budget has room (sim/batch.py ``store_at``): b, arriving
+    during a's first 128-token chunk, waits until a's last chunk is scheduled and then hits the
+    six blocks it shares with a (the simulator before issue 21p admitted it at once, cold)."""
     h = Harness(small_profile(kv_blocks=4000, max_batched_tokens=128))
-    hashes = tuple(range(10))
-    a, b = Seq("a", 640, 2, hashes, 64), Seq("b", 640, 2, hashes, 64)
-    h.eng.submit(a)  # five chunked-prefill steps of 128 tokens
-    h.loop.at(0.01, h.eng.submit, b)  # admitted while a is still prefilling
+    shared = tuple(range(6))
+    a = Seq("a", 650, 2, shared + (10, 11, 12, 13), 64)
+    b = Seq("b", 650, 2, shared + (20, 21, 22, 23), 64)
+    h.eng.submit(a)  # five chunked-prefill steps of 128 tokens and one of 10
+    h.loop.at(0.01, h.eng.submit, b)
     h.run()
-    assert b.cached == 0 and h.eng.hit_tokens == 0
-    c = Seq("c", 640, 2, hashes, 64)  # after a finished prefilling, the blocks are there
-    h.eng.submit(c)
+    assert b.cached == 6 * 64 and h.eng.hit_tokens == 6 * 64
+    assert h.first["b"] > h.first["a"]
+
+
+def test_a_prompt_admitted_beside_another_hits_its_scheduled_chunk_in_the_same_step():
+    """Both wait at one step boundary: vLLM schedules a's first chunk (and caches its blocks),
+    then looks b up in the same schedule; with 256 tokens of budget left b hits a's first four
+    blocks although no step has run yet. Memory counts the shared blocks once."""
+    h = Harness(small_profile(kv_blocks=4000, max_batched_tokens=512))
+    shared = tuple(range(8))
+    a = Seq("a", 256 + 10, 2, shared[:4], 64)
+    b = Seq("b", 8 * 64 + 5, 2, shared, 64)
+    e = h.eng
+    e.waiting.extend([a, b])  # both queued before the engine plans
+    e.submit(Seq("c", 10, 1, (), 64))  # a third wakes the idle engine: one plan for all three
+    assert a.cached == 0 and b.cached == 4 * 64
+    assert e.refcnt[shared[0]] == 2  # a's block, referenced by b too, stored once
+    h.check()
     h.run()
-    assert c.cached == 639
+
+
+def test_sglang_caches_a_chunk_after_its_step():
+    """SGLang caches a chunked request's prefix after each chunk's forward pass
+    (``cache_unfinished_req``): b, arriving during a's first chunk, is admitted at the next step
+    boundary (SGLang's admission has no token bound here) and hits a's first two blocks."""
+    h = Harness(small_profile(kv_blocks=4000, max_batched_tokens=128, admission="sglang"))
+    shared = tuple(range(6))
+    a = Seq("a", 650, 2, shared + (10, 11, 12, 13), 64)
+    b = Seq("b", 650, 2, shared + (20, 21, 22, 23), 64)
+    h.eng.submit(a)
+    h.loop.at(0.01, h.eng.submit, b)
+    h.run()
+    assert b.cached == 2 * 64
+
+
+def vllm_reference(prompts: list[tuple[int, tuple[int, ...]]], budget: int, bt: int) -> list[int]:
+    """Cached prompt tokens of each request by vLLM v1's scheduling rule, written out step by
+    step: running prefills first (FCFS), each chunk's full blocks cached when scheduled, then the
+    waiting queue while budget is left, looked up against the cache as it stands. Request 0 waits
+    at the first step, the rest from the second; one output token each (no decodes), memory ample.
+    The hit is the sim's (every matched token but the prompt's last)."""
+    cached: set[int] = set()
+    hit = [-1] * len(prompts)
+    waiting, running, step = [0], [], 0
+
+    def store(i, tokens):
+        cached.update(prompts[i][1][: tokens // bt])
+
+    while waiting or running or step < 2:
+        step += 1
+        if step == 2:
+            waiting += list(range(1, len(prompts)))
+        left, nxt = budget, []
+        for i, done in running:
+            c = min(prompts[i][0] - done, max(left, 0))
+            left -= c
+            store(i, done + c)
+            if done + c < prompts[i][0]:
+                nxt.append((i, done + c))
+        while waiting and left > 0:
+            i = waiting.pop(0)
+            m = 0
+            while m < len(prompts[i][1]) and prompts[i][1][m] in cached:
+                m += 1
+            hit[i] = min(m * bt, prompts[i][0] - 1)
+            c = min(prompts[i][0] - hit[i], left)
+            left -= c
+            store(i, hit[i] + c)
+            if hit[i] + c < prompts[i][0]:
+                nxt.append((i, hit[i] + c))
+        running = nxt
+    return hit
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 2), st.integers(1, 12), st.integers(1, 63)), min_size=2, max_size=8),
+       st.sampled_from([64, 100, 256, 700]))
+def test_vllm_prefix_hits_match_a_step_by_step_reference(reqs, budget):
+    bt = 64
+    rng = random.Random(len(reqs) * 7 + budget)
+    families = {f: tuple(rng.getrandbits(64) for _ in range(12)) for f in range(3)}
+    prompts = [(n * bt + extra, families[f][:n]) for f, n, extra in reqs]
+    h = Harness(small_profile(kv_blocks=4000, max_batched_tokens=budget))
+    seqs = [Seq(f"r{i}", p, 1, hs, bt) for i, (p, hs) in enumerate(prompts)]
+    for s in seqs:
+        h.eng.submit(s)
+    h.run()
+    assert [s.cached for s in seqs] == vllm_reference(prompts, budget, bt)
 
 
 def test_preemption_under_memory_pressure_still_finishes_everything():

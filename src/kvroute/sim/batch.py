@@ -4,7 +4,11 @@ between states (split out of sim/engine.py, issue 22).
 * Admission is FCFS from the waiting queue while a slot (``max_running``) and memory for the
   uncached part of the prompt exist (vLLM v1's scheduler; head-of-line blocking: the queue waits
   for memory behind its first sequence).
-* A finished prompt becomes prefix cache (sim/kvcache.py) and the sequence joins the decode batch;
+* When a prompt's blocks become prefix cache (sim/kvcache.py), by ``store_at`` (:func:`store_at`):
+  vLLM v1 as each chunk is scheduled, SGLang as each chunk is computed, llama-server (whose running
+  prompts no other request can reuse) when the prompt is done. vLLM v1 admits a waiting sequence
+  only while the step's token budget has room after the running sequences' chunks.
+* A finished prompt's sequence joins the decode batch;
   decode growth that finds no memory evicts cache, then preempts the newest sequence (recompute:
   it re-prefills prompt + generated tokens later).
 
@@ -37,6 +41,32 @@ from kvroute.sim.step_gauge import VLLMStatsGauge
 
 Admission = Callable[["Batch", Seq, int], bool]  # (engine, seq, KV tokens it takes) → may admit
 
+SCHEDULED, COMPUTED, PREFILL_END = "scheduled", "computed", "prefill_end"
+
+
+def store_at(profile: HardwareProfile) -> str:
+    """When a prompt's full blocks become hittable prefix cache on this profile's engine.
+
+    * ``"scheduled"`` (vLLM v1, ``admission: vllm``): as each chunk is scheduled. vLLM 0.32
+      (.venv-vllm) ``vllm/v1/core/kv_cache_manager.py`` ``allocate_slots`` ends with
+      ``cache_blocks(request, min(total_computed_tokens + num_new_tokens, request.num_tokens))``
+      (line 616), and ``block_pool.py`` ``cache_blocks`` caches ``num_tokens // block_size`` full
+      blocks; ``v1/core/sched/scheduler.py`` ``schedule`` allocates the RUNNING requests' chunks
+      first (line 657) and only then looks the WAITING ones up (``_get_local_prefix_cache_hit``,
+      line 967), each of them only ``while token_budget > 0`` (line 912). So a request that waited
+      behind a shared prefix being chunked hits every block scheduled so far.
+    * ``"computed"`` (SGLang, ``admission: sglang``): after each chunk's forward pass.
+      sgl-project/sglang ``python/sglang/srt/managers/scheduler.py`` ``get_next_batch_to_run``
+      calls ``tree_cache.cache_unfinished_req(self.chunked_req)`` before it forms the next batch,
+      whose waiting requests then match the radix tree (``get_new_batch_prefill``).
+    * ``"prefill_end"`` (llama-server, ``prefix_reuse: idle_slots``): a prefix is reused only from
+      an idle slot's copy (sim/kvcache.py), so a running prompt's blocks are never hittable and the
+      moment they are stored does not matter; they are stored when the prompt is done.
+    """
+    if profile.prefix_reuse == "idle_slots":
+        return PREFILL_END
+    return COMPUTED if profile.admission == "sglang" else SCHEDULED
+
 
 class Batch(KVCache):
     """Waiting queue, prefilling and decoding sequences, and their transitions (see the module
@@ -52,6 +82,7 @@ class Batch(KVCache):
         # what a probe reads as waiting (None: the live queue)
         self.gauge: SGLangQueueGauge | DeferredGauge | VLLMStatsGauge | None = None
         self.slot_cache: SlotCache | None = None  # llama-server's slot copies (sim/slot_cache.py)
+        self.store_at = store_at(profile)  # when prompt blocks become cache (see store_at)
         self.waiting: deque[Seq] = deque()
         self.prefilling: list[Seq] = []
         self.decoding: dict[int, Seq] = {}  # admission order → seq (newest last)
@@ -128,11 +159,36 @@ class Batch(KVCache):
         self._wake()
 
     # -- admission -------------------------------------------------------------------------------
-    def _admit(self) -> None:
+    def _schedule_running(self) -> int | None:
+        """Before admission at a step boundary. vLLM v1 (``store_at`` "scheduled"): the chunks
+        the running prefills get in the coming step (FCFS, as ``Engine._plan`` will give them)
+        have their full blocks cached now, and the token budget left for the waiting queue is
+        returned; None (no budget bound on admission) for the other engines."""
+        if self.store_at != SCHEDULED:
+            return None
+        budget = self.p.max_batched_tokens - len(self.decoding)
+        for seq in self.prefilling:
+            if budget <= 0:
+                break
+            left = seq.prefill_left
+            if seq.state != PREFILL or left <= 0:
+                continue
+            c = left if left < budget else budget
+            self._store_blocks(seq, seq.prompt - left + c)
+            budget -= c
+        return budget
+
+    def _admit(self, budget: int | None = None) -> None:
+        """FCFS admission from the waiting queue (module docstring). ``budget``: the step's
+        prefill tokens left (vLLM v1, ``_schedule_running``): admission stops when it is spent,
+        and each admitted sequence's first chunk has its full blocks cached at once, so the next
+        one in the queue can hit them; None: no token bound."""
         cap = self.p.max_running
         waiting, prefilling, decoding = self.waiting, self.prefilling, self.decoding
         admission = self.admission
         while waiting and len(prefilling) + len(decoding) + self.loading < cap:
+            if budget is not None and budget <= 0:
+                return  # vLLM: ``while token_budget > 0`` (scheduler.py)
             seq = waiting[0]
             hashes = seq.hashes
             m = self._match(hashes)
@@ -167,6 +223,11 @@ class Batch(KVCache):
                 self._load(seq, need)  # last prompt token is computed here (the first token)
                 continue
             prefilling.append(seq)
+            if budget is not None:  # its first chunk is scheduled in this step (vLLM)
+                left = seq.prefill_left
+                c = left if left < budget else budget
+                self._store_blocks(seq, seq.prompt - left + c)
+                budget -= c
 
     def _load(self, seq: Seq, tokens: int) -> None:
         """Admitted with its KV on the way from a prefill engine: it joins the batch when the

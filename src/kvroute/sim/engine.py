@@ -3,7 +3,10 @@
 * Continuous batching with at most ``max_running`` sequences and a per-step token budget
   (``max_batched_tokens``) shared by decodes (one token each) and chunked prefill (FCFS).
 * A paged KV cache with a prefix cache, evicted LRU tail-first (sim/kvcache.py); FCFS admission,
-  decode growth that evicts, then preempts the newest sequence (sim/batch.py).
+  decode growth that evicts, then preempts the newest sequence (sim/batch.py). vLLM v1 caches a
+  chunk's full blocks as it schedules the chunk, running chunks before the waiting queue, which
+  it admits only while the step's token budget lasts; SGLang caches them after the chunk's step
+  (sim/batch.py ``store_at``, issue 21p).
 * Between batch-composition changes, decoding is advanced analytically: with D decoding
   sequences the k-th step takes α + β·k (context sums grow by D per step), so K steps take
   K·α + β·K(K−1)/2 and the engine jumps straight to the next finish or memory limit. A new
@@ -35,6 +38,7 @@ import heapq
 from collections.abc import Callable
 
 from kvroute.perf.profile import HardwareProfile
+from kvroute.sim.batch import COMPUTED, SCHEDULED
 from kvroute.sim.deferred_gauge import DeferredGauge
 from kvroute.sim.events import Scheduler
 from kvroute.sim.handover import Handover
@@ -111,7 +115,7 @@ class Engine(Handover):
             self._adopt_incoming()
         # vLLM v1 admits nothing in a step that had to preempt (unless the engine went idle)
         if self.waiting and (not self._preempted or not (self.prefilling or decoding)):
-            self._admit()
+            self._admit(self._schedule_running())  # vLLM: running chunks first, then a budget (sim/batch.py)
         if self.gauge is not None:  # SGLang's num_queue_reqs moves only at some passes (sim/queue_gauge.py)
             self.gauge.passed()
         slots = self.slot_cache
@@ -152,6 +156,7 @@ class Engine(Handover):
             budget = p.max_batched_tokens - n_dec
             chunks, tokens, attn = [], 0, 0.0
             tile = p.prefill_attn_tile  # query rows padded to whole tiles (perf/profile.py)
+            store = self.store_at == SCHEDULED  # vLLM caches a chunk's full blocks as it is scheduled
             n_all, len_sum, len_sq = n_dec, ctx_sum, ctx_sq
             for seq in prefilling:
                 if budget <= 0:
@@ -163,6 +168,8 @@ class Engine(Handover):
                 attn += (c if tile == 1 else p.attn_rows(c)) * (seq.prompt - left + c / 2)
                 budget -= c
                 end = seq.prompt - left + c  # the chunk attends over this many keys
+                if store:
+                    self._store_blocks(seq, end)
                 n_all += 1
                 len_sum += end
                 len_sq += end * end
@@ -315,6 +322,8 @@ class Engine(Handover):
                 seq.prefill_left = left
                 if left == 0:
                     self._prefill_done(seq, now)
+                elif self.store_at == COMPUTED:  # SGLang: cache_unfinished_req after the chunk (sim/batch.py)
+                    self._store_blocks(seq, seq.prompt - left)
             self._chunks = []
         prefilling = self.prefilling
         if prefilling and prefilling[0].state != PREFILL:

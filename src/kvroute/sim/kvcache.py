@@ -2,7 +2,8 @@
 issue 22).
 
 Memory is counted in tokens (``used`` of ``capacity``). A prompt's full blocks become cache
-blocks once computed, keyed by the request's chained block hashes (``refcnt``: hash → running
+blocks once computed (or, where the engine does so, as each chunk is scheduled: sim/batch.py
+``store_at``), keyed by the request's chained block hashes (``refcnt``: hash → running
 sequences referencing it); blocks no running sequence references stay cached and are evicted
 LRU (``evictable``), tail blocks before head blocks, so the cache stays prefix-closed and a
 prompt's cached prefix is the longest run of its leading hashes in ``refcnt``
@@ -77,11 +78,20 @@ class KVCache:
             refcnt[h] = c + 1
 
     def _store_prompt(self, seq: Seq) -> None:
-        """``seq``'s prompt was computed: its full blocks become cache blocks (a block computed
-        meanwhile by another sequence is shared and this sequence's copy freed)."""
+        """``seq``'s prompt was computed: its full blocks become cache blocks."""
+        self._store_blocks(seq, seq.prompt)
+
+    def _store_blocks(self, seq: Seq, tokens: int) -> None:
+        """The full blocks of ``seq``'s first ``tokens`` prompt tokens become cache blocks, hittable
+        by the next lookup and counted once in ``used`` (a block computed meanwhile by another
+        sequence is shared and this sequence's copy freed). Called when the whole prompt is
+        computed, and, where the engine caches chunk by chunk, as each chunk is scheduled or
+        computed (sim/batch.py ``store_at``)."""
         bt = seq.bt
         self.cache_bt = bt
-        full = min(len(seq.hashes), seq.prompt // bt)
+        full = min(len(seq.hashes), tokens // bt)
+        if full <= seq.refs:
+            return
         refcnt = self.refcnt
         evictable = self.evictable
         new = seq.hashes[seq.refs:full]
@@ -104,8 +114,7 @@ class KVCache:
         if stored and self.on_blocks_stored is not None:
             self.on_blocks_stored(seq, stored)
         seq.private -= bt * len(new)  # its prompt blocks are cache blocks now
-        if full > seq.refs:
-            seq.refs = full
+        seq.refs = full
 
     def _make_room(self, need: int, protect: tuple[int, ...] = ()) -> bool:
         """Make ``need`` tokens free, evicting LRU cache blocks (never those in ``protect``, about
