@@ -96,9 +96,13 @@ peers:
 
 # the set-up steps side by side (-j2): the project's venv then lint (mypy) on one side, the vLLM
 # venv (torch and vLLM's requirements) on the other, each mostly one pip or mypy process on one core;
-# --output-sync keeps each step's output together
+# --output-sync keeps each step's output together. Then kvroute's own modules byte-compiled once (1 s):
+# where PYTHONDONTWRITEBYTECODE is set (as in this machine's shells) every gateway or emulator process
+# the tests start compiled them again (importing the CLI, gateway, emulator and simulator: 1.37-1.79 s
+# vs 0.97-1.22 s, busy)
 test:
 	$(MAKE) --no-print-directory -j2 --output-sync=target lint system-deps $(VLLM_STAMP)
+	$(BIN)/python -m compileall -q src
 	$(BIN)/python -m pytest --cov --cov-report=term:skip-covered --cov-fail-under=$(COV_MIN)
 
 bench: $(STAMP)
