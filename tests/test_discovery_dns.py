@@ -5,6 +5,7 @@ their ports, a server that stops answering (the last answer stays), and a name w
 import asyncio
 import logging
 import os
+import random
 import shutil
 import signal
 import socket
@@ -27,9 +28,25 @@ NAME = "engines.llm.svc.cluster.local"
 
 
 def free_udp_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free for both UDP and TCP on 127.0.0.1 (dnsmasq binds both), taken below the kernel's
+    ephemeral range: a port from ``bind(0)`` lies inside it, where any outgoing connection of the suite
+    may take it as its source port before dnsmasq binds it (seen in CI: "Address already in use")."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(10000, max(10001, low))
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as u, socket.socket() as t:
+            try:
+                u.bind(("127.0.0.1", port))
+                t.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no port below the ephemeral range is free for UDP and TCP")
 
 
 class Dnsmasq:
