@@ -9,26 +9,24 @@ from __future__ import annotations
 import argparse
 
 
-def positive_int(text: str) -> int:
-    """argparse type: one positive integer."""
+def _integer(text: str, least: int, says: str) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: must be a positive integer")
+    if value < least:
+        raise argparse.ArgumentTypeError(f"{text!r}: {says}")
     return value
+
+
+def positive_int(text: str) -> int:
+    """argparse type: one positive integer."""
+    return _integer(text, 1, "must be a positive integer")
 
 
 def non_negative_int(text: str) -> int:
     """argparse type: an integer of 0 or more (0 meaning "none", e.g. no noise probes)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: must be 0 or a positive integer")
-    return value
+    return _integer(text, 0, "must be 0 or a positive integer")
 
 
 def _number(text: str) -> float:
