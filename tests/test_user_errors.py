@@ -163,6 +163,16 @@ def test_duplicate_replica_ids_name_the_line_and_suggest_id(tmp_path, capsys, se
     assert f"{cfg}:4: replicas.1: replica ids must be unique; {says}" in line and "(got" not in line
 
 
+def _refused_by_argparse(argv, says, capsys):
+    """argparse's one error line for the last flag and its value, exit 2, no traceback."""
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1].endswith(f"argument {argv[-2]}: '{argv[-1]}': {says}")
+
+
 @pytest.mark.parametrize("argv", [
     ["bench", "auto", "--seeds", "0"],
     ["bench", "auto", "--requests", "-5"],
@@ -180,12 +190,7 @@ def test_duplicate_replica_ids_name_the_line_and_suggest_id(tmp_path, capsys, se
 ])
 def test_a_count_below_one_is_refused_before_any_work(argv, capsys):
     """Counts of runs, requests, seeds and repeats must be positive: argparse's error line, exit 2."""
-    with pytest.raises(SystemExit) as exit_:
-        main(argv)
-    assert exit_.value.code == 2
-    err = capsys.readouterr().err
-    assert "Traceback" not in err
-    assert err.strip().splitlines()[-1].endswith(f"argument {argv[-2]}: '{argv[-1]}': must be a positive integer")
+    _refused_by_argparse(argv, "must be a positive integer", capsys)
 
 
 @pytest.mark.parametrize("argv, says", [
@@ -199,12 +204,7 @@ def test_a_count_below_one_is_refused_before_any_work(argv, capsys):
 ])
 def test_an_out_of_range_number_is_refused_before_any_work(argv, says, capsys):
     """Delays, tolerances, time limits and may-be-zero counts: argparse's error line naming the flag, exit 2."""
-    with pytest.raises(SystemExit) as exit_:
-        main(argv)
-    assert exit_.value.code == 2
-    err = capsys.readouterr().err
-    assert "Traceback" not in err
-    assert err.strip().splitlines()[-1].endswith(f"argument {argv[-2]}: '{argv[-1]}': {says}")
+    _refused_by_argparse(argv, says, capsys)
 
 
 def test_fidelity_turns_out_of_order_name_both_flags(capsys):
