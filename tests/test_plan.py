@@ -160,8 +160,15 @@ def test_bad_plan_files_are_one_line(tmp_path, capsys):
     assert main(["plan", str(tmp_path / "nope.yaml")]) == 2
     assert main(["plan", write(tmp_path, PLAN.replace("max_replicas: 12", "max_replicas: 12\ncolour: red"))]) == 2
     assert main(["plan", write(tmp_path, PLAN, residency="{eu: mars}")]) == 2
+    # NaN passes every bound check and then compares false: a `.nan` SLO let any deployment "meet" it
+    assert main(["plan", write(tmp_path, PLAN.replace("{p90: 1.0}", "{p90: .nan}"))]) == 2
+    assert main(["plan", write(tmp_path, PLAN.replace("{p90: 1.0}", "{p90: -1}"))]) == 2
+    assert main(["plan", write(tmp_path, PLAN.replace("price_per_hour: 0.8", "price_per_hour: .inf"))]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 3 and "colour" in lines[1] and "mars" in lines[2]
+    assert len(lines) == 6 and "colour" in lines[1] and "mars" in lines[2]
+    assert "plan.yaml:" in lines[3] and "slo.ttft_s.p90" in lines[3] and "finite" in lines[3]
+    assert "slo.ttft_s.p90" in lines[4] and "greater than 0" in lines[4]
+    assert "price_per_hour" in lines[5] and "finite" in lines[5]
     with pytest.raises(ValueError):
         check(PlanSpec.model_validate({"hardware": [{"profile": "l4-llama3.1-8b", "price_per_hour": 1}],
                                        "slo": {}}))

@@ -15,9 +15,10 @@ T = TypeVar("T")
 
 class StrictModel(BaseModel):
     """Base of every model read from user files: an unknown key is an error, not silently ignored,
-    so a misspelt option fails at load time with its file:line."""
+    so a misspelt option fails at load time with its file:line; so is a NaN or infinite number (YAML's
+    ``.nan`` / ``.inf``), which would pass every ``gt``/``le`` bound and compare false ever after."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 def checked(check: Callable[[T], object], v: T) -> T:

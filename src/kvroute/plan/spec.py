@@ -24,7 +24,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, PositiveFloat
 
 from kvroute import yamlconf
 from kvroute.perf.loader import ProfileError, available_profiles, load_profile
@@ -47,9 +47,12 @@ class GoodputSLO(StrictModel):
 class PlanSLO(StrictModel):
     """What a deployment must meet: latency percentiles (seconds) and, optionally, goodput."""
 
-    ttft_s: dict[Stat, float] = Field(default_factory=dict, description="time to first token: stat → bound (s)")
-    tpot_s: dict[Stat, float] = Field(default_factory=dict, description="time per output token: stat → bound (s)")
-    e2e_s: dict[Stat, float] = Field(default_factory=dict, description="end to end: stat → bound (s)")
+    ttft_s: dict[Stat, PositiveFloat] = Field(default_factory=dict,
+                                            description="time to first token: stat → bound (s)")
+    tpot_s: dict[Stat, PositiveFloat] = Field(default_factory=dict,
+                                            description="time per output token: stat → bound (s)")
+    e2e_s: dict[Stat, PositiveFloat] = Field(default_factory=dict,
+                                           description="end to end: stat → bound (s)")
     goodput: GoodputSLO | None = Field(None, description="share of requests within per-request bounds")
 
     def objectives(self) -> list[tuple[str, str, float]]:
