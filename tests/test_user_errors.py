@@ -201,6 +201,7 @@ def test_a_count_below_one_is_refused_before_any_work(argv, capsys):
     (["bench", "gateway", "--gate", "nan"], "must be a finite number"),
     (["calibrate", "--url", "http://127.0.0.1:9", "--out", "p.yaml", "--timeout", "0"], "must be a number above 0"),
     (["demo", "--live-seconds", "-2"], "must be a number above 0"),
+    (["plan", "skywalker-cost", "--requests", "10"], "must be an integer of 50 or more"),  # the file's floor; ran
 ])
 def test_an_out_of_range_number_is_refused_before_any_work(argv, says, capsys):
     """Delays, tolerances, time limits and may-be-zero counts: argparse's error line naming the flag, exit 2."""

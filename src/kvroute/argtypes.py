@@ -7,6 +7,7 @@ as 0 or a negative number is argparse's one line and exit 2, never an empty tabl
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 
 
 def _integer(text: str, least: int, says: str) -> int:
@@ -27,6 +28,14 @@ def positive_int(text: str) -> int:
 def non_negative_int(text: str) -> int:
     """argparse type: an integer of 0 or more (0 meaning "none", e.g. no noise probes)."""
     return _integer(text, 0, "must be 0 or a positive integer")
+
+
+def int_at_least(least: int) -> Callable[[str], int]:
+    """argparse type: an integer of ``least`` or more (a count with a floor, e.g. a plan's requests per run)."""
+    def parse(text: str) -> int:
+        return _integer(text, least, f"must be an integer of {least} or more")
+    parse.__name__ = f"int_at_least_{least}"  # argparse names the type in its messages
+    return parse
 
 
 def _number(text: str) -> float:

@@ -8,7 +8,9 @@ from pathlib import Path
 
 from rich.table import Table
 
+from kvroute.argtypes import int_at_least
 from kvroute.parallel import add_arguments as add_parallel
+from kvroute.plan import MIN_REQUESTS
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -16,7 +18,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="the cheapest replicas × hardware × regions × policy that meets an SLO")
     p.add_argument("plan", help="plan YAML (workload or scenario, SLO, hardware with prices, regions, residency), "
                    "or the name of a bundled one (kvroute/scenarios/plans/)")
-    p.add_argument("--requests", type=int, help="requests per simulated run (overrides the file)")
+    p.add_argument("--requests", type=int_at_least(MIN_REQUESTS),
+                   help=f"requests per simulated run, {MIN_REQUESTS} or more (overrides the file)")
     p.add_argument("--json", metavar="FILE")
     p.add_argument("--plot", metavar="PNG", help="write the cost-vs-latency plot (every run, front, winner)")
     p.add_argument("--no-headroom", action="store_true", dest="no_headroom",

@@ -28,6 +28,7 @@ from pydantic import Field, PositiveFloat
 
 from kvroute import yamlconf
 from kvroute.perf.loader import ProfileError, available_profiles, load_profile
+from kvroute.plan import MIN_REQUESTS
 from kvroute.schema import StrictModel
 from kvroute.sim.scenario import Scenario, ScenarioError, load_scenario, parse_scenario
 
@@ -75,8 +76,8 @@ class PlanSpec(StrictModel):
                                  "topology, seed, limits; its replicas and policies are replaced")
     workload: dict[str, Any] | None = Field(None, description="replaces the scenario's workload (scenario keys)")
     network: dict[str, Any] | None = Field(None, description="replaces the scenario's network: rtt_ms, in_region_ms")
-    requests: int | None = Field(None, ge=50, description="requests per simulated run (default: the scenario's "
-                                 "max_requests, else 2000)")
+    requests: int | None = Field(None, ge=MIN_REQUESTS, description="requests per simulated run (default: the "
+                                 "scenario's max_requests, else 2000)")
     seed: int | None = Field(None, description="replaces the scenario's seed")
     regions: list[str] | None = Field(None, description="regions replicas may go to (default: the scenario's)")
     residency: dict[str, str] = Field(default_factory=dict, description="client region → the region its "
