@@ -4,6 +4,13 @@ between states (split out of sim/engine.py, issue 22).
 * Admission is FCFS from the waiting queue while a slot (``max_running``) and memory for the
   uncached part of the prompt exist (vLLM v1's scheduler; head-of-line blocking: the queue waits
   for memory behind its first sequence).
+* vLLM v1 (``store_at`` "scheduled", issue 21q) takes that memory chunk by chunk: admission only
+  checks that the whole uncached prompt would fit now, and each scheduled chunk then allocates its
+  own tokens; a chunk that finds no memory (after eviction) preempts the newest running sequence,
+  itself last (:meth:`Batch._grow`, :meth:`Batch._schedule_running`). Its prefix hit is whole
+  blocks below the prompt's last token, so a block-aligned prompt recomputes its last block
+  (:func:`vllm_hit_blocks`). The other engines reserve the uncached prompt at admission, and
+  their hit is every matched token but the last.
 * When a prompt's blocks become prefix cache (sim/kvcache.py), by ``store_at`` (:func:`store_at`):
   vLLM v1 as each chunk is scheduled, SGLang as each chunk is computed, llama-server (whose running
   prompts no other request can reuse) when the prompt is done. vLLM v1 admits a waiting sequence
@@ -42,6 +49,18 @@ from kvroute.sim.step_gauge import VLLMStatsGauge
 Admission = Callable[["Batch", Seq, int], bool]  # (engine, seq, KV tokens it takes) → may admit
 
 SCHEDULED, COMPUTED, PREFILL_END = "scheduled", "computed", "prefill_end"
+
+
+def vllm_hit_blocks(matched: int, prompt: int, bt: int) -> int:
+    """The cached blocks vLLM v1 reuses of ``matched`` matching leading blocks of a ``prompt``-token
+    request (``bt`` tokens a block): whole blocks of at most ``prompt − 1`` tokens. vLLM 0.32
+    (.venv-vllm) ``vllm/v1/core/kv_cache_manager.py`` ``get_computed_blocks`` looks up with
+    ``max_cache_hit_length = request.num_tokens - 1`` (line 295) so that the last token is
+    computed for its logits, and ``single_type_kv_cache_manager.py`` ``find_longest_cache_hit``
+    takes at most ``max_length // block_size`` blocks (line 784): a prompt of whole blocks, all
+    cached, recomputes its whole last block, not just its last token."""
+    top = (prompt - 1) // bt
+    return matched if matched < top else top
 
 
 def store_at(profile: HardwareProfile) -> str:
@@ -160,23 +179,62 @@ class Batch(KVCache):
 
     # -- admission -------------------------------------------------------------------------------
     def _schedule_running(self) -> int | None:
-        """Before admission at a step boundary. vLLM v1 (``store_at`` "scheduled"): the chunks
-        the running prefills get in the coming step (FCFS, as ``Engine._plan`` will give them)
-        have their full blocks cached now, and the token budget left for the waiting queue is
-        returned; None (no budget bound on admission) for the other engines."""
+        """At every step boundary, before admission. vLLM v1 (``store_at`` "scheduled"): the
+        chunks the running prefills get in the coming step (FCFS, as ``Engine._plan`` will give
+        them) allocate their memory (:meth:`_grow`, preempting when it is short) and have their
+        full blocks cached now, and the token budget left for the waiting queue is returned;
+        None (no budget bound on admission) for the other engines. A sequence that had to
+        preempt itself ends the running chunks of this step, as in vLLM 0.32 (.venv-vllm)
+        ``v1/core/sched/scheduler.py`` ``schedule`` (``if preempted_req == request: break``,
+        line 842, then ``if new_blocks is None: break``)."""
         if self.store_at != SCHEDULED:
             return None
         budget = self.p.max_batched_tokens - len(self.decoding)
-        for seq in self.prefilling:
+        for seq in list(self.prefilling):
             if budget <= 0:
                 break
             left = seq.prefill_left
             if seq.state != PREFILL or left <= 0:
-                continue
+                continue  # preempted by an earlier chunk of this schedule, or cancelled
             c = left if left < budget else budget
-            self._store_blocks(seq, seq.prompt - left + c)
+            end = seq.prompt - left + c
+            while not self._grow(seq, end):
+                victim = self._newest_running()
+                self._preempt(victim)
+                if victim is seq:
+                    return budget
+            self._store_blocks(seq, end)
             budget -= c
         return budget
+
+    def _grow(self, seq: Seq, end: int) -> bool:
+        """vLLM v1: give prefilling ``seq`` memory for its prompt's first ``end`` tokens (a
+        scheduled chunk's end), evicting LRU cache blocks if need be; False, taking nothing, when
+        even full eviction would not do. vLLM 0.32 (.venv-vllm) ``v1/core/kv_cache_manager.py``
+        ``allocate_slots`` allocates slots for ``total_computed_tokens + num_new_tokens`` (line
+        541) and returns None when the free blocks (evictable cache included) are too few (line
+        577). A prefilling sequence holds ``refs`` whole cache blocks (its hit and its chunks'
+        stored blocks) plus ``private`` tokens, so it has memory for ``refs·bt + private``
+        prompt tokens (its hit is whole blocks: :func:`vllm_hit_blocks`)."""
+        extra = end - seq.refs * seq.bt - seq.private
+        if extra <= 0:
+            return True
+        if extra > self.capacity - self.used and not self._make_room(extra):
+            return False
+        seq.private += extra
+        self.used += extra
+        return True
+
+    def _newest_running(self) -> Seq:
+        """The running sequence admitted last (prefilling or decoding): vLLM v1 preempts
+        ``self.running.pop()`` (scheduler.py line 834), the newest in its running list."""
+        newest = max(self.prefilling, key=lambda s: s.order) if self.prefilling else None
+        if self.decoding:
+            d = self.decoding[next(reversed(self.decoding))]
+            if newest is None or d.order > newest.order:
+                newest = d
+        assert newest is not None
+        return newest
 
     def _admit(self, budget: int | None = None) -> None:
         """FCFS admission from the waiting queue (module docstring). ``budget``: the step's
@@ -192,6 +250,9 @@ class Batch(KVCache):
             seq = waiting[0]
             hashes = seq.hashes
             m = self._match(hashes)
+            chunked = budget is not None and seq.remote is None  # vLLM: memory chunk by chunk (_grow)
+            if budget is not None:  # vLLM: whole blocks below the prompt's last token
+                m = vllm_hit_blocks(m, seq.prompt, seq.bt)
             slots = self.slot_cache
             if slots is not None and slots.limits:  # llama-server: only what its slot holds (sim/slot_cache.py)
                 r = slots.reusable(seq)
@@ -201,7 +262,10 @@ class Batch(KVCache):
             need = seq.prompt - matched
             if admission is not None and not admission(self, seq, need):
                 return  # held back by the admission policy: head-of-line, like memory
-            if need > self.capacity - self.used and not self._make_room(need, hashes[:m]):
+            if chunked:  # vLLM checks that the whole uncached prompt fits, then takes its first
+                if not self._room(need, hashes[:m]):  # chunk (scheduler.py line 1270,
+                    return  # ``full_sequence_must_fit``; kv_cache_manager.py line 522)
+            elif need > self.capacity - self.used and not self._make_room(need, hashes[:m]):
                 return  # head-of-line: wait for memory
             waiting.popleft()
             if slots is not None:  # it takes its slot now; the copies' time goes to its first step
@@ -213,8 +277,11 @@ class Batch(KVCache):
                 seq.cached = cached
                 self.prompt_tokens += seq.prompt
                 self.hit_tokens += cached
-            seq.private = need
-            self.used += need
+            if chunked:
+                seq.private = 0  # its chunks take memory as they are scheduled (_grow)
+            else:
+                seq.private = need
+                self.used += need
             seq.prefill_left = seq.prompt - cached
             seq.state = PREFILL
             self._order += 1
@@ -226,7 +293,10 @@ class Batch(KVCache):
             if budget is not None:  # its first chunk is scheduled in this step (vLLM)
                 left = seq.prefill_left
                 c = left if left < budget else budget
-                self._store_blocks(seq, seq.prompt - left + c)
+                end = seq.prompt - left + c
+                grown = self._grow(seq, end)  # fits: the whole uncached prompt did (_room)
+                assert grown
+                self._store_blocks(seq, end)
                 budget -= c
 
     def _load(self, seq: Seq, tokens: int) -> None:
@@ -273,11 +343,15 @@ class Batch(KVCache):
             heapq.heappush(self.finishes, (seq.finish_at, seq.order, seq))
 
     def _decode_room(self, n_dec: int) -> bool:
-        """Memory for one more decode step; evict cache, else preempt the newest sequence."""
+        """Memory for one more decode step; evict cache, else preempt the newest sequence: the
+        newest running one on vLLM v1 (:meth:`_newest_running`; a prefilling sequence holds
+        memory there too), the newest decoding one elsewhere."""
         if self._make_room(n_dec):
             return True
-        newest = self.decoding[next(reversed(self.decoding))]
-        self._preempt(newest)
+        if self.store_at == SCHEDULED:
+            self._preempt(self._newest_running())
+        else:
+            self._preempt(self.decoding[next(reversed(self.decoding))])
         return False
 
     def _release(self, seq: Seq) -> None:
@@ -295,6 +369,19 @@ class Batch(KVCache):
         self.on_finish(seq, now)
 
     def _preempt(self, seq: Seq) -> None:
+        """Free a running sequence's memory and put it back at the head of the queue (recompute).
+        A prefilling one (vLLM v1 only, where chunks hold memory) starts its prompt over, as in
+        vLLM 0.32 ``scheduler.py`` ``_preempt_request`` (``num_computed_tokens = 0``, line 1593;
+        ``waiting.prepend_request``, line 1613)."""
+        if seq.state == PREFILL:
+            self.prefilling = [s for s in self.prefilling if s is not seq]
+            self.used -= seq.private
+            self._unref(seq)
+            self._preempted = True
+            self.preemptions += 1
+            seq.state = WAITING
+            self.waiting.appendleft(seq)
+            return
         generated = seq.a + self.steps - seq.prompt + 1  # tokens produced in this admission
         self._release(seq)
         self._preempted = True

@@ -6,7 +6,9 @@
   decode growth that evicts, then preempts the newest sequence (sim/batch.py). vLLM v1 caches a
   chunk's full blocks as it schedules the chunk, running chunks before the waiting queue, which
   it admits only while the step's token budget lasts; SGLang caches them after the chunk's step
-  (sim/batch.py ``store_at``, issue 21p).
+  (sim/batch.py ``store_at``, issue 21p). vLLM v1 also allocates a prompt's memory chunk by
+  chunk (preempting the newest running sequence when a chunk finds none) and reuses whole blocks
+  below the prompt's last token (sim/batch.py, issue 21q).
 * Between batch-composition changes, decoding is advanced analytically: with D decoding
   sequences the k-th step takes α + β·k (context sums grow by D per step), so K steps take
   K·α + β·K(K−1)/2 and the engine jumps straight to the next finish or memory limit. A new
@@ -113,9 +115,11 @@ class Engine(Handover):
         decoding = self.decoding
         if self.incoming:
             self._adopt_incoming()
+        # vLLM: the running chunks take memory and are cached first, then a budget (sim/batch.py)
+        budget = self._schedule_running()
         # vLLM v1 admits nothing in a step that had to preempt (unless the engine went idle)
         if self.waiting and (not self._preempted or not (self.prefilling or decoding)):
-            self._admit(self._schedule_running())  # vLLM: running chunks first, then a budget (sim/batch.py)
+            self._admit(budget)
         if self.gauge is not None:  # SGLang's num_queue_reqs moves only at some passes (sim/queue_gauge.py)
             self.gauge.passed()
         slots = self.slot_cache
@@ -163,6 +167,8 @@ class Engine(Handover):
                     break
                 left = seq.prefill_left
                 c = left if left < budget else budget
+                if store and seq.refs * seq.bt + seq.private < seq.prompt - left + c:
+                    break  # vLLM: no memory for this chunk; it preempted itself (sim/batch.py _schedule_running)
                 chunks.append((seq, c))
                 tokens += c
                 attn += (c if tile == 1 else p.attn_rows(c)) * (seq.prompt - left + c / 2)

@@ -116,6 +116,16 @@ class KVCache:
         seq.private -= bt * len(new)  # its prompt blocks are cache blocks now
         seq.refs = full
 
+    def _room(self, need: int, protect: tuple[int, ...] = ()) -> bool:
+        """Whether ``need`` tokens could be made free by evicting cache blocks not in ``protect``
+        (about to be referenced); nothing is evicted (vLLM's admission gate, sim/batch.py)."""
+        free = self.capacity - self.used
+        if need <= free:
+            return True
+        evictable = self.evictable
+        guarded = sum(1 for h in protect if h in evictable) if protect else 0
+        return need <= free + (len(evictable) - guarded) * self.cache_bt
+
     def _make_room(self, need: int, protect: tuple[int, ...] = ()) -> bool:
         """Make ``need`` tokens free, evicting LRU cache blocks (never those in ``protect``, about
         to be referenced); False, evicting nothing, when even full eviction would not do."""
