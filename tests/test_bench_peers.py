@@ -54,6 +54,34 @@ def test_gate_fails_a_slower_build_and_passes_within_tolerance():
     assert failed == []
 
 
+def test_gate_pairs_repeats_of_one_run():
+    """Measured in the same run, each repeat is judged against the baseline's repeat beside it and
+    the median of those ratios decides: a drift that moved both builds alike cancels, where the
+    ratio of the two medians (here +25 %, one slow baseline repeat against three fast ones) would
+    have failed a build that was never dearer than its neighbour by more than 5 %."""
+    now = {"gateway_cpu_us_per_req": 125.0, "gateway_cpu_us_per_req_runs": [105.0, 125.0, 210.0]}
+    then = {"gateway_cpu_us_per_req": 100.0, "gateway_cpu_us_per_req_runs": [100.0, 120.0, 200.0]}
+    ratio, pairs = gateway.cpu_ratio(now, then)
+    assert pairs == [1.05, 125.0 / 120.0, 1.05] and ratio == 1.05
+    lines, failed = gateway.gate({"nonstream": {"round_robin": now}}, {"nonstream": {"round_robin": then}}, 0.10)
+    assert failed == [] and "+5%, median of 3 paired repeats, +4% to +5%" in lines[0]
+    slower = dict(now, gateway_cpu_us_per_req_runs=[120.0, 140.0, 215.0])  # +20 %, +17 %, +8 %
+    _, failed = gateway.gate({"nonstream": {"round_robin": slower}}, {"nonstream": {"round_robin": then}}, 0.10)
+    assert len(failed) == 1 and "+17%" in failed[0]
+    # a stored baseline (another run's repeats): nothing to pair, the medians decide
+    assert gateway.cpu_ratio(now, then, paired=False) == (1.25, [])
+    assert gateway.cpu_ratio(now, {"gateway_cpu_us_per_req": 100.0}) == (1.25, [])
+
+
+def test_gate_rows_keep_each_repeat_and_the_gateway_src_is_checked(tmp_path, capsys):
+    direct = [{"rps": 100.0, "p50_ms": 1.0, "p99_ms": 2.0, "errors": 0}] * 2
+    via = [{"rps": 90.0, "p50_ms": 1.5, "p99_ms": 2.5, "errors": 0, "cpu_us_per_req": c} for c in (210.0, 190.0)]
+    row = gateway._compare(direct, via)
+    assert row["gateway_cpu_us_per_req_runs"] == [210.0, 190.0] and row["gateway_cpu_us_per_req"] == 200.0
+    assert main(["bench", "gateway", "--gateway-src", str(tmp_path)]) == 2
+    assert "no kvroute package there" in capsys.readouterr().err
+
+
 def test_gate_needs_a_baseline(capsys):
     assert main(["bench", "gateway", "--gate", "0.1"]) == 2
     assert "--gate needs a baseline" in capsys.readouterr().err

@@ -36,6 +36,9 @@ def add_parser(bench: argparse._SubParsersAction) -> None:  # type: ignore[type-
                     help="also measure kvroute's compiled build (`make compiled` installs it into build/compiled, "
                          "the default DIR) in the same paired run; the plain kvroute row is this install's build "
                          "(pure Python in a development checkout), and the output says which build each row ran")
+    bg.add_argument("--gateway-src", metavar="DIR",
+                    help="import the measured gateway from this tree instead of this install (e.g. build/compiled, "
+                         "so that --gate compares two compiled builds)")
     bg.add_argument("--gate", type=non_negative_float, metavar="TOLERANCE",
                     help="regression gate: exit 1 when the gateway's CPU per request (non-stream or stream, any "
                          "preset) exceeds the baseline's by more than TOLERANCE (0.10 = 10 %%); the baseline is "
@@ -71,6 +74,10 @@ def cmd_bench_gateway(args: argparse.Namespace) -> int:
         err.print(f"--compiled {args.compiled}: no kvroute install there; build it with `make compiled`",
                   markup=False)
         return 2
+    if args.gateway_src is not None and (args.peers is not None or not (Path(args.gateway_src) / "kvroute").is_dir()):
+        err.print(f"--gateway-src {args.gateway_src}: " + ("not with --peers (use --compiled / --baseline-src)"
+                  if args.peers is not None else "no kvroute package there"), markup=False)
+        return 2
     with tempfile.TemporaryDirectory() as tmp:
         src = args.baseline_src
         if args.baseline_ref:
@@ -88,7 +95,8 @@ def _paired(args: argparse.Namespace, src: str | None, stored: dict | None) -> i
     presets = tuple((args.presets or ",".join(gateway.PRESETS)).split(","))
     result = gateway.run(requests=args.requests, concurrency=args.concurrency, repeats=args.repeats,
                          presets=presets, upstream_delay_ms=args.upstream_delay_ms,
-                         baseline_src=src, compiled_src=args.compiled, progress=lambda m: err.print(m))
+                         baseline_src=src, compiled_src=args.compiled, progress=lambda m: err.print(m),
+                         gateway_src=args.gateway_src)
     builds = result["builds"]
     variants = [(f"gateway ({builds['gateway']})", result)]
     if args.compiled:
@@ -114,7 +122,7 @@ def _paired(args: argparse.Namespace, src: str | None, stored: dict | None) -> i
     code = 0
     if args.gate is not None:
         baseline = result["baseline"] if src else stored or {}
-        lines, failed = gateway.gate(result, baseline, args.gate)
+        lines, failed = gateway.gate(result, baseline, args.gate, paired=bool(src))
         result["gate"] = {"tolerance": args.gate, "lines": lines, "failed": failed}
         for line in lines:
             console.print(f"gate: {line}", markup=False)
