@@ -124,31 +124,41 @@ def test_probe_timeouts_eject_and_readmit(live):
 
 
 def test_all_replicas_busy_queue_then_429():
+    """Two replicas each holding their one admitted request and the queue's one place taken: a fourth
+    request is refused 429 at once; once the engines run again the three others are served. The engines
+    are frozen (they take requests and schedule nothing) until the fourth is answered, so no request can
+    finish early however slowly a loaded machine sends the next (with a 20x slowdown instead, ~0.5 s
+    each, a late fourth once found the first done and the queue free: four 200s)."""
     dep = LiveDeployment(replicas=2, policy={"preset": "least_request",
                                              "params": {"admission": "outstanding", "max_outstanding": 1}},
-                         queue={"max_len": 1, "max_wait_s": 10})
+                         queue={"max_len": 1, "max_wait_s": 60})
     try:
         for i in range(2):
-            dep.fault(i, slowdown=20.0)
+            dep.fault(i, frozen=True)
         body = {"model": "emulated", "prompt": "busy " * 50, "max_tokens": 10}
         rt = dep.runtime
-        # each request is sent once the one before holds its place (dispatched, dispatched, queued), not
-        # after a fixed 0.1 s: on a starved machine a late fourth could find the first done (~0.5 s each)
+        # each request is sent once the one before holds its place (dispatched, dispatched, queued)
         placed = [lambda: sum(e.inflight for e in rt.router.endpoints) == 1,
                   lambda: sum(e.inflight for e in rt.router.endpoints) == 2, lambda: len(rt.queue) == 1]
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
             futs = []
             for i in range(4):
-                futs.append(pool.submit(httpx.post, f"{dep.url}/v1/completions", json=body, timeout=30))
-                deadline = time.monotonic() + 10
+                futs.append(pool.submit(httpx.post, f"{dep.url}/v1/completions", json=body, timeout=60))
+                deadline = time.monotonic() + 30
                 while i < 3 and not placed[i]():
                     assert time.monotonic() < deadline and not futs[-1].done(), f"request {i} not placed"
                     time.sleep(0.005)
-            codes = sorted(f.result().status_code for f in futs)
-            rejected = next(f.result() for f in futs if f.result().status_code == 429)
-        assert codes == [200, 200, 200, 429]  # two dispatched, one queued then served, one refused
+            rejected = futs[3].result(timeout=30)  # answered while the other three are still held
+            assert rejected.status_code == 429, rejected.text
+            assert not any(f.done() for f in futs[:3])
+            for i in range(2):
+                dep.fault(i, frozen=False)
+            codes = [f.result().status_code for f in futs[:3]]
+        assert codes == [200, 200, 200]  # two dispatched, one queued then served
         assert rejected.headers["Retry-After"] and rejected.json()["error"]["code"] == "queue_full"
     finally:
+        for i in range(2):
+            dep.fault(i, frozen=False)
         counters = dep.settle()
         dep.close()
     assert counters == (0, 0, 0)
