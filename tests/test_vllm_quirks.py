@@ -4,6 +4,7 @@ core behind a live API server, the context limit in /v1/models. Real HTTP on 127
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import threading
@@ -379,6 +380,39 @@ def test_a_first_prompt_is_no_freeze_a_huge_one_gets_its_prefill_and_the_last_re
     assert not detector.watch("r").stalled
     assert [name for name, _, _ in detector.sweep(113.5)] == ["r"]
     detector.watch("r").end(huge)
+
+
+def test_two_replicas_silent_in_one_sweep_eject_one_and_the_last_stays():
+    """A gateway starved for seconds reads no token from any engine: at its next sweep every replica
+    looks silent past its threshold. One is ejected; the other is the last place requests can go and
+    stays (a CI run of test_vllm_streams ejected both, the healthy engine "after 3.2 s without a
+    token", and its stream ended in an error)."""
+    from types import SimpleNamespace
+
+    from kvroute.gateway.breaker import CircuitBreaker
+    from kvroute.gateway.ejection import Ejector
+    from kvroute.gateway.settings import StallConfig
+
+    ejected: list[str] = []
+    metrics = SimpleNamespace(stall_ejections=SimpleNamespace(
+        labels=lambda name: SimpleNamespace(inc=lambda: ejected.append(name))))
+    ups = {n: SimpleNamespace(endpoint=SimpleNamespace(healthy=True, circuit_open=False),
+                              breaker=CircuitBreaker(failures=5, cooldown_s=5)) for n in ("v0", "v1")}
+    host = SimpleNamespace(config=SimpleNamespace(stall=StallConfig()), upstreams=ups, drained=set(),
+                           metrics=metrics, drain_queue=lambda: None)
+    async def run() -> None:
+        ejector = Ejector(host)
+        for name in ups:  # one watched stream each: its first token at 0.5 s, then nothing more
+            ejector.detector.begin(name, 10, 0.0).progressed(0.5)
+        ejector.sweep(10.0)  # far past the 3 s cap
+        assert len(ejected) == 1, ejected
+        stays = "v1" if ejected == ["v0"] else "v0"
+        assert not ups[ejected[0]].breaker.allows and ups[stays].breaker.allows
+        assert not ejector.detector.watch(stays).stalled
+        ejector.sweep(20.0)  # nor in a later sweep, while the other is out
+        assert len(ejected) == 1 and ups[stays].breaker.allows
+        await ejector.stop()  # the ejected one's canary, never run
+    asyncio.run(run())
 
 
 def test_vllms_running_usage_counts_merged_events_exactly_and_stays_unseen_unasked():

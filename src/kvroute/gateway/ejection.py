@@ -106,7 +106,14 @@ class Ejector:
         rt = self.rt
         if not rt.config.stall.enabled:
             return
-        for name, watch, silent in list(self.detector.sweep(now, self._others_can_serve)):
+        leaving: list[str] = []  # ejected in this sweep: the list below decides them all before any is held
+
+        def may_eject(name: str) -> bool:
+            if not self._others_can_serve(name, leaving):
+                return False
+            leaving.append(name)
+            return True
+        for name, watch, silent in list(self.detector.sweep(now, may_eject)):
             up = rt.upstreams.get(name)
             if up is None:
                 continue
@@ -126,11 +133,12 @@ class Ejector:
                 self._canary_at[name] = now
                 self._canaries[name] = asyncio.create_task(self._canary(name, rt.upstreams[name], watch))
 
-    def _others_can_serve(self, name: str) -> bool:
-        """Whether a replica other than ``name`` is healthy and admitted (else ejecting ``name``
-        would leave its requests nowhere to go)."""
-        return any(other != name and up.endpoint.healthy and up.breaker.allows and other not in self.rt.drained
-                   for other, up in self.rt.upstreams.items())
+    def _others_can_serve(self, name: str, leaving: Collection[str] = ()) -> bool:
+        """Whether a replica other than ``name`` (and than those ``leaving`` in the same sweep) is
+        healthy and admitted (else ejecting ``name`` would leave its requests nowhere to go; two
+        replicas found silent in one sweep, as when the gateway itself was starved, ejected both)."""
+        return any(other != name and other not in leaving and up.endpoint.healthy and up.breaker.allows
+                   and other not in self.rt.drained for other, up in self.rt.upstreams.items())
 
     async def _canary(self, name: str, up: Upstream, watch: ReplicaWatch) -> None:
         rt = self.rt
