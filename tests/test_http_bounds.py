@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import json
 import re
 import socket
+import struct
 import subprocess
 import sys
+import termios
 import threading
 import time
 from functools import partial
@@ -111,17 +114,45 @@ def test_pipelining_without_reading_stops_reading(gateway):
     # client keeps not reading (answering on cost the old gateway 15 s of CPU for these 1.7 MB)
     one = b"GET /metrics HTTP/1.1\r\nHost: gw\r\n\r\n"
     with socket.create_connection(("127.0.0.1", gw.port), timeout=2, source_address=(hostile.ATTACKER, 0)) as s:
+        cpu_start = _proc_stats(gw.proc.pid)[1]
         with contextlib.suppress(TimeoutError):  # the gateway stopped reading: the send blocks
             s.sendall(one * (1_700_000 // len(one)))
-        time.sleep(1.5)  # the answers it did compute fill the buffers
+        # the answers it did compute fill the buffers (about 4 MB: 0.6 s of CPU, which a loaded
+        # machine spreads over 3 s and more of wall time): wait until that work is done, then time
+        spent = _until_quiet(gw.proc.pid, cpu_start)
         cpu0 = _proc_stats(gw.proc.pid)[1]
         time.sleep(2.0)
         quiet = _proc_stats(gw.proc.pid)[1] - cpu0
+        unsent = _unsent_bytes(s)
+    assert spent <= CPU_S, spent  # it stopped after the buffers' worth, not after answering all
     assert quiet <= 0.3, quiet
+    assert unsent > 0, "the gateway read the whole flood"  # it stopped reading, with requests left
     row = gw.measure(partial(hostile.pipelined_answers, hold_s=4.0))
     # one unread 1 MiB answer stops the next; buffering them on grew 78 MB in 3 s before
     assert row["rss_peak_growth_mb"] <= 32 and row["cpu_s"] <= CPU_S, row
     assert row["probe"]["failed"] == 0
+
+
+def _until_quiet(pid: int, cpu_start: float, timeout_s: float = 30.0) -> float:
+    """The gateway's CPU seconds since ``cpu_start`` once one second passes in which it used at
+    most 0.05 s (it was done working); an AssertionError if that never happens within ``timeout_s``.
+    Waiting for this, instead of a fixed time, keeps the quiet window below from catching the
+    gateway still filling the buffers on a loaded machine (0.51 s of CPU in it, in a CI run)."""
+    deadline = time.monotonic() + timeout_s
+    last = _proc_stats(pid)[1]
+    while True:
+        time.sleep(1.0)
+        now = _proc_stats(pid)[1]
+        if now - last <= 0.05:
+            return now - cpu_start
+        assert time.monotonic() < deadline, f"the gateway still used {now - last:.2f} s of CPU a second " \
+                                            f"{timeout_s:g} s after the flood ({now - cpu_start:.2f} s in all)"
+        last = now
+
+
+def _unsent_bytes(sock: socket.socket) -> int:
+    """Bytes the client wrote that still wait in its send queue (Linux's SIOCOUTQ)."""
+    return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0"))[0]
 
 
 def test_an_unterminated_trailer_is_cut_at_the_head_limit(gateway):

@@ -125,6 +125,28 @@ def test_reading_pauses_while_a_complete_request_waits_behind_a_running_one():
     asyncio.run(run())
 
 
+def test_a_run_of_pipelined_answers_stops_when_a_write_finds_the_connection_reset():
+    """Answers that never wait (a handler without an await, as /metrics) run in a row without a turn of
+    the loop, so connection_lost cannot arrive between them: the transport closing (as uvloop's does
+    when a write fails) ends the run, instead of answering the rest of a read's requests for nobody."""
+    async def run():
+        seen = []
+
+        def handler(req, resp):
+            seen.append(req.body)
+            resp.send(200, b"ok")
+            if len(seen) == 3:
+                t.closed = True  # this write found the client gone
+        server, conn, t = _server_conn(handler)
+        conn.data_received(REQ * 10)  # ten pipelined requests in one read
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert len(seen) == 3, len(seen)
+        conn.connection_lost(ConnectionResetError(104, "Connection reset by peer"))
+        assert not conn.pending
+    asyncio.run(run())
+
+
 def test_a_bad_request_is_answered_after_the_good_ones_before_it():
     async def run():
         async def handler(req, resp):

@@ -436,6 +436,8 @@ class _Connection(asyncio.Protocol):
                     return
                 self.deadline = math.inf
             if self.pending and not self.closed:  # pipelined: the next one at once
+                if self.transport.is_closing():  # a write found it reset: answer no more of its run
+                    return  # (connection_lost comes at the loop's next turn, which answers in a row never give)
                 self.phase, self.deadline = _BUSY, math.inf
                 continue
             self._next()  # none pending: read on and idle
