@@ -361,7 +361,9 @@ class EventDeployment:
         emus = [await start_emulator("127.0.0.1", 0, profile, "vllm", kv_events=opts, block_tokens=16)
                 for _ in range(n)]
         config = GatewayConfig(port=0, policy=policy, block_tokens=16,
-                               kv_events={"speculative_ttl_s": 0.2},
+                               # no speculative entries: the table is what the events built, nothing
+                               # to wait out between requests (0.2 s took a sleep of 0.25 s after each)
+                               kv_events={"speculative_ttl_s": 0},
                                replicas=[ReplicaConfig(url=f"http://127.0.0.1:{p}", id=f"e{i}",
                                                        kv_events=event_source(emu) if events else None)
                                          for i, (_, emu, p) in enumerate(emus)])
@@ -421,13 +423,11 @@ def test_emulator_events_build_the_gateways_index(generation, hash_bytes):
             cached = resp.usage.prompt_tokens_details.cached_tokens
             wrong += predicted != cached
             # the events of this request reach the gateway before the next decision (waited for: a
-            # loaded machine may take longer than any fixed sleep), and its speculative entries expire
+            # loaded machine may take longer than any fixed sleep)
             d.wait(d.caught_up)
-            time.sleep(0.25)
         removed = d.on_loop(lambda: sum(r["removed"] for n in names for r in d.rt.kv_source(n)["ranks"]))
         assert removed > 0, "the small caches should have evicted"
         assert wrong == 0
-        time.sleep(0.5)  # speculative entries expire
         for i, n in enumerate(names):
             engine_cache = d.on_loop(lambda i=i: set(d.dep.emulators[i][1].engine.refcnt))
             table = d.on_loop(lambda n=n: set(d.rt.events.table(n)))
