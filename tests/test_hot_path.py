@@ -455,3 +455,43 @@ def test_a_method_is_read_as_text_as_llhttp_gave_it():
 
     for raw in (b"POST", b"GET", b"HEAD", b"PUT", b"DELETE", b"OPTIONS", b"PATCH", b"post"):
         assert method_name(raw) == raw.decode("ascii")
+
+
+def test_round_robin_turns_without_calling_pick_as_the_plugin_would(router_for):
+    """Plain round robin's rule takes the turn from the picker's compiled counter (``compose.Rule.turns``, no
+    interpreted pick per decision): the same order, a dry run (``Router.decide``) that moves nothing, the turn
+    counted over the candidates left after exclusions; a subclass with its own pick keeps being called."""
+    from kvroute.model import Endpoint
+    from kvroute.policy import Router, build_policy
+    from kvroute.policy.builtin.pickers import RoundRobin
+    from kvroute.policy.compose import Pipeline
+    from kvroute.policy.state import Turns
+    from tests.conftest import make_request
+
+    router = router_for("round_robin", n=3)
+    policy = router.policy
+    assert isinstance(policy, Pipeline) and isinstance(policy.rules[0].turns, Turns)
+    assert [router.decide(make_request(f"d{i}")).target for i in range(3)] == ["e0"] * 3  # dry runs: no turn taken
+    assert [router.route(make_request(f"r{i}")).target for i in range(4)] == ["e0", "e1", "e2", "e0"]
+    req = make_request("x")
+    req.exclude = ("e2",)  # two candidates left; the counter is at 4
+    assert router.route(req).target == "e0"
+    assert policy.rules[0].turns.next == 5
+
+    calls = []
+
+    class Counted(RoundRobin):
+        def pick(self, st, eps, values):
+            calls.append(len(eps))
+            return super().pick(st, eps, values)
+
+    counted = Counted()
+    assert counted.turns is None  # its own pick: the rule must call it
+    plain = build_policy("round_robin")
+    assert isinstance(plain, Pipeline)
+    rule = plain.rules[0]
+    swapped = type(rule)(rule.branch, rule.when, rule.among, rule.scorers, rule.normalised, counted, plugins=(counted,),
+                         turns=counted.turns)
+    plain.rules = (swapped,)
+    r2 = Router(plain, [Endpoint("a"), Endpoint("b")])
+    assert [r2.route(make_request(f"c{i}")).target for i in range(3)] == ["a", "b", "a"] and calls == [2, 2, 2]

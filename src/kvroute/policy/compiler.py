@@ -18,6 +18,7 @@ from kvroute.policy.compose import PRESET_KEYS, RULE_KEYS, Pipeline, Preset, Rul
 from kvroute.policy.params import PolicyParams
 from kvroute.policy.plugins import Condition, Filter, Picker, Plugin, Route, Scorer, check_inputs
 from kvroute.policy.shared import sharing
+from kvroute.policy.state import Turns
 
 Loc = tuple[str | int, ...]
 
@@ -131,8 +132,10 @@ def compile_rule(spec: Mapping[str, Any], params: PolicyParams, loc: Loc, keys: 
     if picker.needs_values and not weights:  # terms all weighted 0 still score: all equal
         raise ConfigError(f"{'.'.join(map(str, loc)) or 'policy'}: picker {picker.name!r} needs scores: "
                           "add cost or score", (*loc, "picker"))
+    turns = getattr(picker, "turns", None)  # plain round robin: the rule takes the turn itself (compose.py)
     return Rule(branch, _typed(when, Condition), _typed(among, Filter), tuple(scorers), normalised, picker,
-                plugins=(*plugins, *(s for s, _ in scorers), picker))
+                plugins=(*plugins, *(s for s, _ in scorers), picker),
+                turns=turns if isinstance(turns, Turns) and not scorers else None)
 
 
 def _typed(items: tuple[Plugin, ...], cls: type[Any]) -> tuple[Any, ...]:

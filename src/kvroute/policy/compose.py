@@ -33,6 +33,7 @@ from kvroute.policy.base import Policy, View
 from kvroute.policy.hooks import Lifecycle
 from kvroute.policy.params import PolicyParams
 from kvroute.policy.plugins import Condition, DecisionState, Filter, Picker, Plugin, Route, Scorer
+from kvroute.policy.state import Turns
 
 RULE_KEYS = ("when", "among", "cost", "score", "picker", "route", "branch", "enabled")
 PRESET_KEYS = ("filters", "rules", "cost", "score", "picker", "route", "branch")
@@ -68,6 +69,7 @@ class Rule:
     picker: Picker | None = None
     route: Route | None = None
     plugins: tuple[Plugin, ...] = field(default=())
+    turns: Turns | None = None  # the picker's own counter when it is plain round robin (compiler.py)
 
     def apply(self, st: DecisionState, eps: list[Endpoint]) -> Decision | None:
         """Route over ``eps``, or None when this rule does not apply."""
@@ -80,6 +82,10 @@ class Rule:
                 return None
         if self.route is not None:
             return self.route.route(st, eps)
+        turns = self.turns
+        if turns is not None:  # round robin, its counter compiled: no interpreted pick per decision
+            turn = turns.pick(st, eps)
+            return Decision.dispatch(turn.id, self.branch, st.matched(turn.id), None)
         picker = self.picker
         assert picker is not None  # the compiler gives every rule a route or a picker
         values = self.combine(st, eps) if picker.needs_values else ()

@@ -58,7 +58,8 @@ def decide(policy: Deciding, req: Request, view: Viewing, dry_run: bool = False)
     # peers a held request could be forwarded to (a forwarded one never goes on)
     peers = hard_filter(req, view.peers) if view.peers and not req.from_peer else ()
     admission = policy.admission
-    ready = admission.ready(eps, view.local_queue, peers)
+    # blind pushing (the base class, never held) admits every endpoint: no interpreted call for it
+    ready = eps if admission.__class__ is Admission else admission.ready(eps, view.local_queue, peers)
     if not ready:
         return Decision.hold(f"no endpoint admits a request now ({admission.name})")
     try:

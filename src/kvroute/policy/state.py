@@ -105,3 +105,25 @@ def copy_of(rng: random.Random) -> random.Random:
     copy = random.Random()
     copy.setstate(rng.getstate())
     return copy
+
+
+class Turns:
+    """Round robin's counter (``builtin/pickers.RoundRobin``), in this compiled module so that a rule
+    whose picker is plain round robin takes its turn without an interpreted call per decision
+    (``compose.Rule.apply``; issue 25, docs/hot-path.md, thirteenth round). The counter moves only
+    when the dispatch is committed (``DecisionState.defer``), as before."""
+
+    __slots__ = ("next",)
+
+    def __init__(self) -> None:
+        self.next = 0
+
+    def pick(self, st: DecisionState, eps: list[Endpoint]) -> Endpoint:
+        """The candidate whose turn it is; the turn passes on at the commit."""
+        ep = eps[self.next % len(eps)]
+        st.defer(self.advance)
+        return ep
+
+    def advance(self) -> None:
+        """The next candidate's turn."""
+        self.next += 1

@@ -8,6 +8,7 @@ from kvroute.model import Endpoint
 from kvroute.policy.base import argmax, argmin, softmax_pick
 from kvroute.policy.catalog import register_plugin
 from kvroute.policy.plugins import DecisionState, Picker
+from kvroute.policy.state import Turns
 
 
 @register_plugin
@@ -92,16 +93,14 @@ class RoundRobin(Picker):
     needs_values = False
 
     def __init__(self) -> None:
-        self._next = 0
+        self._turns = Turns()  # the counter, compiled (policy/state.py)
+        # a rule takes the turn from ``turns`` itself, without calling pick (compose.Rule.apply), unless a
+        # subclass has its own pick
+        self.turns: Turns | None = self._turns if type(self).pick is RoundRobin.pick else None
 
     def pick(self, st: DecisionState, eps: list[Endpoint], values: Sequence[float]) -> Endpoint | None:
         """The next candidate in turn; ``values`` is ignored."""
-        ep = eps[self._next % len(eps)]
-        st.defer(self._advance)
-        return ep
-
-    def _advance(self) -> None:
-        self._next += 1
+        return self._turns.pick(st, eps)
 
 
 @register_plugin
