@@ -58,6 +58,16 @@ class ContextOverflow(CalibrationError):
     """A prompt was longer than the engine's context limit (it answered 400 saying so)."""
 
 
+def _overflow(answer: str) -> bool:
+    """Whether an engine's 400 answer says the prompt left no room in its context. vLLM 0.32 says
+    "context length" for a prompt longer than ``max_model_len``, but a prompt of exactly
+    ``max_model_len`` tokens leaves ``max_tokens = max_model_len - input_length = 0``
+    (.venv-vllm ``vllm/entrypoints/serve/utils/api_utils.py`` ``get_max_tokens``), which its
+    sampling params refuse as "max_tokens must be at least 1, got 0" (``sampling_params.py``)."""
+    text = answer.lower()
+    return "context" in text or "max_tokens must be at least 1, got 0" in text
+
+
 @dataclass
 class Sweep:
     """What to measure; the defaults take about 30 s against three CPU llama-servers."""
@@ -180,7 +190,7 @@ class _Engine:
                                          timeout=aiohttp.ClientTimeout(total=self.sweep.timeout_s)) as r:
                 data = await r.json(content_type=None)
                 if r.status != 200:
-                    kind = ContextOverflow if r.status == 400 and "context" in str(data).lower() else CalibrationError
+                    kind = ContextOverflow if r.status == 400 and _overflow(str(data)) else CalibrationError
                     raise kind(f"{self.url}: /v1/completions answered {r.status}: {str(data)[:200]}")
         except (aiohttp.ClientError, TimeoutError, json.JSONDecodeError) as exc:
             raise CalibrationError(f"{self.url}: {exc.__class__.__name__}: {exc}") from None
