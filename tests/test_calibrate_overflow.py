@@ -22,8 +22,8 @@ async def _completions(request: web.Request) -> web.Response:
         return web.json_response({"error": {"message": "The model `x` does not exist."}}, status=404)
     tokens = len(body["prompt"].encode()) // BYTES_PER_TOKEN
     if tokens > LIMIT:
-        return web.json_response({"error": {"message": f"This model's maximum context length is {LIMIT} tokens. "
-                                                       f"However, your request has {tokens} input tokens."}}, status=400)
+        message = f"This model's maximum context length is {LIMIT} tokens. However, your request has {tokens}."
+        return web.json_response({"error": {"message": message}}, status=400)
     max_tokens = min(body["max_tokens"], LIMIT - tokens)
     if max_tokens < 1:
         return web.json_response({"error": {"message": f"max_tokens must be at least 1, got {max_tokens}. "
