@@ -14,7 +14,7 @@ from kvroute.policy.registry import build_policy, policy_from_config
 from kvroute.policy.router import Router
 from kvroute.reproduce import common as reproduce_common
 from kvroute.reproduce import reproduce
-from kvroute.reproduce.common import YES
+from kvroute.reproduce.common import DIRECTION, NO, YES
 from kvroute.sim.engine import DECODE, DONE, Engine, Seq
 from kvroute.sim.events import EventLoop
 from kvroute.sim.qoe_profiling import fit_profile
@@ -270,3 +270,11 @@ def test_periodic_replanning_within_the_envelope_reports_every_plan():
     for p in plans:
         assert 4 <= len(p["sizes"]) <= 6 and max(p["sizes"]) <= 4 and sum(p["sizes"]) == 16
     assert [len(s) for s in mig["stages"]] == plans[-1]["sizes"] and not runs["cascadeinfer"]["failed"]
+
+
+def test_the_bid_ask_reason_matches_its_verdict():
+    """A *no* must not say the round-robin ordering holds (the direction-only reason did, for either verdict)."""
+    from kvroute.reproduce.cascadeinfer import _bidask_why
+
+    assert "round-robin ordering holds" in _bidask_why(DIRECTION)
+    assert "ordering holds" not in _bidask_why(NO) and "above round robin" in _bidask_why(NO)
