@@ -7,8 +7,9 @@ from conftest import needs_trace
 
 from kvroute.cli import main
 from kvroute.reproduce import PAPERS, markdown, reproduce
-from kvroute.reproduce.common import YES, Lab, ratio_agreement, similar
+from kvroute.reproduce.common import YES, Lab, Row, median_verdict, ratio_agreement, similar
 from kvroute.reproduce.lmetric import capacity
+from kvroute.reproduce.seeds import agrees_cell, combine, kvroute_cell
 from kvroute.sim.scenario import SCENARIO_DIR
 
 
@@ -109,3 +110,78 @@ def test_papers_are_named_by_title_in_what_users_see():
         assert ":" in title and not seed_file.search(title), title
     assert not seed_file.search(presets_markdown())
     assert not seed_file.search(str(describe_presets()))
+
+
+# -- judged over seeds (`kvroute reproduce --seeds N`) ------------------------------------------------
+
+@pytest.mark.parametrize("verdicts, median, shown", [
+    (["no", "yes", "yes"], "yes", 2),  # seed 1 outvoted: the numbers are seed 2's
+    (["yes", "no", "no"], "no", 2),
+    (["no", "direction only", "yes"], "direction only", 2),  # ordinal: no < direction only < yes
+    (["yes", "no", "direction only"], "direction only", 3),
+    (["direction only", "direction only", "no"], "direction only", 1),
+    (["n/a", "no", "n/a"], "n/a", 1),  # not measurable ranks below "no"
+    (["yes", "yes", "no", "no", "direction only"], "direction only", 5),
+    (["no"], "no", 1),
+])
+def test_a_row_over_seeds_takes_the_median_verdict_and_that_seeds_numbers(verdicts, median, shown):
+    per_seed = {s: [Row("claim A", "paper", f"number at seed {s}", v, "" if v == YES else f"why at seed {s}",
+                        "exp", seed_note=f"note {s}"),
+                    Row("claim B", "paper", f"b{s}", YES)]
+                for s, v in enumerate(verdicts, start=1)}
+    a, b = combine(per_seed)
+    assert a["agrees"] == median_verdict(verdicts) == median
+    assert a["seed"] == shown and a["kvroute"] == f"number at seed {shown}"
+    assert a["why_not"] == ("" if median == YES else f"why at seed {shown}")
+    assert a["seed_verdicts"] == verdicts and [r["kvroute"] for r in a["per_seed"]] == [
+        f"number at seed {s}" for s in range(1, len(verdicts) + 1)]
+    assert b["agrees"] == YES and b["seed"] == 1
+    if len(verdicts) > 1:
+        cell = agrees_cell(a)
+        assert cell.startswith(median) and ", ".join(verdicts) in cell or f"all {median}" in cell
+        assert kvroute_cell(a).count("note ") == len(verdicts)
+
+
+def test_median_needs_an_odd_count_and_the_seeds_the_same_claims():
+    with pytest.raises(ValueError):
+        median_verdict(["yes", "no"])
+    with pytest.raises(RuntimeError):
+        combine({1: [Row("claim A", "p", "1", YES)], 2: [Row("claim B", "p", "2", YES)],
+                 3: [Row("claim A", "p", "3", YES)]})
+
+
+@pytest.mark.parametrize("value, says", [("2", ": must be an odd positive integer"), ("0", ": must be an odd positive"),
+                                         ("-3", ": must be an odd positive"), ("1.5", " is not an integer")])
+def test_bad_seed_counts_are_argparses_one_line(value, says, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["reproduce", "gorgo-v1", "--seeds", value])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and f"argument --seeds: '{value}'{says}" in err.strip().splitlines()[-1]
+
+
+def test_every_reproduce_scenario_runs_at_seed_one():
+    """Seed 1 of `--seeds N` is the files' own seed: today's single-seed tables are its rows."""
+    for path in (SCENARIO_DIR / "reproduce").glob("*.yaml"):
+        assert Lab().scenario(path.stem).seed == 1, path.name
+    assert Lab(seed=3).scenario("gorgo-v1").seed == 3
+
+
+def test_seed_one_of_three_in_parallel_is_the_single_seed_run(monkeypatch):
+    """`--seeds 3` on a pool of two (the seeds' runs side by side): seed 1's rows are the one-seed serial
+    run's, bit for bit; the other seeds ran other draws; every row carries each seed's row."""
+    from kvroute.parallel import PoolExecutor
+    from kvroute.reproduce import common
+
+    monkeypatch.setattr(common, "QUICK_FRACTION", 0.0)  # each run at QUICK_MIN_REQUESTS
+    one = reproduce("gorgo-v1", quick=True)
+    with PoolExecutor(2) as pool:
+        three = reproduce("gorgo-v1", quick=True, executor=pool, seeds=3)
+    assert three["seeds"] == 3 and {m["seed"] for m in three["runs"].values()} == {1, 2, 3}
+    for single, row in zip(one["rows"], three["rows"], strict=True):
+        assert row["per_seed"][0] == {k: v for k, v in single.items() if k in row["per_seed"][0]}
+        assert row["seed_verdicts"] == [r["agrees"] for r in row["per_seed"]]
+        assert row["agrees"] == median_verdict(row["seed_verdicts"])
+        assert row["per_seed"][1]["kvroute"] != row["per_seed"][0]["kvroute"]  # another seed, another draw
+    md = markdown(three)
+    assert "seeds 1–3" in md and md.count("\n|") >= len(three["rows"]) + 1

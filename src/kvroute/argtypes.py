@@ -30,6 +30,15 @@ def non_negative_int(text: str) -> int:
     return _integer(text, 0, "must be 0 or a positive integer")
 
 
+def odd_positive_int(text: str) -> int:
+    """argparse type: an odd positive integer (a count whose median is one of its members, e.g. seeds)."""
+    value = _integer(text, 1, "must be an odd positive integer")
+    if value % 2 == 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be an odd positive integer (the median of an even "
+                                         "number of verdicts is not one verdict)")
+    return value
+
+
 def int_at_least(least: int) -> Callable[[str], int]:
     """argparse type: an integer of ``least`` or more (a count with a floor, e.g. a plan's requests per run)."""
     def parse(text: str) -> int:

@@ -124,18 +124,19 @@ def _profile(lab: Lab) -> HardwareProfile:
 
 
 def _planning_costs(prof: HardwareProfile, rate: float, instances: int,
-                    period_s: float) -> tuple[partition.StageCosts, int]:
+                    period_s: float, seed: int = 1) -> tuple[partition.StageCosts, int]:
     """The start-up plan's costs as the simulator builds them (sim/cascade_planning.py): one
-    period's requests of the workload's statistics, each once (§4.2's "set of requests")."""
-    sample = LongContext(rate, ["local"], seed=1).length_sample(int(round(rate * period_s)))
+    period's requests of the workload's statistics at ``seed`` (the run's), each once (§4.2's "set of
+    requests")."""
+    sample = LongContext(rate, ["local"], seed=seed).length_sample(int(round(rate * period_s)))
     n = in_flight_by_littles_law(prof, rate, sample, instances)
     bytes_per_token = prof.kv_bytes_per_token or DEFAULT_KV_BYTES_PER_TOKEN
     tokens_per_s = MigrationSettings().transfer_gb_s * 1e9 / bytes_per_token
-    costs = planning_costs(prof, fit_profile(prof).model, sample, n, instances, tokens_per_s, seed=1)
+    costs = planning_costs(prof, fit_profile(prof).model, sample, n, instances, tokens_per_s, seed=seed)
     return costs, len(costs.cuts) - 1
 
 
-def _prefill_share(res: dict, label: str) -> str:
+def _prefill_share(res: dict, label: str, seed: int = 1) -> str:
     """What the saturated run's start-up plan gives the stage with the most prefill per instance,
     computed from the workload's length distribution and the profile's prefill time (no queueing,
     no decoding): its share of the workload's prefill seconds against its share of the instances."""
@@ -145,7 +146,7 @@ def _prefill_share(res: dict, label: str) -> str:
     sizes, bounds = plans[0]["sizes"], plans[0]["bounds"]
     edges = [0, *bounds, math.inf]
     prof = load_profile(PROFILE)
-    sample = LongContext(RATES["saturated"], ["local"], seed=1).length_sample(20_000)
+    sample = LongContext(RATES["saturated"], ["local"], seed=seed).length_sample(20_000)
     work = [0.0] * len(sizes)  # prefill seconds by stage of the prompt
     for i, _ in sample:
         work[partition.stage_of(bounds, i)] += prof.prefill_time(i)
@@ -158,12 +159,12 @@ def _prefill_share(res: dict, label: str) -> str:
             f"{share / (sizes[worst] / sum(sizes)):.1f}× an even share of prefill per instance")
 
 
-def _throughput_why(runs: dict[str, dict]) -> str:
+def _throughput_why(runs: dict[str, dict], seed: int = 1) -> str:
     """Why throughput at saturation falls short (the clause this measures)."""
     replans = len(runs["saturated"][CASCADE].get("migration", {}).get("plans") or [None]) - 1
     return (f"throughput at saturation ({RATES['saturated']:g} req/s: output tokens generated during the "
             "arrival window ÷ its length) is set by the stages of the longest prompts: "
-            + _prefill_share(runs["saturated"], CASCADE)
+            + _prefill_share(runs["saturated"], CASCADE, seed)
             + f" (§4.3's refinement then moves the bounds to {_bounds(runs['saturated'], CASCADE)}); §6.1's envelope "
             "allows at most 4 instances a stage (\"each stage comprising 1 to 4 instances\")"
             + (", and the run's arrivals end before its first re-plan" if replans == 0 else
@@ -201,17 +202,18 @@ def partition_rows(lab: Lab) -> list[Row]:
     """§6.5: partition time at 16 instances and 128K, and the heuristic against the exact DP."""
     env = _envelope(lab)
     k, stages = env.max_stage_instances, env.stages
-    # the planner's own CPU time: wall time on a shared host counts the other tenants too (1 s+
-    # under load 6-8 in a test run, where it takes ~0.08 s alone)
-    t0 = time.process_time()
+    # the planner's own CPU time (this thread's: with several seeds other threads share the process):
+    # wall time on a shared host counts the other tenants too (1 s+ under load 6-8 in a test run,
+    # where it takes ~0.08 s alone)
+    t0 = time.thread_time()
     period = env.replan_interval_s or PLAN_PERIOD_S
     prof = _profile(lab)
-    costs, tiers = _planning_costs(prof, RATES["moderate"], 16, period)
+    costs, tiers = _planning_costs(prof, RATES["moderate"], 16, period, lab.seed)
     heur = partition.heuristic(costs, 16, k, stages)
-    t_heur = time.process_time() - t0
-    t1 = time.process_time()
+    t_heur = time.thread_time() - t0
+    t1 = time.thread_time()
     exact = partition.exact(costs, 16, k, stages)
-    t_exact = time.process_time() - t1
+    t_exact = time.thread_time() - t1
     free = partition.heuristic(costs, 16)
     agree = YES if t_heur < 1.0 else NO
     timing = Row("stage partition with 16 instances, 128K length", "0.06 s",
@@ -222,7 +224,7 @@ def partition_rows(lab: Lab) -> list[Row]:
                  "" if agree == YES else "machine: a slower CPU", "partition")
     gaps = []
     for e in (2, 4, 8, 16):
-        c, _ = _planning_costs(prof, RATES["moderate"], e, period)
+        c, _ = _planning_costs(prof, RATES["moderate"], e, period, lab.seed)
         shape = stages if e >= 16 else None  # 4-6 stages need enough instances
         h, x = partition.heuristic(c, e, k, shape), partition.exact(c, e, k, shape)
         gaps.append((e, h.cost / x.cost - 1 if x.cost else 0.0))
@@ -254,7 +256,7 @@ def _layout_row(lab: Lab, runs: dict[str, dict], other: str, claim: str, paper: 
     a_lat = ratio_agreement(lat_ratios, lat, lat)
     a_thr = ratio_agreement([thr_ratio], thr, thr)
     agree = YES if a_lat == YES and a_thr == YES else DIRECTION if NO not in (a_lat, a_thr) else NO
-    why += "; " + (_throughput_why(runs) if a_thr == NO else MEASURE)
+    why += "; " + (_throughput_why(runs, lab.seed) if a_thr == NO else MEASURE)
     text = (f"mean E2E {(lat_ratios[0] - 1) * 100:+.0f} % (40 req/s), {(lat_ratios[1] - 1) * 100:+.0f} % (60 req/s); "
             + _thr_text(runs, other))
     return Row(claim, paper, text, agree, MEASURE if agree == YES else why + _saturation(lab), "cascadeinfer")
@@ -283,7 +285,7 @@ def bidask_row(lab: Lab) -> Row:
                f"(full vs round robin {(full / rr - 1) * 100:+.0f} %, "
                f"vs inter-stage {(full / inter - 1) * 100:+.0f} %)",
                agree, "" if agree == YES else _bidask_why(agree) + unstable_note(lab, "cascadeinfer-bidask"),
-               "cascadeinfer-bidask")
+               "cascadeinfer-bidask", seed_note=f"CV round robin {rr:.3f}, inter-stage {inter:.3f}, full {full:.3f}")
 
 
 def _bidask_why(agree: str) -> str:
@@ -295,16 +297,17 @@ def _bidask_why(agree: str) -> str:
                       "identical instances already spreads output tokens evenly at this load; the overload trigger "
                       "(25 % above the stage mean in KV) then moves sequences that are long in context, not in "
                       "output, so the output-token CV is not what it evens out")
-    return why + ("here full bid-ask ends above round robin. The CV over a stage's four instances is one seed's draw "
-                  "and swings with it: over seeds 1-6 of this scenario full bid-ask is below round robin at seeds "
-                  "2-6 and above it at seed 1 (issue 21u). Its bids and overload trigger read KV in use, and a "
+    return why + ("here full bid-ask ends above round robin at this seed. The CV over a stage's four instances is "
+                  "one seed's draw and swings with it: over seeds 1-6 of this scenario issue 21u found full bid-ask "
+                  "below round robin at seeds 2-6 and above it at seed 1 (run over several seeds, the kvroute "
+                  "column lists each seed's CVs). Its bids and overload trigger read KV in use, and a "
                   "vLLM v1 engine holds only the chunks of a long prompt scheduled so far (kv_cache_manager "
                   "allocate_slots; its reported usage is allocated blocks, block_pool), so a stage prefilling long "
                   "prompts looks lighter than it will be; the trigger (25 % above the stage mean in KV) moves "
                   "sequences long in context, not in output, so the output-token CV is not what it evens out")
 
 
-def _end_to_end_why(runs: dict[str, dict], agrees: list[str]) -> str:
+def _end_to_end_why(runs: dict[str, dict], agrees: list[str], seed: int = 1) -> str:
     """The end-to-end rows' reasons, for the clauses (mean, tail, throughput) that are not met."""
     parts = []
     if NO in agrees[:2]:
@@ -314,7 +317,7 @@ def _end_to_end_why(runs: dict[str, dict], agrees: list[str]) -> str:
                      f"{_shapes(runs['moderate'], CASCADE)}, inside §6.1's 1-4 instances per stage): Eq. (1) has no "
                      "queueing term")
     if agrees[2] == NO:
-        parts.append(_throughput_why(runs))
+        parts.append(_throughput_why(runs, seed))
     return (("Not met: " + "; ".join(parts) + ". " if parts else "")
             + ("" if agrees[2] == NO else MEASURE + ". ") + "The baselines are "
             "§6.1's: round robin over plain vLLM instances (batch cap 1024) and Llumnix \"using its "
@@ -381,7 +384,9 @@ def rows(lab: Lab) -> list[Row]:
                        f"mean E2E {(mean[0] - 1) * 100:+.0f} % / {(mean[1] - 1) * 100:+.0f} %, P99 E2E "
                        f"{(tail[0] - 1) * 100:+.0f} % / {(tail[1] - 1) * 100:+.0f} % (40 / 60 req/s); "
                        + _thr_text(runs, base), agree,
-                       MEASURE if agree == YES else "checked: " + IMPLEMENTATION + _end_to_end_why(runs, agrees)
-                       + _saturation(lab), "cascadeinfer"))
+                       MEASURE if agree == YES else "checked: " + IMPLEMENTATION
+                       + _end_to_end_why(runs, agrees, lab.seed) + _saturation(lab), "cascadeinfer",
+                       seed_note=f"mean E2E {(mean[0] - 1) * 100:+.0f} / {(mean[1] - 1) * 100:+.0f} %, P99 E2E "
+                                 f"{(tail[0] - 1) * 100:+.0f} / {(tail[1] - 1) * 100:+.0f} %, throughput {thr:.2f}×"))
     out.append(bidask_row(lab))
     return out

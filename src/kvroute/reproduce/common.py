@@ -5,6 +5,16 @@ simulated setup, whether they agree, and — when they do not — why (setup, mo
 data). The setups are bundled scenario files (``kvroute/scenarios/reproduce/``); anyone can rerun
 one with ``kvroute simulate reproduce/NAME``. Agreement is judged on direction first,
 then rough size; no model constant is ever adjusted to make a row agree (reproduction.md).
+
+Seeds: a :class:`Lab` runs every scenario at one seed (``Lab.seed``, 1 unless told; the scenario
+files all say ``seed: 1``, so seed 1 is the files' own run) and every workload a paper module builds
+itself draws from that seed too. ``kvroute reproduce --seeds N`` builds each paper's rows at seeds
+1..N (N odd) and judges each row by the *median of its per-seed verdicts* on the ordinal scale
+no < direction only < yes (:func:`median_verdict`; "n/a" and "not implemented" rank below "no").
+A row's numbers are those of the lowest seed whose verdict is that median, and the row names it
+(:func:`combine`, in ``reproduce/seeds.py``). The rule was adopted after issue 21u showed two
+CascadeInfer rows changing sign between seeds 1-6: one draw cannot settle a tail or a CV, and the
+same holds for every row whose effect is small against the seed spread.
 """
 
 from __future__ import annotations
@@ -35,6 +45,7 @@ class Row:
     agrees: str
     why_not: str = ""
     experiment: str = ""
+    seed_note: str = ""  # a few of this seed's numbers, listed for every seed when rows are judged over seeds
 
     def as_dict(self) -> dict:
         """The row as a plain dict (for JSON)."""
@@ -46,15 +57,19 @@ class Lab:
     """Runs the reproduction scenarios (each at most once per set of overrides) and keeps what ran."""
 
     quick: bool = False
+    seed: int = 1  # the seed every scenario (and every workload a paper module builds) draws from
+    seeds: tuple[int, ...] = (1,)  # every seed of this reproduction (rows that quote the others read it)
     progress: Callable[[str], None] | None = None
     executor: Executor = field(default_factory=Executor)  # where a scenario's policies run (in parallel)
     runs: dict = field(default_factory=dict)  # experiment key → {label: result}
     meta: dict = field(default_factory=dict)  # experiment key → scenario file, requests, wall time
+    rows: list = field(default_factory=list)  # the paper's rows at this seed, once built (reproduce/seeds.py)
 
     def scenario(self, name: str, overrides: dict | None = None, requests: int | None = None):
         """A reproduction scenario with overrides merged in and the request count scaled for --quick."""
         sc = load_scenario(str(SCENARIO_DIR / "reproduce" / f"{name}.yaml"))
         data = sc.model_dump(exclude_none=True)
+        data["seed"] = self.seed  # an override may still name another seed (a row's own check)
         for key, value in (overrides or {}).items():
             if isinstance(value, dict) and isinstance(data.get(key), dict):
                 data[key] = {**data[key], **value}
@@ -87,6 +102,18 @@ class Lab:
 
 
 # -- agreement rules ------------------------------------------------------------------------------
+
+# the ordinal scale a row's verdicts are medians on; anything else ("n/a", "not implemented") ranks below "no"
+RANK = {NO: 0, DIRECTION: 1, YES: 2}
+
+
+def median_verdict(verdicts: list[str]) -> str:
+    """The median of per-seed verdicts on the scale no < direction only < yes (an odd count: a verdict of
+    the list; "n/a" and "not implemented" rank below "no")."""
+    if not verdicts or len(verdicts) % 2 == 0:
+        raise ValueError(f"a median verdict needs an odd number of verdicts, got {len(verdicts)}")
+    return sorted(verdicts, key=lambda v: RANK.get(v, -1))[len(verdicts) // 2]
+
 
 def ratio_agreement(values: list[float], lo: float, hi: float) -> str:
     """Claims of the form "X is lo–hi times Y" (values are kvroute's X/Y ratios).

@@ -170,17 +170,17 @@ def hotspot_rows(lab: Lab, cap: float, trace_rate: float, half: dict) -> list[Ro
            Row("detector silent at half load (same trace)", "silent on benign traces",
                f"{fired(calm[on]):.0f} requests filtered; {line(calm[on])}" + unstable_note(lab, "lmetric-50-hotspot"),
                YES if fired(calm[on]) == 0 else NO, "", "lmetric")]
-    out.append(synthetic_hotspot_row())
+    out.append(synthetic_hotspot_row(lab.seed))
     return out
 
 
-def synthetic_hotspot_row() -> Row:
-    """The detector on a hot shared prefix (70 % of requests share 20K tokens, 16 H20s, 5 req/s)."""
-    sc = parse_scenario({"name": "hotspot", "seed": 1, "policies": ["lmetric"],
+def synthetic_hotspot_row(seed: int = 1) -> Row:
+    """The detector on a hot shared prefix (70 % of requests share 20K tokens, 16 H20s, 5 req/s), at ``seed``."""
+    sc = parse_scenario({"name": "hotspot", "seed": seed, "policies": ["lmetric"],
                          "replicas": [{"region": "us", "count": 16, "profile": "h20-qwen3-30b-a3b"}]}, "hotspot")
     res = {}
     for params in ({}, {"hotspot": True}):
-        sim = Simulation(sc.setup(None), "lmetric", params, HotspotWorkload(5.0, 3000, hot=0.7, seed=1))
+        sim = Simulation(sc.setup(None), "lmetric", params, HotspotWorkload(5.0, 3000, hot=0.7, seed=seed))
         r = sim.run()
         counts = Counter(sim.recorder.replica)
         res[bool(params)] = (r, max(counts.values()) / sum(counts.values()))

@@ -61,10 +61,11 @@ def why_chat(sw: dict, best: tuple[str, dict], lengths: str) -> str:
     return text + f". {lengths}"
 
 
-def chat_lengths(clients: dict[str, int], shape: dict, conversations: int = 2000) -> tuple[float, float]:
+def chat_lengths(clients: dict[str, int], shape: dict, conversations: int = 2000, seed: int = 1) -> tuple[float, float]:
     """Mean prompt tokens per request and mean turns per conversation of the synthetic chat with these
-    clients and conversation ``shape``, played through without an engine (answers are the workload's draws)."""
-    wl = ChatWorkload(clients, seed=1, conversation=ConversationShape(**shape))
+    clients and conversation ``shape`` at ``seed`` (the run's), played through without an engine (answers
+    are the workload's draws)."""
+    wl = ChatWorkload(clients, seed=seed, conversation=ConversationShape(**shape))
     regions = list(clients)
     prompts, turns = [], 0
     for slot in range(conversations):
@@ -85,7 +86,7 @@ def kv_note(lab: Lab, sw: dict, clients: dict[str, int], shape: dict) -> str:
     replicas = sum(g.count for g in groups)
     prof = load_profile(groups[0].profile)
     kv = (groups[0].kv_blocks or prof.kv_blocks) * prof.block_size
-    prompt, _ = chat_lengths(clients, shape)
+    prompt, _ = chat_lengths(clients, shape, seed=lab.seed)
     per = sum(clients.values()) / replicas
     return (f"Saturated: SkyWalker's TTFT p90 is {sw['ttft_s']['p90']:.1f} s where the paper's P90s \"can reach "
             f"several seconds\" (§5.1); an L4's KV pool ({kv:,} tokens, from the released launch flags) holds "
@@ -96,9 +97,9 @@ def kv_note(lab: Lab, sw: dict, clients: dict[str, int], shape: dict) -> str:
             f"~{kv / per:,.0f} tokens each. ")
 
 
-def lengths_note(clients: dict[str, int], shape: dict, key: str) -> str:
-    """The synthetic chat's lengths beside the published ones (what the chat rows' setup rests on)."""
-    prompt, turns = chat_lengths(clients, shape)
+def lengths_note(clients: dict[str, int], shape: dict, key: str, seed: int = 1) -> str:
+    """The synthetic chat's lengths at ``seed`` beside the published ones (what the chat rows' setup rests on)."""
+    prompt, turns = chat_lengths(clients, shape, seed=seed)
     text = (f"Setup: synthetic chat stands in for the trace, shaped as SkyWalker's released client replays it "
             f"(sky/lbbench/workloads/arena_syn.py, wildchat.py: multi-turn conversations only, answers capped at "
             f"512 tokens, no system prompt); its requests average {prompt:,.0f} prompt tokens over {turns:.1f} "
@@ -121,7 +122,8 @@ def chat_rows(lab: Lab, key: str, chat: dict, where: str, clients: dict[str, int
     every = {**base, GKE: chat[GKE]}  # "across all evaluated systems" (§5.1, TTFT and E2E)
     note = unstable_note(lab, key)
     best = max(base.items(), key=lambda kv: kv[1]["prefix_hit_rate"])
-    why = kv_note(lab, sw, clients, shape) + why_chat(sw, (SHORT[best[0]], best[1]), lengths_note(clients, shape, key))
+    why = kv_note(lab, sw, clients, shape) + why_chat(sw, (SHORT[best[0]], best[1]),
+                                                      lengths_note(clients, shape, key, lab.seed))
     tput = {SHORT[b]: sw["throughput_rps"] / r["throughput_rps"] for b, r in base.items()}
     agree = ratio_agreement(list(tput.values()), 1.12, 1.2)
     out.append(Row(f"throughput vs single-LB baselines, chat {where}", "1.12–1.2×",
@@ -145,7 +147,7 @@ def chat_rows(lab: Lab, key: str, chat: dict, where: str, clients: dict[str, int
         out.append(Row(f"TTFT {q}, SkyWalker as share of every baseline incl. GKE {where}", paper,
                        fmt_range(list(shares.values()), "{:.0%}") + note, agree,
                        "" if agree == YES else closest(sw, every, shares, "ttft_s", q)
-                       + (regional_p50(sw, every[GKE], clients, shape) if regional else "") + why, key))
+                       + (regional_p50(sw, every[GKE], clients, shape, lab.seed) if regional else "") + why, key))
     e2e = {b: r["e2e_s"]["p50"] / sw["e2e_s"]["p50"] for b, r in every.items()}
     agree = ratio_agreement(list(e2e.values()), 1.05, 2.14)
     out.append(Row(f"E2E p50 improvement over every baseline incl. GKE {where}", "1.05–2.14×",
@@ -172,10 +174,10 @@ def closest(sw: dict, every: dict, shares: dict, metric: str, q: str) -> str:
     return text
 
 
-def regional_p50(sw: dict, gke: dict, clients: dict[str, int], shape: dict) -> str:
+def regional_p50(sw: dict, gke: dict, clients: dict[str, int], shape: dict, seed: int = 1) -> str:
     """Why SkyWalker's TTFT p50 is no lower than a per-region gateway's: of the paper's two causes, the
     cross-region one is absent (both stay in the region), leaving prefill saved by prefix hits."""
-    prompt, _ = chat_lengths(clients, shape)
+    prompt, _ = chat_lengths(clients, shape, seed=seed)
     return ("The paper credits SkyWalker's lower P50 to \"its geo-distributed load balancers, which reduce "
             "cross-region latency, and its high prefix hit rates, which reduce prefill time\" (§5.1); GKE's "
             "gateway also serves each region's clients in their own region, so only prefill is left to save, "
