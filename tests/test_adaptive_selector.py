@@ -6,10 +6,12 @@ from __future__ import annotations
 import pytest
 
 from kvroute.model import Endpoint
+from kvroute.policy import Router, build_policy
 from kvroute.policy.adaptive.selector import A, B, TTFTSelector
 from kvroute.policy.adaptive.selector.plugin import welch
 from kvroute.policy.builtin.filters import NearBest
 from kvroute.policy.plugins import DecisionState
+from tests.conftest import make_request
 from tests.test_adaptive_replica_speed import _learn  # lifecycle events as the Router delivers them
 
 
@@ -120,17 +122,12 @@ def test_bad_settings_are_refused(window, exploit, z):
         TTFTSelector(window=window, exploit=exploit, z=z)
 
 
-class _Lm:
-    """A DecisionState whose new prefill per endpoint is given."""
-
-    _lmetric_of = None
-    lmetric = DecisionState.lmetric  # LMetric's score, from the new prefill given
-
-    def __init__(self, new):
-        self._new = new
-
-    def new_prefill(self, eps):
-        return [self._new[e.id] for e in eps]
+def _lm_state(eps, prompt_tokens):
+    """A real DecisionState (the class the compiled build compiles, so the test runs against either
+    build) for a request of ``prompt_tokens`` that no endpoint has cached: each new prefill is the
+    whole prompt."""
+    router = Router(build_policy("round_robin"), eps)
+    return DecisionState(make_request("r", tokens=prompt_tokens), router.view, router.policy.rng)
 
 
 def _ep(eid, queued, batch):
@@ -142,7 +139,8 @@ def _ep(eid, queued, batch):
 @pytest.mark.parametrize(("factor", "kept"), [(1.0, ["a"]), (2.0, ["a", "b"]), (10.0, ["a", "b", "c"])])
 def test_near_best_keeps_the_endpoints_lmetric_ranks_within_the_factor(factor, kept):
     eps = [_ep("a", 0, 0), _ep("b", 500, 0), _ep("c", 100, 5)]  # lmetric: 1000, 1500, (100+1000)×6
-    st = _Lm({"a": 1000, "b": 1000, "c": 1000})
+    st = _lm_state(eps, 1000)
+    assert st.new_prefill(eps) == [1000, 1000, 1000]
     assert [e.id for e in NearBest("lmetric", factor).filter(st, eps)] == kept
 
 
