@@ -102,7 +102,21 @@ class Stream:
 def _moved_off(records: list[logging.LogRecord], phrase: str) -> list[float]:
     """When (wall clock) the gateway gave up on attempts stuck on a stalled engine: its warnings
     ``upstream vN {phrase}: replica vN made no progress ...``."""
-    return [r.created for r in records if phrase in r.getMessage() and "made no progress" in r.getMessage()]
+    return [r.created for r in records if r.levelno >= logging.WARNING and phrase in r.getMessage()
+            and "made no progress" in r.getMessage()]
+
+
+def _story(records: list[logging.LogRecord], gw) -> dict:
+    """For failure messages: the gateway's ejection story (its ejections, canaries, re-admissions and
+    continuations, INFO and up, each with its time) and every breaker's state now. A CI run under load
+    once ejected the healthy engine too in a later sweep, which only a re-admitted or half-open frozen
+    engine allows (gateway/ejection.py ``_others_can_serve``); its INFO lines were not captured then."""
+    t0 = records[0].created if records else 0.0
+    lines = [f"{r.created - t0:7.3f} {r.levelname} {r.getMessage()[:160]}" for r in records
+             if r.name.startswith("kvroute.gateway")][-40:]
+    breakers = gw.read(lambda: {n: (up.breaker.state.name, up.breaker.held, up.breaker.allows)
+                                for n, up in gw.rt.upstreams.items()})
+    return {"log": lines, "breakers": breakers}
 
 
 def _watch(gw, replica: str) -> dict:
@@ -124,7 +138,7 @@ def test_a_frozen_engine_is_ejected_within_5_s_and_its_stream_goes_on(pair, capl
     stream's continuation and the moved request at once — which no routing decides: measured, not
     bounded (a short's whole 8-token answer took 5.04 s once in CI, where the engine was ejected after
     3.2 s without a token)."""
-    caplog.set_level(logging.WARNING, logger="kvroute.gateway")
+    caplog.set_level(logging.INFO, logger="kvroute.gateway")  # the canaries' outcomes too (_story)
     engines, gw = pair
     for e in engines:  # warm: a cold engine's first step takes seconds, ten times that throttled
         e.post("/v1/completions", {"model": "tiny", "prompt": PROMPT, "max_tokens": 2})
@@ -205,7 +219,8 @@ def test_a_frozen_engine_is_ejected_within_5_s_and_its_stream_goes_on(pair, capl
         moved = _moved_off(caplog.records, f"upstream {replica} failed before responding")
         assert len(moved) <= 1 and all(m - wall - min(sent) <= 5.0 for m in moved), (moved, sent, wall, times)
         s.thread.join(120)
-        assert s.finish == "length" and s.usage is not None and s.usage["completion_tokens"] == 900
+        assert s.finish == "length" and s.usage is not None and s.usage["completion_tokens"] == 900, (
+            s.finish, s.usage, _story(caplog.records, gw))
         # the long stream, frozen with tokens left to make, was cut off the frozen engine (and continued)
         # within 5 s of the freeze
         cut = _moved_off(caplog.records, f"upstream {replica} failed mid-stream")
