@@ -22,11 +22,12 @@ from kvroute.ports import free_ports, wait_for_http
 KNOWN = HardwareProfile(name="known", hardware="test", model="test", c0_s=0.004, c_prefill_s=8e-5,
                         c_decode_s=1.5e-3, c_attn_s=2e-6, c_prefill_attn_s=4e-8, kv_blocks=20000,
                         block_size=16, max_running=8)
-# two repeats on two engines: every prefill and warm point is the median of four, so one stalled
+# two repeats on two engines: every point is the median of four, so one stalled
 # request on a loaded machine moves none (with one repeat a point was the mean of two: one stall
-# put a point 48-56 % off its fit at load 4-6); decode points are measured once per engine
+# put a point 48-56 % off its fit at load 4-6); no check-and-repeat (max_repeats: the counts stay known;
+# tests/test_calibrate_repeats.py checks it)
 SWEEP = Sweep(prefill_lengths=(256, 512, 1024, 2048), batch_sizes=(1, 2, 4), contexts=(128, 1024),
-              decode_tokens=16, repeats=2, timeout_s=20)
+              decode_tokens=16, repeats=2, max_repeats=2, timeout_s=20)
 
 
 def _calibrate(tmp_path):
@@ -62,7 +63,7 @@ def known_emulators(tmp_path, n: int = 2):
 
 def test_fit_recovers_the_emulators_known_profile(tmp_path):
     m = _calibrate(tmp_path)
-    assert len(m.prefill) == 16 and len(m.decode) == 12  # every point on both engines (prefills twice)
+    assert len(m.prefill) == 16 and len(m.decode) == 24  # every point on both engines, twice
     # the engines listen on this machine: the sweep measured the other CPU here meanwhile (host_cpu.py)
     assert (m.background_cores or 0.0) >= 0 and (m.background_cores is not None or machine_busy_s() is None)
     fitted, report = fit_profile(m, "mine", "emulated", sweep=SWEEP)
@@ -107,7 +108,7 @@ def test_fit_recovers_the_emulators_known_profile(tmp_path):
 
 
 def test_a_stream_delivered_in_one_burst_gives_no_step_time():
-    from kvroute.calibrate.measure import _step_time
+    from kvroute.calibrate.stream_steps import _step_time
 
     steady = [0.0, 0.01, 0.02, 0.03, 0.04]
     assert _step_time([steady, [x + 0.001 for x in steady]]) == pytest.approx(0.01)

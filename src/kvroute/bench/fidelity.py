@@ -361,11 +361,7 @@ async def run_fidelity(urls: list[str], profile: str, policies: tuple[str, ...] 
     model, bpt = await engine_facts(urls[0])
     out: dict = {"workload": w.__dict__, "engines": urls, "profile": profile, "bytes_per_token": bpt,
                  "host_cores": host_cores, "repeats": repeats, "engine_noise": noise, "policies": {}}
-    reference = await speed_reference(urls, model, profile, host_cores, out) if speed else None
-    if reference is not None:
-        say(f"speed probe after the calibration: cold prefill {out['speed_after_calibration']['prefill_s'] * 1000:.0f}"
-            f" ms, decode step {(out['speed_after_calibration']['decode_s'] or 0) * 1000:.2f} ms; the profile's "
-            f"(reference): {reference.prefill_s * 1000:.0f} ms, {(reference.decode_s or 0) * 1000:.2f} ms")
+    reference = await speed_reference(urls, model, profile, host_cores, out, say) if speed else None
     runs: dict[str, list[dict]] = {p: [] for p in policies}
     with tempfile.TemporaryDirectory(prefix="kvroute-fidelity-") as tmp:
         folder = Path(tmp)

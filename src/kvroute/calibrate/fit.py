@@ -60,6 +60,7 @@ from kvroute.calibrate.mixed_decode_probe import fit_mixed_prefill
 from kvroute.calibrate.mixed_probe import fit_h_cv
 from kvroute.calibrate.newcomer_probe import factors as newcomer_factors
 from kvroute.calibrate.noise import api_delay, step_sigma
+from kvroute.calibrate.repeat_check import shifts
 from kvroute.calibrate.slot_probe import per_token as slot_per_token
 from kvroute.perf.profile import HardwareProfile, NewcomerPoint
 
@@ -187,6 +188,8 @@ def fit_profile(m: Measurements, name: str, hardware: str, max_batched_tokens: i
               "engines": [f.__dict__ for f in facts], "wall_s": m.wall_s, "host_cores": host_cores,
               "sharing": sharing, "background_cores": background,
               "sweep": (sweep or Sweep()).__dict__, "raw_prefill": len(m.prefill), "raw_decode": len(m.decode),
+              # how many repeats the sweep ran, and how far leaving one out moves each kind of point (repeat_check.py)
+              "repeats": len(m.repeat_ends) or None, "repeat_shifts": shifts(m),
               "raw_warm": len(m.warm), "busy_probes": len(m.busy), "slot_probes": len(m.slot_saves),
               "newcomer_probes": len(m.newcomer), "mixed_probes": len(m.mixed), "h_cv_measured": h_cv,
               "mixed_decode": mixed_report,
@@ -235,7 +238,9 @@ def write_profile(path: str | Path, profile: HardwareProfile, report: dict) -> N
           for f in facts),
         f"# sweep: prefill {list(sweep['prefill_lengths'])} x{sweep['repeats']}, decode batches "
         f"{list(sweep['batch_sizes'])} at contexts {list(sweep['contexts'])}, {sweep['decode_tokens']} tokens each; "
-        f"warm prefills {list(sweep.get('warm_lengths', ()))} new tokens after {list(sweep.get('warm_contexts', ()))}",
+        f"warm prefills {list(sweep.get('warm_lengths', ()))} new tokens after {list(sweep.get('warm_contexts', ()))}"
+        + ("" if not report.get("repeats") else f"; {report['repeats']} repeats of all three, leaving one out moves "
+           + ", ".join(f"{k} {v:.1%}" for k, v in report["repeat_shifts"].items()) + " (calibrate/repeat_check.py)"),
         "# Step time T = c0 + c_prefill*P + c_decode*D + c_attn*sum(ctx) + c_prefill_attn*sum(p*(ctx+p/2));",
         "# decode steps fit c0, c_decode, c_attn; cold and warm prefills fit ttft_overhead, c_prefill, c_prefill_attn",
         "# (least squares on relative error, coefficients >= 0). c_attn_fixed is folded into c0.",

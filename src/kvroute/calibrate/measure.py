@@ -17,17 +17,23 @@ replaced by the longest that fits (:func:`fit_sweep`), with a line saying so.
   engine holds them in its prefix cache; then all are streamed together with ``decode_tokens``
   tokens each. Once every stream has its first token and before any has finished, all sequences
   decode in one batch, one token per step: the median gap between tokens in that window is the
-  step time, at the context ``ctx`` plus half the tokens generated.
+  step time, at the context ``ctx`` plus half the tokens generated (calibrate/decode_points.py).
+
+**Repeats** (issue 21w): each repeat takes every prefill, warm prefill and decode point once, odd repeats in
+the reverse order, and the fit takes each point's median over all repeats. The decode points used to be taken
+once, after both prefill repeats and the probes: a drift of the machine's speed between the two stretches then
+moved c0 (from the decode fit) against the prefill intercept taken after it, and a decode point rested on one
+moment only. Three repeats by default, the fewest whose median one outlying repeat cannot move; then more, up
+to ``max_repeats``, while leaving one repeat out would move a kind of point by more than ``shift_limit``
+(calibrate/repeat_check.py). The probes (noise, slots, newcomer, mixed, busy engines) follow the repeats.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import json
 import random
-import statistics
 import time
 import uuid
 from collections.abc import Callable
@@ -35,12 +41,13 @@ from dataclasses import dataclass, field, replace
 
 import aiohttp
 
+from kvroute.calibrate.decode_points import busy_points, decode_round
 from kvroute.calibrate.host_cpu import CpuLedger
 from kvroute.calibrate.mixed_decode_probe import mixed_decode_points
 from kvroute.calibrate.mixed_probe import mixed_points
 from kvroute.calibrate.newcomer_probe import newcomer_points
+from kvroute.calibrate.repeat_check import too_wide
 from kvroute.calibrate.slot_probe import slot_points
-from kvroute.calibrate.stream_steps import _stall, _step_time
 from kvroute.errors import ServiceError
 
 WORDS = ("the", "a", "of", "and", "to", "in", "is", "for", "on", "that", "with", "as", "it", "at", "by", "from", "this",
@@ -70,13 +77,13 @@ def _overflow(answer: str) -> bool:
 
 @dataclass
 class Sweep:
-    """What to measure; the defaults take about 30 s against three CPU llama-servers."""
+    """What to measure (every point on every engine at once: module docstring)."""
 
     prefill_lengths: tuple[int, ...] = (128, 512, 1024, 2048)
     batch_sizes: tuple[int, ...] = (1, 2, 4)
     contexts: tuple[int, ...] = (128, 1024)
     decode_tokens: int = 24
-    repeats: int = 2
+    repeats: int = 3  # prefill, warm and decode points each; medians over repeats (calibrate/repeat_check.py)
     timeout_s: float = 120.0  # any one request
     # warm prefills: a prompt of ``ctx`` tokens, then it plus ``n`` new tokens (its prefix cached):
     # new tokens' attention over a cached context, which cold prefills cannot tell apart from the
@@ -93,6 +100,11 @@ class Sweep:
     newcomer_rounds: int = 0  # prefills started beside busy engines (calibrate/newcomer_probe.py; --host-cores: 2)
     mixed_rounds: int = 0  # two prompts in one step against one (calibrate/mixed_probe.py: h_cv)
     mixed_decode_rounds: int = 0  # a warm prefill joining a decoding batch (calibrate/mixed_decode_probe.py)
+    # check and repeat: more repeats, up to max_repeats, while leaving one repeat out moves a kind of point by
+    # more than shift_limit (calibrate/repeat_check.py; 5 %: half the band half of bench fidelity's ratios
+    # must meet, issue 21 item 8)
+    max_repeats: int = 5
+    shift_limit: float = 0.05
 
 
 @dataclass
@@ -130,6 +142,8 @@ class Measurements:
     mixed: list[tuple[int, float, int, int, float]] = field(default_factory=list)  # calibrate/mixed_probe.py
     # calibrate/mixed_decode_probe.py: (batch, mean context, cached, new, decode step s, joined step s, latency s)
     mixed_decode: list[tuple[int, float, int, int, float, float, float]] = field(default_factory=list)
+    # the lengths of prefill, warm and decode after each repeat of the sweep (calibrate/repeat_check.py)
+    repeat_ends: list[tuple[int, int, int]] = field(default_factory=list)
     wall_s: float = 0.0
     background_cores: float | None = None  # other CPU on the engines' machine meanwhile (host_cpu.py)
     sweep: Sweep | None = None  # what was swept: the asked sweep as the context limit let it run
@@ -276,6 +290,15 @@ class _Engine:
         return facts
 
 
+def _another(m: Measurements, sweep: Sweep, say) -> bool:
+    """Whether the repeats so far disagree too much (calibrate/repeat_check.py), saying so."""
+    wide = too_wide(m, sweep.shift_limit)
+    if wide:
+        say(f"after {len(m.repeat_ends)} repeats, leaving one out moves " + ", ".join(
+            f"{k} by {v:.1%}" for k, v in wide.items()) + f" (limit {sweep.shift_limit:.0%}): another repeat")
+    return bool(wide)
+
+
 async def _warm_point(engines: list[_Engine], ctx: int, n: int, m: Measurements, say) -> None:
     """One warm prefill on every engine at once: a fresh prompt of ``ctx`` tokens, then that prompt plus ``n`` fresh
     tokens; the second's time is a prefill of its uncached tokens over the cached context, both as the engine counts
@@ -376,72 +399,33 @@ async def measure(urls: list[str], model: str | None = None, sweep: Sweep | None
         engines = [_Engine(session, u, model, sweep, api_key) for u in urls]
         facts = list(await asyncio.gather(*(e.facts(limit) for e, limit in zip(engines, limits, strict=True))))
         m = Measurements(facts, model, sweep=sweep)
-        for rep in range(sweep.repeats):
-            # odd repeats run backwards, so a load that drifts during the sweep biases no slope
-            for n in (sweep.prefill_lengths[::-1] if rep % 2 else sweep.prefill_lengths):
+        rep = 0
+        while rep < sweep.repeats or (rep < sweep.max_repeats and _another(m, sweep, say)):
+            # odd repeats run backwards, so a load that drifts during the sweep biases no slope; every repeat
+            # takes prefill, warm and decode points, so the decode terms (c0, which the prefill fit's intercept
+            # is taken after) are measured over the same minutes as the prefill ones (issue 21w)
+            back = rep % 2 == 1
+            for n in (sweep.prefill_lengths[::-1] if back else sweep.prefill_lengths):
                 got = await asyncio.gather(*(e.sized(n) for e in engines))
                 m.prefill.extend((n, tokens, s) for s, tokens in got)
                 say(f"prefill {n} tokens (repeat {rep + 1}): " + ", ".join(f"{s * 1000:.1f} ms" for s, _ in got))
-            for ctx in sweep.warm_contexts:
-                for n in sweep.warm_lengths:
-                    await _warm_point(engines, ctx, n, m, say)
+            warm = [(ctx, n) for ctx in sweep.warm_contexts for n in sweep.warm_lengths]
+            for ctx, n in (warm[::-1] if back else warm):
+                await _warm_point(engines, ctx, n, m, say)
+            m.decode.extend(await decode_round(engines, sweep, say, backwards=back))
+            m.repeat_ends.append((len(m.prefill), len(m.warm), len(m.decode)))
+            rep += 1
         for _ in range(sweep.noise_probes):
             got = await asyncio.gather(*(e.complete(e.prompt(16), 1) for e in engines))
             m.probes.extend((i, s) for i, (s, _) in enumerate(got))
         m.slot_saves = await slot_points(engines, facts, sweep.slot_sizes, sweep.slot_rounds, say)
         m.newcomer, m.mixed = await newcomer_points(engines, sweep, say), await mixed_points(engines, sweep, say)
-        m.mixed_decode = await mixed_decode_points(engines, sweep, say,
-                                                   slots=min((f.slots for f in facts if f.slots), default=None))
+        slots = [f.slots for f in facts if f.slots]
+        m.mixed_decode = await mixed_decode_points(engines, sweep, say, slots=min(slots, default=None))
         for ctx in sweep.contexts:
-            for batch in sweep.batch_sizes:
-                prompts = [[e.prompt(ctx) for _ in range(batch)] for e in engines]
-                warm = await asyncio.gather(*(e.complete(p, 1) for e, ps in zip(engines, prompts, strict=True)
-                                              for p in ps))
-                mean_ctx = statistics.fmean(tokens for _, tokens in warm) + sweep.decode_tokens / 2
-                streams = await asyncio.gather(*(e.stream_times(p, sweep.decode_tokens)
-                                                 for e, ps in zip(engines, prompts, strict=True) for p in ps))
-                steps = [_step_time(list(streams[i * batch:(i + 1) * batch])) for i in range(len(engines))]
-                m.decode.extend((batch, ctx, mean_ctx, s) for s in steps if s is not None)
-                say(f"decode batch {batch} at ~{ctx} tokens: " + ", ".join(
-                    "-" if s is None else f"{s * 1000:.2f} ms" for s in steps))
             for _ in range(sweep.busy_rounds):
-                await _busy_points(engines, ctx, m, say)
+                m.busy.extend(await busy_points(engines, ctx, max(sweep.batch_sizes), sweep.decode_tokens,
+                                                sweep.timeout_s, slots, say))
     m.wall_s = time.perf_counter() - t0
     m.background_cores = ledger.background(m.wall_s, time.process_time() - cpu0)
     return m
-
-
-async def _busy_points(engines: list[_Engine], ctx: int, m: Measurements, say) -> None:
-    """A tiny prompt sent to each engine while it decodes the sweep's largest batch at ``ctx``
-    (once every stream has its first token): its latency is the per-request overhead of an engine
-    that is busy, plus the step it waits for and the step it joins (fit.py takes those out); the
-    longest gap between the batch's tokens while it ran is the step it joined, which shows how much
-    of that overhead stalls the engine's loop (llama-server) rather than its API server (vLLM).
-    Its own round, so the decode points' step times stay clean."""
-    batch, n = max(m.sweep.batch_sizes if m.sweep else (1,)), m.sweep.decode_tokens if m.sweep else 24
-    slots = [f.slots for f in m.engines if f.slots]
-    if slots:  # a slot left free: with every slot busy, llama-server defers the probe (a queue, not overhead)
-        batch = max(1, min(batch, min(slots) - 1))
-    prompts = [[e.prompt(ctx) for _ in range(batch)] for e in engines]
-    await asyncio.gather(*(e.complete(p, 1) for e, ps in zip(engines, prompts, strict=True) for p in ps))
-    ready = [asyncio.Event() for _ in engines]
-    started = [0] * len(engines)
-
-    def first(i: int) -> None:
-        started[i] += 1
-        if started[i] == batch:
-            ready[i].set()
-
-    async def probe(i: int, e: _Engine) -> tuple[float, float, int]:
-        await asyncio.wait_for(ready[i].wait(), m.sweep.timeout_s if m.sweep else 120.0)
-        t0 = time.perf_counter()
-        s, tokens = await e.complete(e.prompt(16), 1)
-        return t0, s, tokens
-
-    streams = asyncio.gather(*(e.stream_times(p, n, on_first=functools.partial(first, i))
-                               for i, (e, ps) in enumerate(zip(engines, prompts, strict=True)) for p in ps))
-    got, times = await asyncio.gather(asyncio.gather(*(probe(i, e) for i, e in enumerate(engines))), streams)
-    for i, (t0, s, tokens) in enumerate(got):
-        m.busy.append((batch, float(ctx), tokens, s, _stall(times[i * batch:(i + 1) * batch], t0, t0 + s)))
-    say(f"tiny prompt beside a decoding batch of {batch} at ~{ctx} tokens: "
-        + ", ".join(f"{s * 1000:.1f} ms (batch's longest gap {g * 1000:.1f} ms)" for *_, s, g in m.busy[-len(got):]))

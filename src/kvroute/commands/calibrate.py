@@ -27,7 +27,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
                   noise_probes=args.noise_probes,
                   # engines sharing cores: how a step started beside busy ones runs (calibrate/newcomer_probe.py)
                   newcomer_rounds=2 if args.host_cores else 0,
-                  mixed_rounds=3)  # two prompts in one step against one: h_cv (calibrate/mixed_probe.py)
+                  mixed_rounds=3,  # two prompts in one step against one: h_cv (calibrate/mixed_probe.py)
+                  max_repeats=max(args.repeats, args.max_repeats))  # check and repeat (calibrate/repeat_check.py)
     import asyncio
 
     try:
@@ -72,7 +73,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                     help="decode context lengths in tokens (default 128,1024)")
     ca.add_argument("--decode-tokens", type=positive_int, default=24, dest="decode_tokens",
                     help="tokens generated per decode measurement (default 24)")
-    ca.add_argument("--repeats", type=positive_int, default=2, help="repeats of each prefill length (default 2)")
+    ca.add_argument("--repeats", type=positive_int, default=3,
+                    help="repeats of the prefill, warm prefill and decode points (default 3)")
+    ca.add_argument("--max-repeats", type=positive_int, default=5, dest="max_repeats", metavar="N",
+                    help="more repeats, up to N, while leaving one out moves a kind of point by over 5 %% (default 5; "
+                         "--max-repeats 1: exactly --repeats)")
     ca.add_argument("--warm-contexts", type=int_list, default=(512, 1536), dest="warm_contexts", metavar="N,N,...",
                     help="warm prefills: cached prompt lengths in tokens (default 512,1536)")
     ca.add_argument("--warm-lengths", type=int_list, default=(96, 256), dest="warm_lengths", metavar="N,N,...",
