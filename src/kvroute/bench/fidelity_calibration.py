@@ -101,7 +101,7 @@ async def speed_reference(urls: list[str], model: str, profile: str, host_cores:
     ledger, cpu0, t0 = CpuLedger(urls), time.process_time(), time.perf_counter()
     out["speed_after_calibration"] = (await speed_probe(urls, model)).as_dict()
     bg = ledger.background(time.perf_counter() - t0, time.process_time() - cpu0) if host_cores else None
-    if bg is not None:
+    if bg is not None and host_cores:
         bg = min(bg, 0.9 * host_cores)
         out["speed_after_calibration_background"] = bg
         out["speed_after_calibration_expected"] = predicted(loaded, len(urls), host_cores, background=bg).as_dict()
