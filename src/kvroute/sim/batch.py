@@ -190,7 +190,8 @@ class Batch(KVCache):
         if self.store_at != SCHEDULED:
             return None
         budget = self.p.max_batched_tokens - len(self.decoding)
-        for seq in list(self.prefilling):
+        # no copy needed: _preempt rebinds self.prefilling to a new list and never changes this one
+        for seq in self.prefilling:
             if budget <= 0:
                 break
             left = seq.prefill_left
@@ -198,12 +199,19 @@ class Batch(KVCache):
                 continue  # preempted by an earlier chunk of this schedule, or cancelled
             c = left if left < budget else budget
             end = seq.prompt - left + c
-            while not self._grow(seq, end):
-                victim = self._newest_running()
-                self._preempt(victim)
-                if victim is seq:
-                    return budget
-            self._store_blocks(seq, end)
+            bt = seq.bt
+            refs = seq.refs
+            if end > refs * bt + seq.private:  # the chunk needs memory (_grow's test, inlined)
+                while not self._grow(seq, end):
+                    victim = self._newest_running()
+                    self._preempt(victim)
+                    if victim is seq:
+                        return budget
+                refs = seq.refs
+            if end // bt > refs and len(seq.hashes) > refs:  # new full blocks (_store_blocks' test)
+                self._store_blocks(seq, end)
+            else:
+                self.cache_bt = bt  # all _store_blocks would do
             budget -= c
         return budget
 
@@ -251,8 +259,10 @@ class Batch(KVCache):
             hashes = seq.hashes
             m = self._match(hashes)
             chunked = budget is not None and seq.remote is None  # vLLM: memory chunk by chunk (_grow)
-            if budget is not None:  # vLLM: whole blocks below the prompt's last token
-                m = vllm_hit_blocks(m, seq.prompt, seq.bt)
+            if budget is not None:  # vLLM: whole blocks below the prompt's last token (vllm_hit_blocks, inlined)
+                top = (seq.prompt - 1) // seq.bt
+                if m > top:
+                    m = top
             slots = self.slot_cache
             if slots is not None and slots.limits:  # llama-server: only what its slot holds (sim/slot_cache.py)
                 r = slots.reusable(seq)
@@ -294,8 +304,9 @@ class Batch(KVCache):
                 left = seq.prefill_left
                 c = left if left < budget else budget
                 end = seq.prompt - left + c
-                grown = self._grow(seq, end)  # fits: the whole uncached prompt did (_room)
-                assert grown
+                if end > m * seq.bt:  # its chunk needs memory beyond its hit (_grow's test, inlined)
+                    grown = self._grow(seq, end)  # fits: the whole uncached prompt did (_room)
+                    assert grown
                 self._store_blocks(seq, end)
                 budget -= c
 
@@ -319,7 +330,11 @@ class Batch(KVCache):
 
     # -- transitions -----------------------------------------------------------------------------
     def _prefill_done(self, seq: Seq, now: float) -> None:
-        self._store_prompt(seq)
+        bt = seq.bt  # its prompt's full blocks become cache (_store_prompt), unless already stored
+        if seq.prompt // bt > seq.refs and len(seq.hashes) > seq.refs:  # (vLLM: as chunks were scheduled)
+            self._store_prompt(seq)
+        else:
+            self.cache_bt = bt  # all _store_blocks would do
         seq.state = DECODE
         # KV now holds the prompt; each decode step adds the previous token's KV, so the
         # context is a + steps and a sequence's tokens beyond its prompt are generated − 1

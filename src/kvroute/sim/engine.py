@@ -115,11 +115,17 @@ class Engine(Handover):
         decoding = self.decoding
         if self.incoming:
             self._adopt_incoming()
-        # vLLM: the running chunks take memory and are cached first, then a budget (sim/batch.py)
-        budget = self._schedule_running()
+        # vLLM: the running chunks take memory and are cached first, then a budget (sim/batch.py
+        # _schedule_running; its trivial cases inlined: no budget off vLLM, the whole one when none runs)
+        if self.store_at != SCHEDULED:
+            admit_budget: int | None = None
+        elif self.prefilling:
+            admit_budget = self._schedule_running()
+        else:
+            admit_budget = self.p.max_batched_tokens - len(decoding)
         # vLLM v1 admits nothing in a step that had to preempt (unless the engine went idle)
         if self.waiting and (not self._preempted or not (self.prefilling or decoding)):
-            self._admit(budget)
+            self._admit(admit_budget)
         if self.gauge is not None:  # SGLang's num_queue_reqs moves only at some passes (sim/queue_gauge.py)
             self.gauge.passed()
         slots = self.slot_cache
@@ -174,8 +180,12 @@ class Engine(Handover):
                 attn += (c if tile == 1 else p.attn_rows(c)) * (seq.prompt - left + c / 2)
                 budget -= c
                 end = seq.prompt - left + c  # the chunk attends over this many keys
-                if store:
-                    self._store_blocks(seq, end)
+                if store:  # mostly stored already by _schedule_running / _admit: call only for new blocks
+                    bt = seq.bt
+                    if end // bt > seq.refs and len(seq.hashes) > seq.refs:
+                        self._store_blocks(seq, end)
+                    else:
+                        self.cache_bt = bt  # all _store_blocks would do
                 n_all += 1
                 len_sum += end
                 len_sq += end * end
