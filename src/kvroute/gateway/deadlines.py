@@ -3,9 +3,18 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Final
+from typing import Final, Protocol
 
 TICK: Final = 0.05  # seconds; module level, so a compiled build reads it like the pure one
+
+
+class Waiter(Protocol):
+    """What the clock can time out: an asyncio future, or a quick exchange's connection
+    (``gateway/upstream_conn.py``), which fails its exchange when its deadline passes."""
+
+    def done(self) -> bool: ...
+
+    def set_exception(self, exc: Exception) -> None: ...
 
 
 class Deadlines:
@@ -22,10 +31,10 @@ class Deadlines:
     def __init__(self, loop: asyncio.AbstractEventLoop, error: type[Exception]):
         self.loop = loop
         self.error = error  # raised in an expired wait
-        self.waits: dict[asyncio.Future[Any], tuple[float, float, str]] = {}  # → (deadline, seconds, message)
+        self.waits: dict[Waiter, tuple[float, float, str]] = {}  # → (deadline, seconds, message)
         self.handle: asyncio.TimerHandle | None = None
 
-    def add(self, fut: asyncio.Future[Any], seconds: float, message: str) -> None:
+    def add(self, fut: Waiter, seconds: float, message: str) -> None:
         """Fail ``fut`` with ``error(message.format(seconds))`` unless it is done, or popped from
         ``waits``, within ``seconds``."""
         now = self.loop.time()

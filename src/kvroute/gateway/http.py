@@ -37,7 +37,7 @@ import asyncio
 import ssl
 from typing import Any
 
-from kvroute.gateway.httpconn import ServerState, _Connection
+from kvroute.gateway.httpconn import _Connection
 from kvroute.gateway.httpmsg import (
     REASONS,
     BadRequest,
@@ -45,6 +45,7 @@ from kvroute.gateway.httpmsg import (
     HTTPLimits,
     Request,
     Responder,
+    ServerState,
     error_body,
     error_object,
     log,

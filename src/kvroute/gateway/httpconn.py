@@ -1,7 +1,7 @@
 """One client connection of the gateway's HTTP server (``gateway/http.py`` describes the limits
-and rules it enforces): llhttp callbacks build requests, handlers run one at a time in order
-(pipelining), deadlines are set per phase and enforced by the server's sweep, and every refusal
-is answered, counted and the connection closed."""
+and rules it enforces): llhttp callbacks build requests, deadlines are set per phase and enforced
+by the server's sweep, and every refusal is answered, counted and the connection closed. How the
+requests are answered, one at a time in order (pipelining), is ``gateway/httpwork.py``."""
 
 from __future__ import annotations
 
@@ -9,21 +9,21 @@ import asyncio
 import math
 import socket
 import time
-from collections import deque
 from typing import Final, cast
 
 import httptools
 
 from kvroute.gateway import httpmsg
-from kvroute.gateway.httpmsg import REASONS, BadRequest, Handler, HTTPLimits, Request, Responder, error_body, log
-from kvroute.gateway.limits import ClientCounts, Rejections
+from kvroute.gateway.httpmsg import (
+    REASONS,
+    BadRequest,
+    Request,
+    Responder,
+    ServerState,
+    error_body,
+)
+from kvroute.gateway.httpwork import _BODY, _BUSY, _HEAD, _NEW, Answering
 
-# connection phases, for deadlines (Final: a compiled build inlines them; a module global is a dict lookup per use)
-_IDLE: Final = 0  # waits between kept-alive requests
-_HEAD: Final = 1
-_BODY: Final = 2
-_BUSY: Final = 3
-_NEW: Final = 4  # has sent nothing yet: held to the head deadline, counted from the accept
 LINGER_S: Final = 1.0  # a refused connection is read and discarded this long, so the refusal is not lost to a reset
 MAX_LINGERING: Final = 256  # refused connections lingering at once; beyond, they are closed at once
 # a read this large: the client has more queued; others get a turn first (else up to 32 such reads a turn)
@@ -31,51 +31,15 @@ _BIG_READ: Final = 64 * 1024
 _DETACHED: Final = httptools.HttpRequestParser(object())  # a closed connection's parser: holds no callbacks
 
 
-class ServerState:
-    """What a server's connections share (``gateway/http.py``'s ``HTTPServer`` adds listening,
-    the deadline sweep and closing): the handler, limits, open and idle connections, counters."""
-
-    def __init__(self, handler: Handler, limits: HTTPLimits):
-        self.handler = handler
-        self.limits = limits
-        self.connections: set[_Connection] = set()
-        self.active = 0
-        self.closing = False
-        self.clients = ClientCounts()  # open connections per client address
-        self.idle: dict[_Connection, None] = {}  # connections holding no request, longest-held first
-        self.rejections = Rejections(log)  # refusals by (status, reason), logged at a bounded rate
-        self.lingering = 0  # refused connections still being read and discarded
-        self.errors = 0  # handler exceptions answered 500
-        self.idle_waiter: asyncio.Future[None] | None = None
-        self.now = 0.0  # the loop's clock as of the last sweep: deadlines need no finer grain
-
-
-class _Connection(asyncio.Protocol):
+class _Connection(Answering):
     """One client connection: llhttp callbacks build requests; handlers run one at a time, in
     order (pipelining); deadlines are set per phase and enforced by ``HTTPServer._sweep`` (``gateway/http.py``)."""
 
-    transport: asyncio.Transport  # set by connection_made
-    loop: asyncio.AbstractEventLoop  # set by connection_made
-
     def __init__(self, server: ServerState):
-        self.server = server
-        self.limits = server.limits
+        super().__init__(server)
         self.parser = httptools.HttpRequestParser(self)  # holds our callbacks: dropped by connection_lost
         self.client = ""  # the peer's address
-        self.counted = False  # in server.connections and server.clients
         self.lingering = False  # refused: reading and discarding until LINGER_S passes
-        self.pending: deque[Request] = deque()
-        self.task: asyncio.Task[None] | None = None  # the worker (_work), awaiting ``arrival`` when idle
-        self.arrival: asyncio.Future[None] | None = None
-        self.busy = False  # the worker has a request
-        self.closed = False
-        self.paused = False
-        self.reading = True
-        self._drain: asyncio.Future[None] | None = None
-        self.phase = _IDLE
-        self.deadline = math.inf
-        self.rejection: BadRequest | None = None  # answered once the requests before it are
-        self.upgraded = False
         self._url = b""  # the request being parsed: its target, fields, body
         self._headers: dict[str, str] = {}
         self._head_bytes = 0
@@ -167,6 +131,11 @@ class _Connection(asyncio.Protocol):
         self.pending.clear()
         if self.task is not None and not self.task.done():
             self.task.cancel()  # the client went away: stop working for it
+        exchange = self.exchange
+        if exchange is not None:  # and give up the one its callbacks were finishing
+            self.exchange = self._current = None
+            exchange.cancel()
+            self._end_one()
         if self._drain is not None and not self._drain.done():
             self._drain.set_exception(ConnectionResetError("client disconnected"))
 
@@ -177,17 +146,10 @@ class _Connection(asyncio.Protocol):
         self.paused = False
         if self._drain is not None and not self._drain.done():
             self._drain.set_result(None)
-
-    async def drained(self) -> None:
-        """Wait until the client has read enough of what was written."""
-        if self.closed:
-            raise ConnectionResetError("client disconnected")
-        self._drain = asyncio.get_running_loop().create_future()
-        await self._drain
-
-    def write(self, data: bytes) -> None:
-        if not self.closed:
-            self.transport.write(data)
+        elif self.held and not self.closed:  # an answer sent by callbacks was read: the next request
+            self.held = False
+            self.deadline = math.inf
+            self._next()
 
     def data_received(self, data: bytes) -> None:
         if self.rejection is not None or self.upgraded or self.closed:
@@ -337,12 +299,6 @@ class _Connection(asyncio.Protocol):
             self.reading = False
             self.transport.pause_reading()
 
-    def _idle(self) -> None:
-        if self.counted:
-            self.server.idle[self] = None  # the newest idle one: evicted last
-        self.phase = _IDLE
-        self.deadline = self.server.now + self.limits.keepalive_timeout_s
-
     def expire(self) -> None:
         """A deadline passed: a half-sent request gets 408; an idle or silent connection, or one
         whose client left an answer unread, is just closed."""
@@ -354,97 +310,3 @@ class _Connection(asyncio.Protocol):
         self.closed = True
         self._body = []
         self.transport.close()
-
-    # -- handling ---------------------------------------------------------------------------------
-    def _next(self) -> None:
-        """The next pending request to the worker (woken or started); none: answer a rejection, or idle."""
-        if self.closed:
-            self.busy = False
-            return
-        if not self.pending:
-            self.busy = False
-            if self.rejection is not None:
-                exc = self.rejection
-                Responder(self, keep_alive=False).send(
-                    exc.status, error_body(str(exc), code="body_too_large" if exc.status == 413 else None))
-                self.closed = True
-                self.transport.close()
-            elif self.upgraded:
-                self.closed = True
-                self.transport.close()
-            elif not self.reading:
-                self.reading = True
-                self.transport.resume_reading()
-            if self.phase == _BUSY:
-                self._idle()
-            return
-        self.busy = True
-        self.phase, self.deadline = _BUSY, math.inf
-        arrival = self.arrival
-        if arrival is not None:  # the worker waits for a request: this one
-            self.arrival = None
-            arrival.set_result(None)
-        else:
-            self.task = self.loop.create_task(self._work())
-
-    async def _work(self) -> None:
-        """The requests in order, each answered here (not in a coroutine of its own: one object and one await
-        layer fewer per request, docs/hot-path.md); between them it waits for the next: a task per connection,
-        not per request (one costs ~10,000 instructions to make and drop)."""
-        server = self.server
-        while True:
-            req = self.pending.popleft()
-            keep_alive = req.keep_alive and not server.closing and not self.upgraded
-            resp = Responder(self, keep_alive, req.method == "HEAD")
-            server.active += 1
-            try:
-                work = server.handler(req, resp)
-                if work is not None:
-                    await work
-                if not resp.started:
-                    raise RuntimeError(f"handler for {req.method} {req.path} returned without answering")
-                if not resp.finished:
-                    await resp.end()
-            except asyncio.CancelledError:
-                return  # the client disconnected; nothing more to write
-            except ConnectionResetError:
-                self.transport.close()
-                return
-            except Exception:
-                log.exception("unhandled error on %s %s", req.method, req.path)
-                server.errors += 1
-                if not resp.started:
-                    resp.keep_alive = False
-                    resp.send(500, error_body("internal gateway error", "server_error"))
-                self.transport.close()
-                return
-            finally:
-                server.active -= 1
-                if server.idle_waiter is not None and server.active == 0 and not server.idle_waiter.done():
-                    server.idle_waiter.set_result(None)
-            if not resp.keep_alive:
-                self.closed = True
-                self.transport.close()
-                return
-            if self.paused and not self.closed:
-                # the client has not read this answer: start no other one until it does (else a client that
-                # pipelines without reading has every answer buffered here); it has the keep-alive time
-                self.deadline = server.now + self.limits.keepalive_timeout_s
-                try:
-                    await self.drained()
-                except ConnectionResetError:
-                    return
-                self.deadline = math.inf
-            if self.pending and not self.closed:  # pipelined: the next one at once
-                if self.transport.is_closing():  # a write found it reset: answer no more of its run
-                    return  # (connection_lost comes at the loop's next turn, which answers in a row never give)
-                self.phase, self.deadline = _BUSY, math.inf
-                continue
-            self._next()  # none pending: read on and idle
-            if self.closed:
-                return
-            self.arrival = arrival = self.loop.create_future()
-            try:
-                await arrival
-            except asyncio.CancelledError:  # connection_lost, while idle
-                return

@@ -5,13 +5,15 @@ place the OpenAI error shape is built (:func:`error_object`)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
-from typing import Final, Protocol
+from typing import Any, Final, Protocol
 
 from kvroute.errors import ClientError
+from kvroute.gateway.limits import ClientCounts, Rejections
 
 log = logging.getLogger("kvroute.gateway")
 
@@ -247,5 +249,39 @@ class Responder:
                 self._conn.write(b"0\r\n\r\n")
 
 
-# a handler answers at once (and returns None) or returns what the connection awaits
-Handler = Callable[[Request, Responder], Awaitable[None] | None]
+class ServerState:
+    """What a server's connections share (``gateway/http.py``'s ``HTTPServer`` adds listening,
+    the deadline sweep and closing): the handler, limits, open and idle connections, counters."""
+
+    def __init__(self, handler: Handler, limits: HTTPLimits):
+        self.handler = handler
+        self.limits = limits
+        self.connections: set[Any] = set()  # its _Connection objects (gateway/httpconn.py)
+        self.active = 0
+        self.closing = False
+        self.clients = ClientCounts()  # open connections per client address
+        self.idle: dict[Any, None] = {}  # connections holding no request, longest-held first
+        self.rejections = Rejections(log)  # refusals by (status, reason), logged at a bounded rate
+        self.lingering = 0  # refused connections still being read and discarded
+        self.errors = 0  # handler exceptions answered 500
+        self.idle_waiter: asyncio.Future[None] | None = None
+        self.now = 0.0  # the loop's clock as of the last sweep: deadlines need no finer grain
+
+
+class Pending:
+    """What a handler returns when callbacks, not a coroutine, finish its response (the proxy's
+    callback path for a non-streamed answer: issue 25, docs/hot-path.md). The connection sets
+    ``resume``, which the handler calls once: with None when the response is sent, or with a
+    coroutine for the connection to await for the rest (a retry, say). If the client goes away
+    first, the connection calls ``cancel`` instead, and ``resume`` is never called."""
+
+    def __init__(self) -> None:
+        self.resume: Callable[[Awaitable[None] | None], None] | None = None
+
+    def cancel(self) -> None:
+        """The client went away: give the exchange up and account for it (a 499)."""
+        raise NotImplementedError
+
+
+# a handler answers at once (and returns None), returns what the connection awaits, or a Pending
+Handler = Callable[[Request, Responder], Awaitable[None] | Pending | None]

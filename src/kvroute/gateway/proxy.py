@@ -12,8 +12,9 @@ gets the last failure as 502 (504 for timeouts, 429 passed on); once bytes are o
 chat or completion is continued on another replica (``gateway/continuation.py``: after an
 upstream failure, or when it outgrows the replica's ``context_limit``), and a stream that cannot
 be continued ends with an SSE error event and ``[DONE]``. Every exit path undoes the router's
-accounting exactly once and counts the request once. The application (routes, health, reload)
-is ``gateway/server.py``.
+accounting exactly once and counts the request once. The entry per request, and the callback
+path that answers a non-streamed request without these coroutines, is ``gateway/front.py``; the
+application (routes, health, reload) is ``gateway/server.py``.
 """
 
 from __future__ import annotations  # the closures made per request evaluate no annotations
@@ -27,11 +28,9 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, Final
 
-from kvroute.errors import ClientError
-from kvroute.gateway.auth import KeyState
 from kvroute.gateway.continuation import Break, Splice, error_event
 from kvroute.gateway.holdqueue import PolicyError, QueueFull, QueueTimeout
-from kvroute.gateway.hops import forwarded, response_fields
+from kvroute.gateway.hops import response_fields
 from kvroute.gateway.http import Request as HTTPRequest
 from kvroute.gateway.http import Responder
 from kvroute.gateway.legs import LegResponder
@@ -39,7 +38,6 @@ from kvroute.gateway.openai import Kind, RequestParsing, prompt_key
 from kvroute.gateway.outlier import Attempt
 from kvroute.gateway.pd import forward_split
 from kvroute.gateway.replica import Outcome
-from kvroute.gateway.residency import ResidencyConflict
 from kvroute.gateway.retry import RETRY_STATUSES, Failure, RetryReason, backoff_s, failure_of
 from kvroute.gateway.runtime import Runtime
 from kvroute.gateway.tokens import reported_completion_tokens, reported_prompt_tokens, token_events
@@ -49,7 +47,7 @@ from kvroute.gateway.upstream import (
     UpstreamProtocolError,
     UpstreamResponse,
 )
-from kvroute.model import DecisionKind, Request
+from kvroute.model import Decision, DecisionKind, Request
 
 log = logging.getLogger("kvroute.gateway")
 # Final: a compiled build reads these from C statics, where a module global or a module's attribute is
@@ -58,6 +56,7 @@ _OK: Final = Outcome.OK
 _FAILED: Final = Outcome.FAILED
 _NEUTRAL: Final = Outcome.NEUTRAL
 monotonic: Final = time.monotonic
+HELD: Final = object()  # the callback path's first decision: wait in the LB queue
 STREAM_TAIL: Final = 4096  # bytes of a stream kept to find its [DONE] and its final usage chunk
 
 
@@ -73,65 +72,6 @@ class Proxy(RequestParsing):
         self.tracer = Tracer(runtime.config.tracing.enabled)
         self._replica_lines: dict[str, bytes] = {}  # replica id → its x-kvroute-replica header line
         self.reconfigure(runtime.config)
-
-    # -- the handler ----------------------------------------------------------------------------
-    async def handle(self, request: HTTPRequest, resp: Responder, kind: Kind, key: KeyState | None = None) -> None:
-        """Answer one proxied request; counted and logged once, whatever happens."""
-        rt = self.rt
-        route = kind.label
-        t0 = monotonic()
-        served: dict[str, Any] = {"excluded": []}  # where it went, for the access line
-        span = self.tracer.start(route)
-        # parsed before the try whose finally reads req: mypy types req in a finally by the try body's
-        # end (a Request), so a compiled build cast a req still None there and raised (a TypeError on
-        # every refused body under PYTHONPATH=build/compiled, counted as a handler error)
-        try:
-            body, req = self.parse(request.body, kind, request.headers)
-        except ClientError as exc:
-            resp.send_error(exc.status, str(exc), param=exc.param)
-            self._done(route, resp, {}, None, served, t0, request, span)
-            return
-        except BaseException:  # counted as before, then the server answers 500
-            self._done(route, resp, {}, None, served, t0, request, span)
-            raise
-        try:
-            if rt.draining:
-                resp.send_error(503, "gateway is draining", "server_error", headers=[("Retry-After", "1")])
-                return
-            if key is not None:
-                wait = key.admit(req.prompt_tokens + req.max_output_tokens, monotonic())
-                if wait:
-                    resp.send_error(429, f"rate limit of key {key.name!r} reached; retry in {wait} s",
-                                    "rate_limit_error", code="rate_limit_exceeded",
-                                    headers=[("Retry-After", str(wait))])
-                    return
-            model = body.get("model")
-            exclude = rt.excluded_for(model)
-            if exclude is None:
-                known = ", ".join(sorted(str(c.get("id")) for c in rt.model_cards())) or "none"
-                resp.send_error(404, f"The model '{model}' does not exist; available: {known}",
-                                param="model", code="model_not_found")
-                return
-            if exclude:  # drained replicas, and those not serving the model: the policy never sees them
-                req.exclude = exclude
-            if rt.hot.access_log:  # the client's own id when it sent one (forwarded upstream as is)
-                rid = request.headers.get("x-request-id") or req.id
-                resp.id_line = b"x-request-id: " + rid.encode("latin-1") + b"\r\n"
-            try:
-                rt.peering.accept(req, request.headers, key)  # hops, residency pin (gateway/peers.py)
-            except ResidencyConflict as conflict:
-                resp.send_error(403, str(conflict), "permission_error", code="residency_conflict")
-                return
-            headers = forwarded(request.headers)
-            if rt.keys.enabled and not rt.hot.forward_authorization:
-                headers = [(k, v) for k, v in headers if k != "authorization"]  # the client's key is ours
-            splice = Splice.open(kind.label, body, req.prompt_tokens) if rt.hot.continuable else None
-            brk = await self._route_and_forward(request, resp, kind, bool(body.get("stream")), req, headers, served,
-                                                t0, splice)
-            if brk is not None and splice is not None:
-                await self._continue(request, resp, kind, headers, req, served, splice, brk)
-        finally:
-            self._done(route, resp, body, req, served, t0, request, span)
 
     def _done(self, route: str, resp: Responder, body: dict, req: Request | None, served: dict[str, Any], t0: float,
               request: HTTPRequest, span: Any) -> None:
@@ -152,54 +92,68 @@ class Proxy(RequestParsing):
                 "failed_on": ",".join(served["excluded"]) or None, "status": resp.status or 499,
                 "aborted": resp.started and not resp.finished, "stream": bool(body.get("stream"))})
 
+    def _held_back(self, resp: Responder | LegResponder, exc: Exception) -> None:
+        """Answer a request that the LB queue (full, timed out) or a failed policy refused."""
+        if isinstance(exc, QueueFull):
+            self.rt.metrics.rejected.labels("full").inc()
+            resp.send_error(429, str(exc), "rate_limit_error", code="queue_full", headers=[("Retry-After", "1")])
+        elif isinstance(exc, QueueTimeout):
+            self.rt.metrics.rejected.labels("timeout").inc()
+            resp.send_error(503, str(exc), "server_error", code="queue_timeout", headers=[("Retry-After", "2")])
+        else:
+            resp.send_error(503, f"{exc}; see the gateway log", "server_error", code="policy_error")
+
     async def _route_and_forward(self, request: HTTPRequest, resp: Responder | LegResponder, kind: Kind,
                                  stream: bool, req: Request, headers: list[tuple[str, str]], served: dict[str, Any],
-                                 t0: float, splice: Splice | None = None) -> Break | None:
+                                 t0: float, splice: Splice | None = None, pre: object = None,
+                                 deadline: float = 0.0) -> Break | None:
         """Route and proxy with retries; a stream that broke or outgrew its replica after bytes
-        were out comes back as a Break, for the caller to continue."""
+        were out comes back as a Break, for the caller to continue. ``pre``: what the callback
+        path (``gateway/front.py``) already did of the first attempt — its decision, HELD (it
+        must wait in the LB queue), or its failure — and ``deadline`` the one it set."""
         rt = self.rt
         hot = rt.hot
         excluded = served["excluded"]  # replicas that failed this request
         unfit = req.exclude  # replicas that do not serve its model
-        deadline = monotonic() + (hot.first_byte_total_s if stream else hot.non_stream_total_s)  # all attempts
+        if not deadline:  # all attempts
+            deadline = monotonic() + (hot.first_byte_total_s if stream else hot.non_stream_total_s)
         failure: Failure | None = None
         for attempt in range(1, hot.max_attempts + 1):
-            try:
-                decision = rt.route_now(req)
-                if decision is None:  # the policy holds it, or others wait before it: the LB queue
-                    decision = await rt.hold.wait(req)
-            # one name per clause: a compiled build types a name by its first binding
-            except QueueFull as full:
-                rt.metrics.rejected.labels("full").inc()
-                resp.send_error(429, str(full), "rate_limit_error", code="queue_full", headers=[("Retry-After", "1")])
-                return None
-            except QueueTimeout as late:
-                rt.metrics.rejected.labels("timeout").inc()
-                resp.send_error(503, str(late), "server_error", code="queue_timeout", headers=[("Retry-After", "2")])
-                return None
-            except PolicyError as broken:
-                resp.send_error(503, f"{broken}; see the gateway log", "server_error", code="policy_error")
-                return None
-            if decision.kind is DecisionKind.NONE:
-                if failure is not None:
-                    break  # every replica that could take it has failed: the last failure answers
-                resp.send_error(503, f"no replica can serve this request: {decision.reason}", "server_error",
-                                code=decision.branch)
-                return None
-            target = decision.target
-            assert target is not None  # a dispatch names its target
-            served["replica"], served["branch"] = target, decision.branch
-            rt.dispatched(req, decision)
-            sent = rt.peering.outbound(headers, req, request.headers) if target in rt.peering.links else headers
-            if decision.prefill is not None:  # a prefill/decode pair (gateway/pd.py)
-                result = await forward_split(self, request, resp, kind, sent, req, decision, stream, t0, deadline,
-                                             splice)
+            if attempt == 1 and isinstance(pre, Failure):
+                failure = pre
+                target: str = served["replica"]
             else:
-                result = await self._forward(request, resp, kind, sent, req, target, stream, t0, deadline, splice)
-            if not isinstance(result, Failure):
-                return result  # the client has its answer, or the stream is to go on elsewhere
-            failure = result
-            excluded.append(result.replica or target)
+                decision = pre if attempt == 1 and isinstance(pre, Decision) else None
+                try:
+                    if decision is None and not (attempt == 1 and pre is HELD):
+                        decision = rt.route_now(req)
+                    if decision is None:  # the policy holds it, or others wait before it: the LB queue
+                        decision = await rt.hold.wait(req)
+                except (QueueFull, QueueTimeout, PolicyError) as exc:
+                    self._held_back(resp, exc)
+                    return None
+                if decision.kind is DecisionKind.NONE:
+                    if failure is not None:
+                        break  # every replica that could take it has failed: the last failure answers
+                    resp.send_error(503, f"no replica can serve this request: {decision.reason}", "server_error",
+                                    code=decision.branch)
+                    return None
+                chosen = decision.target
+                assert chosen is not None  # a dispatch names its target
+                target = chosen
+                served["replica"], served["branch"] = target, decision.branch
+                rt.dispatched(req, decision)
+                sent = rt.peering.outbound(headers, req, request.headers) if target in rt.peering.links else headers
+                if decision.prefill is not None:  # a prefill/decode pair (gateway/pd.py)
+                    result = await forward_split(self, request, resp, kind, sent, req, decision, stream, t0,
+                                                 deadline, splice)
+                else:
+                    result = await self._forward(request, resp, kind, sent, req, target, stream, t0, deadline,
+                                                 splice)
+                if not isinstance(result, Failure):
+                    return result  # the client has its answer, or the stream is to go on elsewhere
+                failure = result
+            excluded.append(failure.replica or target)
             req.exclude = (*unfit, *excluded)
             left = deadline - monotonic()
             if attempt == hot.max_attempts or left <= 0:

@@ -17,11 +17,12 @@ from kvroute.gateway.admin import handle_admin
 from kvroute.gateway.auth import KeyState, bearer
 from kvroute.gateway.breaker import CircuitState
 from kvroute.gateway.config import GatewayConfig, load_config
+from kvroute.gateway.front import Front
 from kvroute.gateway.http import HTTPServer, Responder
 from kvroute.gateway.http import Request as HTTPRequest
+from kvroute.gateway.httpmsg import Pending
 from kvroute.gateway.openai import PROXIED
 from kvroute.gateway.peers import STATUS_PATH
-from kvroute.gateway.proxy import Proxy
 from kvroute.gateway.runtime import Runtime
 from kvroute.shutdown import until_stopped
 
@@ -43,16 +44,16 @@ class Gateway:
         self.config = config
         self.config_path = config_path
         self.runtime = Runtime(config)
-        self.proxy = Proxy(self.runtime)
+        self.proxy = Front(self.runtime)
         self.http = HTTPServer(self.dispatch, config.http_limits())
         self.runtime.metrics.watch_http(self.http)
         self.port = config.port
 
-    def dispatch(self, request: HTTPRequest, resp: Responder) -> Coroutine[Any, Any, None] | None:
+    def dispatch(self, request: HTTPRequest, resp: Responder) -> Coroutine[Any, Any, None] | Pending | None:
         """Serve one request by path. HEAD is served wherever GET is, as a GET whose body the
         responder leaves out (``gateway/http.py``). What is answered at once returns None; a
-        proxied request returns the proxy's coroutine for the connection to await (one coroutine
-        layer fewer per request than awaiting it here)."""
+        proxied request returns what ``Front.begin`` returns: None, a coroutine for the connection
+        to await, or a Pending its callbacks finish (``gateway/front.py``)."""
         route = _ROUTES.get(request.path)
         method = route[0] if route is not None else None
         if request.method == "HEAD" and (method == "GET" or method is None):
@@ -70,7 +71,7 @@ class Gateway:
         elif route is not None and (kind := route[1]) is not None:
             key = self._authenticate(request, resp)
             if key is not False:
-                return self.proxy.handle(request, resp, kind, key)
+                return self.proxy.begin(request, resp, kind, key)
         elif request.path in ("/health", "/readyz"):
             self._health(resp)
         elif request.path == "/livez":  # the process answers: nothing more is promised

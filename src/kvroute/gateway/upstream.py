@@ -7,266 +7,40 @@ spends several times more CPU per request on features a proxy hop does not use (
 redirects, tracing, multidict headers); this one keeps the hop cheap. Responses are parsed by
 llhttp (``httptools``) in strict mode, so a malformed status line, a negative or non-numeric
 Content-Length, Content-Length with Transfer-Encoding or a bad chunk size is an
-``UpstreamProtocolError``, never an exception inside the protocol.
-
-An upstream's response head (status line and fields, and a trailer section) is held to
-``MAX_HEAD_BYTES`` like a client's request head, bytes of a field not yet complete included; beyond
-it the response is an ``UpstreamProtocolError`` (a 502 or a retry), not memory and CPU spent on
-an endless field.
+``UpstreamProtocolError``, never an exception inside the protocol. A response's head (status line,
+fields, and a trailer section) is held to ``MAX_HEAD_BYTES``, bytes of an unfinished field
+included: beyond it, an ``UpstreamProtocolError`` (a 502 or a retry), not memory spent on an
+endless field.
 
 Pooled connections: real engines close kept-alive connections on their own (llama-server after
 every streamed response, while still advertising ``Keep-Alive``). A connection is reused only if
-the upstream neither closed it nor said ``Connection: close``; and when a reused connection turns
-out dead before any byte of the response, the request is sent once more on a fresh connection —
-that is the pool's business, not a replica failure.
-
-Its errors are the tree in ``gateway/upstream_errors.py`` (the gateway retries them by kind).
+the upstream neither closed it nor said ``Connection: close``; a reused connection found dead
+before any byte of the response is the pool's business (the request is sent again on a fresh
+one), not a replica failure. ``UpstreamPool.quick`` sends on a kept-alive connection and answers
+by a callback once the whole response is in (no future, no coroutine: issue 25's callback path).
+Errors are the tree in ``gateway/upstream_errors.py`` (the gateway retries them by kind).
 """
 
 from __future__ import annotations
 
 import asyncio
-import socket
 import ssl
 from collections import deque
 from collections.abc import Callable
-from typing import Final, cast
+from typing import cast
 from urllib.parse import urlsplit
 
-import httptools
-
-from kvroute.gateway.deadlines import Deadlines
+from kvroute.gateway.upstream_conn import _BROKEN, _DONE, _EOF, _IDLE, _IDLE_MESSAGE, _STARTS_MAX, _take_bytes
+from kvroute.gateway.upstream_conn import MAX_HEAD_BYTES as MAX_HEAD_BYTES
+from kvroute.gateway.upstream_conn import Headers as Headers
+from kvroute.gateway.upstream_conn import RawHeaders as RawHeaders
+from kvroute.gateway.upstream_conn import _Conn as _Conn
+from kvroute.gateway.upstream_conn import _deadlines as _deadlines
 from kvroute.gateway.upstream_errors import UpstreamConnectError as UpstreamConnectError
 from kvroute.gateway.upstream_errors import UpstreamError as UpstreamError
 from kvroute.gateway.upstream_errors import UpstreamProtocolError as UpstreamProtocolError
 from kvroute.gateway.upstream_errors import UpstreamTimeout as UpstreamTimeout
-from kvroute.gateway.upstream_errors import _StaleConnection
-
-_IDLE_MESSAGE: Final = "upstream sent nothing for {:g} s"
-MAX_HEAD_BYTES: Final = 64 * 1024  # an upstream response's head, or its trailer section (nginx: 4-32 KiB)
-_EOF: Final = object()
-_USUAL: Final = (b"Content-Length", b"content-length", b"Transfer-Encoding", b"transfer-encoding")  # engines' spelling
-_STARTS_MAX: Final = 64  # request heads' first lines kept per upstream (one per path: the API has a few)
-# connection states (Final: a compiled build inlines them)
-_IDLE: Final = 0
-_WAIT_HEAD: Final = 1
-_BODY: Final = 2
-_DONE: Final = 3
-_BROKEN: Final = 4
-
-
-Headers = list[tuple[str, str]]
-RawHeaders = list[tuple[bytes, bytes]]  # a response's fields as they came: passed on without decoding
-
-
-_clock: Deadlines | None = None  # the running loop's (one loop per thread; a new loop gets a new one)
-
-
-def _deadlines(loop: asyncio.AbstractEventLoop) -> Deadlines:
-    """The coarse clock (``gateway/deadlines.py``) of ``loop``, the running one: a connection
-    keeps its loop, since asking asyncio for the running loop costs a ``getpid`` system call. A
-    wait registers ``fut`` with ``add`` and, however it ends, pops it from ``waits``; on expiry
-    ``fut`` gets ``UpstreamTimeout(message.format(seconds))``."""
-    global _clock
-    clock = _clock
-    if clock is None or clock.loop is not loop:
-        clock = _clock = Deadlines(loop, UpstreamTimeout)
-    return clock
-
-
-def _take_bytes(chunks: deque[bytes | object]) -> bytes:
-    """The body pieces at the front of ``chunks`` (its first is one), joined: what already arrived
-    goes on in one write. Only the last entry can be something else (the end, or an error)."""
-    last = chunks[-1]
-    if last.__class__ is bytes:
-        if len(chunks) == 1:
-            return cast(bytes, chunks.pop())
-        data = b"".join(cast("deque[bytes]", chunks))
-        chunks.clear()
-        return data
-    chunks.pop()
-    data = b"".join(cast("deque[bytes]", chunks))
-    chunks.clear()
-    chunks.append(last)
-    return data
-
-
-class _Conn(asyncio.Protocol):
-    """One upstream connection; llhttp callbacks turn bytes into a head future and body pieces."""
-
-    __slots__ = ("pool", "loop", "parser", "transport", "head", "chunks", "wakeup", "state", "closed", "reused",
-                 "got_bytes", "keep_alive", "until_close", "interim", "_headers", "_head_bytes", "_stall",
-                 "relay", "relay_idle")
-
-    transport: asyncio.Transport  # set by connection_made
-    head: asyncio.Future[tuple[int, RawHeaders]]  # set by begin
-
-    def __init__(self, pool: UpstreamPool, loop: asyncio.AbstractEventLoop | None = None):
-        self.pool = pool
-        self.loop = loop or asyncio.get_running_loop()
-        self.parser = httptools.HttpResponseParser(self)
-        self.chunks: deque[bytes | object] = deque()
-        self.wakeup: asyncio.Future[None] | None = None
-        # while a reader waits with a relay (UpstreamResponse.next_chunk), body pieces go to it from
-        # data_received instead of waking the reader; relay_idle: (clock, idle seconds) to refresh
-        self.relay: Callable[[bytes], bool] | None = None
-        self.relay_idle: tuple[Deadlines, float] | None = None
-        self.state = _IDLE
-        self.closed = False
-        self.reused = False
-        self.got_bytes = False
-        self.keep_alive = True
-        self.until_close = False
-        self.interim = False
-        self._headers: RawHeaders = []
-        self._head_bytes = 0  # raw bytes while a head is incomplete, then field bytes of the trailers
-        self._stall = 0  # raw bytes of a body since its last data: chunk framing, trailers
-
-    def begin(self, reused: bool) -> asyncio.Future[tuple[int, RawHeaders]]:
-        """Prepare for the next response; returns the future of its head."""
-        self.state, self.reused, self.got_bytes, self.interim = _WAIT_HEAD, reused, False, False
-        self._head_bytes = self._stall = 0
-        if len(self.chunks):  # empty after a response read to its end: no method call then
-            self.chunks.clear()
-        self.head = self.loop.create_future()
-        return self.head
-
-    # -- asyncio.Protocol -------------------------------------------------------------------------
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = cast(asyncio.Transport, transport)  # uvloop's transports are not subclasses
-        sock = transport.get_extra_info("socket")
-        if sock is not None:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.closed = True
-        state = self.state
-        if state == _WAIT_HEAD:
-            cls = _StaleConnection if self.reused and not self.got_bytes else UpstreamProtocolError
-            self._fail(cls(f"upstream closed the connection before responding ({exc or 'EOF'})"))
-        elif state == _BODY:
-            if self.until_close:  # the body was delimited by the connection's end
-                self.state = _DONE
-                self._deliver(_EOF)
-            else:
-                self._fail(UpstreamProtocolError("upstream closed the connection before the body ended"))
-
-    def data_received(self, data: bytes) -> None:
-        if self.state not in (_WAIT_HEAD, _BODY):
-            self._fail(UpstreamProtocolError("unexpected bytes from upstream between responses"))
-            return
-        self.got_bytes = True
-        if self.state == _WAIT_HEAD:
-            self._head_bytes += len(data)
-        else:
-            self._stall += len(data)  # back to 0 at each piece of body data
-        try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserCallbackError as exc:
-            cause = exc.__context__
-            self._fail(cause if isinstance(cause, UpstreamError) else UpstreamProtocolError(str(exc)))
-            return
-        except httptools.HttpParserError as bad:
-            self._fail(UpstreamProtocolError(f"malformed response from upstream: {bad}"))
-            return
-        if (self._head_bytes if self.state == _WAIT_HEAD else self._stall) > MAX_HEAD_BYTES:
-            self._fail(UpstreamProtocolError(f"upstream response head or trailer section larger than "
-                                             f"{MAX_HEAD_BYTES} bytes"))
-        elif self.relay is not None and self.chunks:
-            self._pump()
-
-    def _pump(self) -> None:
-        """Hand the body bytes that arrived to the waiting reader's relay, in one piece, without
-        waking the reader; it wakes when the relay says stop, at the end, or on an error."""
-        w, chunks, relay = self.wakeup, self.chunks, self.relay
-        if w is None or w.done() or relay is None or chunks[0].__class__ is not bytes:
-            return  # the reader is already woken: it takes what is queued itself
-        data = _take_bytes(chunks)
-        idle = self.relay_idle
-        if idle is not None:  # progress: the idle deadline starts again
-            clock, seconds = idle
-            clock.waits[w] = (clock.loop.time() + seconds, seconds, _IDLE_MESSAGE)
-        try:
-            go = relay(data)
-        except Exception as exc:  # raised in the reader, as if it had processed the piece itself
-            self.relay = None
-            w.set_exception(exc)
-            return
-        if not go:  # the reader must act (stop, wait for its client): wake it with nothing new
-            self.relay = None
-            chunks.appendleft(b"")
-            w.set_result(None)
-
-    # -- llhttp callbacks ---------------------------------------------------------------------------
-    def on_message_begin(self) -> None:
-        if self.state != _WAIT_HEAD:
-            raise UpstreamProtocolError("upstream sent a second response to one request")
-        self._headers = []
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        if self.state == _BODY:
-            return  # a trailer field: not used (its bytes are bounded by ``_stall``)
-        self._headers.append((name, value))
-
-    def on_headers_complete(self) -> None:
-        parser = self.parser
-        status = parser.get_status_code()
-        if 100 <= status < 200:  # an interim response (100 Continue, 103 Early Hints): skip it
-            self.interim = True
-            return
-        self.keep_alive = parser.should_keep_alive()
-        delimited = status in (204, 304)
-        if not delimited:
-            for name, _ in self._headers:
-                n = len(name)  # lowered (a bytes method: ~600 instr.) only if its length fits and it is spelled oddly
-                if (n == 14 or n == 17) and (name in _USUAL or name.lower() in _USUAL[1::2]):
-                    delimited = True
-                    break
-        self.until_close = not delimited
-        if self.until_close:
-            self.keep_alive = False
-        self.state = _BODY
-        if not self.head.done():
-            self.head.set_result((status, self._headers))
-
-    def on_body(self, data: bytes) -> None:  # once per piece of body: _deliver written out
-        self._stall = 0
-        self.chunks.append(data)
-        w = self.wakeup
-        if w is not None and self.relay is None and not w.done():
-            w.set_result(None)
-
-    def on_message_complete(self) -> None:
-        if self.interim:
-            self.interim = False
-            return
-        self.state = _DONE
-        self._deliver(_EOF)
-
-    # -- delivery -----------------------------------------------------------------------------------
-    def _deliver(self, item: bytes | object) -> None:
-        self.chunks.append(item)
-        w = self.wakeup
-        if w is not None and not w.done() and (self.relay is None or item.__class__ is not bytes):
-            w.set_result(None)  # body bytes for a relay are handed over after the read (_pump)
-
-    def abort(self, err: UpstreamError) -> None:
-        """Give up on the exchange in progress (the engine stopped making progress): close the
-        connection and raise ``err`` in whoever waits for its head or body."""
-        if self.state in (_WAIT_HEAD, _BODY):
-            self._fail(err)
-
-    def _fail(self, err: UpstreamError) -> None:
-        """The connection is unusable: close it and hand the error to whoever waits."""
-        was = self.state
-        self.state, self.keep_alive = _BROKEN, False
-        if not self.closed:
-            self.transport.close()
-        head = getattr(self, "head", None)  # unset until the first request
-        if head is not None and not head.done():
-            head.set_exception(err)
-        elif was == _BODY:
-            self._deliver(err)
+from kvroute.gateway.upstream_errors import _StaleConnection as _StaleConnection
 
 
 class UpstreamResponse:
@@ -358,7 +132,7 @@ class UpstreamResponse:
         conn, self._conn = self._conn, None
         if conn is None:
             return
-        pool = conn.pool
+        pool = cast(UpstreamPool, conn.pool)  # typed here: the connection module cannot import the pool
         if self._done and conn.keep_alive and conn.state == _DONE and not conn.closed \
                 and len(pool._idle) < pool.max_idle:
             conn.state = _IDLE
@@ -404,11 +178,8 @@ class UpstreamPool:
             raise UpstreamConnectError(f"connect to {self.host}:{self.port} failed: {exc.strerror or exc}") from None
         return conn
 
-    async def post(self, path: str, body: bytes, headers: Headers, *, connect_s: float,
-                   first_byte_s: float, idle_s: float,
-                   on_send: Callable[[Callable[[UpstreamError], None]], None] | None = None) -> UpstreamResponse:
-        """Send the request; returns once the response head arrived (within ``first_byte_s``).
-        ``on_send`` is handed the exchange's abort function once the request is on its way."""
+    def _request(self, path: str, body: bytes, headers: Headers) -> tuple[bytes, bytes]:
+        """The request's head and body, for one ``writelines``."""
         start = self._starts.get(path)
         if start is None:  # the request line and Host, the same for every request to this path: made once
             start = b"".join((b"POST ", path.encode(), b" HTTP/1.1\r\nHost: ", self.authority,
@@ -417,7 +188,27 @@ class UpstreamPool:
                 self._starts[path] = start
         # the fields as one str, encoded once (not two encodes and four list items a field)
         lines = "".join([f"{name}: {value}\r\n" for name, value in headers])
-        request = (b"".join((start, str(len(body)).encode(), b"\r\n", lines.encode("latin-1"), b"\r\n")), body)
+        return b"".join((start, str(len(body)).encode(), b"\r\n", lines.encode("latin-1"), b"\r\n")), body
+
+    def quick(self, path: str, body: bytes, headers: Headers, done: Callable[[UpstreamError | None], None], *,
+              first_byte_s: float, idle_s: float) -> _Conn | None:
+        """Send on a kept-alive connection; ``done(None)`` once the whole response is in (read it with
+        ``UpstreamResponse(conn, conn.status, ...)``), ``done(err)`` on a failure (a ``_StaleConnection``:
+        the connection had died; send again). None, and nothing sent, when no connection is idle."""
+        conn = self._pooled()
+        if conn is None:
+            return None
+        conn.begin_quick(done, idle_s)
+        conn.transport.writelines(self._request(path, body, headers))
+        _deadlines(conn.loop).add(conn, first_byte_s, "no response within {:g} s")
+        return conn
+
+    async def post(self, path: str, body: bytes, headers: Headers, *, connect_s: float,
+                   first_byte_s: float, idle_s: float,
+                   on_send: Callable[[Callable[[UpstreamError], None]], None] | None = None) -> UpstreamResponse:
+        """Send the request; returns once the response head arrived (within ``first_byte_s``).
+        ``on_send`` is handed the exchange's abort function once the request is on its way."""
+        request = self._request(path, body, headers)
         conn = self._pooled()
         reused = conn is not None
         if conn is None:
