@@ -138,17 +138,26 @@ class Front(Proxy):
         if up is None or target is None or decision.prefill is not None or target in rt.peering.links:
             return self._rest(request, resp, kind, body, req, headers, served, t0, span, False, None, decision,
                               deadline)
+        if not up.pool.has_idle():  # no kept-alive connection idle: the coroutine connects
+            return self._rest(request, resp, kind, body, req, headers, served, t0, span, False, None, decision,
+                              deadline)
+        served["replica"], served["branch"] = target, decision.branch
+        rt.dispatched(req, decision)
+        if rt.upstreams.get(target) is not up:  # a reload the dispatch set off removed it (as _forward checks)
+            rt.release(req.id, served=False)
+            removed = Failure(RetryReason.REPLICA_REMOVED, f"replica {target} was removed", 503, "replica_removed")
+            return self._rest(request, resp, kind, body, req, headers, served, t0, span, False, None, removed,
+                              deadline)
         ex = QuickExchange(self, request, resp, kind, body, req, headers, served, t0, span, target, up, deadline)
         now = monotonic()
         first_byte_s = max(min(deadline, now + hot.non_stream_s) - now, 0.001)
         conn = up.pool.quick(request.path, request.body, headers, ex.finish, first_byte_s=first_byte_s,
                              idle_s=hot.idle_s)
-        if conn is None:  # no kept-alive connection idle: the coroutine connects
+        if conn is None:  # the idle connection went in the dispatch: undone, the coroutines redo it
+            rt.release(req.id, served=False)
             return self._rest(request, resp, kind, body, req, headers, served, t0, span, False, None, decision,
                               deadline)
         ex.conn = conn
-        served["replica"], served["branch"] = target, decision.branch
-        rt.dispatched(req, decision)
         ex.abort = abort = conn.abort  # aborted if its probes find nothing listening (Runtime._read_probe)
         up.exchanges.add(abort)
         return ex

@@ -158,6 +158,13 @@ class UpstreamPool:
         self.stale_retries = 0  # reused connections found dead and replaced (not replica failures)
         self._starts: dict[str, bytes] = {}  # path → the request head's first lines, up to Content-Length's value
 
+    def has_idle(self) -> bool:
+        """Whether a kept-alive connection is idle (dead ones at the top are dropped on the way)."""
+        idle = self._idle
+        while idle and (idle[-1].closed or idle[-1].state != _IDLE):
+            idle.pop()
+        return bool(idle)
+
     def _pooled(self) -> _Conn | None:
         idle = self._idle
         while idle:
