@@ -57,3 +57,27 @@ def test_the_clock_never_reads_earlier_than_it_has_read():
 
     wall_read, event_read = asyncio.run(run())
     assert event_read >= wall_read  # the event's own time (earlier) is not read after a later one
+
+
+def test_the_clock_reports_how_late_its_timers_and_first_tokens_came():
+    """Lateness made here (the loop held busy past a timer's time) is what ``timers`` records; a
+    first token's lateness is its wall time from ``mark`` less the model's time to it."""
+    async def run() -> RealtimeLoop:
+        clock = RealtimeLoop()
+        done = asyncio.get_running_loop().create_future()
+        mark = (time.monotonic(), clock.now)
+        due = clock.now + 0.005
+        clock.at(due, lambda _: (clock.first_token(mark, due), done.set_result(None)))
+        time.sleep(0.05)  # the loop cannot run the 5 ms timer until this returns: 45 ms late at least
+        await asyncio.wait_for(done, 10)
+        clock.at(clock.now, lambda _: None)  # due now: on time, as an idle loop runs it
+        await asyncio.sleep(0.05)
+        return clock
+
+    clock = asyncio.run(run())
+    wake, first = clock.timers.summary(), clock.first_tokens.summary()
+    assert wake["timers"] == 2 and first["timers"] == 1
+    assert 0.045 <= wake["max_s"] <= 2 * wake["mean_s"] and wake["p90_s"] <= wake["max_s"]
+    assert 0.045 <= first["max_s"] == first["mean_s"] == first["p50_s"] < 5
+    clock.first_token(None, 1.0)  # a request with no mark (none taken): nothing recorded
+    assert clock.first_tokens.count == 1

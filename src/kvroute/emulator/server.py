@@ -36,7 +36,7 @@ from kvroute.emulator.faults import Faults
 from kvroute.emulator.kv_events import EmulatorEvents, KVEventsOptions, pseudo_token_ids
 from kvroute.emulator.pd import PDEngine, PDRefused, add_routes, start_bootstrap
 from kvroute.emulator.quirks import EmptyText, Freeze, context_error, filtered_metrics, model_card
-from kvroute.emulator.realtime import RealtimeLoop
+from kvroute.emulator.realtime import RealtimeLoop, timers_handler
 from kvroute.emulator.text import TextModel, chat_context
 from kvroute.gateway.http import error_object
 from kvroute.perf.loader import load_profile
@@ -53,7 +53,6 @@ DEFAULT_MAX_TOKENS = 16
 class _Stream:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     sent: int = 0
-    first_at: float | None = None
 
 
 class Emulator:
@@ -117,6 +116,7 @@ class Emulator:
         self.generation_tokens_total += n
 
     def _first_token(self, seq: Seq, t: float) -> None:
+        self.clock.first_token(seq.payload, t)  # its lateness (emulator/realtime.py)
         self._push(seq, 1)
 
     def _stepped(self, seqs: list[Seq]) -> None:
@@ -134,6 +134,7 @@ class Emulator:
     async def generate(self, key, max_tokens: int, usage: dict, remote=None):
         """Yields token indexes as the model produces them; fills ``usage`` when done.
         ``remote``: the prompt's KV comes from a prefill engine (``Seq.remote``)."""
+        entered = time.monotonic()
         hashes, prompt_tokens = self.hasher(key)
         block_tokens = self.hasher.block_tokens
         if isinstance(key, str) and self.bytes_per_token != 4.0:
@@ -160,6 +161,7 @@ class Emulator:
             events.tokens[rid] = pseudo_token_ids(key)
         try:
             await self.freeze.wait()  # a frozen core takes the request and schedules nothing
+            seq.payload = (entered, self.clock.now)  # for RealtimeLoop.first_token
             self.engine.submit(seq)
             while True:
                 item = await st.queue.get()
@@ -253,7 +255,7 @@ async def _read_json(request: web.Request) -> dict:
 
 def build_app(emu: Emulator) -> web.Application:
     """The aiohttp app of one emulator: OpenAI chat/completions (streamed or not), /v1/models, /metrics,
-    /health, SGLang's /get_load, and /_fault and /_restart for tests."""
+    /health, SGLang's /get_load, and /_fault, /_restart and /_timers for tests."""
     app = web.Application()
     app[EMULATOR] = emu
 
@@ -407,14 +409,14 @@ def build_app(emu: Emulator) -> web.Application:
     add_routes(app, emu.pd)
     app.router.add_post("/_fault", fault)
     app.router.add_post("/_restart", restart)
+    app.router.add_get("/_timers", timers_handler(emu.clock))  # timer lateness (emulator/realtime.py)
     return app
 
 
 async def start_emulator(host: str, port: int, profile: str | HardwareProfile = "l4-llama3.1-8b",
                          engine_type: str = "vllm", faults: Faults | None = None,
                          model: str = "emulated", bytes_per_token: float = 4.0, pd_role: str = "mixed",
-                         bootstrap_port: int | None = None,
-                         kv_link_gb_s: float = 25.0,
+                         bootstrap_port: int | None = None, kv_link_gb_s: float = 25.0,
                          max_model_len: int | None = None, kv_events: KVEventsOptions | None = None,
                          block_tokens: int = 64) -> tuple[web.AppRunner, Emulator, int]:
     """Start an emulator listening on ``host:port`` (0: any free port); returns its runner (cleanup() stops
