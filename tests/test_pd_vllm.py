@@ -35,7 +35,8 @@ def pair():
         "kv_connector": "ExampleConnector", "kv_role": "kv_both",
         "kv_connector_extra_config": {"shared_storage_path": str(root / "kv")}}))
     engines = [vllm.VLLMEngine(model, ports[3 * i], ports[3 * i + 1], ports[3 * i + 2], core=i % (os.cpu_count() or 1),
-                               blocks=48, workdir=root / f"e{i}", extra_args=connector) for i in range(2)]
+                               blocks=48, workdir=root / f"e{i}", extra_args=connector, worker_in_core=True)
+               for i in range(2)]
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()

@@ -27,6 +27,14 @@ MODEL_DIR = ROOT / ".venv-vllm" / "tiny-model"  # written once per vLLM venv (ra
 # the pair tests/test_vllm.py and tests/test_vllm_streams.py share (SharedPair): 1,504 tokens of
 # context, room for the streams' 900-token answers; test_vllm's conversations are sized to evict
 SHARED_BLOCKS = 48
+# vLLM 0.32's API server always spawns its engine core; with V1 multiprocessing on (the default) the
+# CPU platform also makes the core spawn a worker (platforms/cpu.py forces the "mp" executor), each
+# process importing torch and vLLM. Off, the "uni" executor runs the model inside the core. One
+# engine's cold start, busy, load 6-7.5, ABAB (ci17, session 17): 124.3 / 117.6 s with the worker
+# process, 81.0 / 79.2 s without. Not for the shared pair (SharedPair): tests/test_vllm_streams.py
+# holds an engine core to a tenth of a CPU to pace a stream, and with the model inside the core that
+# throttles the model too (its frozen test took 122.8 s instead of about 14, busy, load ~10)
+WORKER_IN_CORE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 def available() -> bool:
@@ -70,13 +78,17 @@ class VLLMEngine:
 
     def __init__(self, model: Path, port: int, events_port: int, replay_port: int, core: int, blocks: int,
                  workdir: Path, extra_args: tuple[str, ...] = (), max_model_len: int | None = None,
-                 new_session: bool = True):
+                 new_session: bool = True, worker_in_core: bool = False):
         """``extra_args``: more server flags (e.g. a ``--kv-transfer-config`` for a P/D pair);
         ``max_model_len``: the context limit (default: what ``blocks`` hold, less one block; the
         tiny model's positions stop at 2,048); ``new_session``: start it in a session of its own
         (on Linux with autogroup scheduling, sched_autogroup_enabled, each session then gets an equal
-        share of the CPU; False: it shares the caller's, as tests/llamacpp's engines do)."""
-        self.new_session = new_session
+        share of the CPU; False: it shares the caller's, as tests/llamacpp's engines do);
+        ``worker_in_core``: run the model in the engine core process (WORKER_IN_CORE_ENV) instead of
+        a worker process of its own: two processes start instead of three. For tests of what the
+        engine answers, not of how fast: vLLM's CPU platform asks for the worker process so that it
+        can set OpenMP up before torch loads (platforms/cpu.py), so timings are left to the default."""
+        self.new_session, self.worker_in_core = new_session, worker_in_core
         self.model, self.port, self.events_port, self.replay_port = model, port, events_port, replay_port
         self.core, self.blocks, self.workdir = core, blocks, workdir
         self.extra_args = extra_args
@@ -94,7 +106,7 @@ class VLLMEngine:
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
                "VLLM_CACHE_ROOT": str(self.workdir / "cache"), "VLLM_SERVER_DEV_MODE": "1",
                "VLLM_CPU_OMP_THREADS_BIND": str(self.core), "TMPDIR": str(self.workdir),
-               "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+               "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", **(WORKER_IN_CORE_ENV if self.worker_in_core else {})}
         events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{self.events_port}",
                   "replay_endpoint": f"tcp://127.0.0.1:{self.replay_port}", "topic": "kv"}
         cmd = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model),
