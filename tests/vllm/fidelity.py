@@ -1,5 +1,5 @@
 """Issue 12's fidelity comparison against real vLLM CPU engines (issue 21, item 8): start two
-engines from `.venv-vllm` (`make vllm-env`), one pinned to each core, as tests/test_vllm.py does,
+engines from `.venv-vllm` (`make vllm-env`), one on each core (below),
 run `kvroute bench fidelity` against them (it calibrates them first, with this machine's core
 count as the cores they share), and stop every engine process by its PID.
 
@@ -7,7 +7,15 @@ count as the cores they share), and stop every engine process by its PID.
 
 (`make fidelity-vllm`.) vLLM's scheduler (continuous batching, chunked prefill, a shared prefix
 cache, preemption) is the one the simulator models; each engine is three processes (API server,
-engine core, worker), of which only the worker is pinned: the others share both cores.
+engine core, worker). vLLM pins only the worker (``VLLM_CPU_OMP_THREADS_BIND``); once the engines are
+ready this harness binds every thread of each engine's tree to its worker's core
+(calibrate/host_cpu.py ``pin_tree``; ``--no-pin``: as before, the API servers and engine cores float
+over both cores). Measured (issue 21x, quiet, bench fidelity's sweep at 3 repeats): unbound, three
+calibrations of the same two engines back to back predicted a cold 1,024-token prefill at 141, 168 and
+137 ms, their swept points ×0.77–1.60 apart, and within a calibration one engine ran ×1.3–1.6 slower
+than the other for whole stretches; bound, two calibrations back to back 166 and 166 ms, points
+×0.91–1.18 apart, but bound engines started afresh 139 and 169 ms: an engine instance's level still
+moves between starts. The gateway and the load generator still float over both cores.
 
 The engines run in this process's session, as tests/llamacpp's do (`--own-sessions`: each in its
 own). Where Linux groups CPU time by session (``/proc/sys/kernel/sched_autogroup_enabled``, on
@@ -30,6 +38,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from kvroute.calibrate.host_cpu import pin_tree
 from kvroute.ports import free_ports
 from tests.vllm import engine as vllm
 
@@ -52,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--own-sessions", action="store_true",
                     help="start each engine in a session of its own (with Linux's autogroup scheduling every session "
                          "then gets an equal share of the cores, and the gateway's session starves: see the docstring)")
+    ap.add_argument("--no-pin", action="store_true",
+                    help="leave each engine's API server and engine core unbound (vLLM binds only the worker)")
     ap.add_argument("rest", nargs="*", help="more `kvroute bench fidelity` arguments (after --)")
     args = ap.parse_args(argv)
     if not vllm.available():
@@ -70,6 +81,10 @@ def main(argv: list[str] | None = None) -> int:
             e.start()
         for e in engines:
             e.wait_ready()
+        if not args.no_pin:
+            for e in engines:
+                assert e.proc is not None
+                print(f"{e.url}: {pin_tree(e.proc.pid, {e.core})} threads bound to core {e.core}", file=sys.stderr)
         urls = [x for e in engines for x in ("--url", e.url)]
         cmd = [sys.executable, "-m", "kvroute.cli", "bench", "fidelity", *urls, "--system-tokens", SYSTEM_TOKENS,
                "--max-batched-tokens", MAX_BATCHED_TOKENS,

@@ -146,3 +146,31 @@ class CpuLedger:
         client is the caller), None where not every engine was found on this machine."""
         got = self.stop(wall_s, 0.0, client_cpu_s)
         return got["background"] if "machine" in got else None
+
+
+def pin_tree(pid: int, cpus: set[int]) -> int:
+    """Bind every thread of ``pid`` and its descendants to ``cpus`` (``sched_setaffinity`` per thread:
+    a process's mask is its threads' own, and threads started later inherit their creator's); the number
+    of threads bound. Threads that exit meanwhile are skipped; a thread that cannot be bound raises
+    OSError. Why (issue 21x, quiet): on the 2-core test machine two vLLM CPU engines run an API server and
+    an engine-core process each beside their pinned worker; wherever the kernel put those it left them for
+    tens of seconds, so for whole stretches of a calibration one engine's points ran ×1.3–1.6 slower than
+    the other's, the side flipping between stretches (the per-sample log ratio of the two engines had an sd
+    of 0.3–0.6; bound 0.13–0.26). Unbound, three calibrations of the same two engines back to back
+    predicted a cold 1,024-token prefill at 141, 168 and 137 ms, their swept points ×0.77–1.60 apart; bound,
+    166 and 166 ms, points ×0.91–1.18 apart. Binding does not fix an engine instance's level: bound engines
+    started afresh gave 139 (every point ×0.83–0.92 of the pair before) and 169 ms. tests/vllm/fidelity.py
+    binds each engine's tree to its worker's core."""
+    bound = 0
+    for p in _tree(pid):
+        try:
+            tids = os.listdir(f"/proc/{p}/task")
+        except OSError:  # the process exited meanwhile
+            continue
+        for tid in tids:
+            try:
+                os.sched_setaffinity(int(tid), cpus)
+            except ProcessLookupError:  # the thread exited meanwhile
+                continue
+            bound += 1
+    return bound
