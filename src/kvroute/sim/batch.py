@@ -201,13 +201,16 @@ class Batch(KVCache):
             end = seq.prompt - left + c
             bt = seq.bt
             refs = seq.refs
-            if end > refs * bt + seq.private:  # the chunk needs memory (_grow's test, inlined)
-                while not self._grow(seq, end):
+            extra = end - refs * bt - seq.private
+            if extra > 0:  # the chunk needs memory: _grow, inlined (a preemption of another
+                # sequence leaves this one's refs and private, so ``extra`` stays the same)
+                while extra > self.capacity - self.used and not self._make_room(extra):
                     victim = self._newest_running()
                     self._preempt(victim)
                     if victim is seq:
                         return budget
-                refs = seq.refs
+                seq.private += extra
+                self.used += extra
             if end // bt > refs and len(seq.hashes) > refs:  # new full blocks (_store_blocks' test)
                 self._store_blocks(seq, end)
             else:
@@ -268,7 +271,9 @@ class Batch(KVCache):
                 r = slots.reusable(seq)
                 if r is not None and r < m:
                     m = r
-            matched = min(m * seq.bt, seq.prompt)
+            matched = m * seq.bt
+            if matched > seq.prompt:
+                matched = seq.prompt
             need = seq.prompt - matched
             if admission is not None and not admission(self, seq, need):
                 return  # held back by the admission policy: head-of-line, like memory
@@ -282,7 +287,7 @@ class Batch(KVCache):
                 slots.pending[seq.rid] = slots.launch(seq)
             self._take(hashes, m)
             seq.refs = m
-            cached = min(matched, seq.prompt - 1)  # the last prompt token is always computed
+            cached = matched if matched < seq.prompt else seq.prompt - 1  # the last prompt token is always computed
             if seq.cached < 0:
                 seq.cached = cached
                 self.prompt_tokens += seq.prompt

@@ -89,7 +89,10 @@ class KVCache:
         computed (sim/batch.py ``store_at``)."""
         bt = seq.bt
         self.cache_bt = bt
-        full = min(len(seq.hashes), tokens // bt)
+        full = tokens // bt
+        n = len(seq.hashes)
+        if n < full:  # min(len(seq.hashes), tokens // bt) without the builtin call
+            full = n
         if full <= seq.refs:
             return
         refcnt = self.refcnt
@@ -97,23 +100,32 @@ class KVCache:
         new = seq.hashes[seq.refs:full]
         shared = 0
         stored: list[int] | None = [] if self.on_blocks_stored is not None else None
-        get = refcnt.get
-        for i, h in enumerate(new):
-            c = get(h)
-            if c is None:
-                refcnt[h] = 1
-                if stored is not None:
+        if stored is None:  # the simulator: the loop below without its index bookkeeping
+            for h in new:
+                if h in refcnt:  # computed meanwhile by another sequence: share it, free our copy
+                    c = refcnt[h]
+                    if c == 0:
+                        del evictable[h]
+                    refcnt[h] = c + 1
+                    shared += 1
+                else:
+                    refcnt[h] = 1
+        else:
+            for i, h in enumerate(new):
+                if h in refcnt:
+                    c = refcnt[h]
+                    if c == 0:
+                        del evictable[h]
+                    refcnt[h] = c + 1
+                    shared += 1
+                else:
+                    refcnt[h] = 1
                     stored.append(seq.refs + i)
-            else:  # computed meanwhile by another sequence: share it, free our copy
-                if c == 0:
-                    del evictable[h]
-                refcnt[h] = c + 1
-                shared += 1
         if shared:
             self.used -= bt * shared
         if stored and self.on_blocks_stored is not None:
             self.on_blocks_stored(seq, stored)
-        seq.private -= bt * len(new)  # its prompt blocks are cache blocks now
+        seq.private -= bt * (full - seq.refs)  # its prompt blocks (``new``) are cache blocks now
         seq.refs = full
 
     def _room(self, need: int, protect: tuple[int, ...] = ()) -> bool:

@@ -23,7 +23,9 @@ def steps_done(jump: Jump, elapsed: float) -> int:
     else:  # largest k with k·α + β·k(k−1)/2 ≤ elapsed
         b = alpha - beta / 2
         k = int((-b + math.sqrt(b * b + 2 * beta * elapsed)) / beta)
-    return min(max(k, 0), K)
+    if k < 0:  # min(max(k, 0), K) without the builtin calls
+        k = 0
+    return K if K < k else k
 
 
 class Seq:
@@ -39,7 +41,7 @@ class Seq:
         self.max_new = max_new  # the client's max_tokens (0: none sent); SGLang's admission reads it
         self.payload = payload
         self.prompt = prompt
-        self.output = max(1, output)
+        self.output = output if output > 1 else 1
         self.hashes = hashes
         self.bt = bt
         self.state = WAITING
