@@ -114,3 +114,15 @@ def test_a_client_that_leaves_mid_exchange_is_a_499_and_the_engine_connection_cl
     assert dep.call(pooled()) == 0  # closed, not given back
     assert httpx.post(f"{dep.url}/v1/completions", json=COMPLETION).status_code == 200
     assert dep.upstreams[0].connections == 2
+
+
+def test_pending_is_abstract_and_its_subclasses_must_say_how_to_cancel():
+    from kvroute.gateway.front import QuickExchange
+    from kvroute.gateway.httpmsg import Pending
+    with pytest.raises(TypeError):
+        Pending()  # type: ignore[abstract]
+    with pytest.raises(TypeError):  # pure: cancel is missing; compiled: an interpreted subclass is refused
+        class Lacks(Pending):
+            pass
+        Lacks()  # type: ignore[abstract]
+    assert not getattr(QuickExchange, "__abstractmethods__", frozenset())  # the proxy's own is complete

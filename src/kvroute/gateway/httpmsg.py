@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Final, Protocol
@@ -268,19 +269,20 @@ class ServerState:
         self.now = 0.0  # the loop's clock as of the last sweep: deadlines need no finer grain
 
 
-class Pending:
+class Pending(ABC):
     """What a handler returns when callbacks, not a coroutine, finish its response (the proxy's
     callback path for a non-streamed answer: issue 25, docs/hot-path.md). The connection sets
     ``resume``, which the handler calls once: with None when the response is sent, or with a
     coroutine for the connection to await for the rest (a retry, say). If the client goes away
-    first, the connection calls ``cancel`` instead, and ``resume`` is never called."""
+    first, the connection calls ``cancel`` instead, and ``resume`` is never called. Abstract: a
+    subclass says how to give its exchange up (mypyc compiles an ``ABC``: docs/compiled.md)."""
 
     def __init__(self) -> None:
         self.resume: Callable[[Awaitable[None] | None], None] | None = None
 
+    @abstractmethod
     def cancel(self) -> None:
         """The client went away: give the exchange up and account for it (a 499)."""
-        raise NotImplementedError
 
 
 # a handler answers at once (and returns None), returns what the connection awaits, or a Pending
