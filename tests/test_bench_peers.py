@@ -135,3 +135,38 @@ def test_kvroute_runs_with_its_access_log_off_like_the_peers_or_on_as_asked(tmp_
                 gateway._stop(proc)
     finally:
         gateway._stop(upstream)
+
+
+def test_the_fake_upstream_spreads_its_waits_only_when_asked():
+    """``--upstream-spread-ms``: the fake engine waits its delay plus a seeded draw below the spread,
+    so that requests sent together are answered apart; without it every wait is the delay."""
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    from kvroute.ports import free_ports, wait_for_port
+
+    assert gateway.upstream_arg(20) == "20" and gateway.upstream_arg(20, 8) == "20,8"
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).encode()
+    waits = {}
+    for spread in (0, 40):
+        port = free_ports(1)[0]
+        upstream = subprocess.Popen([sys.executable, "-c", gateway.UPSTREAM, gateway.upstream_arg(10, spread),
+                                     str(port)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        try:
+            wait_for_port(port)
+            times = []
+            for _ in range(12):
+                t0 = time.perf_counter()
+                req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", body,
+                                             {"content-type": "application/json"})
+                with urllib.request.urlopen(req, timeout=30) as r:
+                    assert r.status == 200 and json.loads(r.read())["choices"]
+                times.append((time.perf_counter() - t0) * 1000)
+            waits[spread] = times
+        finally:
+            gateway._stop(upstream)
+    assert min(waits[0]) >= 9 and min(waits[40]) >= 9  # never shorter than the delay (ms timers: 1 ms slack)
+    assert max(waits[40]) - min(waits[40]) > 15  # Random(0)'s first 12 draws x 40 ms span 10.4-36.3 ms
+    assert sorted(waits[40])[6] > sorted(waits[0])[6] + 5  # median wait ~30 ms against ~10

@@ -1,7 +1,8 @@
 """`kvroute bench gateway`: what the gateway costs, measured against going direct, in one run.
 
 Trivial upstreams (answer at once, or after ``--upstream-delay-ms`` like an engine's time to first
-token; ``/metrics`` in vLLM's names so probes pass) run in their own
+token, plus with ``--upstream-spread-ms`` a seeded uniform draw up to that many ms, so that requests
+sent together are not answered together every time; ``/metrics`` in vLLM's names so probes pass) run in their own
 process; the load generator in another (keep-alive, fixed concurrency, on the gateway's own lean
 HTTP/1.1 client so that the client is not what saturates the two cores); each gateway under test
 in a third. For every preset and for both non-stream and stream (16 SSE chunks) it
@@ -28,9 +29,11 @@ from kvroute.ports import free_ports, wait_for_port
 PRESETS = ("round_robin", "sglang_cache_aware", "skywalker", "lmetric")
 
 UPSTREAM = r'''
-import asyncio, json, sys
+import asyncio, json, random, sys
 from aiohttp import web
-delay = float(sys.argv[1]) / 1000
+base, _, spread = sys.argv[1].partition(",")  # "20" or "20,2": 20 ms, plus a uniform draw from [0, 2) ms
+delay, spread = float(base) / 1000, float(spread or 0) / 1000
+draw = random.Random(0).random  # seeded: every run draws the same sequence
 ports = [int(p) for p in sys.argv[2:]]
 BODY = json.dumps({"id": "x", "object": "chat.completion", "created": 0, "model": "m",
                    "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"},
@@ -40,8 +43,8 @@ CHUNK = b'data: {"id":"x","object":"chat.completion.chunk","choices":[{"index":0
 METRICS = b"vllm:num_requests_running 0\nvllm:num_requests_waiting 0\nvllm:kv_cache_usage_perc 0\n"
 async def chat(request):
     body = await request.json()
-    if delay:
-        await asyncio.sleep(delay)  # an engine's time to first token
+    if delay or spread:
+        await asyncio.sleep(delay + spread * draw())  # an engine's time to first token
     if not body.get("stream"):
         if body.get("pad_bytes"):  # an answer this long (bench hostile: answers a client never reads)
             text = "x" * int(body["pad_bytes"])
@@ -123,6 +126,11 @@ async def main():
     print(json.dumps({"rps": len(lat) / wall, "p50_ms": q(0.5), "p99_ms": q(0.99), "ok": len(lat), "errors": errors}))
 import uvloop; uvloop.run(main())
 '''
+
+
+def upstream_arg(delay_ms: float, spread_ms: float = 0.0) -> str:
+    """The fake upstream's first argument: its delay in ms, and ``,spread`` when answers are spread."""
+    return f"{delay_ms:g},{spread_ms:g}" if spread_ms else f"{delay_ms:g}"
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -225,7 +233,8 @@ def build_of(src: str | None) -> str:
 
 def run(requests: int = 20000, concurrency: int = 32, repeats: int = 3, limit_s: float = 30.0,
         presets=PRESETS, upstream_delay_ms: float = 0.0, baseline_src: str | None = None,
-        compiled_src: str | None = None, progress=print, gateway_src: str | None = None) -> dict:
+        compiled_src: str | None = None, progress=print, gateway_src: str | None = None,
+        upstream_spread_ms: float = 0.0) -> dict:
     """Every preset, non-stream and stream: direct, via this gateway (``gateway_src``: imported from
     that tree instead of this install, e.g. a compiled build), (with ``baseline_src``) via a
     baseline gateway and (with ``compiled_src``, e.g. build/compiled) via this gateway's compiled
@@ -235,11 +244,12 @@ def run(requests: int = 20000, concurrency: int = 32, repeats: int = 3, limit_s:
     load cost it 1,140–1,655 µs of CPU per request against ~250 for later ones (quiet,
     docs/hot-path.md, thirteenth round), which made repeat 1 an outlier."""
     up_ports = free_ports(2)
-    upstream = subprocess.Popen([sys.executable, "-c", UPSTREAM, str(upstream_delay_ms), *map(str, up_ports)],
-                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    upstream = subprocess.Popen([sys.executable, "-c", UPSTREAM, upstream_arg(upstream_delay_ms, upstream_spread_ms),
+                                 *map(str, up_ports)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     procs = [upstream]
     result: dict = {"nonstream": {}, "stream": {}, "requests": requests, "concurrency": concurrency,
-                    "repeats": repeats, "upstream_delay_ms": upstream_delay_ms}
+                    "repeats": repeats, "upstream_delay_ms": upstream_delay_ms,
+                    "upstream_spread_ms": upstream_spread_ms}
     if baseline_src:
         result.update(baseline_src=baseline_src, baseline={"nonstream": {}, "stream": {}})
     if compiled_src:

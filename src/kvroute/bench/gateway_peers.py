@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from kvroute.bench import peers as peerlib
-from kvroute.bench.gateway import UPSTREAM, _compare, _gateway, _load, _stop, build_of
+from kvroute.bench.gateway import UPSTREAM, _compare, _gateway, _load, _stop, build_of, upstream_arg
 from kvroute.ports import free_ports, wait_for_port
 
 RUST = ("sglang-router", "vllm-router")
@@ -96,7 +96,7 @@ def run(requests: int = 2000, concurrency: int = 32, repeats: int = 3, limit_s: 
         presets: tuple[str, ...] = ("round_robin",), delays: tuple[float, ...] = (0.0, 20.0),
         peers: tuple[str, ...] = tuple(peerlib.PEERS), baseline_src: str | None = None,
         busy_share: float = peerlib.BUSY_SHARE, progress: Any = print, compiled_src: str | None = None,
-        access_logs: tuple[bool, ...] = (False,)) -> dict:
+        access_logs: tuple[bool, ...] = (False,), upstream_spread_ms: float = 0.0) -> dict:
     """Every router at every delay, non-stream and stream, interleaved with direct runs; with
     ``compiled_src`` (``make compiled``'s build/compiled) kvroute's compiled build as well; each
     kvroute build with its access log off (like the peers), on, or both (``access_logs``)."""
@@ -109,12 +109,14 @@ def run(requests: int = 2000, concurrency: int = 32, repeats: int = 3, limit_s: 
     for name, build in builds.items():
         progress(f"{name}: {build}")
     result: dict = {"requests": requests, "concurrency": concurrency, "repeats": repeats, "skipped": skipped,
+                    "upstream_spread_ms": upstream_spread_ms,
                     "busy_share_limit": busy_share, "delays": {}, "disturbed": [], "builds": builds}
     with tempfile.TemporaryDirectory() as tmpdir:
         tmp = Path(tmpdir)
         for delay in delays:
             ups = free_ports(2)
-            upstream = subprocess.Popen([sys.executable, "-c", UPSTREAM, str(delay), *map(str, ups)],
+            upstream = subprocess.Popen([sys.executable, "-c", UPSTREAM, upstream_arg(delay, upstream_spread_ms),
+                                         *map(str, ups)],
                                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
             try:
                 for p in ups:

@@ -27,6 +27,9 @@ def add_parser(bench: argparse._SubParsersAction) -> None:  # type: ignore[type-
                          "--peers: round_robin)")
     bg.add_argument("--upstream-delay-ms", type=non_negative_float, default=0.0,
                     help="upstream wait before answering (an engine's TTFT); default 0")
+    bg.add_argument("--upstream-spread-ms", type=non_negative_float, default=0.0,
+                    help="add a seeded uniform draw of up to this many ms to each upstream wait (also with --peers), "
+                         "so that requests sent together are not answered together every time; default 0")
     bg.add_argument("--baseline-src", metavar="DIR",
                     help="also measure a gateway imported from this source tree (e.g. a git worktree's src/ of "
                          "an older commit), interleaved in the same run")
@@ -89,6 +92,11 @@ def cmd_bench_gateway(args: argparse.Namespace) -> int:
         return _paired(args, src, stored)
 
 
+def _spread(args: argparse.Namespace) -> str:
+    """`` + up to S ms`` in a table's title when the upstream's waits are spread."""
+    return f" + up to {args.upstream_spread_ms:g} ms" if args.upstream_spread_ms else ""
+
+
 def _paired(args: argparse.Namespace, src: str | None, stored: dict | None) -> int:
     from kvroute.bench import gateway
 
@@ -96,7 +104,7 @@ def _paired(args: argparse.Namespace, src: str | None, stored: dict | None) -> i
     result = gateway.run(requests=args.requests, concurrency=args.concurrency, repeats=args.repeats,
                          presets=presets, upstream_delay_ms=args.upstream_delay_ms,
                          baseline_src=src, compiled_src=args.compiled, progress=lambda m: err.print(m),
-                         gateway_src=args.gateway_src)
+                         gateway_src=args.gateway_src, upstream_spread_ms=args.upstream_spread_ms)
     builds = result["builds"]
     variants = [(f"gateway ({builds['gateway']})", result)]
     if args.compiled:
@@ -106,7 +114,8 @@ def _paired(args: argparse.Namespace, src: str | None, stored: dict | None) -> i
     for label, rows in variants:
         for mode in ("nonstream", "stream"):
             table = Table(title=f"{label} vs direct, {mode} ({args.requests} requests × {args.repeats}, "
-                                f"concurrency {args.concurrency}, upstream delay {args.upstream_delay_ms:g} ms, "
+                                f"concurrency {args.concurrency}, upstream delay {args.upstream_delay_ms:g} ms"
+                                f"{_spread(args)}, "
                                 f"medians)")
             for col in ("preset", "via req/s", "direct req/s", "ratio (spread)", "gateway CPU µs/req (spread)",
                         "added p50 (spread)", "added p99 (spread)"):
@@ -157,7 +166,8 @@ def _peers(args: argparse.Namespace, src: str | None) -> int:
                                peers=names, baseline_src=src,
                                busy_share=peers.BUSY_SHARE if args.busy_share is None else args.busy_share,
                                progress=lambda m: err.print(m, markup=False), compiled_src=args.compiled,
-                               access_logs={"off": (False,), "on": (True,), "both": (False, True)}[args.access_log])
+                               access_logs={"off": (False,), "on": (True,), "both": (False, True)}[args.access_log],
+                               upstream_spread_ms=args.upstream_spread_ms)
     write_json(args.json, result)
     if result["refused"]:
         err.print("refused: other jobs kept the machine busy during the run, so these numbers are not reported "
@@ -165,8 +175,9 @@ def _peers(args: argparse.Namespace, src: str | None) -> int:
         return 3
     for delay, rows in result["delays"].items():
         for mode, by_name in rows.items():
-            table = Table(title=f"routers vs direct, {mode}, upstream delay {delay} ms ({args.requests} requests × "
-                                f"{args.repeats}, concurrency {args.concurrency}, medians, one router alive at a time)")
+            table = Table(title=f"routers vs direct, {mode}, upstream delay {delay} ms{_spread(args)} "
+                                f"({args.requests} requests × {args.repeats}, concurrency {args.concurrency}, medians, "
+                                f"one router alive at a time)")
             for col in ("router", "CPU s per 1,000 req (spread)", "req/s", "ratio vs direct (spread)",
                         "added p50 ms (spread)", "added p99 ms", "errors"):
                 table.add_column(col, justify="left" if col == "router" else "right")
