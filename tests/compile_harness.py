@@ -34,6 +34,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from kvroute.calibrate.host_cpu import process_stats
+
 ROOT = Path(__file__).resolve().parent.parent
 TEST_FILE = "test_compiled_build.py"
 NICE = 10  # below the suite's processes, above nothing: a busy machine still runs it
@@ -116,17 +118,8 @@ def group_cpu_s(pgid: int) -> float:
     """CPU seconds (user + system) used so far by the live processes of group ``pgid`` and the
     children they have reaped (/proc/PID/stat fields 14-17): a compiler that has exited is counted
     in its parent's children's time, so each CPU-second is counted once while the parents live."""
-    ticks = 0
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2:].split()
-        if int(fields[2]) == pgid:
-            ticks += sum(int(f) for f in fields[11:15])
+    ticks = sum(sum(int(f) for f in fields[11:15])
+                for fields in process_stats().values() if int(fields[2]) == pgid)
     return ticks / os.sysconf("SC_CLK_TCK")
 
 

@@ -18,6 +18,7 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+from kvroute.calibrate.host_cpu import process_stats
 from kvroute.ports import hold_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -55,15 +56,8 @@ def write_model(out: Path) -> Path:
 def descendants(pid: int) -> list[int]:
     """Every live process below ``pid`` (read from /proc), children before grandchildren."""
     children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat[stat.rindex(")") + 2:].split()[1])
-        children.setdefault(ppid, []).append(int(entry.name))
+    for p, fields in process_stats().items():
+        children.setdefault(int(fields[1]), []).append(p)
     out, todo = [], [pid]
     while todo:
         for c in children.get(todo.pop(), []):

@@ -26,6 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvroute.calibrate.host_cpu import process_stats
+
 PEERS_VENV = ".venv-peers"  # `make peers` installs the Rust routers here (kept out of the project's venv)
 BUSY_SHARE = 0.15  # other jobs' CPU above this share of the machine makes a measurement unreportable
 
@@ -126,16 +128,9 @@ def tree_cpu_s(pid: int) -> float:
     parents: dict[int, int] = {}
     times: dict[int, float] = {}
     tick = os.sysconf("SC_CLK_TCK")
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue  # ended meanwhile
-        parents[int(entry)] = int(fields[1])
-        times[int(entry)] = (int(fields[11]) + int(fields[12])) / tick
+    for p, fields in process_stats().items():
+        parents[p] = int(fields[1])
+        times[p] = (int(fields[11]) + int(fields[12])) / tick
     total, todo = 0.0, [pid]
     while todo:
         p = todo.pop()

@@ -63,13 +63,23 @@ def listening_pid(port: int) -> int | None:
     return None
 
 
+def process_stats() -> dict[int, list[str]]:
+    """Every live process's ``/proc/PID/stat`` fields after its name, by PID: index 0 is the state,
+    1 the parent, 2 the process group, 11-14 utime/stime/cutime/cstime (ticks), 19 the start time
+    (proc(5)'s fields 3 onwards). Processes that end while being read are left out."""
+    out = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            with contextlib.suppress(OSError, IndexError):
+                out[int(name)] = Path(f"/proc/{name}/stat").read_text().rsplit(")", 1)[1].split()
+    return out
+
+
 def _tree(pid: int) -> list[int]:
     """``pid`` and its descendants."""
     children: dict[int, list[int]] = {}
-    for name in (n for n in os.listdir("/proc") if n.isdigit()):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            ppid = int(Path(f"/proc/{name}/stat").read_text().rsplit(")", 1)[1].split()[1])
-            children.setdefault(ppid, []).append(int(name))
+    for p, fields in process_stats().items():
+        children.setdefault(int(fields[1]), []).append(p)
     out: list[int] = []
     todo = [pid]
     while todo:
