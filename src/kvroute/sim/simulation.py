@@ -351,16 +351,13 @@ class Simulation:
             self.loop.at(at, self._lb_finish, (router, lb, seq.rid, at - reached, out))
         done = t + flight.back_s
         queue_s = flight.dispatched - flight.reached_lb - flight.net_s
-        if not queue_s > 0.0:  # max(0.0, ...) without the builtin call (NaN and -0.0 give 0.0 too)
-            queue_s = 0.0
-        cached = seq.cached if seq.cached > 0 else 0
+        queue_s = queue_s if queue_s > 0.0 else 0.0  # max(0.0, ...) without the call; NaN, -0.0 give 0.0
         rep = self.replicas[flight.replica]
         if self.migrator is not None:
             self.migrator.finished(seq, flight.replica)
-        self.recorder.complete(flight.sent, flight.first, done, flight.sreq.output_tokens,
-                               flight.sreq.req.prompt_tokens, cached, queue_s,
-                               flight.replica, rep.region != flight.client_region, flight.client_region,
-                               flight.sreq.req.from_peer)
+        self.recorder.complete(flight.sent, flight.first, done, out, flight.sreq.req.prompt_tokens,
+                               seq.cached if seq.cached > 0 else 0, queue_s, flight.replica,
+                               rep.region != flight.client_region, flight.client_region, flight.sreq.req.from_peer)
         if flight.sreq.program is None:
             self._done(flight)  # open loop: nobody waits on the client side
         else:
